@@ -1,0 +1,108 @@
+"""FP8 recipes: how scales are chosen. Validated on construction; errors name the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+from .formats import Format
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+TRAINING_FORMATS = (Format.HYBRID, Format.E4M3)
+
+
+class OverrideLinearPrecision(NamedTuple):
+    """Which of a linear layer's three GEMMs run in high precision instead of FP8."""
+
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+
+def _coerce_format(owner: str, value) -> Format:
+    if isinstance(value, str):
+        try:
+            value = Format(value.lower())
+        except ValueError:
+            pass
+    if value not in TRAINING_FORMATS:
+        raise ValueError(
+            f"{owner}.fp8_format must be Format.HYBRID or Format.E4M3 (or 'hybrid'/'e4m3'), got "
+            f"{value!r}; E5M2 is only the gradient half of HYBRID"
+        )
+    return value
+
+
+def _check_int(owner: str, field: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{field} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Scale each tensor from the amaxes of earlier passes (Transformer Engine's timing).
+
+    A cast uses the scale computed before it; the amax it observes enters `amax_history[0]`
+    (the history rolls) at the end of the pass, and every `interval`-th update recomputes
+    `scale = fp8_max / amax / 2**margin`, where amax is the history's maximum ("max") or its
+    newest entry ("most_recent"). With `reduce_amax`, the amaxes of one pass are MAX-reduced
+    over the fp8_autocast's amax_reduction_group in a single collective.
+    `override_linear_precision` = (fprop, dgrad, wgrad): True runs that GEMM in high precision.
+    """
+
+    margin: int = 0
+    interval: int = 1
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
+    reduce_amax: bool = True
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _check_int(owner, "margin", self.margin, 0)
+        _check_int(owner, "interval", self.interval, 1)
+        _check_int(owner, "amax_history_len", self.amax_history_len, 1)
+        object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"{owner}.amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, "
+                f"got {self.amax_compute_algo!r}"
+            )
+        override = self.override_linear_precision
+        if (
+            not isinstance(override, (tuple, list))
+            or len(override) != 3
+            or not all(isinstance(flag, bool) for flag in override)
+        ):
+            raise ValueError(
+                f"{owner}.override_linear_precision must be three booleans (fprop, dgrad, wgrad), "
+                f"got {override!r}"
+            )
+        object.__setattr__(self, "override_linear_precision", OverrideLinearPrecision(*override))
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(f"{owner}.reduce_amax must be True or False, got {self.reduce_amax!r}")
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Scale each tensor from its own amax, computed just before the cast (no history).
+
+    Costs one extra read of each tensor, but cannot be surprised by a sudden outlier; the
+    low-risk recipe that torchao's and Colossal-AI's FP8 results rely on. Weights are still
+    cast once per optimizer step.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
+        _check_int(owner, "margin", self.margin, 0)
+
+    # The same interface as DelayedScaling, so layers need not ask which recipe they have.
+    override_linear_precision = OverrideLinearPrecision()
+    reduce_amax = False
+
+
+Recipe = Union[DelayedScaling, CurrentScaling]

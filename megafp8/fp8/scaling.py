@@ -1,0 +1,132 @@
+"""Per-tensor FP8 scaling state and the batched end-of-pass update of delayed scaling."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .recipe import DelayedScaling
+
+ROLES = ("input", "weight", "grad_output")
+
+
+class ScalingState(nn.Module):
+    """The scale and amax history of one tensor role of one layer.
+
+    `scale` multiplies the high-precision tensor before the cast; `amax_history[0]` is the
+    newest amax. The history is sized by the recipe at first use (and resized, keeping the
+    newest entries, if a later recipe asks for another length). Both are buffers, so they
+    follow the module's device and live in its state_dict with the update count.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("amax_history", torch.zeros(0))
+        self.update_count = 0  # host-side, so `interval` needs no device sync
+
+    def fit_history(self, length: int) -> None:
+        history = self.amax_history
+        if history.numel() != length:
+            resized = history.new_zeros(length)
+            keep = min(length, history.numel())
+            resized[:keep] = history[:keep]
+            self.amax_history = resized
+
+    def get_extra_state(self):
+        return {"update_count": self.update_count}
+
+    def set_extra_state(self, state):
+        self.update_count = int(state["update_count"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A checkpoint may hold another history length than this (possibly unused) module.
+        saved = state_dict.get(prefix + "amax_history")
+        if saved is not None:
+            self.amax_history = self.amax_history.new_zeros(saved.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"history_len={self.amax_history.numel()}, updates={self.update_count}"
+
+
+@dataclass
+class _Observation:
+    state: ScalingState
+    amax: torch.Tensor
+    fp8_max: float
+    recipe: DelayedScaling
+
+
+@dataclass
+class AmaxPass:
+    """The amaxes observed during one forward or one backward pass, applied together.
+
+    `flush` MAX-reduces every amax of the pass in one collective over `group`, then rolls
+    the histories and recomputes the scales with a handful of batched kernels, whatever the
+    number of layers. A layer observed twice in a pass (shared weights) keeps the larger amax.
+    """
+
+    group: Optional[dist.ProcessGroup] = None
+    observations: dict = field(default_factory=dict)
+
+    def record(self, state: ScalingState, amax: torch.Tensor, fp8_max: float, recipe) -> None:
+        previous = self.observations.get(id(state))
+        if previous is not None:
+            amax = torch.maximum(previous.amax, amax)
+        self.observations[id(state)] = _Observation(state, amax, fp8_max, recipe)
+
+    def flush(self) -> None:
+        observations = list(self.observations.values())
+        self.observations = {}
+        if not observations:
+            return
+        # Non-finite amaxes become +inf before the reduction, so every rank sees them.
+        amaxes = torch.stack([o.amax.float() for o in observations])
+        amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
+        reduce = [i for i, o in enumerate(observations) if o.recipe.reduce_amax]
+        if reduce and self.group is not None and dist.get_world_size(self.group) > 1:
+            if len(reduce) == len(observations):
+                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+            else:
+                index = torch.tensor(reduce, device=amaxes.device)
+                subset = amaxes[index]
+                dist.all_reduce(subset, op=dist.ReduceOp.MAX, group=self.group)
+                amaxes[index] = subset
+
+        batches: dict = {}
+        for i, o in enumerate(observations):
+            recompute = o.state.update_count % o.recipe.interval == 0
+            key = (o.fp8_max, o.recipe.margin, o.recipe.amax_compute_algo,
+                   o.recipe.amax_history_len, recompute)
+            batches.setdefault(key, []).append(i)
+            o.state.update_count += 1
+        for (fmax, margin, algo, _, recompute), indices in batches.items():
+            states = [observations[i].state for i in indices]
+            select = torch.tensor(indices, device=amaxes.device) if len(indices) < len(observations) else None
+            _update_delayed(states, amaxes if select is None else amaxes[select], fmax, margin, algo, recompute)
+
+
+def _update_delayed(states, amaxes, fp8_max: float, margin: int, algo: str, recompute: bool) -> None:
+    """Roll each history, insert the new amax, and (if `recompute`) refresh each scale.
+
+    A non-finite amax enters the history as 0 rather than itself: under "max" a stored inf
+    would freeze the scale for a whole history length (Transformer Engine's behaviour); here
+    that one pass keeps the old scale and the next finite amax counts at once.
+    """
+    finite = torch.isfinite(amaxes)
+    newest = torch.where(finite, amaxes, torch.zeros_like(amaxes))
+    histories = torch.stack([s.amax_history for s in states])
+    histories = torch.cat([newest[:, None], histories[:, :-1]], dim=1)
+    torch._foreach_copy_([s.amax_history for s in states], list(histories.unbind(0)))
+    if not recompute:
+        return
+    amax = histories.amax(dim=1) if algo == "max" else histories[:, 0]
+    old = torch.stack([s.scale for s in states])
+    candidate = (fp8_max / amax) / (2.0**margin)
+    usable = finite & (amax > 0) & torch.isfinite(candidate)
+    scales = torch.where(usable, candidate, old)
+    torch._foreach_copy_([s.scale for s in states], list(scales.unbind(0)))

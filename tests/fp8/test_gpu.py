@@ -1,0 +1,98 @@
+"""The CUDA path: fused Triton quantization equals the torch path bit for bit; Fp8Linear on GPU."""
+import pytest
+import torch
+
+from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8.fp8 import triton_quantize
+from megafp8.fp8.quantize import _quantize_torch
+
+from .helpers import emulate, gemm_error_bound, random_amax, rel_err
+
+pytestmark = pytest.mark.gpu
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def same_bytes(a, b):
+    return (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.skipif(not triton_quantize.available(), reason="needs triton")
+@pytest.mark.parametrize("shape", [(16, 16), (100, 300), (1024, 2048), (4096, 768)])
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("delayed", [True, False])
+def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
+    x = (torch.randn(shape, device="cuda") * 7).to(hp_dtype)
+    x.view(-1)[3] = 1e6  # beyond FP8's range at any fitted scale below: exercises saturation
+    scale = torch.tensor(0.37, device="cuda") if delayed else None
+    for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
+        out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+        a = triton_quantize.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a)
+        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, out_b)
+        assert same_bytes(a.data, b.data) and same_bytes(a.data_t, b.data_t)
+        assert torch.equal(a.amax, b.amax) and torch.equal(a.scale_inv, b.scale_inv)
+        assert torch.equal(out_a, out_b)
+
+
+@pytest.mark.skipif(not triton_quantize.available(), reason="needs triton")
+def test_triton_quantize_non_finite_inputs():
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    x[5, 7] = float("nan")
+    q = triton_quantize.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None)
+    assert not torch.isfinite(q.amax)
+    assert torch.isnan(q.data.float()[5, 7]) and torch.isnan(q.data_t.float()[7, 5])
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
+def test_fp8_linear_on_gpu_computes_the_emulated_fp8_gemms(recipe):
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 512, device="cuda")
+    x = torch.randn(8, 64, 256, device="cuda")
+    layer(x)  # nothing: outside autocast
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(8, 64, 256, device="cuda", requires_grad=True)
+        dy = torch.randn(8, 64, 512, device="cuda")
+        scales = {r: s.scale.clone() for r, s in layer.fp8_scaling.items()}
+        with fp8_autocast(recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+        layer.zero_grad(set_to_none=False) if seed == 0 else None
+    if isinstance(recipe, CurrentScaling):
+        scales = {r: s.scale.clone() for r, s in layer.fp8_scaling.items()}
+    xq = emulate(x.detach().reshape(-1, 256), scales["input"], E4M3)
+    wq = emulate(layer.weight.detach(), scales["weight"], E4M3)
+    dyq = emulate(dy.reshape(-1, 512), scales["grad_output"], E5M2)
+    # use_fast_accum in the forward GEMM keeps fewer bits while accumulating: allow 1e-4.
+    assert rel_err(y.detach().reshape(-1, 512), xq @ wq.t() + layer.bias.double()) < 1e-4
+    assert rel_err(x.grad.reshape(-1, 256), dyq @ wq) < 1e-5
+    assert rel_err(layer.weight.grad, dyq.t() @ xq) < 1e-5
+    w, b = layer.weight.double(), layer.bias.double()
+    x64 = x.detach().double().reshape(-1, 256)
+    assert rel_err(y.detach().reshape(-1, 512), x64 @ w.t() + b) < gemm_error_bound(E4M3, E4M3)
+
+
+def test_worked_example_on_gpu():
+    torch.manual_seed(0)
+    layer = Fp8Linear(16, 16, device="cuda")
+    recipe = DelayedScaling(amax_history_len=4, fp8_format="e4m3")
+    scales = []
+    for amax in [2, 8, 1, 1, 1, 1]:
+        with fp8_autocast(recipe=recipe):
+            layer(random_amax((16, 16), amax).cuda())
+        scales.append(layer.fp8_scaling["input"].scale.item())
+    assert scales == [224, 56, 56, 56, 56, 448]
+
+
+def test_fused_adamw_step_refreshes_the_weight_cast():
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    with fp8_autocast():
+        layer(x).float().pow(2).sum().backward()
+    cached = layer._weight_fp8[1]
+    optimizer.step()
+    with fp8_autocast():
+        layer(x)
+    assert layer._weight_fp8[1] is not cached

@@ -1,0 +1,83 @@
+"""Run a test body in N processes joined by a gloo process group, on the CPU.
+
+    def body(rank, world_size, x):          # module level, so the children can import it
+        ...
+        return something_picklable
+
+    results = run_on_ranks(body, 2, x)       # [result of rank 0, result of rank 1]
+
+An exception on any rank fails the test with that rank's traceback. Each worker runs with one
+OpenMP thread (OMP_NUM_THREADS=1), so N workers do not fight over the CI machine's cores.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def _worker(rank, world_size, store_path, results, fn, args):
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            # As bytes: a tensor put on the queue as it is travels through shared memory that
+            # disappears when this process exits, possibly before the parent reads it.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buffer)
+            results.put((rank, True, buffer.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Call `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results by rank."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch starts there
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            workers = [
+                context.Process(target=_worker, args=(rank, world_size, os.path.join(tmp, "store"), results, fn, args))
+                for rank in range(world_size)
+            ]
+            for worker in workers:
+                worker.start()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        outcomes = {}
+        try:
+            for _ in range(world_size):
+                rank, ok, value = results.get(timeout=timeout_s)
+                outcomes[rank] = (ok, value)
+                if not ok:
+                    break
+        except queue.Empty:
+            pass
+        finally:
+            for worker in workers:
+                worker.join(timeout=0 if len(outcomes) < world_size else 30)
+                if worker.is_alive():
+                    worker.kill()
+    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+    if failures:
+        raise AssertionError("a distributed test body failed\n" + "\n".join(failures))
+    missing = sorted(set(range(world_size)) - set(outcomes))
+    if missing:
+        raise AssertionError(f"ranks {missing} gave no result within {timeout_s}s (hung or crashed)")
+    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
