@@ -17,7 +17,7 @@ import triton
 from triton.testing import do_bench
 
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
-from megafp8.fp8 import triton_quantize
+from megafp8.fp8 import triton_kernels
 from megafp8.fp8.gemm import fp8_gemm
 from megafp8.fp8.quantize import _quantize_torch, quantize
 
@@ -39,8 +39,8 @@ def ceilings():
            for fast in (True, False)}
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9
-    return {"bf16_tflops": bf16, "fp8_fast_accum_tflops": fp8[True], "fp8_tflops": fp8[False], "copy_TBps": copy / 1e3}
+    copy_tbps = 2 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9  # bytes read + written
+    return {"bf16_tflops": bf16, "fp8_fast_accum_tflops": fp8[True], "fp8_tflops": fp8[False], "copy_TBps": copy_tbps}
 
 
 def quantize_times(tokens):
@@ -50,8 +50,8 @@ def quantize_times(tokens):
         scale = torch.tensor(10.0, device="cuda")
         moved = x.numel() * (2 + 1 + 1)
         eager = ms(lambda: _quantize_torch(x, E4M3, scale, 0, True, True, None))
-        fused = ms(lambda: triton_quantize.quantize(x, E4M3, scale, 0, True, True, None))
-        current = ms(lambda: triton_quantize.quantize(x, E4M3, None, 0, True, True, None))
+        fused = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, False))
+        current = ms(lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, False))
         rows.append({"shape": f"{tokens}x{k}", "eager_ms": eager, "fused_ms": fused, "fused_current_ms": current,
                      "fused_TBps": moved / fused / 1e9})
     return rows
@@ -60,14 +60,14 @@ def quantize_times(tokens):
 def sweep_tiles(tokens):
     x = torch.randn(tokens, 8192, device="cuda", dtype=torch.bfloat16)
     scale = torch.tensor(10.0, device="cuda")
-    saved = triton_quantize.BLOCK_M, triton_quantize.BLOCK_N, triton_quantize.NUM_WARPS
+    saved = triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS
     rows = []
     for bm, bn, warps in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4),
                           (128, 128, 8), (64, 256, 8), (128, 256, 8), (32, 256, 4)]:
-        triton_quantize.BLOCK_M, triton_quantize.BLOCK_N, triton_quantize.NUM_WARPS = bm, bn, warps
-        t = ms(lambda: triton_quantize.quantize(x, E4M3, scale, 0, True, True, None))
+        triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS = bm, bn, warps
+        t = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, False))
         rows.append({"tile": f"{bm}x{bn}/w{warps}", "ms": t, "TBps": x.numel() * 4 / t / 1e9})
-    triton_quantize.BLOCK_M, triton_quantize.BLOCK_N, triton_quantize.NUM_WARPS = saved
+    triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS = saved
     return rows
 
 
@@ -87,6 +87,22 @@ def layer_step(layer, x, dy, recipe, recast_weight=False):
     return step
 
 
+def host_ms(step, steps=10):
+    """Host (Python + launch) time per step: the GPU is kept busy by a queued sleep kernel, so
+    the host never waits on it. A layer step is launch-bound when this exceeds its GPU time."""
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = (time.perf_counter() - start) / steps * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def gemm_breakdown(tokens, k, n):
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -102,6 +118,7 @@ def gemm_breakdown(tokens, k, n):
         "fp8_wgrad_fast": ms(lambda: fp8_gemm(qdy.data_t, qx.data_t, qdy.scale_inv, qx.scale_inv, torch.bfloat16, fast_accum=True)),
         "quant_x": ms(lambda: quantize(x, E4M3, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True)),
         "quant_dy": ms(lambda: quantize(dy, E5M2, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True)),
+        "quant_dy_bias": ms(lambda: quantize(dy, E5M2, x.new_ones((), dtype=torch.float32), columnwise=True, col_sum=True)),
         "bias_grad": ms(lambda: dy.sum(0, dtype=torch.float32)),
     }
 
@@ -120,6 +137,9 @@ def layer_times(tokens):
         row["fp8_delayed_ms"] = ms(layer_step(fp8, x, dy, DelayedScaling()))
         row["fp8_delayed_recast_ms"] = ms(layer_step(fp8, x, dy, DelayedScaling(), recast_weight=True))
         row["fp8_current_ms"] = ms(layer_step(fp8, x, dy, CurrentScaling()))
+        row["host_ms"] = {"bf16": host_ms(layer_step(base, x, dy, None)),
+                          "fp8_delayed": host_ms(layer_step(fp8, x, dy, DelayedScaling())),
+                          "fp8_current": host_ms(layer_step(fp8, x, dy, CurrentScaling()))}
         for key in ("bf16", "fp8_delayed", "fp8_delayed_recast", "fp8_current"):
             row[f"{key}_tflops"] = flop / row[f"{key}_ms"] / 1e9
         row["speedup_delayed"] = row["bf16_ms"] / row["fp8_delayed_ms"]
@@ -160,6 +180,9 @@ def main(argv=None):
         print(f"{r['shape']:>11} {r['bf16_ms']:8.3f} {r['fp8_delayed_ms']:8.3f} {r['fp8_delayed_recast_ms']:8.3f} "
               f"{r['fp8_current_ms']:8.3f} {r['bf16_tflops']:6.0f}/{r['fp8_delayed_tflops']:<6.0f} "
               f"{r['speedup_delayed']:7.2f}x {r['speedup_current']:8.2f}x")
+    print("\nhost (launch) time per step, ms: " + "  ".join(
+        f"{r['shape']}: " + "/".join(f"{v:.2f}" for v in r["host_ms"].values()) for r in results["layers"])
+        + "  (bf16/fp8 delayed/fp8 current)")
     print("\nbreakdown (ms):")
     for r in results["layers"]:
         print(f"{r['shape']:>11} " + " ".join(f"{k}={v:.3f}" for k, v in r["breakdown"].items()))

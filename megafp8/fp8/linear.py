@@ -152,6 +152,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qdy = ctx.module._quantize(
                 dy2, "grad_output", context.recipe.fp8_format.backward_dtype, context,
                 backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8, columnwise=wgrad_fp8,
+                col_sum=need_db and ctx.has_bias,
             )
 
         dx = dw = db = None
@@ -167,5 +168,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.weight_dtype)
+            db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
+            db = db.to(ctx.weight_dtype)
         return dx, dw, db, None, None

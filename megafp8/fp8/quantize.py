@@ -17,13 +17,15 @@ class Fp8Tensor(NamedTuple):
     """A tensor in FP8: `data` [M, K] and/or `data_t` [K, M], both row-major.
 
     The high-precision value is `data * scale_inv`; `amax` is the largest |x| of the input
-    (non-finite if the input held inf or NaN).
+    (non-finite if the input held inf or NaN); `col_sum`, when asked for, is the input's sum
+    over rows in fp32 (a linear layer's bias gradient, computed on the same read).
     """
 
     data: Optional[torch.Tensor]
     data_t: Optional[torch.Tensor]
     scale_inv: torch.Tensor
     amax: torch.Tensor
+    col_sum: Optional[torch.Tensor] = None
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -47,12 +49,14 @@ def quantize(
     rowwise: bool = True,
     columnwise: bool = False,
     scale_out: Optional[torch.Tensor] = None,
+    col_sum: bool = False,
 ) -> Fp8Tensor:
     """Cast the 2-D tensor `x` to `fp8_dtype`, saturating at ±fp8_max.
 
     With `scale` (delayed scaling) the cast uses it and the observed amax is returned for the
     history. Without it (current scaling) the scale comes from x's own amax and `margin`, and is
-    also written into `scale_out` when given. `rowwise`/`columnwise` ask for `data`/`data_t`.
+    also written into `scale_out` when given. `rowwise`/`columnwise` ask for `data`/`data_t`,
+    `col_sum` for the fp32 column sums of x.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -60,14 +64,14 @@ def quantize(
         raise ValueError("quantize: ask for at least one of rowwise and columnwise")
     x = x.contiguous()
     if x.is_cuda:
-        from . import triton_quantize
+        from . import triton_kernels
 
-        if triton_quantize.available():
-            return triton_quantize.quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out)
-    return _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out)
+        if triton_kernels.available():
+            return triton_kernels.quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum)
+    return _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum)
 
 
-def _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out) -> Fp8Tensor:
+def _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum=False) -> Fp8Tensor:
     amax = absmax(x)
     if scale is None:
         scale = scale_from_amax(amax, fp8_dtype, margin)
@@ -81,4 +85,5 @@ def _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out)
         data_t=q.t().contiguous() if columnwise else None,
         scale_inv=scale.float().reciprocal(),
         amax=amax,
+        col_sum=x.sum(0, dtype=torch.float32) if col_sum else None,
     )

@@ -36,6 +36,13 @@ class ScalingState(nn.Module):
             resized[:keep] = history[:keep]
             self.amax_history = resized
 
+    def _apply(self, fn, recurse=True):
+        # module.to(torch.bfloat16) casts floating buffers too; scales and amaxes stay fp32.
+        super()._apply(fn, recurse)
+        self.scale = self.scale.float()
+        self.amax_history = self.amax_history.float()
+        return self
+
     def get_extra_state(self):
         return {"update_count": self.update_count}
 
@@ -84,11 +91,11 @@ class AmaxPass:
         self.observations = {}
         if not observations:
             return
-        # Non-finite amaxes become +inf before the reduction, so every rank sees them.
         amaxes = torch.stack([o.amax.float() for o in observations])
-        amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
         reduce = [i for i, o in enumerate(observations) if o.recipe.reduce_amax]
         if reduce and self.group is not None and dist.get_world_size(self.group) > 1:
+            # NaN becomes +inf first: MAX over NaN is undefined in NCCL, and every rank must see it.
+            amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
             if len(reduce) == len(observations):
                 dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
             else:
@@ -116,7 +123,17 @@ def _update_delayed(states, amaxes, fp8_max: float, margin: int, algo: str, reco
     A non-finite amax enters the history as 0 rather than itself: under "max" a stored inf
     would freeze the scale for a whole history length (Transformer Engine's behaviour); here
     that one pass keeps the old scale and the next finite amax counts at once.
+    On CUDA one fused kernel does this for all states; this torch version is its reference.
     """
+    if amaxes.is_cuda:
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.update_delayed(states, amaxes, fp8_max, margin, algo, recompute)
+    _update_delayed_torch(states, amaxes, fp8_max, margin, algo, recompute)
+
+
+def _update_delayed_torch(states, amaxes, fp8_max, margin, algo, recompute) -> None:
     finite = torch.isfinite(amaxes)
     newest = torch.where(finite, amaxes, torch.zeros_like(amaxes))
     histories = torch.stack([s.amax_history for s in states])

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
-from megafp8.fp8 import triton_quantize
+from megafp8.fp8 import triton_kernels
 from megafp8.fp8.quantize import _quantize_torch
+from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
 
 from .helpers import emulate, gemm_error_bound, random_amax, rel_err
 
@@ -12,11 +13,18 @@ pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def same_bytes(a, b):
-    return (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+def assert_same_bytes(a, b, what):
+    if a is None and b is None:
+        return
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    differ = (a != b).nonzero()
+    assert len(differ) == 0, (
+        f"{what}: {len(differ)} of {a.numel()} bytes differ, first at {differ[:4].tolist()}: "
+        f"{a[tuple(differ[:4].t())].tolist()} vs {b[tuple(differ[:4].t())].tolist()}"
+    )
 
 
-@pytest.mark.skipif(not triton_quantize.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
 @pytest.mark.parametrize("shape", [(16, 16), (100, 300), (1024, 2048), (4096, 768)])
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
@@ -25,22 +33,50 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
     x = (torch.randn(shape, device="cuda") * 7).to(hp_dtype)
     x.view(-1)[3] = 1e6  # beyond FP8's range at any fitted scale below: exercises saturation
     scale = torch.tensor(0.37, device="cuda") if delayed else None
-    for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
+    for rowwise, columnwise, col_sum in [(True, True, True), (True, False, False), (False, True, False)]:
         out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-        a = triton_quantize.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a)
-        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, out_b)
-        assert same_bytes(a.data, b.data) and same_bytes(a.data_t, b.data_t)
+        a = triton_kernels.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, col_sum)
+        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, out_b, col_sum)
+        assert_same_bytes(a.data, b.data, "data")
+        assert_same_bytes(a.data_t, b.data_t, "data_t")
         assert torch.equal(a.amax, b.amax) and torch.equal(a.scale_inv, b.scale_inv)
         assert torch.equal(out_a, out_b)
+        if col_sum:  # summed in another order: equal to fp32 rounding
+            assert rel_err(a.col_sum, b.col_sum) < 1e-6
 
 
-@pytest.mark.skipif(not triton_quantize.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
 def test_triton_quantize_non_finite_inputs():
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("nan")
-    q = triton_quantize.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None)
+    q = triton_kernels.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None)
     assert not torch.isfinite(q.amax)
     assert torch.isnan(q.data.float()[5, 7]) and torch.isnan(q.data_t.float()[7, 5])
+
+
+@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.parametrize("length", [1, 4, 1000, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fused_delayed_update_equals_torch(length, algo, recompute):
+    torch.manual_seed(length)
+    amaxes = torch.rand(7, device="cuda") * 100
+    amaxes[1], amaxes[2], amaxes[3] = float("inf"), float("nan"), 0.0
+    states = []
+    for _ in range(2):
+        group = [ScalingState().cuda() for _ in range(7)]
+        for s in group:
+            s.fit_history(length)
+            s.amax_history.uniform_(0, 50)
+            s.scale.fill_(3.0)
+        states.append(group)
+    for s, t in zip(*states):
+        t.amax_history.copy_(s.amax_history)
+    triton_kernels.update_delayed(states[0], amaxes, 448.0, 1, algo, recompute)
+    _update_delayed_torch(states[1], amaxes, 448.0, 1, algo, recompute)
+    for fused, reference in zip(*states):
+        assert torch.equal(fused.amax_history, reference.amax_history)
+        assert torch.equal(fused.scale, reference.scale)
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])

@@ -89,7 +89,7 @@ def test_fp8_linear_computes_exactly_the_emulated_fp8_gemms(name):
     assert rel_err(dw, dyq.t() @ xq) < 1e-5
 
 
-@pytest.mark.parametrize("index, gemm", enumerate(["fprop", "dgrad", "wgrad"]))
+@pytest.mark.parametrize("index, gemm", list(enumerate(["fprop", "dgrad", "wgrad"])))
 def test_each_override_flag_runs_its_gemm_in_high_precision(index, gemm):
     flags = [False, False, False]
     flags[index] = True
@@ -208,3 +208,10 @@ def test_bf16_layer_runs_fp8_and_returns_bf16():
     (y, dx, dw, db), _ = run_pass(layer, DelayedScaling(), x, dy)
     assert y.dtype == dx.dtype == dw.dtype == db.dtype == torch.bfloat16
     assert rel_err(y, fp64_reference(layer, x, dy)[0]) < gemm_error_bound(E4M3, E4M3)
+
+
+def test_scaling_state_stays_fp32_when_the_layer_changes_dtype():
+    layer = fresh_layer().to(torch.bfloat16)
+    run_pass(layer, DelayedScaling(), *(t.to(torch.bfloat16) for t in fresh_batch()))
+    for state in layer.fp8_scaling.values():
+        assert state.scale.dtype == state.amax_history.dtype == torch.float32

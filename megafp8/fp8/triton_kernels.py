@@ -1,0 +1,172 @@
+"""Fused Triton kernels of the FP8 core, used on CUDA (the CPU path is plain torch).
+
+- `quantize`: one pass over memory for amax, scale, saturate, cast and the transposed copy
+  (and, when asked, the column sums that are a linear layer's bias gradient). Eager torch
+  needs several passes; on a 16384 x 2048 bf16 tensor that took longer than the FP8 GEMM it fed.
+- `update_delayed`: the end-of-pass delayed-scaling update of every layer at once, one launch
+  through a table of history/scale addresses, instead of ~25 small torch ops per pass.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import fp8_max
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the callers fall back to torch.
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+# Tile shape chosen by `bench_fp8_linear.py --sweep-tiles` on an H100 (benchmarks/RESULTS.md).
+BLOCK_M = 64
+BLOCK_N = 128
+NUM_WARPS = 4
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_kernel(
+        x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr,
+        M, N, fp8_max, margin_factor,
+        CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+        WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if CURRENT:
+            # amax_ptr holds this tensor's amax, computed just before; derive the scale here,
+            # with IEEE division (plain `/` is approximate in Triton) to match torch bit for bit.
+            amax = tl.load(amax_ptr)
+            scale = tl.div_rn(fp8_max, amax) * margin_factor
+            usable = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
+            scale = tl.where(usable, scale, 1.0)
+        else:
+            scale = tl.load(scale_ptr)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if not CURRENT:
+            # Delayed scaling observes the amax while casting; a NaN counts as +inf.
+            magnitude = tl.where(x == x, tl.abs(x), float("inf"))
+            tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
+        if COL_SUM:
+            # Per-tile partial sums, reduced by the caller: deterministic, unlike atomics.
+            tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
+        y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        y = y.to(q_ptr.dtype.element_ty)
+        if ROWWISE:
+            tl.store(q_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+        if COLUMNWISE:
+            mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=mask_t)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+            if WRITE_SCALE:
+                tl.store(scale_out_ptr, scale)
+
+    @triton.jit
+    def _delayed_update_kernel(
+        amax_ptr, history_table, scale_table, history_len, fp8_max, margin_factor,
+        USE_MAX: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        amax = tl.load(amax_ptr + i)
+        finite = (amax == amax) & (amax < float("inf"))
+        newest = tl.where(finite, amax, 0.0)
+        history = tl.load(history_table + i).to(tl.pointer_type(tl.float32))
+        offsets = tl.arange(0, BLOCK)
+        keep = offsets < history_len - 1
+        older = tl.load(history + offsets, mask=keep, other=0.0)
+        tl.debug_barrier()  # every thread has read the history before any shifts it
+        tl.store(history + 1 + offsets, older, mask=keep)
+        tl.store(history, newest)
+        if RECOMPUTE:
+            if USE_MAX:
+                amax = tl.maximum(tl.max(older, axis=0), newest)
+            else:
+                amax = newest
+            scale_ptr = tl.load(scale_table + i).to(tl.pointer_type(tl.float32))
+            scale = tl.div_rn(fp8_max, amax) * margin_factor
+            usable = finite & (amax > 0) & (scale < float("inf"))
+            tl.store(scale_ptr, tl.where(usable, scale, tl.load(scale_ptr)))
+
+
+def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor], col_sum: bool):
+    from .quantize import Fp8Tensor, absmax
+
+    M, N = x.shape
+    current = scale is None
+    if current:
+        amax = absmax(x)
+    else:
+        amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
+    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
+    scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
+    write_scale = current and scale_out is not None
+    _quantize_kernel[grid](
+        x,
+        q if rowwise else qt,
+        qt if columnwise else q,
+        amax if current else scale,
+        amax,
+        scale_out if write_scale else scale_inv,
+        scale_inv,
+        partial_sums if col_sum else scale_inv,
+        M,
+        N,
+        fp8_max(fp8_dtype),
+        1.0 / (2.0**margin),
+        CURRENT=current,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        WRITE_SCALE=write_scale,
+        COL_SUM=col_sum,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS,
+    )
+    return Fp8Tensor(q, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)
+
+
+_address_tables: dict = {}
+
+
+def _address_table(tensors, device) -> torch.Tensor:
+    # Cached by the addresses themselves: a pass over the same layers reuses its table, so
+    # the host-to-device copy happens only when the set of layers (or their storage) changes.
+    key = tuple(t.data_ptr() for t in tensors)
+    table = _address_tables.get(key)
+    if table is None:
+        if len(_address_tables) > 256:
+            _address_tables.clear()
+        table = _address_tables[key] = torch.tensor(key, dtype=torch.int64).to(device)
+    return table
+
+
+def update_delayed(states, amaxes, fp8_max_value, margin, algo, recompute) -> None:
+    histories = [s.amax_history for s in states]
+    length = histories[0].numel()
+    _delayed_update_kernel[(len(states),)](
+        amaxes.contiguous(),
+        _address_table(histories, amaxes.device),
+        _address_table([s.scale for s in states], amaxes.device),
+        length,
+        fp8_max_value,
+        1.0 / (2.0**margin),
+        USE_MAX=algo == "max",
+        RECOMPUTE=recompute,
+        BLOCK=triton.next_power_of_2(max(length - 1, 1)),
+        num_warps=4,
+    )
