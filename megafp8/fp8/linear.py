@@ -6,6 +6,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .formats import fp8_max
@@ -17,6 +18,19 @@ from .scaling import ROLES, AmaxPass, ScalingState
 # torch._scaled_mm needs every GEMM dimension (tokens, in and out features) divisible by 16.
 GEMM_ALIGNMENT = 16
 
+# Bumped after every torch.optim optimizer step, which invalidates every cached weight cast.
+# The parameter's version counter is not enough: fused AdamW (fused=True) updates weights
+# without bumping it.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
 
 class Fp8Linear(nn.Linear):
     """`y = x W^T + b` like nn.Linear; under fp8_autocast its GEMMs run in FP8.
@@ -24,9 +38,10 @@ class Fp8Linear(nn.Linear):
     forward (fprop) E4M3 x E4M3; dgrad and wgrad take the gradient in E5M2 under HYBRID (E4M3
     under E4M3); each falls back to high precision per `override_linear_precision`. The input
     is saved for backward in FP8 (transposed, ready for wgrad). The weight is cast once and
-    reused until it changes: any in-place update (optimizer step, `copy_`, load_state_dict)
-    bumps its version and so refreshes the cast; call `clear_fp8_weight_cache()` after writing
-    through `weight.data`, which autograd cannot see. Scaling state per role lives in
+    reused across micro-batches until it changes: any torch.optim step, and any in-place
+    update autograd sees (`copy_`, load_state_dict), refreshes the cast; call
+    `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
+    Scaling state per role lives in
     `fp8_scaling["input" | "weight" | "grad_output"]` and in the state_dict.
     """
 
@@ -91,7 +106,7 @@ class Fp8Linear(nn.Linear):
 
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
-        key = (weight._version, weight.data_ptr(), fp8_dtype, context.recipe)
+        key = (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, context.recipe)
         if self._weight_fp8 is None or self._weight_fp8[0] != key:
             q = self._quantize(weight.detach(), "weight", fp8_dtype, context, context.forward_pass,
                                rowwise=True, columnwise=True)

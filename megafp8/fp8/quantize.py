@@ -30,7 +30,8 @@ class Fp8Tensor(NamedTuple):
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
     """`fp8_max / amax / 2**margin`, or 1 where amax is 0, inf or NaN."""
-    candidate = (fp8_max(fp8_dtype) / amax) / (2.0**margin)
+    # A tensor numerator: `float / tensor` would compute float * (1 / tensor), rounding twice.
+    candidate = (torch.full_like(amax, fp8_max(fp8_dtype)) / amax) / (2.0**margin)
     usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(candidate)
     return torch.where(usable, candidate, torch.ones_like(candidate))
 

@@ -143,7 +143,7 @@ def _update_delayed_torch(states, amaxes, fp8_max, margin, algo, recompute) -> N
         return
     amax = histories.amax(dim=1) if algo == "max" else histories[:, 0]
     old = torch.stack([s.scale for s in states])
-    candidate = (fp8_max / amax) / (2.0**margin)
+    candidate = (torch.full_like(amax, fp8_max) / amax) / (2.0**margin)  # one rounding, as on CUDA
     usable = finite & (amax > 0) & torch.isfinite(candidate)
     scales = torch.where(usable, candidate, old)
     torch._foreach_copy_([s.scale for s in states], list(scales.unbind(0)))

@@ -215,3 +215,21 @@ def test_scaling_state_stays_fp32_when_the_layer_changes_dtype():
     run_pass(layer, DelayedScaling(), *(t.to(torch.bfloat16) for t in fresh_batch()))
     for state in layer.fp8_scaling.values():
         assert state.scale.dtype == state.amax_history.dtype == torch.float32
+
+
+def test_any_torch_optimizer_step_refreshes_the_weight_cast_even_without_a_version_bump():
+    layer = fresh_layer()
+    run_pass(layer, DelayedScaling(), *fresh_batch())
+    cached = layer._weight_fp8[1]
+
+    class DataWriter(torch.optim.Optimizer):  # updates like fused AdamW: version unchanged
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(1.0)
+
+    version = layer.weight._version
+    DataWriter(layer.parameters(), {}).step()
+    assert layer.weight._version == version
+    run_pass(layer, DelayedScaling(), *fresh_batch())
+    assert layer._weight_fp8[1] is not cached
