@@ -61,15 +61,18 @@ if triton is not None:
         if COL_SUM:
             # Per-tile partial sums, reduced by the caller: deterministic, unlike atomics.
             tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
-        y = tl.clamp(x * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        # Saturate with selects (a NaN compares false and stays NaN), not tl.clamp: its
+        # NaN-propagating min/max corrupt the transposed FP8 store below on Hopper
+        # (triton-lang/triton#11111; seen here with Triton 3.6 on an H100).
+        y = x * scale
+        y = tl.where(y > fp8_max, fp8_max, y)
+        y = tl.where(y < -fp8_max, -fp8_max, y)
+        y = y.to(q_ptr.dtype.element_ty)
         if ROWWISE:
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
         if COLUMNWISE:
-            # Transpose in fp32, then cast (same rounding): tl.trans of an 8-bit tile scrambled
-            # a quarter of the bytes with Triton 3.6 on an H100.
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-            y_t = tl.trans(y).to(qt_ptr.dtype.element_ty)
-            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], y_t, mask=mask_t)
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=mask_t)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
             if WRITE_SCALE:
