@@ -50,8 +50,8 @@ def quantize_times(tokens):
         scale = torch.tensor(10.0, device="cuda")
         moved = x.numel() * (2 + 1 + 1)
         eager = ms(lambda: _quantize_torch(x, E4M3, scale, 0, True, True, None))
-        fused = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, False))
-        current = ms(lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, False))
+        fused = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False))
+        current = ms(lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, None, False))
         rows.append({"shape": f"{tokens}x{k}", "eager_ms": eager, "fused_ms": fused, "fused_current_ms": current,
                      "fused_TBps": moved / fused / 1e9})
     return rows
@@ -65,7 +65,7 @@ def sweep_tiles(tokens):
     for bm, bn, warps in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4),
                           (128, 128, 8), (64, 256, 8), (128, 256, 8), (32, 256, 4)]:
         triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS = bm, bn, warps
-        t = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, False))
+        t = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False))
         rows.append({"tile": f"{bm}x{bn}/w{warps}", "ms": t, "TBps": x.numel() * 4 / t / 1e9})
     triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS = saved
     return rows

@@ -99,25 +99,28 @@ class Fp8Linear(nn.Linear):
             None if first else state.scale,
             margin=recipe.margin,
             scale_out=state.scale if first else None,
+            amax_out=state.amax,
             **layout,
         )
-        amax_pass.record(state, q.amax, fp8_max(fp8_dtype), recipe)
+        amax_pass.record(state, fp8_max(fp8_dtype), recipe, keep_amax=role == "weight")
         return q
 
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
+        state = self.fp8_scaling["weight"]
         key = (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, context.recipe)
         if self._weight_fp8 is None or self._weight_fp8[0] != key:
+            # The weight's accumulator holds the amax of its current cast, kept across passes.
+            state.amax.zero_()
             q = self._quantize(weight.detach(), "weight", fp8_dtype, context, context.forward_pass,
                                rowwise=True, columnwise=True)
             self._weight_fp8 = (key, q)
             return q
-        q = self._weight_fp8[1]
         if not isinstance(context.recipe, CurrentScaling):
             # Every pass records the weight's amax, so all three histories roll in step.
-            self.fp8_scaling["weight"].fit_history(context.recipe.amax_history_len)
-            context.forward_pass.record(self.fp8_scaling["weight"], q.amax, fp8_max(fp8_dtype), context.recipe)
-        return q
+            state.fit_history(context.recipe.amax_history_len)
+            context.forward_pass.record(state, fp8_max(fp8_dtype), context.recipe, keep_amax=True)
+        return self._weight_fp8[1]
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -50,14 +50,16 @@ def quantize(
     rowwise: bool = True,
     columnwise: bool = False,
     scale_out: Optional[torch.Tensor] = None,
+    amax_out: Optional[torch.Tensor] = None,
     col_sum: bool = False,
 ) -> Fp8Tensor:
     """Cast the 2-D tensor `x` to `fp8_dtype`, saturating at ±fp8_max.
 
     With `scale` (delayed scaling) the cast uses it and the observed amax is returned for the
     history. Without it (current scaling) the scale comes from x's own amax and `margin`, and is
-    also written into `scale_out` when given. `rowwise`/`columnwise` ask for `data`/`data_t`,
-    `col_sum` for the fp32 column sums of x.
+    also written into `scale_out` when given. `amax_out`, when given, is an accumulator the
+    observed amax is maxed into (and returned as `amax`): delayed scaling's per-pass record.
+    `rowwise`/`columnwise` ask for `data`/`data_t`, `col_sum` for the fp32 column sums of x.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -68,16 +70,22 @@ def quantize(
         from . import triton_kernels
 
         if triton_kernels.available():
-            return triton_kernels.quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum)
-    return _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum)
+            return triton_kernels.quantize(
+                x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum
+            )
+    return _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum)
 
 
-def _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, col_sum=False) -> Fp8Tensor:
+def _quantize_torch(
+    x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out=None, amax_out=None, col_sum=False
+) -> Fp8Tensor:
     amax = absmax(x)
     if scale is None:
         scale = scale_from_amax(amax, fp8_dtype, margin)
         if scale_out is not None:
             scale_out.copy_(scale)
+    if amax_out is not None:
+        amax = torch.maximum(amax_out, amax, out=amax_out)
     limit = fp8_max(fp8_dtype)
     # Saturate first: a plain .to(float8) turns out-of-range values into NaN.
     q = (x.float() * scale).clamp_(-limit, limit).to(fp8_dtype)

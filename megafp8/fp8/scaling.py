@@ -20,12 +20,15 @@ class ScalingState(nn.Module):
     newest amax. The history is sized by the recipe at first use (and resized, keeping the
     newest entries, if a later recipe asks for another length). Both are buffers, so they
     follow the module's device and live in its state_dict with the update count.
+    `amax` accumulates what the casts of the current pass observe (the quantize kernel maxes
+    into it, so no amax tensor is allocated per cast); the end-of-pass update consumes it.
     """
 
     def __init__(self):
         super().__init__()
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("amax_history", torch.zeros(0))
+        self.register_buffer("amax", torch.zeros(()), persistent=False)
         self.update_count = 0  # host-side, so `interval` needs no device sync
 
     def fit_history(self, length: int) -> None:
@@ -41,6 +44,7 @@ class ScalingState(nn.Module):
         super()._apply(fn, recurse)
         self.scale = self.scale.float()
         self.amax_history = self.amax_history.float()
+        self.amax = self.amax.float()
         return self
 
     def get_extra_state(self):
@@ -63,82 +67,79 @@ class ScalingState(nn.Module):
 @dataclass
 class _Observation:
     state: ScalingState
-    amax: torch.Tensor
     fp8_max: float
     recipe: DelayedScaling
+    keep_amax: bool  # the weight's accumulator describes its cached cast: keep it across passes
 
 
 @dataclass
 class AmaxPass:
-    """The amaxes observed during one forward or one backward pass, applied together.
+    """The scaling states whose casts ran in one forward or one backward pass.
 
-    `flush` MAX-reduces every amax of the pass in one collective over `group`, then rolls
-    the histories and recomputes the scales with a handful of batched kernels, whatever the
-    number of layers. A layer observed twice in a pass (shared weights) keeps the larger amax.
+    `flush` MAX-reduces every observed amax of the pass in one collective over `group`,
+    then rolls the histories and recomputes the scales (one fused kernel on CUDA), whatever
+    the number of layers. A layer observed twice in a pass (shared weights) keeps the larger
+    amax, since both casts max into the same accumulator.
     """
 
     group: Optional[dist.ProcessGroup] = None
     observations: dict = field(default_factory=dict)
 
-    def record(self, state: ScalingState, amax: torch.Tensor, fp8_max: float, recipe) -> None:
-        previous = self.observations.get(id(state))
-        if previous is not None:
-            amax = torch.maximum(previous.amax, amax)
-        self.observations[id(state)] = _Observation(state, amax, fp8_max, recipe)
+    def record(self, state: ScalingState, fp8_max: float, recipe, keep_amax: bool = False) -> None:
+        self.observations[id(state)] = _Observation(state, fp8_max, recipe, keep_amax)
 
     def flush(self) -> None:
         observations = list(self.observations.values())
         self.observations = {}
         if not observations:
             return
-        amaxes = torch.stack([o.amax.float() for o in observations])
-        reduce = [i for i, o in enumerate(observations) if o.recipe.reduce_amax]
-        if reduce and self.group is not None and dist.get_world_size(self.group) > 1:
+        reduced = [o.state.amax for o in observations if o.recipe.reduce_amax]
+        if reduced and self.group is not None and dist.get_world_size(self.group) > 1:
+            amaxes = torch.stack(reduced)
             # NaN becomes +inf first: MAX over NaN is undefined in NCCL, and every rank must see it.
             amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
-            if len(reduce) == len(observations):
-                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
-            else:
-                index = torch.tensor(reduce, device=amaxes.device)
-                subset = amaxes[index]
-                dist.all_reduce(subset, op=dist.ReduceOp.MAX, group=self.group)
-                amaxes[index] = subset
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+            torch._foreach_copy_(reduced, list(amaxes.unbind(0)))
 
         batches: dict = {}
-        for i, o in enumerate(observations):
+        for o in observations:
             recompute = o.state.update_count % o.recipe.interval == 0
-            key = (o.fp8_max, o.recipe.margin, o.recipe.amax_compute_algo,
-                   o.recipe.amax_history_len, recompute)
-            batches.setdefault(key, []).append(i)
+            key = (o.fp8_max, o.recipe.margin, o.recipe.amax_compute_algo, o.recipe.amax_history_len, recompute)
+            batches.setdefault(key, []).append(o)
             o.state.update_count += 1
-        for (fmax, margin, algo, _, recompute), indices in batches.items():
-            states = [observations[i].state for i in indices]
-            select = torch.tensor(indices, device=amaxes.device) if len(indices) < len(observations) else None
-            _update_delayed(states, amaxes if select is None else amaxes[select], fmax, margin, algo, recompute)
+        for (fmax, margin, algo, _, recompute), batch in batches.items():
+            states = [o.state for o in batch]
+            resets = [not o.keep_amax for o in batch]
+            _update_delayed(states, resets, fmax, margin, algo, recompute)
 
 
-def _update_delayed(states, amaxes, fp8_max: float, margin: int, algo: str, recompute: bool) -> None:
-    """Roll each history, insert the new amax, and (if `recompute`) refresh each scale.
+def _update_delayed(states, resets, fp8_max: float, margin: int, algo: str, recompute: bool) -> None:
+    """Roll each history, insert its `amax`, and (if `recompute`) refresh each scale; then
+    zero the accumulators whose `resets` flag is set, ready for the next pass.
 
     A non-finite amax enters the history as 0 rather than itself: under "max" a stored inf
     would freeze the scale for a whole history length (Transformer Engine's behaviour); here
     that one pass keeps the old scale and the next finite amax counts at once.
     On CUDA one fused kernel does this for all states; this torch version is its reference.
     """
-    if amaxes.is_cuda:
+    if states[0].amax.is_cuda:
         from . import triton_kernels
 
         if triton_kernels.available():
-            return triton_kernels.update_delayed(states, amaxes, fp8_max, margin, algo, recompute)
-    _update_delayed_torch(states, amaxes, fp8_max, margin, algo, recompute)
+            return triton_kernels.update_delayed(states, resets, fp8_max, margin, algo, recompute)
+    _update_delayed_torch(states, resets, fp8_max, margin, algo, recompute)
 
 
-def _update_delayed_torch(states, amaxes, fp8_max, margin, algo, recompute) -> None:
+def _update_delayed_torch(states, resets, fp8_max, margin, algo, recompute) -> None:
+    amaxes = torch.stack([s.amax for s in states])
     finite = torch.isfinite(amaxes)
     newest = torch.where(finite, amaxes, torch.zeros_like(amaxes))
     histories = torch.stack([s.amax_history for s in states])
     histories = torch.cat([newest[:, None], histories[:, :-1]], dim=1)
     torch._foreach_copy_([s.amax_history for s in states], list(histories.unbind(0)))
+    consumed = [s.amax for s, reset in zip(states, resets) if reset]
+    if consumed:
+        torch._foreach_zero_(consumed)
     if not recompute:
         return
     amax = histories.amax(dim=1) if algo == "max" else histories[:, 0]

@@ -61,13 +61,12 @@ if triton is not None:
         if COL_SUM:
             # Per-tile partial sums, reduced by the caller: deterministic, unlike atomics.
             tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
-        # Saturate with selects (a NaN compares false and stays NaN), not tl.clamp: its
-        # NaN-propagating min/max corrupt the transposed FP8 store below on Hopper
-        # (triton-lang/triton#11111; seen here with Triton 3.6 on an H100).
-        y = x * scale
-        y = tl.where(y > fp8_max, fp8_max, y)
-        y = tl.where(y < -fp8_max, -fp8_max, y)
-        y = y.to(q_ptr.dtype.element_ty)
+        # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
+        # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
+        # A clamp here is also unsafe: NaN-propagating min/max (tl.clamp, or selects that
+        # LLVM folds into them) corrupt the transposed FP8 store below (triton-lang/triton#11111,
+        # seen with Triton 3.6 on an H100).
+        y = (x * scale).to(q_ptr.dtype.element_ty)
         if ROWWISE:
             tl.store(q_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
         if COLUMNWISE:
@@ -80,40 +79,47 @@ if triton is not None:
 
     @triton.jit
     def _delayed_update_kernel(
-        amax_ptr, history_table, scale_table, history_len, fp8_max, margin_factor,
+        table, count, history_len, fp8_max, margin_factor,
         USE_MAX: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK: tl.constexpr,
     ):
+        # table rows: amax accumulator, history and scale addresses, reset flag; a column per state.
         i = tl.program_id(0)
-        amax = tl.load(amax_ptr + i)
+        amax_ptr = tl.load(table + i).to(tl.pointer_type(tl.float32))
+        amax = tl.load(amax_ptr)
         finite = (amax == amax) & (amax < float("inf"))
         newest = tl.where(finite, amax, 0.0)
-        history = tl.load(history_table + i).to(tl.pointer_type(tl.float32))
+        history = tl.load(table + count + i).to(tl.pointer_type(tl.float32))
         offsets = tl.arange(0, BLOCK)
         keep = offsets < history_len - 1
         older = tl.load(history + offsets, mask=keep, other=0.0)
         tl.debug_barrier()  # every thread has read the history before any shifts it
         tl.store(history + 1 + offsets, older, mask=keep)
         tl.store(history, newest)
+        if tl.load(table + 3 * count + i) != 0:
+            tl.store(amax_ptr, 0.0)
         if RECOMPUTE:
             if USE_MAX:
                 amax = tl.maximum(tl.max(older, axis=0), newest)
             else:
                 amax = newest
-            scale_ptr = tl.load(scale_table + i).to(tl.pointer_type(tl.float32))
+            scale_ptr = tl.load(table + 2 * count + i).to(tl.pointer_type(tl.float32))
             scale = tl.div_rn(fp8_max, amax) * margin_factor
             usable = finite & (amax > 0) & (scale < float("inf"))
             tl.store(scale_ptr, tl.where(usable, scale, tl.load(scale_ptr)))
 
 
-def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor], col_sum: bool):
+def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor],
+             amax_out: Optional[torch.Tensor], col_sum: bool):
     from .quantize import Fp8Tensor, absmax
 
     M, N = x.shape
     current = scale is None
     if current:
         amax = absmax(x)
+        if amax_out is not None:
+            amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
-        amax = torch.zeros((), device=x.device, dtype=torch.float32)
+        amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
     q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
     qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
     scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
@@ -148,25 +154,28 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
 _address_tables: dict = {}
 
 
-def _address_table(tensors, device) -> torch.Tensor:
+def _address_table(states, resets) -> torch.Tensor:
     # Cached by the addresses themselves: a pass over the same layers reuses its table, so
     # the host-to-device copy happens only when the set of layers (or their storage) changes.
-    key = tuple(t.data_ptr() for t in tensors)
+    key = (
+        tuple(s.amax.data_ptr() for s in states)
+        + tuple(s.amax_history.data_ptr() for s in states)
+        + tuple(s.scale.data_ptr() for s in states)
+        + tuple(int(reset) for reset in resets)
+    )
     table = _address_tables.get(key)
     if table is None:
         if len(_address_tables) > 256:
             _address_tables.clear()
-        table = _address_tables[key] = torch.tensor(key, dtype=torch.int64).to(device)
+        table = _address_tables[key] = torch.tensor(key, dtype=torch.int64).to(states[0].amax.device)
     return table
 
 
-def update_delayed(states, amaxes, fp8_max_value, margin, algo, recompute) -> None:
-    histories = [s.amax_history for s in states]
-    length = histories[0].numel()
+def update_delayed(states, resets, fp8_max_value, margin, algo, recompute) -> None:
+    length = states[0].amax_history.numel()
     _delayed_update_kernel[(len(states),)](
-        amaxes.contiguous(),
-        _address_table(histories, amaxes.device),
-        _address_table([s.scale for s in states], amaxes.device),
+        _address_table(states, resets),
+        len(states),
         length,
         fp8_max_value,
         1.0 / (2.0**margin),

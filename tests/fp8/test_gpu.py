@@ -35,8 +35,8 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
     scale = torch.tensor(0.37, device="cuda") if delayed else None
     for rowwise, columnwise, col_sum in [(True, True, True), (True, False, False), (False, True, False)]:
         out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-        a = triton_kernels.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, col_sum)
-        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, out_b, col_sum)
+        a = triton_kernels.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, None, col_sum)
+        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, scale_out=out_b, col_sum=col_sum)
         assert_same_bytes(a.data, b.data, "data")
         assert_same_bytes(a.data_t, b.data_t, "data_t")
         assert torch.equal(a.amax, b.amax) and torch.equal(a.scale_inv, b.scale_inv)
@@ -49,9 +49,21 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
 def test_triton_quantize_non_finite_inputs():
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("nan")
-    q = triton_kernels.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None, False)
+    q = triton_kernels.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None, None, False)
     assert not torch.isfinite(q.amax)
     assert torch.isnan(q.data.float()[5, 7]) and torch.isnan(q.data_t.float()[7, 5])
+
+
+@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.parametrize("delayed", [True, False])
+def test_triton_quantize_maxes_into_the_amax_accumulator(delayed):
+    scale = torch.tensor(2.0, device="cuda") if delayed else None
+    accumulator = torch.tensor(3.0, device="cuda")
+    for peak, expected in [(1.5, 3.0), (5.0, 5.0)]:
+        x = torch.randn(128, 256, device="cuda").clamp(-1, 1)
+        x[7, 9] = peak
+        q = triton_kernels.quantize(x, E4M3, scale, 0, True, False, None, accumulator, False)
+        assert q.amax is accumulator and accumulator.item() == expected
 
 
 @pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
@@ -62,21 +74,25 @@ def test_fused_delayed_update_equals_torch(length, algo, recompute):
     torch.manual_seed(length)
     amaxes = torch.rand(7, device="cuda") * 100
     amaxes[1], amaxes[2], amaxes[3] = float("inf"), float("nan"), 0.0
+    resets = [True, False, True, True, False, True, True]
     states = []
     for _ in range(2):
         group = [ScalingState().cuda() for _ in range(7)]
-        for s in group:
+        for s, amax in zip(group, amaxes):
             s.fit_history(length)
-            s.amax_history.uniform_(0, 50)
+            s.amax.copy_(amax)
             s.scale.fill_(3.0)
         states.append(group)
     for s, t in zip(*states):
+        s.amax_history.uniform_(0, 50)
         t.amax_history.copy_(s.amax_history)
-    triton_kernels.update_delayed(states[0], amaxes, 448.0, 1, algo, recompute)
-    _update_delayed_torch(states[1], amaxes, 448.0, 1, algo, recompute)
-    for fused, reference in zip(*states):
+    triton_kernels.update_delayed(states[0], resets, 448.0, 1, algo, recompute)
+    _update_delayed_torch(states[1], resets, 448.0, 1, algo, recompute)
+    for fused, reference, reset in zip(*states, resets):
         assert torch.equal(fused.amax_history, reference.amax_history)
         assert torch.equal(fused.scale, reference.scale)
+        assert torch.equal(fused.amax, reference.amax)
+        assert (fused.amax.item() == 0) == reset  # consumed accumulators are zeroed, kept ones not
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
