@@ -3,8 +3,13 @@
     python benchmarks/bench_fp8_linear.py [--tokens 16384] [--json results.json] [--sweep-tiles]
 
 Prints the device ceilings (bf16 and FP8 GEMM rates, copy bandwidth), the fused vs eager
-quantization time, each GEMM alone, and the whole layer step. Times are medians of CUDA-event
-timings (triton.testing.do_bench, L2 flushed between runs).
+quantization time, each GEMM alone, and the layer step three ways:
+- eager: one layer's forward + backward, each under its own fp8_autocast (so each step also
+  pays a whole pass's scale update); what a lone layer costs, launch overhead included;
+- graphed: the same step captured in a CUDA graph and replayed: GPU time alone, what the
+  layer costs when the host keeps ahead of the GPU (as in a full model, or with CUDA graphs);
+- block: the four linears of one GPT-1.3B layer in one fp8_autocast, eager, as a model runs them.
+Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed between runs).
 """
 from __future__ import annotations
 
@@ -71,20 +76,33 @@ def sweep_tiles(tokens):
     return rows
 
 
-def layer_step(layer, x, dy, recipe, recast_weight=False):
+def layer_step(layers, xs, dys, recipe, recast_weight=False):
+    """Forward + backward of `layers` (each on its own input) under one fp8_autocast."""
+    layers, xs, dys = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (layers, xs, dys))
+
     def step():
-        layer.weight.grad = x.grad = None
-        if layer.bias is not None:
-            layer.bias.grad = None
-        if recast_weight:
-            layer.clear_fp8_weight_cache()
-        if recipe is None:
-            y = layer(x)
-        else:
-            with fp8_autocast(recipe=recipe):
-                y = layer(x)
-        y.backward(dy)
+        for layer, x in zip(layers, xs):
+            layer.weight.grad = layer.bias.grad = x.grad = None
+            if recast_weight:
+                layer.clear_fp8_weight_cache()
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            ys = [layer(x) for layer, x in zip(layers, xs)]
+        torch.autograd.backward(ys, dys)
     return step
+
+
+def graphed(step):
+    """`step` captured in a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile kernels, build address tables, cache the weight casts
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def host_ms(step, steps=10):
@@ -123,30 +141,58 @@ def gemm_breakdown(tokens, k, n):
     }
 
 
+def make_layers(tokens, shapes):
+    bf16, fp8, xs, dys = [], [], [], []
+    for k, n in shapes:
+        torch.manual_seed(0)
+        base = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        layer = Fp8Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        layer.load_state_dict(base.state_dict(), strict=False)
+        bf16.append(base)
+        fp8.append(layer)
+        xs.append(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+        dys.append(torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16))
+    return bf16, fp8, xs, dys
+
+
+def variants(bf16, fp8, xs, dys, graph):
+    """ms per step for bf16 and FP8 (delayed, current) eager, and graphed when `graph`."""
+    row = {}
+    for name, layers, recipe in [("bf16", bf16, None), ("fp8_delayed", fp8, DelayedScaling()),
+                                 ("fp8_current", fp8, CurrentScaling())]:
+        step = layer_step(layers, xs, dys, recipe)
+        row[f"{name}_ms"] = ms(step)
+        if graph:
+            row[f"{name}_graphed_ms"] = ms(graphed(step))
+    return row
+
+
 def layer_times(tokens):
     rows = []
     for k, n in SHAPES:
-        torch.manual_seed(0)
-        base = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        fp8 = Fp8Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        fp8.load_state_dict(base.state_dict(), strict=False)
-        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        bf16, fp8, xs, dys = make_layers(tokens, [(k, n)])
+        row = {"shape": f"{k}->{n}", **variants(bf16, fp8, xs, dys, graph=True)}
+        row["fp8_delayed_recast_ms"] = ms(layer_step(fp8, xs, dys, DelayedScaling(), recast_weight=True))
+        row["host_ms"] = {"bf16": host_ms(layer_step(bf16, xs, dys, None)),
+                          "fp8_delayed": host_ms(layer_step(fp8, xs, dys, DelayedScaling())),
+                          "fp8_current": host_ms(layer_step(fp8, xs, dys, CurrentScaling()))}
         flop = 6 * tokens * k * n
-        row = {"shape": f"{k}->{n}", "bf16_ms": ms(layer_step(base, x, dy, None))}
-        row["fp8_delayed_ms"] = ms(layer_step(fp8, x, dy, DelayedScaling()))
-        row["fp8_delayed_recast_ms"] = ms(layer_step(fp8, x, dy, DelayedScaling(), recast_weight=True))
-        row["fp8_current_ms"] = ms(layer_step(fp8, x, dy, CurrentScaling()))
-        row["host_ms"] = {"bf16": host_ms(layer_step(base, x, dy, None)),
-                          "fp8_delayed": host_ms(layer_step(fp8, x, dy, DelayedScaling())),
-                          "fp8_current": host_ms(layer_step(fp8, x, dy, CurrentScaling()))}
-        for key in ("bf16", "fp8_delayed", "fp8_delayed_recast", "fp8_current"):
-            row[f"{key}_tflops"] = flop / row[f"{key}_ms"] / 1e9
-        row["speedup_delayed"] = row["bf16_ms"] / row["fp8_delayed_ms"]
-        row["speedup_current"] = row["bf16_ms"] / row["fp8_current_ms"]
+        for key in [k for k in row if k.endswith("_ms") and k != "host_ms"]:
+            row[key.replace("_ms", "_tflops")] = flop / row[key] / 1e9
+        for mode in ("", "_graphed"):
+            for recipe in ("delayed", "current"):
+                row[f"speedup_{recipe}{mode}"] = row[f"bf16{mode}_ms"] / row[f"fp8_{recipe}{mode}_ms"]
         row["breakdown"] = gemm_breakdown(tokens, k, n)
         rows.append(row)
     return rows
+
+
+def block_times(tokens):
+    bf16, fp8, xs, dys = make_layers(tokens, SHAPES)
+    row = variants(bf16, fp8, xs, dys, graph=False)
+    row["speedup_delayed"] = row["bf16_ms"] / row["fp8_delayed_ms"]
+    row["speedup_current"] = row["bf16_ms"] / row["fp8_current_ms"]
+    return row
 
 
 def main(argv=None):
@@ -162,6 +208,7 @@ def main(argv=None):
     if args.sweep_tiles:
         results["tiles"] = sweep_tiles(args.tokens)
     results["layers"] = layer_times(args.tokens)
+    results["block"] = block_times(args.tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -175,11 +222,17 @@ def main(argv=None):
               f"({q['fused_TBps']:.2f} TB/s), fused current scaling {q['fused_current_ms']:.3f} ms")
     for t in results.get("tiles", []):
         print(f"  tile {t['tile']:>12}: {t['ms']:.3f} ms {t['TBps']:.2f} TB/s")
-    print(f"\n{'layer':>11} {'bf16 ms':>8} {'fp8 ms':>8} {'recast':>8} {'current':>8} {'TFLOP/s':>14} {'speedup':>8} {'(current)':>9}")
+    print("\nforward+backward per step, ms (speedup over bf16); fp8 = delayed scaling unless named")
+    print(f"{'layer':>11} | {'eager: bf16':>11} {'fp8':>14} {'current':>14} {'recast':>7} | "
+          f"{'graphed: bf16':>13} {'fp8':>14} {'current':>14}")
     for r in results["layers"]:
-        print(f"{r['shape']:>11} {r['bf16_ms']:8.3f} {r['fp8_delayed_ms']:8.3f} {r['fp8_delayed_recast_ms']:8.3f} "
-              f"{r['fp8_current_ms']:8.3f} {r['bf16_tflops']:6.0f}/{r['fp8_delayed_tflops']:<6.0f} "
-              f"{r['speedup_delayed']:7.2f}x {r['speedup_current']:8.2f}x")
+        print(f"{r['shape']:>11} | {r['bf16_ms']:11.3f} {r['fp8_delayed_ms']:7.3f} ({r['speedup_delayed']:.2f}x) "
+              f"{r['fp8_current_ms']:7.3f} ({r['speedup_current']:.2f}x) {r['fp8_delayed_recast_ms']:7.3f} | "
+              f"{r['bf16_graphed_ms']:13.3f} {r['fp8_delayed_graphed_ms']:7.3f} ({r['speedup_delayed_graphed']:.2f}x) "
+              f"{r['fp8_current_graphed_ms']:7.3f} ({r['speedup_current_graphed']:.2f}x)")
+    b = results["block"]
+    print(f"{'1.3B layer':>11} | {b['bf16_ms']:11.3f} {b['fp8_delayed_ms']:7.3f} ({b['speedup_delayed']:.2f}x) "
+          f"{b['fp8_current_ms']:7.3f} ({b['speedup_current']:.2f}x)   (all four linears, one autocast)")
     print("\nhost (launch) time per step, ms: " + "  ".join(
         f"{r['shape']}: " + "/".join(f"{v:.2f}" for v in r["host_ms"].values()) for r in results["layers"])
         + "  (bf16/fp8 delayed/fp8 current)")

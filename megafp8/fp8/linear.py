@@ -1,6 +1,7 @@
 """Fp8Linear: a drop-in nn.Linear whose three GEMMs run in FP8 under fp8_autocast."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -30,6 +31,11 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(device_index) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 class Fp8Linear(nn.Linear):
@@ -80,7 +86,7 @@ class Fp8Linear(nn.Linear):
         odd = [f"{name}={value}" for name, value in dims.items() if value % GEMM_ALIGNMENT]
         if odd:
             return f"FP8 GEMMs need dimensions divisible by {GEMM_ALIGNMENT} ({', '.join(odd)})"
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        if x.is_cuda and not _has_fp8_tensor_cores(x.device.index):
             return "FP8 GEMMs need a GPU of compute capability 8.9 or newer"
         return None
 

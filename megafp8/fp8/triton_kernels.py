@@ -70,8 +70,17 @@ if triton is not None:
         if ROWWISE:
             tl.store(q_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
         if COLUMNWISE:
-            mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=mask_t)
+            # Pack four consecutive rows into one 32-bit word, then transpose and store words
+            # (qt_ptr is the transposed output viewed as int32): with Triton 3.6 on an H100,
+            # 8-bit stores of a tl.trans'ed tile scrambled a quarter of the bytes.
+            bits = y.to(tl.uint8, bitcast=True).to(tl.uint32)
+            bits = tl.reshape(bits, (BLOCK_M // 4, 4, BLOCK_N))
+            shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+            words = tl.sum(bits << shifts[None, :, None], axis=1)
+            word_rows = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+            word_mask = (cols[:, None] < N) & (word_rows[None, :] < M // 4)
+            tl.store(qt_ptr + cols[:, None] * (M // 4) + word_rows[None, :], tl.trans(words).to(tl.int32),
+                     mask=word_mask)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
             if WRITE_SCALE:
@@ -120,16 +129,19 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
             amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
         amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
-    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
-    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
+    # The packed transposed store needs rows in whole words; other heights transpose in torch.
+    fused_t = columnwise and M % 4 == 0
+    rowwise_out = rowwise or (columnwise and not fused_t)
+    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise_out else None
+    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if fused_t else None
     scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
     write_scale = current and scale_out is not None
     _quantize_kernel[grid](
         x,
-        q if rowwise else qt,
-        qt if columnwise else q,
+        q if rowwise_out else qt,
+        qt.view(torch.int32) if fused_t else q,
         amax if current else scale,
         amax,
         scale_out if write_scale else scale_inv,
@@ -140,15 +152,17 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         fp8_max(fp8_dtype),
         1.0 / (2.0**margin),
         CURRENT=current,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+        ROWWISE=rowwise_out,
+        COLUMNWISE=fused_t,
         WRITE_SCALE=write_scale,
         COL_SUM=col_sum,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
     )
-    return Fp8Tensor(q, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)
+    if columnwise and not fused_t:
+        qt = q.t().contiguous()
+    return Fp8Tensor(q if rowwise else None, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)
 
 
 _address_tables: dict = {}
