@@ -1,8 +1,9 @@
 """Fused Triton kernels of the FP8 core, used on CUDA (the CPU path is plain torch).
 
-- `quantize`: one pass over memory for amax, scale, saturate, cast and the transposed copy
-  (and, when asked, the column sums that are a linear layer's bias gradient). Eager torch
-  needs several passes; on a 16384 x 2048 bf16 tensor that took longer than the FP8 GEMM it fed.
+- `quantize`: amax, scale, saturate, cast and the transposed copy in one launch, reading the
+  input from device memory once and writing each output once (and, when asked, the column
+  sums that are a linear layer's bias gradient). Eager torch needs several passes; on a
+  16384 x 2048 bf16 tensor that took longer than the FP8 GEMM it fed.
 - `update_delayed`: the end-of-pass delayed-scaling update of every layer at once, one launch
   through a table of history/scale addresses, instead of ~25 small torch ops per pass.
 """
@@ -63,24 +64,16 @@ if triton is not None:
             tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
-        # A clamp here is also unsafe: NaN-propagating min/max (tl.clamp, or selects that
-        # LLVM folds into them) corrupt the transposed FP8 store below (triton-lang/triton#11111,
-        # seen with Triton 3.6 on an H100).
-        y = (x * scale).to(q_ptr.dtype.element_ty)
         if ROWWISE:
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+            tl.store(q_ptr + rows[:, None] * N + cols[None, :], (x * scale).to(q_ptr.dtype.element_ty), mask=mask)
         if COLUMNWISE:
-            # Pack four consecutive rows into one 32-bit word, then transpose and store words
-            # (qt_ptr is the transposed output viewed as int32): with Triton 3.6 on an H100,
-            # 8-bit stores of a tl.trans'ed tile scrambled a quarter of the bytes.
-            bits = y.to(tl.uint8, bitcast=True).to(tl.uint32)
-            bits = tl.reshape(bits, (BLOCK_M // 4, 4, BLOCK_N))
-            shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-            words = tl.sum(bits << shifts[None, :, None], axis=1)
-            word_rows = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-            word_mask = (cols[:, None] < N) & (word_rows[None, :] < M // 4)
-            tl.store(qt_ptr + cols[:, None] * (M // 4) + word_rows[None, :], tl.trans(words).to(tl.int32),
-                     mask=word_mask)
+            # Read the tile again, transposed (it is in L2 now), instead of tl.trans: with
+            # Triton 3.6 on an H100, FP8 stores of a tl.trans'ed tile scrambled some bytes,
+            # whatever the formulation (benchmarks/RESULTS.md). This one is exact and as fast.
+            mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+            x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], (x_t * scale).to(qt_ptr.dtype.element_ty),
+                     mask=mask_t)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
             if WRITE_SCALE:
@@ -129,19 +122,16 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
             amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
         amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
-    # The packed transposed store needs rows in whole words; other heights transpose in torch.
-    fused_t = columnwise and M % 4 == 0
-    rowwise_out = rowwise or (columnwise and not fused_t)
-    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise_out else None
-    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if fused_t else None
+    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
+    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
     scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
     write_scale = current and scale_out is not None
     _quantize_kernel[grid](
         x,
-        q if rowwise_out else qt,
-        qt.view(torch.int32) if fused_t else q,
+        q if rowwise else qt,
+        qt if columnwise else q,
         amax if current else scale,
         amax,
         scale_out if write_scale else scale_inv,
@@ -152,17 +142,15 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         fp8_max(fp8_dtype),
         1.0 / (2.0**margin),
         CURRENT=current,
-        ROWWISE=rowwise_out,
-        COLUMNWISE=fused_t,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
         WRITE_SCALE=write_scale,
         COL_SUM=col_sum,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
     )
-    if columnwise and not fused_t:
-        qt = q.t().contiguous()
-    return Fp8Tensor(q if rowwise else None, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)
+    return Fp8Tensor(q, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)
 
 
 _address_tables: dict = {}
