@@ -31,7 +31,9 @@ def assert_same_bytes(a, b, what):
 @pytest.mark.parametrize("delayed", [True, False])
 def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
     x = (torch.randn(shape, device="cuda") * 7).to(hp_dtype)
-    x.view(-1)[3] = 1e6  # beyond FP8's range at any fitted scale below: exercises saturation
+    # An outlier beyond E4M3's range at the delayed scale below (and E5M2's, where the input
+    # dtype can hold it): exercises saturation. Half the dtype's max keeps fp16 finite.
+    x.view(-1)[3] = min(1e6, torch.finfo(hp_dtype).max / 2)
     scale = torch.tensor(0.37, device="cuda") if delayed else None
     for rowwise, columnwise, col_sum in [(True, True, True), (True, False, False), (False, True, False)]:
         out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
@@ -115,11 +117,12 @@ def test_fp8_linear_on_gpu_computes_the_emulated_fp8_gemms(recipe):
     xq = emulate(x.detach().reshape(-1, 256), scales["input"], E4M3)
     wq = emulate(layer.weight.detach(), scales["weight"], E4M3)
     dyq = emulate(dy.reshape(-1, 512), scales["grad_output"], E5M2)
-    # The forward GEMM uses Hopper's fast accumulation, whose accumulator keeps fewer bits
-    # than fp32 (measured 1.9e-4 here): allow 5e-4, still 100x under FP8's own rounding error.
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (measured on an H100:
+    # 1.9e-4 with the forward's fast accumulation, 1.0e-4 without): allow 5e-4, still ~100x
+    # under FP8's own rounding error, so wrong scales, formats or layouts cannot pass.
     assert rel_err(y.detach().reshape(-1, 512), xq @ wq.t() + layer.bias.double()) < 5e-4
-    assert rel_err(x.grad.reshape(-1, 256), dyq @ wq) < 1e-5
-    assert rel_err(layer.weight.grad, dyq.t() @ xq) < 1e-5
+    assert rel_err(x.grad.reshape(-1, 256), dyq @ wq) < 5e-4
+    assert rel_err(layer.weight.grad, dyq.t() @ xq) < 5e-4
     w, b = layer.weight.double(), layer.bias.double()
     x64 = x.detach().double().reshape(-1, 256)
     assert rel_err(y.detach().reshape(-1, 512), x64 @ w.t() + b) < gemm_error_bound(E4M3, E4M3)
