@@ -15,6 +15,7 @@ import io
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -61,23 +62,31 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         outcomes = {}
+        deadline = time.monotonic() + timeout_s
         try:
-            for _ in range(world_size):
-                rank, ok, value = results.get(timeout=timeout_s)
+            while len(outcomes) < world_size and time.monotonic() < deadline:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    # A worker that died without reporting (segfault, OOM kill) fails the test
+                    # now, not at the timeout; the others may be waiting on it in a collective.
+                    if any(w.exitcode not in (None, 0) for w in workers):
+                        break
+                    continue
                 outcomes[rank] = (ok, value)
                 if not ok:
                     break
-        except queue.Empty:
-            pass
         finally:
             for worker in workers:
                 worker.join(timeout=0 if len(outcomes) < world_size else 30)
                 if worker.is_alive():
                     worker.kill()
-    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
-    if failures:
-        raise AssertionError("a distributed test body failed\n" + "\n".join(failures))
+    problems = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
     missing = sorted(set(range(world_size)) - set(outcomes))
     if missing:
-        raise AssertionError(f"ranks {missing} gave no result within {timeout_s}s (hung or crashed)")
+        codes = {rank: workers[rank].exitcode for rank in missing}
+        problems.append(f"ranks {missing} gave no result (exit codes {codes}; None: still running "
+                        f"when stopped, after {timeout_s}s at most)")
+    if problems:
+        raise AssertionError("a distributed test body failed\n" + "\n".join(problems))
     return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]

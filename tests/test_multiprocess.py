@@ -1,0 +1,42 @@
+"""The gloo multi-process helper that every parallel test uses."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from .multiprocess import run_on_ranks
+
+
+def all_reduce_rank(rank, world_size, base):
+    t = torch.tensor([float(rank + base)])
+    dist.all_reduce(t)
+    return {"sum": t.item(), "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"]}
+
+
+def raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    return rank
+
+
+def die_on_rank_one(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_results_come_back_by_rank_with_one_thread_each():
+    results = run_on_ranks(all_reduce_rank, 3, 10)
+    assert [r["sum"] for r in results] == [33.0] * 3
+    assert all(r["threads"] == 1 and r["omp"] == "1" for r in results)
+
+
+def test_an_exception_on_one_rank_fails_with_its_traceback():
+    with pytest.raises(AssertionError, match="rank 1:(.|\\n)*rank one is broken"):
+        run_on_ranks(raise_on_rank_one, 2)
+
+
+def test_a_rank_that_dies_without_a_traceback_fails_fast():
+    with pytest.raises(AssertionError, match=r"exit codes \{1: 3\}"):
+        run_on_ranks(die_on_rank_one, 2, timeout_s=120)
