@@ -47,8 +47,8 @@ class Fp8Linear(nn.Linear):
     reused across micro-batches until it changes: any torch.optim step, and any in-place
     update autograd sees (`copy_`, load_state_dict), refreshes the cast; call
     `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
-    Scaling state per role lives in
-    `fp8_scaling["input" | "weight" | "grad_output"]` and in the state_dict.
+    Scaling state per role lives in `fp8_scaling["input" | "weight" | "grad_output"]` and in
+    the state_dict.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):

@@ -87,7 +87,7 @@ def _quantize_torch(
     if amax_out is not None:
         amax = torch.maximum(amax_out, amax, out=amax_out)
     limit = fp8_max(fp8_dtype)
-    # Saturate first: a plain .to(float8) turns out-of-range values into NaN.
+    # Saturate first: a plain .to(float8) may turn out-of-range values into NaN or inf.
     q = (x.float() * scale).clamp_(-limit, limit).to(fp8_dtype)
     return Fp8Tensor(
         data=q if rowwise else None,
