@@ -1,6 +1,7 @@
 """Where the host (Python + launch) time of an Fp8Linear step goes, on a GPU.
 
     python benchmarks/profile_fp8_linear_host.py [--recipe delayed|current] [--steps 200]
+    python benchmarks/profile_fp8_linear_host.py --ops    # host cost of each building block
 
 The GPU is kept busy by a queued sleep kernel so the host never waits on it; the table is
 cProfile's, sorted by own time. Use it when a layer step is launch-bound (bench_fp8_linear.py
@@ -16,12 +17,65 @@ import torch
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 
 
+def op_costs(repeat=200):
+    """Host time of one call of each building block of an FP8 step (GPU kept busy)."""
+    from megafp8.fp8.formats import E4M3_DTYPE
+    from megafp8.fp8.quantize import quantize
+    from megafp8.fp8.scaling import AmaxPass, ScalingState
+
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    a8 = a.to(E4M3_DTYPE)
+    one = torch.ones((), device="cuda")
+    states = [ScalingState().cuda() for _ in range(2)]
+    recipe = DelayedScaling(amax_history_len=16)
+    for s in states:
+        s.fit_history(16)
+    linear = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+    fp8 = Fp8Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def flush():
+        amax_pass = AmaxPass()
+        for s in states:
+            amax_pass.record(s, 448.0, recipe)
+        amax_pass.flush()
+
+    def fp8_forward():
+        with fp8_autocast(recipe=recipe):
+            fp8(a)
+
+    ops = {
+        "torch.empty": lambda: torch.empty(64, 64, device="cuda"),
+        "tensor.add_ (1 launch)": lambda: a.add_(0),
+        "torch.mm bf16": lambda: torch.mm(a, a),
+        "torch._scaled_mm": lambda: torch._scaled_mm(a8, a8.t(), one, one, out_dtype=torch.bfloat16),
+        "quantize (fused, delayed)": lambda: quantize(a, E4M3_DTYPE, one, columnwise=True),
+        "flush of a pass (2 states)": flush,
+        "nn.Linear forward": lambda: linear(a),
+        "Fp8Linear forward in fp8_autocast": fp8_forward,
+    }
+    print(f"{'operation':36} host us/call")
+    for name, op in ops.items():
+        for _ in range(5):
+            op()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            op()
+        elapsed = (time.perf_counter() - start) / repeat * 1e6
+        torch.cuda.synchronize()
+        print(f"{name:36} {elapsed:8.1f}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ops", action="store_true", help="time each building block instead")
     args = parser.parse_args()
+    if args.ops:
+        return op_costs()
     recipe = DelayedScaling() if args.recipe == "delayed" else CurrentScaling()
     layer = Fp8Linear(2048, 2048, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
