@@ -64,6 +64,11 @@ class ScalingState(nn.Module):
         return f"history_len={self.amax_history.numel()}, updates={self.update_count}"
 
 
+def scaling_states(device=None) -> nn.ModuleDict:
+    """A fresh ScalingState for each role of a linear layer."""
+    return nn.ModuleDict({role: ScalingState() for role in ROLES}).to(device=device)
+
+
 @dataclass
 class _Observation:
     state: ScalingState

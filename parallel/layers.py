@@ -1,0 +1,145 @@
+"""Tensor-parallel linear layers on the FP8 core (Megatron's column/row split).
+
+Both are Fp8Linear subclasses holding this rank's shard of the full weight, so FP8, its
+scaling state and the weight cache work unchanged; the communication around the local GEMM is
+the only thing they add. Weights come from a full master initialised from the global seed and
+sliced, so every tensor-parallel size starts from the same model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.fp8 import Fp8Linear
+from megafp8.fp8.scaling import scaling_states
+
+from .communication import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
+    world_size,
+)
+from .initialization import InitMethod, master_slice, normal_init
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if world_size(group) > 1 else 0
+
+
+class _ShardedLinear(Fp8Linear):
+    """An Fp8Linear whose weight is slice `rank` of a full master split along `partition_dim`."""
+
+    def __init__(self, in_features, out_features, partition_dim, tp_group, bias, bias_features,
+                 init_method, dtype, device):
+        tp = world_size(tp_group)
+        full = (out_features, in_features)
+        if full[partition_dim] % tp:
+            name = ("out_features", "in_features")[partition_dim]
+            raise ValueError(f"{type(self).__name__}: {name}={full[partition_dim]} does not divide over "
+                             f"{tp} tensor-parallel ranks")
+        local = list(full)
+        local[partition_dim] //= tp
+        # Built on the meta device: nn.Linear's own init must not draw from the global RNG,
+        # or the master weights would depend on the tensor-parallel size.
+        super().__init__(local[1], local[0], bias=False, device="meta", dtype=dtype)
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(master_slice(full, partition_dim, _rank(tp_group), tp, init_method, dtype, device))
+        self.bias = nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
+        self.fp8_scaling = scaling_states(device)
+        self.tp_group = tp_group
+        self.tp_size = tp
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """`Y = X A + b` with A split by columns: each rank computes out_features / tp outputs.
+
+    The input is replicated over the tensor-parallel ranks, or with `sequence_parallel` it
+    arrives as this rank's shard of dim 0 (the sequence, Megatron's [s, b, h] layout) and is
+    all-gathered, in FP8 when the GEMM is FP8. `gather_output` all-gathers the output's last
+    dim (else each rank keeps its slice, for a following RowParallelLinear).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_method: InitMethod = normal_init(), dtype=None, device=None):
+        tp = world_size(tp_group)
+        super().__init__(in_features, out_features, 0, tp_group, bias, out_features // max(tp, 1),
+                         init_method, dtype, device)
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y = self._linear(x, self.bias, gather_group=self.tp_group)
+        else:
+            y = self._linear(copy_to_tensor_parallel(x, self.tp_group), self.bias)
+        return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(_ShardedLinear):
+    """`Y = X A + b` with A split by rows: each rank multiplies in_features / tp inputs and the
+    partial outputs are summed (all-reduce), or with `sequence_parallel` summed and split along
+    dim 0 (reduce-scatter). The bias is added after the sum.
+
+    `input_is_parallel`: the input already holds this rank's slice of the last dim (the
+    output of a ColumnParallelLinear); otherwise it is split here. With sequence parallelism
+    the bias gradient on each rank covers only its sequence shard: such parameters carry
+    `sequence_parallel = True`, and their gradients must be summed over the tensor-parallel
+    group before the optimizer step (Megatron does the same).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+                 input_is_parallel: bool = False, sequence_parallel: bool = False,
+                 init_method: InitMethod = normal_init(), dtype=None, device=None):
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        super().__init__(in_features, out_features, 1, tp_group, bias, out_features, init_method, dtype, device)
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if self.bias is not None:
+            self.bias.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.tp_group)
+        y = self._linear(x, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused query/key/value projection as one column-parallel GEMM, with grouped-query
+    attention: `num_kv_heads` key/value heads, each shared by num_heads / num_kv_heads queries.
+
+    Output features are laid out per key/value group, [q heads of the group, k, v], so a
+    contiguous split over tensor-parallel ranks gives each rank whole groups: num_kv_heads / tp
+    of them. `split_heads` turns this rank's output into q, k, v of shape [..., heads, head_dim].
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 tp_group=None, bias: bool = False, sequence_parallel: bool = False,
+                 init_method: InitMethod = normal_init(), dtype=None, device=None):
+        tp = world_size(tp_group)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"QKVParallelLinear: num_heads={num_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if num_kv_heads % tp:
+            raise ValueError(f"QKVParallelLinear: num_kv_heads={num_kv_heads} does not divide over {tp} "
+                             f"tensor-parallel ranks; use a tensor-parallel size that divides it")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp_group=tp_group, bias=bias,
+                         sequence_parallel=sequence_parallel, init_method=init_method, dtype=dtype, device=device)
+
+    def split_heads(self, y: torch.Tensor):
+        """This rank's output [..., local features] as q [..., local heads, head_dim] and k, v
+        [..., local kv heads, head_dim]."""
+        queries_per_group = self.num_heads // self.num_kv_heads
+        groups = y.view(*y.shape[:-1], self.num_kv_heads // self.tp_size, queries_per_group + 2, self.head_dim)
+        q = groups[..., :queries_per_group, :].flatten(-3, -2)
+        return q, groups[..., -2, :], groups[..., -1, :]
