@@ -27,6 +27,11 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return reduce_scatter_rows(x, group)
 
 
+def rank_in(group) -> int:
+    """This process's rank within `group` (0 without one)."""
+    return dist.get_rank(group) if world_size(group) > 1 else 0
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if world_size(group) > 1:
         x = x.contiguous()
@@ -41,7 +46,7 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} equal parts")
-    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(size, dim=dim)[rank_in(group)].contiguous()
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

@@ -8,7 +8,6 @@ sliced, so every tensor-parallel size starts from the same model.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import Fp8Linear
@@ -17,16 +16,13 @@ from megafp8.fp8.scaling import scaling_states
 from .communication import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
+    rank_in,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
     world_size,
 )
 from .initialization import InitMethod, master_slice, normal_init
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if world_size(group) > 1 else 0
 
 
 class _ShardedLinear(Fp8Linear):
@@ -46,7 +42,7 @@ class _ShardedLinear(Fp8Linear):
         # or the master weights would depend on the tensor-parallel size.
         super().__init__(local[1], local[0], bias=False, device="meta", dtype=dtype)
         dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(master_slice(full, partition_dim, _rank(tp_group), tp, init_method, dtype, device))
+        self.weight = nn.Parameter(master_slice(full, partition_dim, rank_in(tp_group), tp, init_method, dtype, device))
         self.bias = nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
         self.fp8_scaling = scaling_states(device)
         self.tp_group = tp_group
