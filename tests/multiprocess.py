@@ -1,4 +1,5 @@
-"""Run a test body in N processes joined by a gloo process group, on the CPU.
+"""Run a test body in N processes joined by a process group: gloo on the CPU (every parallel
+test), or NCCL with one GPU per process (GPU tests).
 
     def body(rank, world_size, x):          # module level, so the children can import it
         ...
@@ -25,11 +26,13 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300
 
 
-def _worker(rank, world_size, store_path, results, fn, args):
+def _worker(rank, world_size, store_path, results, fn, args, backend):
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             # As bytes: a tensor put on the queue as it is travels through shared memory that
             # disappears when this process exits, possibly before the parent reads it.
@@ -42,8 +45,10 @@ def _worker(rank, world_size, store_path, results, fn, args):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-    """Call `fn(rank, world_size, *args)` on `world_size` gloo ranks; return their results by rank."""
+def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo") -> list:
+    """Call `fn(rank, world_size, *args)` on `world_size` ranks; return their results by rank.
+
+    `backend="nccl"` runs rank r on GPU r (for GPU tests; needs world_size GPUs)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     saved = os.environ.get("OMP_NUM_THREADS")
@@ -51,7 +56,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
     with tempfile.TemporaryDirectory() as tmp:
         try:
             workers = [
-                context.Process(target=_worker, args=(rank, world_size, os.path.join(tmp, "store"), results, fn, args))
+                context.Process(target=_worker, args=(rank, world_size, os.path.join(tmp, "store"), results, fn, args, backend))
                 for rank in range(world_size)
             ]
             for worker in workers:
