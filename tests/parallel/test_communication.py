@@ -1,0 +1,38 @@
+"""The collectives under the parallel mappings, including the fallback for backends without
+reduce-scatter (older gloo; torch 2.13's gloo has it, so the fallback is forced here)."""
+import torch
+import torch.distributed as dist
+
+from megafp8.fp8 import collectives
+from megafp8.parallel.communication import all_gather, reduce_scatter, split
+
+from ..multiprocess import run_on_ranks
+
+
+def body(rank, world_size):
+    group = dist.group.WORLD
+    full = torch.randn(world_size * 6, 4 * world_size, generator=torch.Generator().manual_seed(0))
+    out = {
+        "gather_rows": torch.equal(all_gather(split(full, group, 0), group, 0), full),
+        "gather_last_dim": torch.equal(all_gather(split(full, group, -1), group, -1), full),
+        "gather_fp8_bytes": torch.equal(
+            all_gather(split(full, group, 0).to(torch.float8_e4m3fn), group, 0).float(),
+            full.to(torch.float8_e4m3fn).float()),
+    }
+    # Each rank contributes (rank + 1) * full; rank r keeps rows r of the sum.
+    contribution = full * (rank + 1)
+    expected = (full * sum(range(1, world_size + 1))).chunk(world_size)[rank]
+    native = reduce_scatter(contribution, group)
+    collectives._no_reduce_scatter.add(dist.get_backend(group))
+    try:
+        fallback = reduce_scatter(contribution, group)
+    finally:
+        collectives._no_reduce_scatter.discard(dist.get_backend(group))
+    out["reduce_scatter"] = torch.allclose(native, expected, rtol=1e-6, atol=1e-6)
+    out["fallback_equals_native"] = torch.equal(native, fallback)
+    return out
+
+
+def test_collectives_and_reduce_scatter_fallback():
+    for result in run_on_ranks(body, 2):
+        assert all(result.values()), result
