@@ -122,11 +122,33 @@ def errors_for_bad_sizes(group):
     return messages
 
 
+def compare_qkv(rank, tp, group):
+    """Worst relative error of q, k, v and the input gradient against the tp = 1 layer's
+    heads (this rank holds whole key/value groups), FP8 on and off."""
+    heads, kv_heads, head_dim = 8, 4, 8
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
+    worst = 0.0
+    for fp8 in (False, True):
+        outputs = []
+        for layer_group in (None, group):
+            torch.manual_seed(0)
+            qkv = QKVParallelLinear(HIDDEN, heads, kv_heads, head_dim, tp_group=layer_group)
+            xi = x.clone().requires_grad_(True)
+            with fp8_autocast(enabled=fp8, recipe=RECIPE, amax_reduction_group=layer_group):
+                q, k, v = qkv.split_heads(qkv(xi))
+            (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
+            outputs.append((q, k, v, xi.grad))
+        (q0, k0, v0, dx0), (q1, k1, v1, dx1) = outputs
+        worst = max(worst, rel_err(q1, q0.chunk(tp, -2)[rank]), rel_err(k1, k0.chunk(tp, -2)[rank]),
+                    rel_err(v1, v0.chunk(tp, -2)[rank]), rel_err(dx1, dx0))
+    return worst
+
+
 def body(rank, tp):
     group = dist.group.WORLD
     errors, scales = compare_mlp(rank, tp, group)
     return {"errors": errors, "scales": scales, "traffic": sequence_parallel_traffic(rank, tp, group),
-            "bad": errors_for_bad_sizes(group)}
+            "bad": errors_for_bad_sizes(group), "qkv": compare_qkv(rank, tp, group)}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -147,6 +169,8 @@ def test_parallel_mlp_equals_tp1(tp):
         assert ("torch.uint8", m_local * k) in traffic  # the input, gathered in FP8 for fprop
         assert traffic.count(("torch.uint8", m_local * k)) == 2  # and again, transposed, for wgrad
         assert not [t for t in traffic if t[0] != "torch.uint8" and t[1] >= m_local * k]
+
+        assert result["qkv"] < 1e-5, result["qkv"]
 
         bad = result["bad"]
         assert "out_features=33 does not divide over" in bad[0]
