@@ -52,3 +52,21 @@ def test_fp8_tensor_and_sequence_parallel_over_nccl_equal_one_gpu():
         # Same scales and values as one GPU; bf16 outputs and another summation order differ
         # by bf16 rounding at most (2^-8 relative per element).
         assert max(errors) < 4e-3, errors
+
+
+def groups_body(rank, world_size):
+    from megafp8.parallel import ParallelGroups
+
+    sums = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        groups = ParallelGroups(tp, pp)
+        for name in ("tp", "dp", "pp", "model_parallel", "amax_reduction", "embedding"):
+            t = torch.tensor([float(rank)], device="cuda")
+            dist.all_reduce(t, group=getattr(groups, f"{name}_group"))
+            sums[(tp, pp, name)] = (t.item(), float(sum(getattr(groups, f"{name}_ranks"))))
+    return sums
+
+
+def test_process_groups_over_nccl():
+    for sums in run_on_ranks(groups_body, 2, backend="nccl"):
+        assert all(got == expected for got, expected in sums.values()), sums
