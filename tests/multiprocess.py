@@ -40,7 +40,8 @@ def _worker(rank, world_size, store_path, results, fn, args, backend):
             torch.save(fn(rank, world_size, *args), buffer)
             results.put((rank, True, buffer.getvalue()))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the body may have replaced it, or failed to
+                dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 

@@ -187,8 +187,11 @@ def test_no_process_group_and_no_torchrun_environment(monkeypatch):
 
 
 def from_torchrun_environment(rank, world_size, port):
-    """Drop the helper's process group and start again the way torchrun would."""
+    """Drop the helper's process group and start again the way torchrun would on a CPU machine
+    (GPUs hidden, before CUDA is first touched in this process: on a GPU machine from_torchrun
+    would rightly take NCCL and GPU LOCAL_RANK)."""
     dist.destroy_process_group()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     groups = ParallelGroups.from_torchrun(tensor_parallel_size=2, pipeline_parallel_size=2)
