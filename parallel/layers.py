@@ -26,23 +26,28 @@ from .initialization import InitMethod, master_slice, normal_init
 
 
 class _ShardedLinear(Fp8Linear):
-    """An Fp8Linear whose weight is slice `rank` of a full master split along `partition_dim`."""
+    """An Fp8Linear whose weight is slice `rank` of a full master split along `partition_dim`.
+
+    With `stack` > 1 the output features are that many equal matrices side by side (SwiGLU's
+    gate and up); each is split separately, so every rank holds its slice of each."""
 
     def __init__(self, in_features, out_features, partition_dim, tp_group, bias, bias_features,
-                 init_method, dtype, device):
+                 init_method, dtype, device, stack=1):
         tp = world_size(tp_group)
         full = (out_features, in_features)
-        if full[partition_dim] % tp:
+        if full[partition_dim] % (tp * stack):
             name = ("out_features", "in_features")[partition_dim]
             raise ValueError(f"{type(self).__name__}: {name}={full[partition_dim]} does not divide over "
-                             f"{tp} tensor-parallel ranks")
+                             f"{tp} tensor-parallel ranks" + (f" x {stack} stacked matrices" if stack > 1 else ""))
         local = list(full)
         local[partition_dim] //= tp
         # Built on the meta device: nn.Linear's own init must not draw from the global RNG,
         # or the master weights would depend on the tensor-parallel size.
         super().__init__(local[1], local[0], bias=False, device="meta", dtype=dtype)
         dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(master_slice(full, partition_dim, rank_in(tp_group), tp, init_method, dtype, device))
+        stacked = (stack, full[0] // stack, full[1])
+        weight = master_slice(stacked, partition_dim + 1, rank_in(tp_group), tp, init_method, dtype, device)
+        self.weight = nn.Parameter(weight.reshape(local))
         self.bias = nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
         self.fp8_scaling = scaling_states(device)
         self.tp_group = tp_group
@@ -55,15 +60,18 @@ class ColumnParallelLinear(_ShardedLinear):
     The input is replicated over the tensor-parallel ranks, or with `sequence_parallel` it
     arrives as this rank's shard of dim 0 (the sequence, Megatron's [s, b, h] layout) and is
     all-gathered, in FP8 when the GEMM is FP8. `gather_output` all-gathers the output's last
-    dim (else each rank keeps its slice, for a following RowParallelLinear).
+    dim (else each rank keeps its slice, for a following RowParallelLinear). `stack` > 1: the
+    output is that many matrices side by side (SwiGLU's gate and up, `stack=2`), each split
+    over tp: this rank's output is its slice of each, in that order (gather_output must be off).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 init_method: InitMethod = normal_init(), dtype=None, device=None):
+                 init_method: InitMethod = normal_init(), stack: int = 1, dtype=None, device=None):
         tp = world_size(tp_group)
         super().__init__(in_features, out_features, 0, tp_group, bias, out_features // max(tp, 1),
-                         init_method, dtype, device)
+                         init_method, dtype, device, stack)
+        self.stack = stack
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp > 1
 

@@ -1,0 +1,165 @@
+"""One decoder-only transformer, configured into GPT or Llama, built from tensor-parallel FP8
+layers. Activations are [sequence, batch, hidden] inside (Megatron's layout, which sequence
+parallelism splits along the sequence); the model takes token ids [batch, sequence].
+
+    model = TransformerLM(preset("llama-tiny"), tp_group=groups.tp_group)
+    with fp8_autocast(recipe=DelayedScaling(), amax_reduction_group=groups.amax_reduction_group):
+        loss = model(tokens, labels=labels).mean()
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.fp8 import fp8_autocast
+from megafp8.parallel import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    normal_init,
+    vocab_parallel_cross_entropy,
+)
+from megafp8.parallel.communication import copy_to_tensor_parallel, rank_in, world_size
+
+from .config import TransformerConfig
+from .rope import apply_rotary, rotary_tables
+
+
+def make_norm(config: TransformerConfig, dtype, device) -> nn.Module:
+    if config.normalization == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device):
+        super().__init__()
+        self.qkv = QKVParallelLinear(config.hidden_size, config.num_attention_heads, config.kv_heads,
+                                     config.head_dim, tp_group=tp_group, bias=config.bias,
+                                     init_method=normal_init(config.init_method_std), dtype=dtype, device=device)
+        self.proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                      tp_group=tp_group, bias=config.bias, input_is_parallel=True,
+                                      init_method=output_init, dtype=dtype, device=device)
+        self.dropout = config.attention_dropout
+
+    def forward(self, x, rotary):
+        q, k, v = self.qkv.split_heads(self.qkv(x))  # [s, b, heads, head_dim]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(out.permute(2, 0, 1, 3).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device):
+        super().__init__()
+        self.gated = config.activation == "swiglu"
+        # SwiGLU's gate and up projections run as one GEMM: two stacked column-parallel matrices.
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if self.gated else 1),
+                                        tp_group=tp_group, bias=config.bias, stack=2 if self.gated else 1,
+                                        init_method=normal_init(config.init_method_std), dtype=dtype, device=device)
+        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.bias,
+                                     input_is_parallel=True, init_method=output_init, dtype=dtype, device=device)
+        self.activation = config.activation
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, tp_group, dtype, device):
+        super().__init__()
+        # Megatron's scaled init for the layers that write into the residual stream.
+        output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
+        self.input_norm = make_norm(config, dtype, device)
+        self.attention = Attention(config, tp_group, output_init, dtype, device)
+        self.mlp_norm = make_norm(config, dtype, device)
+        self.mlp = MLP(config, tp_group, output_init, dtype, device)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, x, rotary):
+        x = x + F.dropout(self.attention(self.input_norm(x), rotary), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+
+
+class TransformerLM(nn.Module):
+    """A GPT or Llama language model (by its config) on tensor-parallel FP8 layers.
+
+    Every linear of the transformer layers runs in FP8 under fp8_autocast; embeddings, norms,
+    attention and the output layer stay in the parameters' dtype (`fp8_output_layer=True` runs
+    the output layer in FP8 too). Weights are drawn from the global seed as full tensors and
+    sliced, so any tensor-parallel size builds the same model.
+    """
+
+    def __init__(self, config: TransformerConfig, *, tp_group=None, fp8_output_layer: bool = False,
+                 dtype=None, device=None):
+        super().__init__()
+        tp = world_size(tp_group)
+        config.validate_tensor_parallel(tp)
+        self.config, self.tp_group, self.fp8_output_layer = config, tp_group, fp8_output_layer
+        self.vocab_size = config.padded_vocab_size(tp)
+        std = config.init_method_std
+        self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, tp_group=tp_group,
+                                                init_method=normal_init(std), dtype=dtype, device=device)
+        if config.position_embedding == "learned":
+            self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                   dtype=dtype, device="meta")
+            master = torch.empty(config.max_position_embeddings, config.hidden_size)
+            normal_init(std)(master)
+            self.position_embedding.weight = nn.Parameter(master.to(device=device, dtype=dtype or torch.float32))
+        else:
+            cos, sin = rotary_tables(config.max_position_embeddings, config.head_dim, config.rope_theta,
+                                     config.rope_scaling)
+            self.register_buffer("rotary_cos", cos.to(device), persistent=False)
+            self.register_buffer("rotary_sin", sin.to(device), persistent=False)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, dtype, device)
+                                    for _ in range(config.num_layers))
+        self.final_norm = make_norm(config, dtype, device)
+        self.output_layer = None if config.tie_embeddings else ColumnParallelLinear(
+            config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, init_method=normal_init(std),
+            dtype=dtype, device=device)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [batch, seq] -> this rank's vocabulary shard of the logits [batch, seq,
+        vocab/tp], or with `labels` [batch, seq] the per-token loss [batch, seq] (fp32)."""
+        x = self.embedding(tokens.t())  # [s, b, h]
+        rotary = None
+        if self.config.position_embedding == "learned":
+            x = x + self.position_embedding.weight[: tokens.shape[1], None, :]
+        else:
+            rotary = (self.rotary_cos, self.rotary_sin)
+        for layer in self.layers:
+            x = layer(x, rotary)
+        logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
+    def _logits(self, x):
+        with contextlib.nullcontext() if self.fp8_output_layer else fp8_autocast(enabled=False):
+            if self.output_layer is not None:
+                logits = self.output_layer(x)
+            else:
+                logits = F.linear(copy_to_tensor_parallel(x, self.tp_group), self.embedding.weight)
+        # The padded vocabulary entries are no tokens: give them no probability (and no gradient).
+        start = rank_in(self.tp_group) * logits.shape[-1]
+        padding = start + logits.shape[-1] - self.config.vocab_size
+        if padding > 0:
+            mask = torch.arange(start, start + logits.shape[-1], device=logits.device) >= self.config.vocab_size
+            logits = logits.masked_fill(mask, float("-inf"))
+        return logits
