@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megafp8.fp8 import fp8_autocast
 from megafp8.parallel import (
@@ -36,8 +37,11 @@ def make_norm(config: TransformerConfig, dtype, device) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
 
 
+RECOMPUTE = ("none", "selective")
+
+
 class Attention(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device):
+    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device, recompute_core=False):
         super().__init__()
         self.qkv = QKVParallelLinear(config.hidden_size, config.num_attention_heads, config.kv_heads,
                                      config.head_dim, tp_group=tp_group, bias=config.bias,
@@ -46,15 +50,24 @@ class Attention(nn.Module):
                                       tp_group=tp_group, bias=config.bias, input_is_parallel=True,
                                       init_method=output_init, dtype=dtype, device=device)
         self.dropout = config.attention_dropout
+        self.recompute_core = recompute_core
 
     def forward(self, x, rotary):
         q, k, v = self.qkv.split_heads(self.qkv(x))  # [s, b, heads, head_dim]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.recompute_core:
+            # Selective recomputation: keep only q, k, v and redo the attention core in backward.
+            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            out = self._core(q, k, v)
+        return self.proj(out)
+
+    def _core(self, q, k, v):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
                                              dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(out.permute(2, 0, 1, 3).flatten(2))
+        return out.permute(2, 0, 1, 3).flatten(2)
 
 
 class MLP(nn.Module):
@@ -80,21 +93,24 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
+    With `high_precision`, its linears stay out of FP8 even under fp8_autocast."""
 
-    def __init__(self, config: TransformerConfig, tp_group, dtype, device):
+    def __init__(self, config: TransformerConfig, tp_group, dtype, device, recompute="none", high_precision=False):
         super().__init__()
         # Megatron's scaled init for the layers that write into the residual stream.
         output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
         self.input_norm = make_norm(config, dtype, device)
-        self.attention = Attention(config, tp_group, output_init, dtype, device)
+        self.attention = Attention(config, tp_group, output_init, dtype, device, recompute_core=recompute == "selective")
         self.mlp_norm = make_norm(config, dtype, device)
         self.mlp = MLP(config, tp_group, output_init, dtype, device)
         self.dropout = config.hidden_dropout
+        self.high_precision = high_precision
 
     def forward(self, x, rotary):
-        x = x + F.dropout(self.attention(self.input_norm(x), rotary), self.dropout, self.training)
-        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+        with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
+            x = x + F.dropout(self.attention(self.input_norm(x), rotary), self.dropout, self.training)
+            return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 
 
 class TransformerLM(nn.Module):
@@ -102,15 +118,22 @@ class TransformerLM(nn.Module):
 
     Every linear of the transformer layers runs in FP8 under fp8_autocast; embeddings, norms,
     attention and the output layer stay in the parameters' dtype (`fp8_output_layer=True` runs
-    the output layer in FP8 too). Weights are drawn from the global seed as full tensors and
-    sliced, so any tensor-parallel size builds the same model.
+    the output layer in FP8 too; `first_last_layers_bf16=N` keeps the first and last N layers
+    out of FP8, as Megatron's --first-last-layers-bf16). `recompute="selective"` recomputes each
+    attention core in backward instead of keeping its activations. Weights are drawn from the
+    global seed as full tensors and sliced, so any tensor-parallel size builds the same model.
     """
 
     def __init__(self, config: TransformerConfig, *, tp_group=None, fp8_output_layer: bool = False,
-                 dtype=None, device=None):
+                 first_last_layers_bf16: int = 0, recompute: str = "none", dtype=None, device=None):
         super().__init__()
         tp = world_size(tp_group)
         config.validate_tensor_parallel(tp)
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        if not 0 <= first_last_layers_bf16 <= config.num_layers:
+            raise ValueError(f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
+                             f"num_layers={config.num_layers}")
         self.config, self.tp_group, self.fp8_output_layer = config, tp_group, fp8_output_layer
         self.vocab_size = config.padded_vocab_size(tp)
         std = config.init_method_std
@@ -127,8 +150,11 @@ class TransformerLM(nn.Module):
                                      config.rope_scaling)
             self.register_buffer("rotary_cos", cos.to(device), persistent=False)
             self.register_buffer("rotary_sin", sin.to(device), persistent=False)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, dtype, device)
-                                    for _ in range(config.num_layers))
+        edge = first_last_layers_bf16
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, tp_group, dtype, device, recompute,
+                             high_precision=i < edge or i >= config.num_layers - edge)
+            for i in range(config.num_layers))
         self.final_norm = make_norm(config, dtype, device)
         self.output_layer = None if config.tie_embeddings else ColumnParallelLinear(
             config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, init_method=normal_init(std),

@@ -1,0 +1,55 @@
+"""Model options: layers kept out of FP8, the FP8 output layer, selective recomputation."""
+import pytest
+import torch
+
+from megafp8 import DelayedScaling, fp8_autocast
+from megafp8.models import TransformerLM, preset
+
+CONFIG = preset("llama-tiny")
+TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+LABELS = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+def run(fp8=True, **options):
+    torch.manual_seed(0)
+    model = TransformerLM(CONFIG, **options)
+    with fp8_autocast(enabled=fp8, recipe=DelayedScaling(amax_history_len=4)):
+        loss = model(TOKENS, labels=LABELS)
+    loss.mean().backward()
+    return model, loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def fp8_passes(module):
+    return max(state.update_count for state in module.fp8_scaling.values())
+
+
+def test_first_and_last_layers_can_stay_out_of_fp8():
+    model, loss, _ = run(first_last_layers_bf16=1)  # both layers of the tiny model
+    assert all(fp8_passes(m) == 0 for m in model.modules() if hasattr(m, "fp8_scaling"))
+    _, reference, _ = run(fp8=False)
+    assert torch.equal(loss, reference)
+    model, _, _ = run(first_last_layers_bf16=0)
+    assert fp8_passes(model.layers[0].mlp.fc1) == 1 and fp8_passes(model.layers[1].attention.qkv) == 1
+
+
+def test_output_layer_runs_in_fp8_only_when_asked():
+    model, _, _ = run()
+    assert fp8_passes(model.output_layer) == 0
+    model, _, _ = run(fp8_output_layer=True)
+    assert fp8_passes(model.output_layer) == 1
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_selective_recomputation_does_not_change_gradients(fp8):
+    _, loss, grads = run(fp8=fp8)
+    _, recomputed_loss, recomputed = run(fp8=fp8, recompute="selective")
+    assert torch.equal(loss, recomputed_loss)
+    for name in grads:
+        assert torch.equal(grads[name], recomputed[name]), name
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        TransformerLM(CONFIG, recompute="everything")
+    with pytest.raises(ValueError, match="first_last_layers_bf16=3 must be between 0 and num_layers=2"):
+        TransformerLM(CONFIG, first_last_layers_bf16=3)
