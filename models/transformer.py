@@ -25,7 +25,12 @@ from megafp8.parallel import (
     normal_init,
     vocab_parallel_cross_entropy,
 )
-from megafp8.parallel.communication import copy_to_tensor_parallel, rank_in, world_size
+from megafp8.parallel.communication import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    rank_in,
+    world_size,
+)
 
 from .config import TransformerConfig
 from .rope import apply_rotary, rotary_tables
@@ -41,14 +46,14 @@ RECOMPUTE = ("none", "selective")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device, recompute_core=False):
+    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, recompute_core=False):
         super().__init__()
         self.qkv = QKVParallelLinear(config.hidden_size, config.num_attention_heads, config.kv_heads,
-                                     config.head_dim, tp_group=tp_group, bias=config.bias,
+                                     config.head_dim, tp_group=tp_group, bias=config.bias, sequence_parallel=sp,
                                      init_method=normal_init(config.init_method_std), dtype=dtype, device=device)
         self.proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                       tp_group=tp_group, bias=config.bias, input_is_parallel=True,
-                                      init_method=output_init, dtype=dtype, device=device)
+                                      sequence_parallel=sp, init_method=output_init, dtype=dtype, device=device)
         self.dropout = config.attention_dropout
         self.recompute_core = recompute_core
 
@@ -71,15 +76,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, output_init, dtype, device):
+    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device):
         super().__init__()
         self.gated = config.activation == "swiglu"
         # SwiGLU's gate and up projections run as one GEMM: two stacked column-parallel matrices.
         self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if self.gated else 1),
                                         tp_group=tp_group, bias=config.bias, stack=2 if self.gated else 1,
-                                        init_method=normal_init(config.init_method_std), dtype=dtype, device=device)
+                                        sequence_parallel=sp, init_method=normal_init(config.init_method_std),
+                                        dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.bias,
-                                     input_is_parallel=True, init_method=output_init, dtype=dtype, device=device)
+                                     input_is_parallel=True, sequence_parallel=sp, init_method=output_init,
+                                     dtype=dtype, device=device)
         self.activation = config.activation
 
     def forward(self, x):
@@ -96,14 +103,16 @@ class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
     With `high_precision`, its linears stay out of FP8 even under fp8_autocast."""
 
-    def __init__(self, config: TransformerConfig, tp_group, dtype, device, recompute="none", high_precision=False):
+    def __init__(self, config: TransformerConfig, tp_group, sp, dtype, device, recompute="none",
+                 high_precision=False):
         super().__init__()
         # Megatron's scaled init for the layers that write into the residual stream.
         output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
         self.input_norm = make_norm(config, dtype, device)
-        self.attention = Attention(config, tp_group, output_init, dtype, device, recompute_core=recompute == "selective")
+        self.attention = Attention(config, tp_group, sp, output_init, dtype, device,
+                                   recompute_core=recompute == "selective")
         self.mlp_norm = make_norm(config, dtype, device)
-        self.mlp = MLP(config, tp_group, output_init, dtype, device)
+        self.mlp = MLP(config, tp_group, sp, output_init, dtype, device)
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
 
@@ -120,14 +129,20 @@ class TransformerLM(nn.Module):
     attention and the output layer stay in the parameters' dtype (`fp8_output_layer=True` runs
     the output layer in FP8 too; `first_last_layers_bf16=N` keeps the first and last N layers
     out of FP8, as Megatron's --first-last-layers-bf16). `recompute="selective"` recomputes each
-    attention core in backward instead of keeping its activations. Weights are drawn from the
-    global seed as full tensors and sliced, so any tensor-parallel size builds the same model.
+    attention core in backward instead of keeping its activations. `sequence_parallel` keeps the
+    residual stream, norms and dropout on this rank's sequence shard between the tensor-parallel
+    regions; the parameters used there carry `param.sequence_parallel = True`, and their
+    gradients must be summed over the tensor-parallel group before the optimizer step. Weights
+    are drawn from the global seed as full tensors and sliced, so any tensor-parallel size
+    builds the same model.
     """
 
-    def __init__(self, config: TransformerConfig, *, tp_group=None, fp8_output_layer: bool = False,
-                 first_last_layers_bf16: int = 0, recompute: str = "none", dtype=None, device=None):
+    def __init__(self, config: TransformerConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 fp8_output_layer: bool = False, first_last_layers_bf16: int = 0, recompute: str = "none",
+                 dtype=None, device=None):
         super().__init__()
         tp = world_size(tp_group)
+        self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -138,7 +153,8 @@ class TransformerLM(nn.Module):
         self.vocab_size = config.padded_vocab_size(tp)
         std = config.init_method_std
         self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, tp_group=tp_group,
-                                                init_method=normal_init(std), dtype=dtype, device=device)
+                                                sequence_parallel=sp, init_method=normal_init(std),
+                                                dtype=dtype, device=device)
         if config.position_embedding == "learned":
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                    dtype=dtype, device="meta")
@@ -152,21 +168,31 @@ class TransformerLM(nn.Module):
             self.register_buffer("rotary_sin", sin.to(device), persistent=False)
         edge = first_last_layers_bf16
         self.layers = nn.ModuleList(
-            TransformerLayer(config, tp_group, dtype, device, recompute,
+            TransformerLayer(config, tp_group, sp, dtype, device, recompute,
                              high_precision=i < edge or i >= config.num_layers - edge)
             for i in range(config.num_layers))
         self.final_norm = make_norm(config, dtype, device)
         self.output_layer = None if config.tie_embeddings else ColumnParallelLinear(
-            config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, init_method=normal_init(std),
-            dtype=dtype, device=device)
+            config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
+            init_method=normal_init(std), dtype=dtype, device=device)
+        if sp:  # used on the sequence shard: each rank's gradient covers only its shard
+            shard_modules = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
+            for param in [p for m in shard_modules for p in m.parameters()] + (
+                    [self.position_embedding.weight] if config.position_embedding == "learned" else []):
+                param.sequence_parallel = True
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] -> this rank's vocabulary shard of the logits [batch, seq,
         vocab/tp], or with `labels` [batch, seq] the per-token loss [batch, seq] (fp32)."""
-        x = self.embedding(tokens.t())  # [s, b, h]
+        tp = world_size(self.tp_group)
+        if self.sequence_parallel and tokens.shape[1] % tp:
+            raise ValueError(f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
+                             f"ranks (sequence parallelism needs it to)")
+        x = self.embedding(tokens.t())  # [s, b, h], or this rank's [s / tp, b, h] shard
         rotary = None
         if self.config.position_embedding == "learned":
-            x = x + self.position_embedding.weight[: tokens.shape[1], None, :]
+            start = rank_in(self.tp_group) * x.shape[0] if self.sequence_parallel else 0
+            x = x + self.position_embedding.weight[start : start + x.shape[0], None, :]
         else:
             rotary = (self.rotary_cos, self.rotary_sin)
         for layer in self.layers:
@@ -180,6 +206,8 @@ class TransformerLM(nn.Module):
         with contextlib.nullcontext() if self.fp8_output_layer else fp8_autocast(enabled=False):
             if self.output_layer is not None:
                 logits = self.output_layer(x)
+            elif self.sequence_parallel:
+                logits = F.linear(gather_from_sequence_parallel(x, self.tp_group), self.embedding.weight)
             else:
                 logits = F.linear(copy_to_tensor_parallel(x, self.tp_group), self.embedding.weight)
         # The padded vocabulary entries are no tokens: give them no probability (and no gradient).
