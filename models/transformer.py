@@ -138,69 +138,94 @@ class TransformerLM(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 fp8_output_layer: bool = False, first_last_layers_bf16: int = 0, recompute: str = "none",
-                 dtype=None, device=None):
+                 layers: tuple[int, int] | None = None, seed: int = 0, fp8_output_layer: bool = False,
+                 first_last_layers_bf16: int = 0, recompute: str = "none", dtype=None, device=None):
         super().__init__()
         tp = world_size(tp_group)
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
+        first, last = layers if layers is not None else (0, config.num_layers)
+        if not 0 <= first < last <= config.num_layers:
+            raise ValueError(f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if not 0 <= first_last_layers_bf16 <= config.num_layers:
             raise ValueError(f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
                              f"num_layers={config.num_layers}")
         self.config, self.tp_group, self.fp8_output_layer = config, tp_group, fp8_output_layer
+        # A pipeline stage: the first owns the embedding, the last the final norm, output and loss.
+        self.pre_process, self.post_process = first == 0, last == config.num_layers
         self.vocab_size = config.padded_vocab_size(tp)
         std = config.init_method_std
-        self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, tp_group=tp_group,
-                                                sequence_parallel=sp, init_method=normal_init(std),
-                                                dtype=dtype, device=device)
-        if config.position_embedding == "learned":
+
+        def seeded(index, build):
+            # Each component draws its master weights from its own seed, so a stage holds exactly
+            # the full model's weights for its layers, whatever the pipeline layout.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + index)
+                return build()
+
+        if self.pre_process or (self.post_process and config.tie_embeddings):
+            # A last stage with tied embeddings holds its own copy, initialised identically
+            # (kept in sync with the first stage's through the embedding group).
+            self.embedding = seeded(0, lambda: VocabParallelEmbedding(
+                self.vocab_size, config.hidden_size, tp_group=tp_group, sequence_parallel=sp,
+                init_method=normal_init(std), dtype=dtype, device=device))
+        if self.pre_process and config.position_embedding == "learned":
+            master = seeded(1, lambda: torch.empty(config.max_position_embeddings, config.hidden_size).normal_(0, std))
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                    dtype=dtype, device="meta")
-            master = torch.empty(config.max_position_embeddings, config.hidden_size)
-            normal_init(std)(master)
             self.position_embedding.weight = nn.Parameter(master.to(device=device, dtype=dtype or torch.float32))
-        else:
+        if config.position_embedding == "rope":
             cos, sin = rotary_tables(config.max_position_embeddings, config.head_dim, config.rope_theta,
                                      config.rope_scaling)
             self.register_buffer("rotary_cos", cos.to(device), persistent=False)
             self.register_buffer("rotary_sin", sin.to(device), persistent=False)
         edge = first_last_layers_bf16
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, tp_group, sp, dtype, device, recompute,
-                             high_precision=i < edge or i >= config.num_layers - edge)
-            for i in range(config.num_layers))
-        self.final_norm = make_norm(config, dtype, device)
-        self.output_layer = None if config.tie_embeddings else ColumnParallelLinear(
-            config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
-            init_method=normal_init(std), dtype=dtype, device=device)
+        # Keyed by the global layer index: parameter names are the same under any pipeline layout.
+        self.layers = nn.ModuleDict({
+            str(i): seeded(3 + i, lambda i=i: TransformerLayer(
+                config, tp_group, sp, dtype, device, recompute,
+                high_precision=i < edge or i >= config.num_layers - edge))
+            for i in range(first, last)})
+        if self.post_process:
+            self.final_norm = make_norm(config, dtype, device)
+            self.output_layer = None if config.tie_embeddings else seeded(2, lambda: ColumnParallelLinear(
+                config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
+                init_method=normal_init(std), dtype=dtype, device=device))
         if sp:  # used on the sequence shard: each rank's gradient covers only its shard
             shard_modules = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
             for param in [p for m in shard_modules for p in m.parameters()] + (
-                    [self.position_embedding.weight] if config.position_embedding == "learned" else []):
+                    [self.position_embedding.weight] if hasattr(self, "position_embedding") else []):
                 param.sequence_parallel = True
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [batch, seq] -> this rank's vocabulary shard of the logits [batch, seq,
-        vocab/tp], or with `labels` [batch, seq] the per-token loss [batch, seq] (fp32)."""
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage takes token ids [batch, seq]; later stages the previous stage's
+        hidden states [seq, batch, hidden] (this rank's sequence shard with sequence
+        parallelism). Stages before the last return hidden states; the last returns this
+        rank's vocabulary shard of the logits [batch, seq, vocab/tp], or with `labels`
+        [batch, seq] the per-token loss [batch, seq] (fp32)."""
+        x = self._embed(inputs) if self.pre_process else inputs
+        rotary = (self.rotary_cos, self.rotary_sin) if self.config.position_embedding == "rope" else None
+        for layer in self.layers.values():
+            x = layer(x, rotary)
+        if not self.post_process:
+            return x
+        logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
+    def _embed(self, tokens):
         tp = world_size(self.tp_group)
         if self.sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
                              f"ranks (sequence parallelism needs it to)")
         x = self.embedding(tokens.t())  # [s, b, h], or this rank's [s / tp, b, h] shard
-        rotary = None
         if self.config.position_embedding == "learned":
             start = rank_in(self.tp_group) * x.shape[0] if self.sequence_parallel else 0
             x = x + self.position_embedding.weight[start : start + x.shape[0], None, :]
-        else:
-            rotary = (self.rotary_cos, self.rotary_sin)
-        for layer in self.layers:
-            x = layer(x, rotary)
-        logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
-        if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        return x
 
     def _logits(self, x):
         with contextlib.nullcontext() if self.fp8_output_layer else fp8_autocast(enabled=False):

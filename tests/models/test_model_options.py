@@ -29,7 +29,7 @@ def test_first_and_last_layers_can_stay_out_of_fp8():
     _, reference, _ = run(fp8=False)
     assert torch.equal(loss, reference)
     model, _, _ = run(first_last_layers_bf16=0)
-    assert fp8_passes(model.layers[0].mlp.fc1) == 1 and fp8_passes(model.layers[1].attention.qkv) == 1
+    assert fp8_passes(model.layers["0"].mlp.fc1) == 1 and fp8_passes(model.layers["1"].attention.qkv) == 1
 
 
 def test_output_layer_runs_in_fp8_only_when_asked():

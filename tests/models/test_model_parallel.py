@@ -89,7 +89,7 @@ def sequence_parallel_body(rank, tp, name):
         for sp in (False, True):
             torch.manual_seed(0)
             model = TransformerLM(config, tp_group=group, sequence_parallel=sp)
-            layer = model.layers[0]
+            layer = model.layers["0"]
             assert model.embedding.sequence_parallel == layer.attention.qkv.sequence_parallel == sp
             assert layer.mlp.fc2.sequence_parallel == sp and hasattr(layer.input_norm.weight, "sequence_parallel") == sp
             result = step(model, tokens, labels, fp8, group)
