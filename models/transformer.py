@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megafp8.fp8 import fp8_autocast
+from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
+from megafp8.fp8.autocast import current_fp8_context
 from megafp8.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -42,7 +43,7 @@ def make_norm(config: TransformerConfig, dtype, device) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
 
 
-RECOMPUTE = ("none", "selective")
+RECOMPUTE = ("none", "selective", "full")
 
 
 class Attention(nn.Module):
@@ -115,8 +116,23 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, tp_group, sp, output_init, dtype, device)
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
+        self.recompute_full = recompute == "full"
 
     def forward(self, x, rotary):
+        if not (self.recompute_full and torch.is_grad_enabled()):
+            return self._forward(x, rotary)
+        # Full recomputation: keep only the input and redo the layer in backward, under the FP8
+        # context of this forward and with the scales its casts used (snapshotted right after it,
+        # before the end of the pass updates them).
+        context, scales = current_fp8_context(), {}
+        out = checkpoint(self._forward, x, rotary, use_reentrant=False,
+                         context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
+        if context is not None:
+            for linear in (m for m in self.modules() if isinstance(m, Fp8Linear)):
+                scales[id(linear.fp8_scaling["input"])] = linear.fp8_scaling["input"].scale.clone()
+        return out
+
+    def _forward(self, x, rotary):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
             x = x + F.dropout(self.attention(self.input_norm(x), rotary), self.dropout, self.training)
             return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
@@ -129,7 +145,8 @@ class TransformerLM(nn.Module):
     attention and the output layer stay in the parameters' dtype (`fp8_output_layer=True` runs
     the output layer in FP8 too; `first_last_layers_bf16=N` keeps the first and last N layers
     out of FP8, as Megatron's --first-last-layers-bf16). `recompute="selective"` recomputes each
-    attention core in backward instead of keeping its activations. `sequence_parallel` keeps the
+    attention core in backward instead of keeping its activations; `"full"` recomputes whole
+    layers from their inputs, with the FP8 scales their forward used. `sequence_parallel` keeps the
     residual stream, norms and dropout on this rank's sequence shard between the tensor-parallel
     regions; the parameters used there carry `param.sequence_parallel = True`, and their
     gradients must be summed over the tensor-parallel group before the optimizer step. Weights

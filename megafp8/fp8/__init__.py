@@ -2,7 +2,7 @@
 
 Knows nothing of parallelism or models: process groups come in as arguments.
 """
-from .autocast import fp8_autocast
+from .autocast import fp8_autocast, fp8_recompute
 from .formats import Format, fp8_max
 from .gemm import fp8_gemm
 from .linear import Fp8Linear
@@ -19,6 +19,7 @@ __all__ = [
     "OverrideLinearPrecision",
     "ScalingState",
     "fp8_autocast",
+    "fp8_recompute",
     "fp8_gemm",
     "fp8_max",
     "quantize",

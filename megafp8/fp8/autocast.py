@@ -19,11 +19,13 @@ from .scaling import AmaxPass
 
 @dataclass(frozen=True)
 class Fp8Context:
-    """What an Fp8Linear needs to know about the fp8_autocast it runs under."""
+    """What an Fp8Linear needs to know about the fp8_autocast it runs under. `replay_scales`
+    (id of a ScalingState -> the scale it cast with) marks the recomputation of a forward."""
 
     recipe: Recipe
     amax_reduction_group: Optional[dist.ProcessGroup]
     forward_pass: AmaxPass
+    replay_scales: Optional[dict] = None
 
 
 _local = threading.local()
@@ -70,6 +72,23 @@ def fp8_autocast(
         stack.pop()
     if context is not None:
         context.forward_pass.flush()
+
+
+@contextlib.contextmanager
+def fp8_recompute(context: Optional[Fp8Context], scales: dict):
+    """Recompute a forward that ran under `context` (None: without FP8) exactly as it ran: the
+    same recipe and group, each cast with the scale it used then (`scales`, filled after that
+    forward), and no amax recorded twice. For activation checkpointing."""
+    if context is None:
+        with fp8_autocast(enabled=False):
+            yield
+        return
+    stack = _stack()
+    stack.append(Fp8Context(context.recipe, context.amax_reduction_group, AmaxPass(), replay_scales=scales))
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 # Backward amaxes, per autograd graph task and reduction group, applied when that task ends.

@@ -39,13 +39,45 @@ def test_output_layer_runs_in_fp8_only_when_asked():
     assert fp8_passes(model.output_layer) == 1
 
 
+def train(steps, fp8, **options):
+    """Losses and final gradients of a few SGD steps: later steps' casts use scales that the
+    end of each pass has changed since, which a recomputation must not pick up."""
+    torch.manual_seed(0)
+    model = TransformerLM(CONFIG, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with fp8_autocast(enabled=fp8, recipe=DelayedScaling(amax_history_len=4)):
+            loss = model(TOKENS, labels=LABELS)
+        loss.mean().backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses, {name: p.grad for name, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-def test_selective_recomputation_does_not_change_gradients(fp8):
-    _, loss, grads = run(fp8=fp8)
-    _, recomputed_loss, recomputed = run(fp8=fp8, recompute="selective")
-    assert torch.equal(loss, recomputed_loss)
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_does_not_change_losses_or_gradients(recompute, fp8):
+    losses, grads = train(3, fp8)
+    recomputed_losses, recomputed = train(3, fp8, recompute=recompute)
+    for a, b in zip(losses, recomputed_losses):
+        assert torch.equal(a, b)
     for name in grads:
         assert torch.equal(grads[name], recomputed[name]), name
+
+
+def test_full_recomputation_keeps_only_layer_inputs():
+    torch.manual_seed(0)
+    saved = {}
+    for recompute in ("none", "full"):
+        model = TransformerLM(CONFIG, recompute=recompute)
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+            with fp8_autocast(recipe=DelayedScaling()):
+                model(TOKENS, labels=LABELS)
+        saved[recompute] = sum(count)
+    assert saved["full"] < saved["none"] / 2, saved
 
 
 def test_bad_options_are_refused():
