@@ -35,9 +35,13 @@ def rotary_tables(positions: int, head_dim: int, theta: float, scaling: RopeScal
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [seq, batch, heads, head_dim] by the tables' first `seq` rows (computed in fp32)."""
-    seq = x.shape[0]
-    cos, sin = cos[:seq, None, None, :], sin[:seq, None, None, :]
+    """Rotate `x` [seq, batch, heads, head_dim] (computed in fp32) by the tables' first `seq`
+    rows, or by tables already gathered per token ([seq, batch, head_dim], for positions that
+    restart at document boundaries)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[: x.shape[0], None, None, :], sin[: x.shape[0], None, None, :]
     xf = x.float()
     first, second = xf.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)

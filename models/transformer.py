@@ -34,6 +34,7 @@ from megafp8.parallel.communication import (
 )
 
 from .config import TransformerConfig
+from .documents import document_attention_mask
 from .rope import apply_rotary, rotary_tables
 
 
@@ -58,20 +59,22 @@ class Attention(nn.Module):
         self.dropout = config.attention_dropout
         self.recompute_core = recompute_core
 
-    def forward(self, x, rotary):
+    def forward(self, x, rotary, mask):
         q, k, v = self.qkv.split_heads(self.qkv(x))  # [s, b, heads, head_dim]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.recompute_core:
             # Selective recomputation: keep only q, k, v and redo the attention core in backward.
-            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, mask)
         return self.proj(out)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, mask):
+        """Causal attention; `mask` [b, 1, s, s] (documents) replaces the plain causal mask."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=k.shape[1] != q.shape[1],
                                              dropout_p=self.dropout if self.training else 0.0)
         return out.permute(2, 0, 1, 3).flatten(2)
 
@@ -118,23 +121,23 @@ class TransformerLayer(nn.Module):
         self.high_precision = high_precision
         self.recompute_full = recompute == "full"
 
-    def forward(self, x, rotary):
+    def forward(self, x, rotary, mask=None):
         if not (self.recompute_full and torch.is_grad_enabled()):
-            return self._forward(x, rotary)
+            return self._forward(x, rotary, mask)
         # Full recomputation: keep only the input and redo the layer in backward, under the FP8
         # context of this forward and with the scales its casts used (snapshotted right after it,
         # before the end of the pass updates them).
         context, scales = current_fp8_context(), {}
-        out = checkpoint(self._forward, x, rotary, use_reentrant=False,
+        out = checkpoint(self._forward, x, rotary, mask, use_reentrant=False,
                          context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
         if context is not None:
             for linear in (m for m in self.modules() if isinstance(m, Fp8Linear)):
                 scales[id(linear.fp8_scaling["input"])] = linear.fp8_scaling["input"].scale.clone()
         return out
 
-    def _forward(self, x, rotary):
+    def _forward(self, x, rotary, mask):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
-            x = x + F.dropout(self.attention(self.input_norm(x), rotary), self.dropout, self.training)
+            x = x + F.dropout(self.attention(self.input_norm(x), rotary, mask), self.dropout, self.training)
             return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 
 
@@ -216,16 +219,26 @@ class TransformerLM(nn.Module):
                     [self.position_embedding.weight] if hasattr(self, "position_embedding") else []):
                 param.sequence_parallel = True
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
+                document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The first stage takes token ids [batch, seq]; later stages the previous stage's
         hidden states [seq, batch, hidden] (this rank's sequence shard with sequence
         parallelism). Stages before the last return hidden states; the last returns this
         rank's vocabulary shard of the logits [batch, seq, vocab/tp], or with `labels`
-        [batch, seq] the per-token loss [batch, seq] (fp32)."""
-        x = self._embed(inputs) if self.pre_process else inputs
-        rotary = (self.rotary_cos, self.rotary_sin) if self.config.position_embedding == "rope" else None
+        [batch, seq] the per-token loss [batch, seq] (fp32).
+
+        `document_ids` and `position_ids` [batch, seq] (from `documents.document_layout`, for
+        the whole sequence, on every stage) keep attention inside each document and restart
+        positions at each one."""
+        x = self._embed(inputs, position_ids) if self.pre_process else inputs
+        rotary = None
+        if self.config.position_embedding == "rope":
+            rotary = (self.rotary_cos, self.rotary_sin)
+            if position_ids is not None:
+                rotary = tuple(table[position_ids.t()] for table in rotary)  # [s, b, head_dim]
+        mask = None if document_ids is None else document_attention_mask(document_ids)
         for layer in self.layers.values():
-            x = layer(x, rotary)
+            x = layer(x, rotary, mask)
         if not self.post_process:
             return x
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
@@ -233,7 +246,7 @@ class TransformerLM(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
 
-    def _embed(self, tokens):
+    def _embed(self, tokens, position_ids):
         tp = world_size(self.tp_group)
         if self.sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
@@ -241,7 +254,10 @@ class TransformerLM(nn.Module):
         x = self.embedding(tokens.t())  # [s, b, h], or this rank's [s / tp, b, h] shard
         if self.config.position_embedding == "learned":
             start = rank_in(self.tp_group) * x.shape[0] if self.sequence_parallel else 0
-            x = x + self.position_embedding.weight[start : start + x.shape[0], None, :]
+            if position_ids is None:
+                x = x + self.position_embedding.weight[start : start + x.shape[0], None, :]
+            else:
+                x = x + self.position_embedding.weight[position_ids.t()[start : start + x.shape[0]]]
         return x
 
     def _logits(self, x):

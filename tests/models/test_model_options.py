@@ -85,3 +85,26 @@ def test_bad_options_are_refused():
         TransformerLM(CONFIG, recompute="everything")
     with pytest.raises(ValueError, match="first_last_layers_bf16=3 must be between 0 and num_layers=2"):
         TransformerLM(CONFIG, first_last_layers_bf16=3)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_documents_packed_in_a_sequence_see_only_themselves(name):
+    from megafp8.models.documents import document_layout
+
+    config = preset(name)
+    eod = 0
+    g = torch.Generator().manual_seed(4)
+    first, second = torch.randint(1, config.vocab_size, (1, 12), generator=g), torch.randint(
+        1, config.vocab_size, (1, 20), generator=g)
+    first[0, -1] = eod
+    packed = torch.cat([first, second], dim=1)
+    documents, positions = document_layout(packed, eod)
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    with torch.no_grad():
+        together = model(packed, document_ids=documents, position_ids=positions)
+        alone = model(second)
+        plain = model(packed)
+    assert torch.allclose(together[:, 12:], alone, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(together[:, :12], plain[:, :12], rtol=1e-5, atol=1e-5)  # the first is unchanged
+    assert not torch.allclose(plain[:, 12:], alone, rtol=1e-3, atol=1e-3)  # without reset it would differ
