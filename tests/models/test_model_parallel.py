@@ -44,12 +44,16 @@ def relative_errors(ours, reference, tp, rank, config):
     return errors
 
 
+def batch(config, seed):
+    """Random tokens and labels [2, 32], the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, config.vocab_size, (2, 32), generator=g) for _ in range(2))
+
+
 def body(rank, tp, name):
     group = dist.group.WORLD
     config = preset(name)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=g)
-    labels = torch.randint(0, config.vocab_size, (2, 32), generator=g)
+    tokens, labels = batch(config, 5)
     results = {}
     for fp8 in (False, True):
         torch.manual_seed(0)
@@ -80,9 +84,7 @@ def sequence_parallel_body(rank, tp, name):
     the sequence shard summed over tp first, as the trainer does)."""
     group = dist.group.WORLD
     config = preset(name)
-    g = torch.Generator().manual_seed(6)
-    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=g)
-    labels = torch.randint(0, config.vocab_size, (2, 32), generator=g)
+    tokens, labels = batch(config, 6)
     differences = {}
     for fp8 in (False, True):
         results = []
