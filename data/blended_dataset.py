@@ -1,0 +1,121 @@
+"""Weighted blends of datasets and Megatron-LM's `--data-path W1 PREFIX1 W2 PREFIX2 ...` syntax.
+
+The blend serves sample i from the dataset that lags its weight the most: dataset d's k-th
+sample is due when the blend reaches (k + 1) / w_d samples, and the blend takes the samples in
+order of that due time. After any n samples each dataset has served within one sample of
+n * w_d, so realised proportions match the weights to within 1/n.
+"""
+import numpy as np
+import torch
+
+from megafp8.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_ranges
+from megafp8.data.indexed_dataset import IndexedDataset
+
+
+def parse_data_path(data_path):
+    """[(weight, prefix), ...] with weights summing to 1, from Megatron's --data-path list.
+
+    Either `PREFIX` alone, pairs `W1 PREFIX1 W2 PREFIX2 ...`, or prefixes without weights (each
+    then weighted by its number of tokens, i.e. the natural mixture).
+    """
+    items = [data_path] if isinstance(data_path, str) else list(data_path)
+    if not items:
+        raise ValueError("--data-path is empty: give PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+
+    def number(text):
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    weights = [number(item) for item in items[0::2]]
+    if len(items) % 2 == 0 and all(w is not None for w in weights):
+        prefixes = items[1::2]
+        if any(number(p) is not None for p in prefixes):
+            raise ValueError(f"--data-path {' '.join(items)}: expected W1 PREFIX1 W2 PREFIX2 ..., "
+                             "but a prefix position holds a number")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+    elif all(number(item) is None for item in items):
+        prefixes = items
+        weights = ([1.0] if len(prefixes) == 1 else
+                   [float(IndexedDataset(prefix).num_tokens) for prefix in prefixes])
+    else:
+        raise ValueError(f"--data-path {' '.join(items)}: mix of weights and prefixes; give PREFIX, "
+                         "or W1 PREFIX1 W2 PREFIX2 ... with a weight before every prefix")
+    total = sum(weights)
+    return [(w / total, prefix) for w, prefix in zip(weights, prefixes)]
+
+
+def blend_indices(weights, size):
+    """(dataset index, sample index within that dataset) for `size` blended samples."""
+    weights = np.asarray(weights, dtype=np.float64)
+    due, dataset, within = [], [], []
+    for d, w in enumerate(weights):
+        if w <= 0:
+            continue
+        count = int(np.ceil(w * size)) + 1
+        k = np.arange(count, dtype=np.int64)
+        due.append((k + 1) / w)
+        dataset.append(np.full(count, d, dtype=np.int16 if len(weights) < 2**15 else np.int32))
+        within.append(k)
+    # Stable sort: a tie goes to the dataset listed first.
+    order = np.argsort(np.concatenate(due), kind="stable")[:size]
+    return np.concatenate(dataset)[order], np.concatenate(within)[order]
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """`size` samples drawn from `datasets` in the proportions `weights`."""
+
+    def __init__(self, datasets, weights, size):
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        self.datasets = list(datasets)
+        self.weights = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+        self.size = size
+        self.dataset_index, self.dataset_sample_index = blend_indices(self.weights, size)
+        for d, dataset in enumerate(self.datasets):
+            needed = np.count_nonzero(self.dataset_index == d)
+            if dataset is not None and needed > len(dataset):
+                raise ValueError(f"blended dataset {d} holds {len(dataset)} samples, {needed} needed")
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range for {self.size} samples")
+        return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
+
+
+def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=None):
+    """Train / valid / test datasets (None where no samples are asked) from `--data-path`.
+
+    Each prefix is split by documents with `split`; with several prefixes, each split blends the
+    prefixes' same split. A dataset is asked for its share of the samples plus 0.5% (at least
+    one), so the blend never runs a component short.
+    """
+    blend = parse_data_path(data_path)
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    ranges = [split_ranges(len(ds), split) for ds in indexed]
+    result = []
+    for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        if not count:
+            result.append(None)
+            continue
+        if len(blend) == 1:
+            start, end = ranges[0][s]
+            result.append(GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed,
+                                     name, cache_dir))
+            continue
+        components, weights = [], []
+        for (weight, _), ds, split_range in zip(blend, indexed, ranges):
+            start, end = split_range[s]
+            if weight == 0:
+                continue
+            share = int(np.ceil(weight * count * 1.005)) + 1
+            components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name,
+                                         cache_dir))
+            weights.append(weight)
+        result.append(BlendedDataset(components, weights, count))
+    return result

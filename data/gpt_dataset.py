@@ -1,0 +1,165 @@
+"""GPT pretraining samples from an indexed dataset: Megatron-LM's GPT dataset, same knobs.
+
+A split (train / valid / test) owns a contiguous range of the indexed dataset's sequences
+(one sequence per document after `tools/preprocess_data.py`). For `num_samples` samples of
+`seq_length + 1` tokens it builds three index arrays, deterministic from the seed:
+
+- document index: each epoch a fresh permutation of the split's documents, as many epochs as
+  the samples need. Every epoch visits every document once.
+- sample index: `(num_samples + 1, 2)` rows of (position in the document index, token offset).
+  Sample i is the token stream from row i to row i + 1 plus one token, so consecutive samples
+  overlap by exactly the one token that is the last label of one and the first input of the
+  next, and the samples of an epoch cover each of its tokens once.
+- shuffle index: the order in which the samples are served.
+
+The arrays are cached as `.npy` next to the data (or in `cache_dir`) under a name that hashes
+everything they depend on; one process per node builds them while the others wait, and later
+runs load them. Resuming is a matter of the consumed-samples count: sample k is the same in
+every run, so a sampler that starts at k serves the same next batch (see `samplers.py`).
+"""
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megafp8.data.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split):
+    """Megatron's `--split "969,30,1"` (or "98,2,0", or "1") as three fractions summing to 1."""
+    try:
+        parts = [float(part) for part in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_ranges(num_documents, split):
+    """[start, end) document ranges of train, valid and test, as Megatron-LM rounds them."""
+    bounds = [0]
+    for fraction in parse_split(split):
+        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
+    # Rounding may leave the last boundary off by one or two: the remainder goes to the last splits.
+    diff = bounds[-1] - num_documents
+    for i in range(1, len(bounds)):
+        bounds[i] -= diff
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def _epochs_needed(tokens_per_epoch, seq_length, num_samples):
+    # num_samples samples of seq_length tokens plus the one extra label token at the end.
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def build_indices(sizes, documents, seq_length, num_samples, seed):
+    """(document index, sample index, shuffle index) for `num_samples` samples; pure numpy."""
+    documents = np.asarray(documents, dtype=np.int64)
+    tokens_per_epoch = int(sizes[documents].sum())
+    if tokens_per_epoch == 0:
+        raise ValueError("the split's documents hold no tokens")
+    num_epochs = _epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed)
+    dtype = np.int32 if documents.max(initial=0) < 2**31 else np.int64
+    document_index = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(dtype)
+
+    # Where each document of the stream ends, in tokens; sample i starts at token i * seq_length.
+    ends = np.cumsum(sizes[document_index], dtype=np.int64)
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    # The document holding a start token is the first whose end lies beyond it (empty ones skipped).
+    position = np.searchsorted(ends, starts, side="right")
+    # The last row only bounds the last sample; it may sit exactly at the stream's end.
+    position[-1] = min(position[-1], len(document_index) - 1)
+    offset = starts - (ends[position] - sizes[document_index[position]])
+    sample_index = np.stack([position, offset], axis=1).astype(np.int64)
+
+    shuffle_index = rng.permutation(num_samples).astype(np.int64)
+    return document_index, sample_index, shuffle_index
+
+
+def _is_index_builder():
+    # One builder per node: right on shared and node-local file systems alike, and the write-then-
+    # rename below makes two nodes writing the same shared file harmless.
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """`len()` samples of `seq_length + 1` tokens (int64) drawn from `documents` of `indexed`."""
+
+    def __init__(self, indexed, documents, seq_length, num_samples, seed, name="train",
+                 cache_dir=None):
+        if seq_length < 1 or num_samples < 1:
+            raise ValueError(f"seq_length and num_samples must be positive, got {seq_length}, {num_samples}")
+        if not isinstance(indexed, IndexedDataset):
+            indexed = IndexedDataset(indexed)
+        documents = np.asarray(documents, dtype=np.int64)
+        if len(documents) == 0:
+            raise ValueError(f"{indexed.prefix}: the {name} split has no documents; "
+                             "give it a share in --split or ask for no samples from it")
+        self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
+        self.name = name
+        description = {
+            "class": "GPTDataset", "version": 1, "dataset": os.path.abspath(indexed.prefix),
+            "num_sequences": len(indexed), "num_tokens": indexed.num_tokens, "name": name,
+            "documents": [int(documents[0]), int(documents[-1]), len(documents)],
+            "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+        }
+        digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent / "index_cache"
+        self.cache_files = {kind: folder / f"{digest}-{name}-{kind}_index.npy"
+                            for kind in ("document", "sample", "shuffle")}
+        arrays = self._load_or_build(folder, description, documents, seed)
+        self.document_index, self.sample_index, self.shuffle_index = arrays
+
+    def _load_or_build(self, folder, description, documents, seed):
+        if _is_index_builder() and not all(f.exists() for f in self.cache_files.values()):
+            arrays = build_indices(self.indexed.sizes, documents, self.seq_length, self.num_samples, seed)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                for (kind, path), array in zip(self.cache_files.items(), arrays):
+                    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                    with open(tmp, "wb") as f:
+                        np.save(f, array, allow_pickle=False)
+                    os.replace(tmp, path)
+                with open(self.cache_files["document"].with_suffix(".json"), "w") as f:
+                    json.dump(description, f, indent=1)
+            except OSError as error:
+                raise OSError(f"cannot write the {self.name} index cache in {folder} ({error}); "
+                              "point --data-cache-path at a writable folder") from error
+        _barrier()
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False)
+                     for path in self.cache_files.values())
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range for {self.num_samples} samples")
+        i = int(self.shuffle_index[idx])
+        position, offset = (int(v) for v in self.sample_index[i])
+        sizes, doc = self.indexed.sizes, self.document_index
+        pieces, remaining = [], self.seq_length + 1
+        while remaining:
+            document = int(doc[position])
+            take = min(int(sizes[document]) - offset, remaining)
+            if take > 0:
+                pieces.append(self.indexed.get(document, offset, take))
+                remaining -= take
+            position += 1
+            offset = 0
+        return {"tokens": np.concatenate(pieces).astype(np.int64)}
+

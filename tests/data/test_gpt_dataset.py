@@ -1,0 +1,179 @@
+"""GPT dataset, blending and the sampler: coverage, determinism, caching, resume, proportions."""
+import os
+
+import numpy as np
+import pytest
+
+from megafp8.data import (
+    BlendedDataset,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    PretrainingSampler,
+    build_datasets,
+    parse_data_path,
+    split_ranges,
+)
+from megafp8.data import gpt_dataset
+
+from ..multiprocess import run_on_ranks
+
+
+def unique_token_corpus(prefix, rng, n_docs=40, first_token=0):
+    """Documents of random lengths (some empty) whose tokens are all distinct: token = position."""
+    sizes = rng.integers(0, 60, size=n_docs)
+    sizes[rng.integers(0, n_docs, size=3)] = 0
+    with IndexedDatasetBuilder(prefix, np.int32) as builder:
+        token = first_token
+        for size in sizes:
+            builder.add_item(np.arange(token, token + size))
+            builder.end_document()
+            token += size
+    return IndexedDataset(prefix)
+
+
+def unshuffled_samples(ds):
+    order = np.argsort(np.asarray(ds.shuffle_index))
+    return [ds[int(i)]["tokens"] for i in order]
+
+
+def test_split_ranges_round_like_megatron():
+    assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges(10, "1") == [(0, 10), (10, 10), (10, 10)]
+    assert split_ranges(7, "98,2,0") == [(0, 7), (7, 7), (7, 7)]
+    for bad in ("a,b", "1,2,3,4", "-1,2", "0,0,0"):
+        with pytest.raises(ValueError, match="--split"):
+            split_ranges(10, bad)
+
+
+def test_samples_cover_every_token_once_per_epoch(tmp_path):
+    rng = np.random.default_rng(0)
+    indexed = unique_token_corpus(str(tmp_path / "c"), rng)
+    documents = np.arange(5, 35)
+    seq_length = 16
+    tokens_per_epoch = int(indexed.sizes[documents].sum())
+    num_samples = int(2.5 * tokens_per_epoch) // seq_length  # needs three epochs
+    ds = GPTDataset(indexed, documents, seq_length, num_samples, seed=1234, cache_dir=tmp_path / "cache")
+
+    samples = unshuffled_samples(ds)
+    assert all(len(s) == seq_length + 1 for s in samples)
+    for a, b in zip(samples, samples[1:]):  # the extra token is the next sample's first
+        assert a[-1] == b[0]
+    stream = np.concatenate([s[:-1] for s in samples])
+    epochs = np.asarray(ds.document_index).reshape(3, len(documents))
+    for e in range(2):  # the two whole epochs: each a permutation of the documents
+        assert sorted(epochs[e]) == list(documents)
+        epoch_tokens = stream[e * tokens_per_epoch:(e + 1) * tokens_per_epoch]
+        want = np.concatenate([indexed[d] for d in documents])
+        np.testing.assert_array_equal(np.sort(epoch_tokens), np.sort(want))
+        # ...in the order of that epoch's shuffled documents.
+        np.testing.assert_array_equal(epoch_tokens, np.concatenate([indexed[d] for d in epochs[e]]))
+    assert not np.array_equal(epochs[0], epochs[1])
+    # The served order is a permutation of all samples.
+    assert sorted(np.asarray(ds.shuffle_index)) == list(range(num_samples))
+
+
+def test_deterministic_from_seed_and_cached(tmp_path, monkeypatch):
+    indexed = unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(1))
+    args = (indexed, np.arange(40), 8, 100)
+    a = GPTDataset(*args, seed=7, cache_dir=tmp_path / "cache")
+    assert all(f.exists() for f in a.cache_files.values())
+
+    def no_rebuild(*_):
+        raise AssertionError("the cached index should have been loaded")
+
+    monkeypatch.setattr(gpt_dataset, "build_indices", no_rebuild)
+    b = GPTDataset(*args, seed=7, cache_dir=tmp_path / "cache")
+    for x, y in zip((a.document_index, a.sample_index, a.shuffle_index),
+                    (b.document_index, b.sample_index, b.shuffle_index)):
+        np.testing.assert_array_equal(x, y)
+    monkeypatch.undo()
+    c = GPTDataset(*args, seed=8, cache_dir=tmp_path / "cache")
+    assert c.cache_files["shuffle"] != a.cache_files["shuffle"]
+    assert not np.array_equal(a.shuffle_index, c.shuffle_index)
+    # Default cache location: next to the data.
+    d = GPTDataset(*args, seed=7)
+    assert d.cache_files["sample"].parent == tmp_path / "index_cache"
+
+
+def build_on_two_ranks(rank, world_size, prefix, cache_dir):
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: rank 0 builds, rank 1 waits and loads
+    ds = GPTDataset(prefix, np.arange(40), 8, 200, seed=3, cache_dir=cache_dir)
+    return [np.asarray(ds[i]["tokens"]) for i in range(0, 200, 37)]
+
+
+def test_one_rank_builds_the_others_wait(tmp_path):
+    unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(2))
+    first, second = run_on_ranks(build_on_two_ranks, 2, str(tmp_path / "c"), str(tmp_path / "cache"))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_unwritable_cache_and_empty_split_are_clear_errors(tmp_path):
+    indexed = unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(3))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="--data-cache-path"):
+        GPTDataset(indexed, np.arange(40), 8, 10, seed=1, cache_dir=blocker / "cache")
+    with pytest.raises(ValueError, match="valid split has no documents"):
+        build_datasets(str(tmp_path / "c"), "1,0,0", 8, (10, 5, 0), seed=1)
+
+
+def batches(dataset, total, consumed, micro_batch_size, dp_rank, dp_size, count):
+    sampler = PretrainingSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
+    out = []
+    for indices, _ in zip(sampler, range(count)):
+        out.append(np.stack([dataset[i]["tokens"] for i in indices]))
+    return out
+
+
+def test_resume_from_consumed_samples_serves_the_same_next_batches(tmp_path):
+    unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(4))
+    train, _, _ = build_datasets(str(tmp_path / "c"), "969,30,1", 8, (120, 0, 0), seed=5)
+    for dp_rank in range(2):
+        straight = batches(train, 120, 0, 3, dp_rank, 2, 10)
+        resumed = batches(train, 120, 5 * 6, 3, dp_rank, 2, 5)  # 5 micro-batch steps of 3 x dp 2
+        for a, b in zip(straight[5:], resumed):
+            np.testing.assert_array_equal(a, b)
+    # The dp ranks split each group of micro-batches without overlap.
+    seen = [i for r in range(2) for batch in PretrainingSampler(120, 0, 3, r, 2) for i in batch]
+    assert sorted(seen) == list(range(120))
+    with pytest.raises(ValueError, match="consumed_samples"):
+        PretrainingSampler(10, 11, 1, 0, 1)
+
+
+def test_parse_data_path():
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
+    assert parse_data_path("a") == [(1.0, "a")]
+    with pytest.raises(ValueError, match="mix of weights and prefixes"):
+        parse_data_path(["0.3", "a", "b"])
+    with pytest.raises(ValueError, match="weights"):
+        parse_data_path(["0", "a", "0", "b"])
+
+
+def test_blend_proportions_within_one_percent(tmp_path):
+    rng = np.random.default_rng(5)
+    prefixes = []
+    for k in range(3):
+        prefix = str(tmp_path / f"set{k}")
+        unique_token_corpus(prefix, rng, n_docs=30, first_token=100_000 * k)
+        prefixes.append(prefix)
+    weights = [0.2, 0.3, 0.5]
+    data_path = [x for w, p in zip(weights, prefixes) for x in (str(w), p)]
+    size = 5000
+    train, valid, test = build_datasets(data_path, "90,10,0", 4, (size, 50, 0), seed=9)
+    assert isinstance(train, BlendedDataset) and len(train) == size and test is None
+    counts = np.bincount(train.dataset_index, minlength=3)
+    np.testing.assert_allclose(counts / size, weights, atol=0.01)
+    # Every prefix of the blend is as close as one sample allows.
+    for n in (10, 100, 1000):
+        lag = np.bincount(train.dataset_index[:n], minlength=3) - np.array(weights) * n
+        assert np.all(np.abs(lag) <= 1), (n, lag)
+    # Samples really come from the dataset the index names (token ranges are disjoint).
+    for i in rng.integers(0, size, 50):
+        assert train[int(i)]["tokens"][0] // 100_000 == train.dataset_index[i]
+    assert len(valid) == 50
+    # Prefixes without weights blend in their natural (token count) proportions.
+    tokens = [IndexedDataset(p).num_tokens for p in prefixes]
+    assert parse_data_path(prefixes) == [(t / sum(tokens), p) for t, p in zip(tokens, prefixes)]
