@@ -213,6 +213,9 @@ class TransformerLM(nn.Module):
             self.output_layer = None if config.tie_embeddings else seeded(2, lambda: ColumnParallelLinear(
                 config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
                 init_method=normal_init(std), dtype=dtype, device=device))
+        for module in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
+            if module is not None:  # rows past the vocabulary are padding (dropped in checkpoints)
+                module.weight.unpadded_rows = config.vocab_size
         if sp:  # used on the sequence shard: each rank's gradient covers only its shard
             shard_modules = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
             for param in [p for m in shard_modules for p in m.parameters()] + (

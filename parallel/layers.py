@@ -23,6 +23,7 @@ from .communication import (
     world_size,
 )
 from .initialization import InitMethod, master_slice, normal_init
+from .sharding import mark_partitioned
 
 
 class _ShardedLinear(Fp8Linear):
@@ -47,8 +48,10 @@ class _ShardedLinear(Fp8Linear):
         dtype = dtype or torch.get_default_dtype()
         stacked = (stack, full[0] // stack, full[1])
         weight = master_slice(stacked, partition_dim + 1, rank_in(tp_group), tp, init_method, dtype, device)
-        self.weight = nn.Parameter(weight.reshape(local))
+        self.weight = mark_partitioned(nn.Parameter(weight.reshape(local)), partition_dim, stack)
         self.bias = nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
+        if self.bias is not None and partition_dim == 0:  # a column-parallel bias is split with its outputs
+            mark_partitioned(self.bias, 0, stack)
         self.fp8_scaling = scaling_states(device)
         self.tp_group = tp_group
         self.tp_size = tp

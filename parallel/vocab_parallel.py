@@ -20,6 +20,7 @@ from .communication import (
     world_size,
 )
 from .initialization import InitMethod, master_slice, normal_init
+from .sharding import mark_partitioned
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,8 +42,9 @@ class VocabParallelEmbedding(nn.Module):
         rows = num_embeddings // tp
         self.vocab_start = rank_in(tp_group) * rows
         self.vocab_end = self.vocab_start + rows
-        self.weight = nn.Parameter(master_slice((num_embeddings, embedding_dim), 0, rank_in(tp_group), tp, init_method,
-                                                dtype or torch.get_default_dtype(), device))
+        self.weight = mark_partitioned(nn.Parameter(master_slice(
+            (num_embeddings, embedding_dim), 0, rank_in(tp_group), tp, init_method,
+            dtype or torch.get_default_dtype(), device)), 0)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_group, self.tp_size = tp_group, tp
         self.sequence_parallel = sequence_parallel

@@ -1,0 +1,179 @@
+"""Mixed-precision AdamW: bf16 (or fp32) model parameters, fp32 master weights and Adam states,
+fp32 gradients from the data-parallel gradient buffer; global gradient-norm clipping over every
+model-parallel rank; the distributed optimizer (ZeRO-1) as a sharding of the same thing.
+
+Each rank keeps a master copy of the parameter elements it owns: all of them, or with
+`distributed=True` its 1/dp slice of every gradient bucket (`GradientBuffer(shard=True)`), so
+master weights and Adam states are spread over the data-parallel ranks. After the step the
+owners' updated elements are all-gathered into every replica's parameters.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megafp8.fp8.collectives import _all_gather_single
+from megafp8.parallel.communication import rank_in
+from megafp8.parallel.data_parallel import GradientBuffer
+
+
+def no_weight_decay(name: str, param) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed, as in Megatron-LM."""
+    return name.endswith(".bias") or param.ndim == 1
+
+
+def counts_towards_norm(param, tp_rank: int) -> bool:
+    """Whether this rank's copy of `param` enters the global gradient norm: a parameter every
+    tensor-parallel rank holds whole is counted on tp rank 0 only."""
+    return hasattr(param, "partition") or tp_rank == 0
+
+
+class MixedPrecisionAdamW:
+    """AdamW over fp32 masters of the parameter elements this rank owns.
+
+    `step()` returns (applied, grad_norm): a step whose gradients hold inf/NaN anywhere in the
+    model is skipped on every rank alike and leaves parameters and states untouched.
+    """
+
+    def __init__(self, named_params, buffer: GradientBuffer, *, lr, weight_decay=0.01,
+                 betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, model_parallel_group=None,
+                 tp_group=None, dp_group=None, distributed=False):
+        named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.names = {p: n for n, p in named_params}
+        self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
+        self.model_parallel_group, self.dp_group = model_parallel_group, dp_group
+        if distributed and not buffer.shard:
+            raise ValueError("the distributed optimizer needs a GradientBuffer built with shard=True")
+        tp_rank = rank_in(tp_group)
+        # (param, start, end, master): the flattened element range of param this rank updates.
+        self.shards = []
+        ranges = buffer.owned_ranges() if distributed else [(p, 0, p.numel()) for _, p in named_params]
+        groups = {True: [], False: []}
+        for param, start, end in ranges:
+            master = param.detach().reshape(-1)[start:end].float().clone()
+            master.grad = param.main_grad.view(-1)[start:end]
+            self.shards.append((param, start, end, master))
+            groups[no_weight_decay(self.names[param], param)].append(master)
+        self.norm_mask = [counts_towards_norm(p, tp_rank) for p, *_ in self.shards]
+        param_groups = [{"params": groups[False], "weight_decay": weight_decay},
+                        {"params": groups[True], "weight_decay": 0.0}]
+        param_groups = [g for g in param_groups if g["params"]]
+        device = named_params[0][1].device
+        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **fused)
+        self.steps = 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def set_lr(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient (inf/NaN if any element is)."""
+        grads = [m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted]
+        device = self.buffer.data.device
+        local = (torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+                 if grads else torch.zeros((), device=device))
+        local = local.reshape(1)
+        # Owners of disjoint pieces: sum over the model-parallel ranks, and over dp when sharded.
+        for group in (self.model_parallel_group, self.dp_group if self.distributed else None):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(local, group=group)
+        return math.sqrt(local.item()) if math.isfinite(local.item()) else float("nan")
+
+    def step(self):
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return False, norm
+        if self.clip_grad and norm > self.clip_grad:
+            coefficient = self.clip_grad / (norm + 1e-6)
+            for *_, master in self.shards:
+                master.grad.mul_(coefficient)
+        self.optimizer.step()
+        self.steps += 1
+        self._copy_masters_to_params()
+        return True, norm
+
+    @torch.no_grad()
+    def _copy_masters_to_params(self):
+        if not self.distributed:
+            for param, _, _, master in self.shards:
+                param.copy_(master.view_as(param))
+            return
+        # Each rank fills its slice of every bucket; the all-gather assembles the whole bucket.
+        by_param = {}
+        for param, start, end, master in self.shards:
+            by_param.setdefault(param, []).append((start, end, master))
+        for bucket in self.buffer.buckets:
+            dtype = bucket.params[0].dtype
+            full = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=self.buffer.data.device)
+            mine = self.buffer.owned_slice(bucket)
+            for param in bucket.params:
+                offset = param.main_grad_offset - bucket.start
+                for start, end, master in by_param.get(param, ()):
+                    full[offset + start:offset + end] = master
+            gathered = torch.empty_like(full)
+            _all_gather_single(gathered, full[mine].contiguous(), group=self.dp_group)
+            for param in bucket.params:
+                offset = param.main_grad_offset - bucket.start
+                param.copy_(gathered[offset:offset + param.numel()].view_as(param))
+
+    # -- checkpoints: per-parameter, layout-free state ----------------------------------------
+
+    def state_for_checkpoint(self):
+        """{name: {"master", "exp_avg", "exp_avg_sq"}} as full (local tp shard) fp32 tensors of
+        every parameter of this rank (gathered over dp when sharded), plus the step count."""
+        if not self.distributed:  # each master is a whole parameter already: no copies
+            return {self.names[param]: {"master": master.view_as(param),
+                                        **{key: self.optimizer.state.get(master, {}).get(
+                                            key, torch.zeros_like(master)).view_as(param)
+                                           for key in ("exp_avg", "exp_avg_sq")}}
+                    for param, _, _, master in self.shards}
+        device = self.buffer.data.device
+        # Every parameter, in one order on every rank (the dp all-reduce below is collective).
+        states = {name: {key: torch.zeros(param.numel(), dtype=torch.float32, device=device)
+                         for key in ("master", "exp_avg", "exp_avg_sq")}
+                  for param, name in self.names.items()}
+        for param, start, end, master in self.shards:
+            entry, state = states[self.names[param]], self.optimizer.state.get(master, {})
+            entry["master"][start:end] = master
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    entry[key][start:end] = state[key]
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            for entry in states.values():  # disjoint owners: a sum assembles the whole
+                for tensor in entry.values():
+                    dist.all_reduce(tensor, group=self.dp_group)
+        shapes = {self.names[p]: p.shape for p in self.names}
+        return {name: {k: v.view(shapes[name]) for k, v in entry.items()} for name, entry in states.items()}
+
+    def step_count(self) -> int:
+        """Optimizer steps applied so far (skipped ones excluded), as Adam's bias correction counts."""
+        return self.steps
+
+    @torch.no_grad()
+    def reset_masters_from_params(self):
+        """Start over from the current parameters (loaded weights without optimizer state)."""
+        self.optimizer.state.clear()
+        for param, start, end, master in self.shards:
+            master.copy_(param.detach().reshape(-1)[start:end])
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, states, step):
+        """Inverse of `state_for_checkpoint`: take this rank's elements of the full tensors."""
+        self.steps = step
+        for param, start, end, master in self.shards:
+            entry = states[self.names[param]]
+            master.copy_(entry["master"].reshape(-1)[start:end])
+            if step:
+                state = self.optimizer.state[master]
+                state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                             device=master.device if master.is_cuda else "cpu")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = entry[key].reshape(-1)[start:end].to(master.device).clone()
+        self._copy_masters_to_params()

@@ -1,0 +1,132 @@
+"""Data parallelism: contiguous fp32 gradient buffers whose buckets are reduced over the
+data-parallel group while backward is still running.
+
+Every trainable parameter gets `param.main_grad`, a view into one fp32 buffer. After each
+backward of a parameter its (bf16) `.grad` is added into `main_grad` and freed, so gradients
+accumulate in fp32 across micro-batches. The buffer is cut into buckets of about
+`bucket_size` elements, laid out in reverse parameter order (roughly the order backward
+produces them); on the micro-batch that ends a step, a bucket's collective starts as soon as its
+last parameter's gradient is in, overlapping the rest of backward.
+
+With `shard=True` (the distributed optimizer) each bucket is padded to a multiple of the group
+size and reduce-scattered: rank r ends up owning the summed gradient of the r-th equal slice of
+every bucket (`owned_ranges`). Without it, buckets are all-reduced. Gradients are averaged (the
+sum divided by the group size), so dp = N equals dp = 1 with the same global batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megafp8.fp8.collectives import _reduce_scatter_single, group_size
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+class _Bucket:
+    def __init__(self, params, start, end):
+        self.params, self.start, self.end = params, start, end
+        self.pending = set(params)
+        self.handle = None
+
+
+class GradientBuffer:
+    """The fp32 `main_grad` buffer of `params`, with bucketed, overlapped reduction over `group`."""
+
+    def __init__(self, params, group=None, bucket_size=DEFAULT_BUCKET_SIZE, shard=False,
+                 overlap=True):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("no trainable parameters")
+        self.group, self.shard, self.overlap = group, shard, overlap
+        self.size = group_size(group)
+        device = self.params[0].device
+        # Buckets of whole parameters; with sharding each is padded so it splits evenly.
+        self.buckets, layout, offset, current, current_size = [], {}, 0, [], 0
+        for p in reversed(self.params):
+            layout[p] = offset + current_size
+            current.append(p)
+            current_size += p.numel()
+            if current_size >= bucket_size or p is self.params[0]:
+                padded = -(-current_size // self.size) * self.size if shard else current_size
+                self.buckets.append(_Bucket(current, offset, offset + padded))
+                offset += padded
+                current, current_size = [], 0
+        self.numel = offset
+        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.bucket_of = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.main_grad = self.data[layout[p]:layout[p] + p.numel()].view_as(p)
+                p.main_grad_offset = layout[p]
+                self.bucket_of[p] = bucket
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    # -- the step's life cycle ------------------------------------------------------------
+
+    def set_sync(self, sync: bool):
+        """True on the micro-batch that ends a step: its backward launches the reductions."""
+        self._sync = sync
+
+    def _grad_ready(self, param):
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not (self._sync and self.overlap and self.size > 1):
+            return
+        bucket = self.bucket_of[param]
+        bucket.pending.discard(param)
+        if not bucket.pending:
+            self._launch(bucket)
+
+    def _launch(self, bucket):
+        flat = self.data[bucket.start:bucket.end]
+        flat.div_(self.size)
+        if self.shard:
+            mine = self.owned_slice(bucket)
+            try:
+                bucket.handle = _reduce_scatter_single(flat[mine], flat, group=self.group, async_op=True)
+                return
+            except RuntimeError:  # a backend without reduce-scatter: all-reduce, keep our slice
+                pass
+        bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def finish(self):
+        """Wait for every bucket's reduction (launching those backward did not start)."""
+        if self.size > 1:
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    self._launch(bucket)
+                bucket.handle.wait()
+        for bucket in self.buckets:
+            bucket.handle = None
+            bucket.pending = set(bucket.params)
+
+    def zero(self):
+        self.data.zero_()
+
+    def remove_hooks(self):
+        for hook in self._hooks:
+            hook.remove()
+
+    # -- which part this rank owns (distributed optimizer) -----------------------------------
+
+    def owned_slice(self, bucket) -> slice:
+        """This rank's slice of `bucket`, relative to the bucket's start."""
+        rank = dist.get_rank(self.group) if self.size > 1 else 0
+        length = (bucket.end - bucket.start) // self.size if self.shard else bucket.end - bucket.start
+        start = rank * length if self.shard else 0
+        return slice(start, start + length)
+
+    def owned_ranges(self):
+        """(param, start, end) element ranges of the flattened parameters this rank owns."""
+        ranges = []
+        for bucket in self.buckets:
+            mine = self.owned_slice(bucket)
+            lo, hi = bucket.start + mine.start, bucket.start + mine.stop
+            for p in bucket.params:
+                start = max(lo, p.main_grad_offset) - p.main_grad_offset
+                end = min(hi, p.main_grad_offset + p.numel()) - p.main_grad_offset
+                if start < end:
+                    ranges.append((p, start, end))
+        return ranges

@@ -1,0 +1,104 @@
+"""Data parallelism and the mixed-precision optimizer: dp = 2 and the distributed optimizer
+train exactly like one process on the same global batch."""
+import math
+
+import pytest
+import torch
+
+from megafp8.models import preset
+from megafp8.models.transformer import TransformerLM
+from megafp8.parallel import ParallelGroups
+from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.training.optimizer import MixedPrecisionAdamW
+
+from ..multiprocess import run_on_ranks
+
+GLOBAL_BATCH, SEQ, STEPS = 4, 32, 3
+
+
+def global_batches(vocab):
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def train_tiny(rank, world_size, distributed, bucket_size, dtype=torch.float32, poison_step=None):
+    groups = ParallelGroups()
+    config = preset("gpt-tiny")
+    model = TransformerLM(config, seed=0, dtype=dtype)
+    buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=bucket_size, shard=distributed)
+    optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-2, weight_decay=0.1,
+                                    clip_grad=0.5, dp_group=groups.dp_group, distributed=distributed)
+    per_rank = GLOBAL_BATCH // world_size
+    losses, norms, applied = [], [], []
+    for step, batch in enumerate(global_batches(config.vocab_size)):
+        mine = batch[rank * per_rank:(rank + 1) * per_rank]
+        buffer.zero()
+        total = torch.zeros(())
+        for i in range(per_rank):  # micro-batches of one sequence
+            buffer.set_sync(i == per_rank - 1)
+            tokens = mine[i:i + 1]
+            loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean()
+            if step == poison_step:
+                loss = loss * float("nan")
+            (loss / per_rank).backward()
+            total += loss.detach()
+        buffer.finish()
+        ok, norm = optimizer.step()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / GLOBAL_BATCH)
+        norms.append(norm)
+        applied.append(ok)
+    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return losses, norms, applied, params, optimizer.state_for_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(train_tiny, 1, False, 10_000)[0]
+
+
+@pytest.mark.parametrize("distributed,bucket_size", [(False, 10_000), (True, 10_000), (True, 1_000_000)])
+def test_dp2_matches_one_process(reference, distributed, bucket_size):
+    ref_losses, ref_norms, _, ref_params, ref_states = reference
+    for losses, norms, applied, params, states in run_on_ranks(train_tiny, 2, distributed, bucket_size):
+        assert all(applied)
+        for a, b in zip(losses, ref_losses):
+            assert math.isclose(a, b, rel_tol=1e-5), (losses, ref_losses)
+        for a, b in zip(norms, ref_norms):
+            assert math.isclose(a, b, rel_tol=1e-4), (norms, ref_norms)
+        # atol: the key biases' true gradient is 0 (softmax ignores a shift shared by all keys), so
+        # Adam turns their rounding noise into steps of up to ~lr * 1e-3 that differ per layout.
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=5e-5, msg=name)
+        # The distributed optimizer's assembled states equal the whole-model optimizer's.
+        for name, entry in states.items():
+            for key, tensor in entry.items():
+                torch.testing.assert_close(tensor, ref_states[name][key], rtol=1e-3,
+                                           atol=5e-5 if key == "master" else 1e-6,
+                                           msg=f"{name} {key}")
+
+
+def test_buckets_overlap_and_cover_every_parameter():
+    model = TransformerLM(preset("gpt-tiny"), seed=0)
+    buffer = GradientBuffer(model.parameters(), None, bucket_size=5_000)
+    assert len(buffer.buckets) > 3
+    covered = sorted((p.main_grad_offset, p.main_grad_offset + p.numel()) for p in model.parameters())
+    assert covered[0][0] == 0 and covered[-1][1] == buffer.numel
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # contiguous, no overlap
+    # The first bucket holds the last parameters: backward produces their gradients first.
+    assert buffer.buckets[0].params[0] is list(model.parameters())[-1]
+
+
+def test_nonfinite_step_is_skipped_on_every_rank():
+    results = run_on_ranks(train_tiny, 2, True, 10_000, torch.float32, 1)
+    for _, norms, applied, _, _ in results:
+        assert applied == [True, False, True]
+        assert math.isnan(norms[1])
+
+
+def test_bf16_parameters_keep_fp32_masters():
+    losses, _, applied, params, states = run_on_ranks(train_tiny, 1, False, 10_000, torch.bfloat16)[0]
+    assert all(applied)
+    for name, entry in states.items():
+        assert entry["master"].dtype == torch.float32
+        torch.testing.assert_close(entry["master"].to(torch.bfloat16).float(), params[name], rtol=0, atol=0)
