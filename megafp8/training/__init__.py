@@ -1,0 +1,1 @@
+"""megafp8.training: arguments, trainer loop, optimizer + LR schedule, checkpointing, metrics."""

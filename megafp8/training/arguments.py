@@ -1,0 +1,621 @@
+"""Command-line arguments: Megatron-LM's flag names, one namespace, checked at start-up.
+
+    args = parse_args()                  # flags and --config file.yaml; every check that needs no world size
+    validate_args(args, world_size)      # parallel layout, batch sizes, iteration counts
+    config = model_config(args, tokenizer.vocab_size)
+    recipe = fp8_recipe(args)            # None without --fp8-format
+
+Each flag's dest is its name with underscores (`--fp8-format` -> `args.fp8_format`). Errors raise
+ArgumentsError (a ValueError) whose message names the flags involved and what to give instead.
+docs/training.md lists the flags and where they differ from Megatron-LM's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+import warnings
+from pathlib import Path
+
+from megafp8.data.gpt_dataset import parse_split
+from megafp8.data.tokenizers import TOKENIZER_TYPES
+from megafp8.fp8.formats import Format
+from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
+from megafp8.models.config import PRESETS, TransformerConfig
+
+
+class ArgumentsError(ValueError):
+    """Flags, a flag combination or a --config file that cannot run; the message says which."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Raise instead of printing usage and exiting, so callers and tests see the message.
+    def error(self, message):
+        raise ArgumentsError(message)
+
+
+def _number(kind, minimum=None, below=None, above=None):
+    """An argparse type: `kind` (int or float) with bounds, whose error says the allowed range."""
+    parts = [f">= {minimum}" if minimum is not None else "", f"> {above}" if above is not None else "",
+             f"< {below}" if below is not None else ""]
+    wanted = f"{'an integer' if kind is int else 'a number'} {' and '.join(p for p in parts if p)}".strip()
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if ((minimum is not None and value < minimum) or (above is not None and value <= above)
+                or (below is not None and value >= below)):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _number(int, minimum=1)
+_NON_NEGATIVE = _number(int, minimum=0)
+_PROBABILITY = _number(float, minimum=0.0, below=1.0)  # dropout, Adam betas
+
+
+class _FirstLastLayers(argparse.Action):
+    """`--first-last-layers-bf16` alone is Megatron's switch (counts from --num-layers-at-*-in-bf16);
+    `--first-last-layers-bf16 N` is megafp8's short form."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, True if value is None else value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every flag and its default; parse_args adds the checks."""
+    p = _Parser(prog="megafp8-train", allow_abbrev=False,  # an abbreviation would hide a typo
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                description="Pretrain a GPT or Llama model with FP8 (Megatron-LM's flag names).")
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="flags as YAML keys (dashes or underscores); flags on the command line win")
+
+    g = p.add_argument_group("model (a --model preset, or the shape flags; shape flags override the preset)")
+    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--num-layers", type=_POSITIVE)
+    g.add_argument("--hidden-size", type=_POSITIVE)
+    g.add_argument("--num-attention-heads", type=_POSITIVE)
+    g.add_argument("--num-query-groups", type=_POSITIVE, help="key/value heads (GQA); default: one per head")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="accepted for Megatron scripts; --num-query-groups alone turns GQA on")
+    g.add_argument("--ffn-hidden-size", type=_POSITIVE, help="default 4 x hidden size")
+    g.add_argument("--max-position-embeddings", type=_POSITIVE, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    g.add_argument("--norm-epsilon", type=_number(float, above=0.0))
+    # None = not given, so a preset's value stays; after parsing these are True/False.
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--init-method-std", type=_number(float, above=0.0))
+    g.add_argument("--hidden-dropout", type=_PROBABILITY)
+    g.add_argument("--attention-dropout", type=_PROBABILITY)
+    g.add_argument("--make-vocab-size-divisible-by", type=_POSITIVE)
+    g.add_argument("--rotary-base", type=_number(float, above=0.0))
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_POSITIVE,
+                   help="interleaved 1F1B: layers per virtual stage")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
+
+    g = p.add_argument_group("batch")
+    g.add_argument("--micro-batch-size", type=_POSITIVE)
+    g.add_argument("--global-batch-size", type=_POSITIVE,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--seq-length", type=_POSITIVE, help="default: the model's max position embeddings")
+
+    g = p.add_argument_group("duration and evaluation")
+    g.add_argument("--train-iters", type=_POSITIVE)
+    g.add_argument("--train-samples", type=_POSITIVE)
+    g.add_argument("--eval-interval", type=_POSITIVE, default=1000)
+    g.add_argument("--eval-iters", type=_NON_NEGATIVE, default=100, help="0: no evaluation")
+
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--lr", type=_number(float, minimum=0.0))
+    g.add_argument("--min-lr", type=_number(float, minimum=0.0), default=0.0)
+    g.add_argument("--lr-warmup-iters", type=_NON_NEGATIVE, default=0)
+    g.add_argument("--lr-warmup-fraction", type=_number(float, minimum=0.0, below=1.0),
+                   help="warmup as a fraction of --lr-decay-iters")
+    g.add_argument("--lr-decay-iters", type=_POSITIVE, help="default: the training iterations")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "wsd"), default="linear")
+    g.add_argument("--lr-wsd-decay-iters", type=_POSITIVE,
+                   help="wsd: the final decay phase, the last iterations of --lr-decay-iters")
+    g.add_argument("--lr-wsd-decay-style", choices=("linear", "cosine", "exponential", "minus_sqrt"),
+                   default="exponential")
+    g.add_argument("--weight-decay", type=_number(float, minimum=0.0), default=0.01)
+    g.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
+    g.add_argument("--adam-beta2", type=_PROBABILITY, default=0.999)
+    g.add_argument("--adam-eps", type=_number(float, above=0.0), default=1e-8)
+    g.add_argument("--clip-grad", type=_number(float, minimum=0.0), default=1.0, help="0: no clipping")
+
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 master weights); default fp32")
+    g.add_argument("--fp16", action="store_true", help="not supported: use --bf16")
+    g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), help="turns FP8 on; absent: no FP8")
+    g.add_argument("--fp8-recipe", choices=("delayed", "current", "tensorwise"), default="delayed",
+                   help="tensorwise is Megatron's name for current scaling")
+    g.add_argument("--fp8-margin", type=_NON_NEGATIVE, default=0)
+    g.add_argument("--fp8-interval", type=_POSITIVE, default=1)
+    g.add_argument("--fp8-amax-history-len", type=_POSITIVE, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="most_recent")
+    g.add_argument("--no-fp8-wgrad", action="store_true", help="weight-gradient GEMM in high precision")
+    g.add_argument("--fp8-output-layer", action="store_true", help="the output layer in FP8 too")
+    g.add_argument("--first-last-layers-bf16", action=_FirstLastLayers, nargs="?", type=_NON_NEGATIVE,
+                   default=0, metavar="N", help="keep the first and last N layers out of FP8")
+    g.add_argument("--num-layers-at-start-in-bf16", type=_NON_NEGATIVE)
+    g.add_argument("--num-layers-at-end-in-bf16", type=_NON_NEGATIVE)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--data-cache-path")
+    g.add_argument("--mock-data", action="store_true", help="synthetic random tokens, no files")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--vocab-size", type=_number(int, minimum=2))
+    g.add_argument("--eod-token", help="end-of-document token, when the tokenizer's is not found")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--num-workers", type=_NON_NEGATIVE, default=2)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=_POSITIVE)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; iteration starts at 0")
+    g.add_argument("--exit-interval", type=_POSITIVE)
+    g.add_argument("--exit-duration-in-mins", type=_number(float, above=0.0))
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=_POSITIVE, default=100)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--log-throughput", action="store_true")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=_NON_NEGATIVE, default=1234)
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), help="absent: no recomputation")
+    g.add_argument("--recompute-method", choices=("uniform",))
+    g.add_argument("--recompute-num-layers", type=_POSITIVE)
+    g.add_argument("--skip-nonfinite-steps-max", type=_POSITIVE, default=10,
+                   help="abort after this many optimizer steps in a row skipped for inf/NaN gradients")
+    return p
+
+
+# ---- parsing: the YAML file first, then the command line over it -------------------------------
+
+def _given_only(parser):
+    """The same parser, but a namespace holds only the flags actually given."""
+    for action in parser._actions:  # not set_defaults: it would put the marker itself in the namespace
+        action.default = argparse.SUPPRESS
+    return parser
+
+
+def _reject_unknown(parser, extras) -> None:
+    flags = [token.split("=", 1)[0] for token in extras if token.startswith("-")]
+    if not flags:
+        raise ArgumentsError(f"unexpected argument {extras[0]!r}: every value follows its flag")
+    known = list(parser._option_string_actions)
+    hints = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1)
+        hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    raise ArgumentsError(f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}; "
+                         "see --help for the flags")
+
+
+def _yaml_tokens(path, parser) -> list:
+    """The YAML file as command-line tokens, so argparse types, choices and actions apply to it."""
+    try:
+        import yaml
+    except ImportError:
+        raise ArgumentsError("--config needs PyYAML: pip install pyyaml") from None
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ArgumentsError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        raise ArgumentsError(f"--config {path}: not valid YAML: {error}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ArgumentsError(f"--config {path}: expected a mapping of flag names to values, "
+                             f"got a {type(data).__name__}")
+    actions = parser._option_string_actions
+    tokens = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if flag == "--config":
+            raise ArgumentsError(f"--config {path}: config files do not nest; remove the key {key!r}")
+        if flag not in actions:
+            close = difflib.get_close_matches(flag, list(actions), n=1)
+            raise ArgumentsError(f"--config {path}: unknown key {key!r}"
+                                 + (f" (did you mean {close[0].lstrip('-')}?)" if close else ""))
+        if value is None:  # `key:` with no value means "leave the default"
+            continue
+        action = actions[flag]
+        if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):
+            if not isinstance(value, bool):
+                raise ArgumentsError(f"--config {path}: {key} is a switch; give true or false, not {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):  # false is the --no- form
+                flag = next(s for s in action.option_strings if (s == flag) == value)
+            elif not value:
+                continue
+            tokens.append(flag)
+        elif action.nargs == "*":
+            items = value.split() if isinstance(value, str) else value
+            if not isinstance(items, list):
+                raise ArgumentsError(f"--config {path}: {key} takes a list, got {value!r}")
+            tokens += [flag, *map(str, items)]
+        elif isinstance(value, (list, dict)):
+            raise ArgumentsError(f"--config {path}: {key} takes one value, got {value!r}")
+        else:
+            tokens.append(f"{flag}={value}")  # '=' keeps values such as -1 from looking like flags
+    return tokens
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Flags (argv, default sys.argv[1:]) over an optional --config YAML file, resolved against
+    the --model preset and checked; raises ArgumentsError naming the flags at fault."""
+    probe = _given_only(build_parser())
+    explicit, extras = probe.parse_known_args(argv)
+    if extras:
+        _reject_unknown(probe, extras)
+    from_file = {}
+    if getattr(explicit, "config", None):
+        tokens = _yaml_tokens(explicit.config, probe)
+        try:
+            from_file = vars(_given_only(build_parser()).parse_args(tokens))
+        except ArgumentsError as error:  # a bad value: say which file it came from
+            raise ArgumentsError(f"--config {explicit.config}: {error}") from None
+    parser = build_parser()
+    parser.set_defaults(**from_file)
+    args = parser.parse_args(argv)
+    _check_and_resolve(args, given=set(vars(explicit)) | set(from_file))
+    return args
+
+
+# ---- checks that need no world size -------------------------------------------------------------
+
+def _flags(*dests) -> str:
+    return " and ".join("--" + d.replace("_", "-") for d in dests)
+
+
+def _apply(stray) -> str:
+    return "applies" if len(stray) == 1 else "apply"
+
+
+# (flag dest, TransformerConfig field, flag value -> field value, field value -> flag value)
+_SHAPE = [
+    ("num_layers", "num_layers", None, None),
+    ("hidden_size", "hidden_size", None, None),
+    ("num_attention_heads", "num_attention_heads", None, None),
+    ("num_query_groups", "num_kv_heads", None, None),
+    ("ffn_hidden_size", "ffn_hidden_size", None, None),
+    ("max_position_embeddings", "max_position_embeddings", None, None),
+    ("position_embedding_type", "position_embedding",
+     {"learned_absolute": "learned", "rope": "rope"}.get, {"learned": "learned_absolute", "rope": "rope"}.get),
+    ("normalization", "normalization",
+     {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get, {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get),
+    ("norm_epsilon", "norm_epsilon", None, None),
+    ("swiglu", "activation", None, lambda activation: activation == "swiglu"),
+    ("disable_bias_linear", "bias", lambda flag: not flag, lambda bias: not bias),
+    ("untie_embeddings_and_output_weights", "tie_embeddings", lambda flag: not flag, lambda tied: not tied),
+    ("init_method_std", "init_method_std", None, None),
+    ("hidden_dropout", "hidden_dropout", None, None),
+    ("attention_dropout", "attention_dropout", None, None),
+    ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by", None, None),
+    ("rotary_base", "rope_theta", None, None),
+]
+# TransformerConfig's error messages name fields; say which flag sets each.
+_FIELD_FLAGS = {field: "--" + dest.replace("_", "-") for dest, field, _, _ in _SHAPE}
+_FIELD_FLAGS.update(kv_heads="--num-query-groups", ffn_size="--ffn-hidden-size",
+                    head_dim="--hidden-size / --num-attention-heads", tp_size="--tensor-model-parallel-size")
+
+
+def _resolve_model(args, given) -> None:
+    """Fill the shape flags not given from the --model preset (or TransformerConfig's defaults),
+    so that args alone describe the model."""
+    if args.model is not None and args.model not in PRESETS:
+        close = difflib.get_close_matches(args.model, list(PRESETS), n=1)
+        raise ArgumentsError(f"--model {args.model!r} is not a preset"
+                             + (f" (did you mean {close[0]}?)" if close else "")
+                             + f"; presets: {', '.join(PRESETS)}")
+    if args.model is not None:
+        base = {f.name: getattr(PRESETS[args.model], f.name) for f in dataclasses.fields(TransformerConfig)}
+    else:
+        base = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
+                if f.default is not dataclasses.MISSING}
+        missing = [d for d in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, d) is None]
+        if missing:
+            raise ArgumentsError(f"no model: give --model (one of {', '.join(PRESETS)}) or the shape "
+                                 f"flags; missing {', '.join(_flags(d) for d in missing)}")
+    for dest, field, _, from_field in _SHAPE:
+        if getattr(args, dest) is None and field in base:
+            value = base[field]
+            setattr(args, dest, from_field(value) if from_field and value is not None else value)
+
+    if args.seq_length is None:
+        if args.max_position_embeddings is None:
+            raise ArgumentsError("no sequence length: give --seq-length")
+        args.seq_length = args.max_position_embeddings
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        source = f" (from --model {args.model})" if args.model and "max_position_embeddings" not in given else ""
+        raise ArgumentsError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}{source}: learned positions have no row past it; "
+            "lower --seq-length or raise --max-position-embeddings")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ArgumentsError("--group-query-attention needs --num-query-groups (the number of key/value heads)")
+
+    try:  # the shape's own rules (heads divide hidden, tp divides heads ...), before any GPU is touched
+        model_config(args, vocab_size=2).validate_tensor_parallel(args.tensor_model_parallel_size)
+    except ValueError as error:
+        message = str(error)
+        named = [f"{field} is {flag}" for field, flag in _FIELD_FLAGS.items()
+                 if re.search(rf"\b{field}\b", message)]
+        preset_note = f" (--model {args.model})" if args.model else ""
+        raise ArgumentsError(f"invalid model shape{preset_note}: {message}"
+                             + (f" [{'; '.join(named)}]" if named else "")) from None
+
+
+def _check_pipeline(args) -> None:
+    pp, vpp_layers = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if args.num_layers % pp:
+        raise ArgumentsError(f"--num-layers {args.num_layers} is not divisible by "
+                             f"--pipeline-model-parallel-size {pp}; every stage needs the same number of layers")
+    args.virtual_pipeline_model_parallel_size = None
+    if vpp_layers is not None:
+        if pp == 1:
+            raise ArgumentsError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if (args.num_layers // pp) % vpp_layers:
+            raise ArgumentsError(
+                f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} = "
+                f"{args.num_layers // pp} layers per stage is not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {vpp_layers}")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // vpp_layers
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        # Megatron's behaviour: nothing to shard, so not an error.
+        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turned off",
+                      stacklevel=4)
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentsError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                             f"--seq-length {args.seq_length} must be divisible by "
+                             f"--tensor-model-parallel-size {tp}")
+
+
+def _check_schedule(args, given) -> None:
+    if (args.train_iters is None) == (args.train_samples is None):
+        both = args.train_iters is not None
+        raise ArgumentsError(f"--train-iters and --train-samples: give exactly one, not "
+                             f"{'both' if both else 'neither'}")
+    if args.micro_batch_size is None:
+        raise ArgumentsError("no batch size: give --micro-batch-size (and --global-batch-size, default "
+                             "micro batch size x data-parallel size)")
+    if args.lr is None:
+        raise ArgumentsError("no learning rate: give --lr (e.g. --lr 3e-4)")
+    if args.min_lr > args.lr:
+        raise ArgumentsError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if {"lr_warmup_iters", "lr_warmup_fraction"} <= given:
+        raise ArgumentsError("--lr-warmup-iters and --lr-warmup-fraction are both given; give one")
+    if args.lr_decay_style == "wsd":
+        if args.lr_wsd_decay_iters is None:
+            raise ArgumentsError("--lr-decay-style wsd needs --lr-wsd-decay-iters (the length of the final decay)")
+    else:
+        stray = [d for d in ("lr_wsd_decay_iters", "lr_wsd_decay_style") if d in given]
+        if stray:
+            raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --lr-decay-style wsd "
+                                 f"(it is {args.lr_decay_style})")
+
+
+_FP8_KNOBS = ("fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
+              "no_fp8_wgrad", "fp8_output_layer", "first_last_layers_bf16",
+              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+_DELAYED_ONLY = ("fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad")
+
+
+def _check_precision(args, given) -> None:
+    args.params_dtype = "bfloat16" if args.bf16 else "float32"
+    if args.fp8_recipe == "tensorwise":
+        args.fp8_recipe = "current"
+    if args.fp8_format is None:
+        stray = [d for d in _FP8_KNOBS if d in given]
+        if stray:
+            raise ArgumentsError(f"{', '.join(_flags(d) for d in stray)} given without --fp8-format; "
+                                 "add --fp8-format hybrid (or e4m3) to train in FP8, or drop them")
+        args.first_last_layers_bf16 = 0
+        args.num_layers_at_start_in_bf16 = args.num_layers_at_end_in_bf16 = 0
+        return
+    if args.fp8_recipe == "current":
+        stray = [d for d in _DELAYED_ONLY if d in given]
+        if stray:
+            raise ArgumentsError(f"{', '.join(_flags(d) for d in stray)} {_apply(stray)} only to --fp8-recipe delayed; "
+                                 "current scaling keeps no amax history and runs every GEMM in FP8")
+
+    # The model keeps the same N layers at each end; Megatron's start/end counts must agree.
+    n, start, end = args.first_last_layers_bf16, args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
+    if n is True:  # Megatron's switch: counts default to 1 each
+        start, end = (1 if start is None else start), (1 if end is None else end)
+        if start != end:
+            raise ArgumentsError(
+                f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} differ; "
+                "megafp8 keeps the same number of layers at each end: give equal counts")
+        n = start
+    elif n == 0 and (start is not None or end is not None):
+        raise ArgumentsError("--num-layers-at-start-in-bf16/--num-layers-at-end-in-bf16 need "
+                             "--first-last-layers-bf16")
+    elif any(count is not None and count != n for count in (start, end)):
+        raise ArgumentsError(f"--first-last-layers-bf16 {n} disagrees with --num-layers-at-start-in-bf16/"
+                             "--num-layers-at-end-in-bf16; give one or the other")
+    if 2 * n > args.num_layers:
+        raise ArgumentsError(f"--first-last-layers-bf16 {n} keeps {2 * n} layers out of FP8, "
+                             f"more than --num-layers {args.num_layers}")
+    args.first_last_layers_bf16 = args.num_layers_at_start_in_bf16 = args.num_layers_at_end_in_bf16 = n
+
+
+def _check_data(args) -> None:
+    if args.mock_data and args.data_path:
+        raise ArgumentsError("--mock-data and --data-path are both given; drop one")
+    if not args.mock_data and not args.data_path:
+        raise ArgumentsError("no training data: give --data-path PREFIX (preprocessed .bin/.idx), "
+                             "or --mock-data for synthetic tokens")
+    try:
+        parse_split(args.split)
+    except ValueError as error:
+        raise ArgumentsError(str(error)) from None
+    kind = args.tokenizer_type
+    if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer") and not args.tokenizer_model:
+        raise ArgumentsError(f"--tokenizer-type {kind} needs --tokenizer-model")
+    if kind == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        raise ArgumentsError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if kind == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.data_path and kind is None:
+        raise ArgumentsError("--data-path needs --tokenizer-type (and its files): the vocabulary size "
+                             f"and end-of-document token come from it; one of {', '.join(TOKENIZER_TYPES)}")
+    if args.mock_data and kind is None and args.vocab_size is None:
+        # Mock tokens are drawn from [0, vocab_size); the last id is the end-of-document token.
+        if args.model is None:
+            raise ArgumentsError("--mock-data without a tokenizer needs --vocab-size (or a --model preset's)")
+        args.vocab_size = PRESETS[args.model].vocab_size
+
+
+def _check_run(args, given) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentsError("--save-interval needs --save (the checkpoint directory)")
+    if args.recompute_granularity != "full":
+        stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
+        if stray:
+            raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --recompute-granularity full")
+
+
+def _check_and_resolve(args, given: set) -> None:
+    if args.fp16:
+        raise ArgumentsError("--fp16 is not supported (it needs loss scaling); use --bf16")
+    _resolve_model(args, given)
+    _check_precision(args, given)
+    _check_pipeline(args)
+    _check_schedule(args, given)
+    _check_data(args)
+    _check_run(args, given)
+
+
+# ---- checks against the world size --------------------------------------------------------------
+
+def validate_args(args, world_size: int) -> argparse.Namespace:
+    """Check the parallel layout and batch sizes against `world_size` (all ranks of the run) and
+    fill the derived sizes: world_size, data_parallel_size, global_batch_size (default micro
+    batch x dp), num_micro_batches (per optimizer step, per data-parallel rank), train_iters
+    (from --train-samples), lr_decay_iters (default train_iters) and lr_warmup_iters (from
+    --lr-warmup-fraction). Changes args in place and returns it; calling it again is harmless."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentsError(f"world size must be a positive int, got {world_size!r}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ArgumentsError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does not "
+            f"divide the world size {world_size}; choose sizes whose product divides the number of GPUs")
+    dp = world_size // (tp * pp)
+    args.world_size, args.data_parallel_size = world_size, dp
+
+    per_pass = args.micro_batch_size * dp
+    if args.global_batch_size is None:
+        args.global_batch_size = per_pass
+    if args.global_batch_size % per_pass:
+        below = args.global_batch_size // per_pass * per_pass
+        hint = f"{below} or {below + per_pass}" if below else f"{per_pass}"
+        raise ArgumentsError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} (world size {world_size} / "
+            f"(tensor {tp} x pipeline {pp})) = {per_pass}; use a multiple of {per_pass}, e.g. {hint}")
+    args.num_micro_batches = args.global_batch_size // per_pass
+    if args.virtual_pipeline_model_parallel_size is not None and args.num_micro_batches % pp:
+        raise ArgumentsError(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the micro-batches "
+            f"per step ({args.num_micro_batches} = --global-batch-size / (--micro-batch-size x data-parallel "
+            f"size)) to be a multiple of --pipeline-model-parallel-size {pp}")
+
+    if args.train_samples is not None:  # Megatron's rule, with no batch-size ramp-up
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters == 0:
+            raise ArgumentsError(f"--train-samples {args.train_samples} is less than one step of "
+                                 f"--global-batch-size {args.global_batch_size}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:  # Megatron's rule: a fraction of the decay iterations
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentsError(f"warmup ({args.lr_warmup_iters} iterations, --lr-warmup-iters or "
+                             f"--lr-warmup-fraction) must end before --lr-decay-iters {args.lr_decay_iters} "
+                             "(which defaults to the training iterations)")
+    if args.lr_decay_style == "wsd" and args.lr_wsd_decay_iters > args.lr_decay_iters - args.lr_warmup_iters:
+        raise ArgumentsError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} is longer than what follows "
+                             f"warmup: --lr-decay-iters {args.lr_decay_iters} - warmup {args.lr_warmup_iters}")
+    return args
+
+
+# ---- what the trainer builds from the arguments -------------------------------------------------
+
+def model_config(args, vocab_size: int) -> TransformerConfig:
+    """The --model preset (fields without a flag, e.g. rope_scaling, kept) with the shape flags
+    applied, for the tokenizer's `vocab_size`. With RoPE the position range grows to cover
+    --seq-length: rotary tables are computed, not learned."""
+    fields = {field: (to_field(getattr(args, dest)) if to_field else getattr(args, dest))
+              for dest, field, to_field, _ in _SHAPE if dest != "swiglu"}
+    base = PRESETS.get(args.model)
+    plain = base.activation if base is not None and base.activation != "swiglu" else "gelu_tanh"
+    fields["activation"] = "swiglu" if args.swiglu else plain
+    if fields["position_embedding"] == "rope":
+        fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq_length)
+    fields["vocab_size"] = vocab_size
+    return base.replace(**fields) if base is not None else TransformerConfig(**fields)
+
+
+def fp8_recipe(args) -> DelayedScaling | CurrentScaling | None:
+    """The FP8 recipe of --fp8-*, or None without --fp8-format."""
+    if args.fp8_format is None:
+        return None
+    fmt = Format(args.fp8_format)
+    if args.fp8_recipe == "current":
+        return CurrentScaling(fp8_format=fmt, margin=args.fp8_margin)
+    return DelayedScaling(margin=args.fp8_margin, interval=args.fp8_interval, fp8_format=fmt,
+                          amax_history_len=args.fp8_amax_history_len,
+                          amax_compute_algo=args.fp8_amax_compute_algo,
+                          override_linear_precision=OverrideLinearPrecision(wgrad=args.no_fp8_wgrad))
+
+
+def args_to_dict(args) -> dict:
+    """The arguments as JSON values, for a checkpoint."""
+    result = dict(vars(args))
+    for key, value in result.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            raise TypeError(f"argument {key}={value!r} is not JSON-serialisable") from None
+    return result
+
+
+def args_from_dict(values: dict) -> argparse.Namespace:
+    """A namespace from args_to_dict's output. Flags added since it was saved take their
+    defaults; the values are not checked again (parse_args checked them when the run began)."""
+    return argparse.Namespace(**{**vars(build_parser().parse_args([])), **values})

@@ -1,0 +1,320 @@
+"""Command-line arguments: Megatron's flag names, presets, YAML configs, and start-up errors that
+name the flags at fault."""
+import json
+
+import pytest
+
+from megafp8.fp8.formats import Format
+from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
+from megafp8.models.config import PRESETS, TransformerConfig, preset
+from megafp8.training.arguments import (ArgumentsError, args_from_dict, args_to_dict, fp8_recipe, model_config,
+                                        parse_args, validate_args)
+
+BASE = "--model gpt-tiny --mock-data --train-iters 10 --lr 1e-3 --micro-batch-size 2"
+
+
+def parse(extra="", base=BASE):
+    return parse_args(f"{base} {extra}".split())
+
+
+def fails(extra, *flags, base=BASE, world_size=None):
+    """Parsing (and validating for world_size) fails with a message naming every one of flags."""
+    with pytest.raises(ArgumentsError) as error:
+        args = parse(extra, base)
+        if world_size is not None:
+            validate_args(args, world_size)
+    for flag in flags:
+        assert flag in str(error.value), f"{flag!r} not in: {error.value}"
+    return str(error.value)
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+def test_preset_fills_the_shape_flags():
+    args = parse()
+    tiny = PRESETS["gpt-tiny"]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 64, 4)
+    assert args.max_position_embeddings == args.seq_length == tiny.max_position_embeddings
+    assert args.position_embedding_type == "learned_absolute" and args.normalization == "LayerNorm"
+    assert args.swiglu is False and args.disable_bias_linear is False
+    assert model_config(args, tiny.vocab_size) == tiny
+
+    llama = parse("--model llama-tiny")
+    assert llama.swiglu and llama.disable_bias_linear and llama.untie_embeddings_and_output_weights
+    assert llama.position_embedding_type == "rope" and llama.normalization == "RMSNorm"
+    assert llama.num_query_groups == 2
+    assert model_config(llama, 1000) == PRESETS["llama-tiny"]
+
+
+def test_shape_flags_override_the_preset():
+    args = parse("--model llama-tiny --num-layers 4 --rotary-base 500000 --ffn-hidden-size 256 --hidden-dropout 0.1")
+    assert model_config(args, 500) == preset("llama-tiny", num_layers=4, rope_theta=500000.0, ffn_hidden_size=256,
+                                             hidden_dropout=0.1, vocab_size=500)
+    gpt = parse("--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear")
+    config = model_config(gpt, 1000)
+    assert (config.activation, config.normalization, config.tie_embeddings, config.bias) == (
+        "swiglu", "rmsnorm", False, False)
+
+
+def test_shape_flags_without_a_preset():
+    base = "--mock-data --vocab-size 256 --train-iters 10 --lr 1e-3 --micro-batch-size 2"
+    args = parse("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32", base)
+    config = model_config(args, 256)
+    assert config == TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
+                                       max_position_embeddings=32)
+    # RoPE has no table to outgrow: the position range follows --seq-length.
+    rope = parse("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --position-embedding-type rope "
+                 "--max-position-embeddings 16 --seq-length 64", base)
+    assert model_config(rope, 256).max_position_embeddings == 64
+    msg = fails("--num-layers 2", "--model", "--hidden-size", "--num-attention-heads", base=base)
+    assert "--num-layers" not in msg.split("missing")[1]
+    fails("--num-layers 2 --hidden-size 64 --num-attention-heads 4", "--seq-length", base=base)
+
+
+def test_model_errors_name_the_flags():
+    msg = fails("--model gpt-tny", "--model", "did you mean gpt-tiny?")
+    assert all(name in msg for name in PRESETS)
+    fails("--hidden-size 65", "--hidden-size", "--num-attention-heads")
+    fails("--model llama-tiny --num-query-groups 3", "--num-query-groups")
+    fails("--tensor-model-parallel-size 8", "--tensor-model-parallel-size")
+    fails("--seq-length 256", "--seq-length 256", "--max-position-embeddings 128", "gpt-tiny")
+    fails("--group-query-attention", "--group-query-attention", "--num-query-groups")
+    parse("--model llama-tiny --group-query-attention")  # the preset has its key/value heads
+
+
+# ---- unknown flags and choices ----------------------------------------------------------------
+
+def test_unknown_flag_suggests_the_closest():
+    fails("--tensor-parallel-size 2", "--tensor-parallel-size", "did you mean --tensor-model-parallel-size?")
+    fails("--fp8-amax-history=16", "--fp8-amax-history", "did you mean --fp8-amax-history-len?")
+    fails("--micro-batch 2", "--micro-batch", "did you mean --micro-batch-size?")  # no abbreviations
+    fails("stray", "unexpected argument 'stray'")
+
+
+def test_invalid_values_name_the_flag():
+    fails("--recompute-granularity partial", "--recompute-granularity", "full", "selective")
+    fails("--fp8-format e5m2 --bf16", "--fp8-format")
+    fails("--micro-batch-size 0", "--micro-batch-size", ">= 1")
+    fails("--hidden-dropout 1.5", "--hidden-dropout")
+
+
+# ---- parallelism and batch sizes --------------------------------------------------------------
+
+def test_validate_args_derives_the_sizes():
+    args = validate_args(parse("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                               "--global-batch-size 16"), world_size=8)
+    assert (args.world_size, args.data_parallel_size, args.num_micro_batches) == (8, 2, 4)
+    default_gbs = validate_args(parse(), world_size=4)
+    assert default_gbs.global_batch_size == 8 and default_gbs.num_micro_batches == 1
+    assert validate_args(default_gbs, world_size=4).num_micro_batches == 1  # again: harmless
+
+
+def test_parallel_contradictions():
+    fails("--global-batch-size 10", "--global-batch-size 10", "--micro-batch-size 2", "data-parallel size 4",
+          "e.g. 8 or 16", world_size=4)
+    fails("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", "--tensor-model-parallel-size 2",
+          "--pipeline-model-parallel-size 2", "world size 6", world_size=6)
+    fails("--pipeline-model-parallel-size 4 --num-layers 6", "--num-layers 6", "--pipeline-model-parallel-size 4")
+    fails("--num-layers-per-virtual-pipeline-stage 1", "--num-layers-per-virtual-pipeline-stage",
+          "--pipeline-model-parallel-size")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
+          "--num-layers-per-virtual-pipeline-stage 3")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+          "--global-batch-size 2", "--pipeline-model-parallel-size 2", "--global-batch-size", world_size=2)
+    vpp = parse("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2")
+    assert vpp.virtual_pipeline_model_parallel_size == 2
+
+
+def test_sequence_parallel():
+    with pytest.warns(UserWarning, match="--sequence-parallel.*--tensor-model-parallel-size 1"):
+        assert parse("--sequence-parallel").sequence_parallel is False
+    assert parse("--sequence-parallel --tensor-model-parallel-size 2").sequence_parallel is True
+    fails("--sequence-parallel --tensor-model-parallel-size 4 --seq-length 126", "--sequence-parallel",
+          "--seq-length 126", "--tensor-model-parallel-size 4")
+
+
+# ---- duration and learning rate ---------------------------------------------------------------
+
+def test_train_iters_or_samples():
+    base = "--model gpt-tiny --mock-data --lr 1e-3 --micro-batch-size 2"
+    fails("", "--train-iters", "--train-samples", "neither", base=base)
+    fails("--train-iters 5 --train-samples 50", "--train-iters", "--train-samples", "both", base=base)
+    args = validate_args(parse("--train-samples 100 --global-batch-size 8", base), world_size=1)
+    assert args.train_iters == 12 and args.lr_decay_iters == 12
+    fails("--train-samples 4 --global-batch-size 8", "--train-samples 4", "--global-batch-size 8",
+          base=base, world_size=1)
+
+
+def test_learning_rate_contradictions():
+    fails("", "--lr", base="--model gpt-tiny --mock-data --train-iters 10 --micro-batch-size 2")
+    fails("", "--micro-batch-size", base="--model gpt-tiny --mock-data --train-iters 10 --lr 1e-3")
+    fails("--min-lr 1e-2", "--min-lr", "--lr")
+    fails("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", "--lr-warmup-iters", "--lr-warmup-fraction")
+    fails("--lr-decay-style wsd", "--lr-decay-style wsd", "--lr-wsd-decay-iters")
+    fails("--lr-wsd-decay-iters 3", "--lr-wsd-decay-iters", "--lr-decay-style wsd")
+    fails("--lr-warmup-iters 10", "--lr-warmup-iters", "--lr-decay-iters 10", world_size=1)
+    fails("--lr-decay-style wsd --lr-wsd-decay-iters 9 --lr-warmup-iters 2", "--lr-wsd-decay-iters 9",
+          "--lr-decay-iters 10", world_size=1)
+    args = validate_args(parse("--lr-warmup-fraction 0.25 --lr-decay-iters 8"), world_size=1)
+    assert args.lr_warmup_iters == 2 and args.lr_decay_iters == 8
+
+
+# ---- precision --------------------------------------------------------------------------------
+
+def test_fp16_is_rejected_for_bf16():
+    fails("--fp16", "--fp16", "--bf16")
+
+
+def test_fp8_knobs_need_fp8_format():
+    msg = fails("--fp8-margin 1 --no-fp8-wgrad --fp8-output-layer", "--fp8-margin", "--no-fp8-wgrad",
+                "--fp8-output-layer", "--fp8-format")
+    assert "--fp8-interval" not in msg
+    fails("--first-last-layers-bf16 1", "--first-last-layers-bf16", "--fp8-format")
+    fails("--fp8-recipe current", "--fp8-recipe", "--fp8-format")
+    fails("--fp8-format hybrid --fp8-recipe current --fp8-amax-history-len 16 --no-fp8-wgrad",
+          "--fp8-amax-history-len", "--no-fp8-wgrad", "--fp8-recipe delayed")
+    assert parse("--fp8-format hybrid").params_dtype == "float32"  # FP8 with fp32 parameters is allowed
+    assert parse("--bf16 --fp8-format hybrid").params_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("flags, n", [
+    ("", 0),
+    ("--first-last-layers-bf16 1", 1),
+    ("--first-last-layers-bf16", 1),  # Megatron's switch: one layer at each end by default
+    ("--first-last-layers-bf16 --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2", 2),
+    ("--first-last-layers-bf16 2 --num-layers-at-start-in-bf16 2", 2),
+])
+def test_first_last_layers_bf16(flags, n):
+    args = parse(f"--fp8-format hybrid --num-layers 4 {flags}")
+    assert args.first_last_layers_bf16 == args.num_layers_at_start_in_bf16 == args.num_layers_at_end_in_bf16 == n
+
+
+def test_first_last_layers_bf16_contradictions():
+    base = f"{BASE} --fp8-format hybrid --num-layers 4"
+    fails("--first-last-layers-bf16 --num-layers-at-start-in-bf16 1 --num-layers-at-end-in-bf16 2",
+          "--num-layers-at-start-in-bf16 1", "--num-layers-at-end-in-bf16 2", base=base)
+    fails("--num-layers-at-start-in-bf16 1", "--num-layers-at-start-in-bf16", "--first-last-layers-bf16", base=base)
+    fails("--first-last-layers-bf16 1 --num-layers-at-end-in-bf16 2", "--first-last-layers-bf16 1",
+          "--num-layers-at-end-in-bf16", base=base)
+    fails("--first-last-layers-bf16 3", "--first-last-layers-bf16 3", "--num-layers 4", base=base)
+
+
+def test_recipe_mapping():
+    assert fp8_recipe(parse()) is None
+    delayed = fp8_recipe(parse("--bf16 --fp8-format hybrid --fp8-margin 1 --fp8-interval 2 "
+                               "--fp8-amax-history-len 16 --fp8-amax-compute-algo max --no-fp8-wgrad"))
+    assert delayed == DelayedScaling(margin=1, interval=2, fp8_format=Format.HYBRID, amax_history_len=16,
+                                     amax_compute_algo="max", override_linear_precision=(False, False, True))
+    megatron_defaults = fp8_recipe(parse("--fp8-format e4m3"))
+    assert (megatron_defaults.fp8_format, megatron_defaults.amax_history_len,
+            megatron_defaults.amax_compute_algo) == (Format.E4M3, 1, "most_recent")
+    assert megatron_defaults.override_linear_precision == (False, False, False)
+    for name in ("current", "tensorwise"):  # tensorwise: Megatron's name for current scaling
+        args = parse(f"--fp8-format e4m3 --fp8-recipe {name} --fp8-margin 2")
+        assert args.fp8_recipe == "current"
+        assert fp8_recipe(args) == CurrentScaling(fp8_format=Format.E4M3, margin=2)
+
+
+# ---- data, checkpoints, recomputation ---------------------------------------------------------
+
+def test_data_contradictions():
+    base = "--model gpt-tiny --train-iters 10 --lr 1e-3 --micro-batch-size 2"
+    fails("", "--data-path", "--mock-data", base=base)
+    fails("--mock-data --data-path corpus_text_document", "--mock-data", "--data-path", base=base)
+    fails("--data-path corpus_text_document", "--data-path", "--tokenizer-type", base=base)
+    fails("--split 1,x", "--split")
+    fails("--vocab-size 1", "--vocab-size")
+    no_preset = "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
+    fails(no_preset, "--mock-data", "--vocab-size", base=base.replace("--model gpt-tiny", ""))
+    assert parse().vocab_size == PRESETS["gpt-tiny"].vocab_size  # mock tokens from the preset's vocabulary
+    args = parse("--data-path 0.7 a_text_document 0.3 b_text_document --tokenizer-type NullTokenizer "
+                 "--vocab-size 512", base)
+    assert args.data_path == ["0.7", "a_text_document", "0.3", "b_text_document"] and not args.mock_data
+
+
+@pytest.mark.parametrize("tokenizer, needs", [
+    ("HuggingFaceTokenizer", ["--tokenizer-model"]),
+    ("SentencePieceTokenizer", ["--tokenizer-model"]),
+    ("GPT2BPETokenizer", ["--vocab-file", "--merge-file"]),
+    ("NullTokenizer", ["--vocab-size"]),
+])
+def test_tokenizer_requirements(tokenizer, needs):
+    fails(f"--tokenizer-type {tokenizer}", f"--tokenizer-type {tokenizer}", *needs)
+
+
+def test_checkpoint_and_recompute_flags():
+    fails("--save-interval 5", "--save-interval", "--save")
+    args = parse("--save ckpt --save-interval 5 --load /no/such/dir --no-load-optim --finetune")
+    assert (args.save, args.save_interval, args.load, args.no_load_optim, args.finetune) == (
+        "ckpt", 5, "/no/such/dir", True, True)
+    fails("--recompute-method uniform", "--recompute-method", "--recompute-granularity full")
+    fails("--recompute-granularity selective --recompute-num-layers 1", "--recompute-num-layers")
+    args = parse("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+    assert parse().recompute_granularity is None and parse().skip_nonfinite_steps_max == 10
+
+
+# ---- --config file.yaml -----------------------------------------------------------------------
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_config_merges_under_the_command_line(tmp_path):
+    pytest.importorskip("yaml")
+    path = write(tmp_path, "model: llama-tiny\nmock-data: true\ntrain_iters: 10\nlr: 3.0e-4\n"
+                           "micro_batch_size: 2\nglobal-batch-size: 8\noverlap_grad_reduce: false\n"
+                           "bf16: true\nfp8_format: hybrid\nfp8-margin: 1\nswiglu: false\neval_iters: null\n"
+                           "data_path: [1, x]\n")
+    with pytest.raises(ArgumentsError, match="--mock-data and --data-path"):  # the list arrives as a list
+        parse_args(["--config", str(path)])
+    path.write_text(path.read_text().replace("data_path: [1, x]\n", ""))
+    args = parse_args(["--config", str(path), "--lr", "1e-3", "--fp8-margin", "2"])
+    assert args.lr == 1e-3 and args.fp8_margin == 2  # explicit flags win
+    assert args.model == "llama-tiny" and args.mock_data and args.train_iters == 10 and args.global_batch_size == 8
+    assert args.overlap_grad_reduce is False and args.bf16 and args.fp8_format == "hybrid"
+    assert args.eval_iters == 100  # null: the default
+    assert args.swiglu is True  # false means "not given": the preset's SwiGLU stays
+    assert parse_args(["--config", str(path), "--overlap-grad-reduce"]).overlap_grad_reduce is True
+    # Knobs set in the file count as given: the FP8 check sees them.
+    path.write_text("fp8_margin: 1\n")
+    fails(f"--config {path}", "--fp8-margin", "--fp8-format")
+
+
+def test_yaml_config_errors_name_the_key_and_file(tmp_path):
+    pytest.importorskip("yaml")
+    path = write(tmp_path, "model: gpt-tiny\ntensor_parallel_size: 2\n")
+    fails(f"--config {path}", str(path), "tensor_parallel_size", "tensor-model-parallel-size")
+    path.write_text("micro_batch_size: zero\n")
+    fails(f"--config {path}", str(path), "--micro-batch-size")
+    path.write_text("mock_data: 3\n")
+    fails(f"--config {path}", str(path), "mock_data", "true or false")
+    path.write_text("- lr\n")
+    fails(f"--config {path}", str(path), "mapping")
+    path.write_text("config: other.yaml\n")
+    fails(f"--config {path}", str(path), "nest")
+    fails(f"--config {tmp_path / 'missing.yaml'}", "missing.yaml", "cannot read")
+
+
+# ---- checkpoints: args as a dict --------------------------------------------------------------
+
+def test_round_trip_through_args_to_dict():
+    args = validate_args(parse("--model llama-tiny --bf16 --fp8-format hybrid --fp8-recipe current "
+                               "--tensor-model-parallel-size 2 --sequence-parallel --save ckpt"), world_size=4)
+    saved = json.loads(json.dumps(args_to_dict(args)))
+    restored = args_from_dict(saved)
+    assert vars(restored) == vars(args)
+    assert model_config(restored, 1000) == model_config(args, 1000)
+    assert fp8_recipe(restored) == fp8_recipe(args)
+    old = args_from_dict({k: v for k, v in saved.items() if k != "skip_nonfinite_steps_max"})
+    assert old.skip_nonfinite_steps_max == 10  # a flag newer than the checkpoint takes its default
+
+
+def test_every_flag_dest_is_its_name_with_underscores():
+    from megafp8.training.arguments import build_parser
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and not flag.startswith("--no-overlap") and flag != "--help":
+                assert action.dest == flag[2:].replace("-", "_"), flag
