@@ -1,0 +1,131 @@
+"""Tokenizers: round trips for every type, GPT-2 files equal tokenizer.json, end of document, errors."""
+import json
+
+import pytest
+
+from megafp8.data.tokenizers import build_tokenizer
+
+from .corpora import corpus_text
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x * 2\n\n\tclass  C: pass\n",
+    "naïve éclair, 数据 and 模型 — with emoji 🚀 and digits 12345",
+    "  leading and trailing spaces  ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """A tiny byte-level BPE, GPT-2 style: tokenizer.json plus vocab.json + merges.txt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    out = tmp_path_factory.mktemp("bpe")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus_text(), trainer=trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer.model.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A tiny SentencePiece BPE with byte fallback and identity normalisation (exact round trips)."""
+    import sentencepiece
+    out = tmp_path_factory.mktemp("spm")
+    lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(out / "tokenizer"), vocab_size=400,
+        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, minloglevel=2)
+    return out / "tokenizer.model"
+
+
+def assert_round_trips(tokenizer):
+    for text in TEXTS:
+        ids = tokenizer.tokenize(text)
+        assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.detokenize(ids) == text
+    assert tokenizer.tokenize_batch(TEXTS) == [tokenizer.tokenize(text) for text in TEXTS]
+
+
+def test_hugging_face_tokenizer_json(bpe_dir):
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir / "tokenizer.json")
+    assert_round_trips(tokenizer)
+    assert tokenizer.vocab_size == 400
+    assert tokenizer.detokenize([tokenizer.eod]) == "<|endoftext|>"
+    assert tokenizer.files == (str(bpe_dir / "tokenizer.json"),)
+    # The folder that holds tokenizer.json works too.
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir).tokenize(TEXTS[1]) == \
+        tokenizer.tokenize(TEXTS[1])
+
+
+def test_gpt2_files_give_the_tokenizer_json_ids(bpe_dir):
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir / "tokenizer.json")
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json",
+                           merge_file=bpe_dir / "merges.txt")
+    assert_round_trips(gpt2)
+    assert gpt2.vocab_size == hf.vocab_size and gpt2.eod == hf.eod
+    for text in TEXTS + corpus_text(20, seed=7):
+        assert gpt2.tokenize(text) == hf.tokenize(text)
+    assert gpt2.files == (str(bpe_dir / "vocab.json"), str(bpe_dir / "merges.txt"))
+
+
+def test_sentencepiece(spm_model):
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model)
+    assert_round_trips(tokenizer)
+    assert tokenizer.vocab_size == 400
+    assert tokenizer.eod == 2  # SentencePiece's </s>
+    assert tokenizer.files == (str(spm_model),)
+    assert build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model, eod_token="<s>").eod == 1
+
+
+def test_null_tokenizer():
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=1000)
+    assert tokenizer.tokenize("3 1 4 1 5 999") == [3, 1, 4, 1, 5, 999]
+    assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
+    assert tokenizer.eod == 999 and tokenizer.vocab_size == 1000
+    assert tokenizer.tokenize_batch(["1 2", ""]) == [[1, 2], []]
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer.tokenize("1 1000")
+    with pytest.raises(ValueError, match="vocab_size >= 2"):
+        build_tokenizer("NullTokenizer")
+
+
+def test_eod_token_choice(bpe_dir, tmp_path):
+    eod = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir, eod_token="<|endoftext|>").eod
+    assert eod == build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir).eod
+    with pytest.raises(ValueError, match="end-of-document tokens.*eod-token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir, eod_token="<nope>")
+    # A vocabulary without any known end-of-document token must be told which one to use.
+    spec = json.loads((bpe_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["added_tokens"] = []
+    del spec["model"]["vocab"]["<|endoftext|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(ValueError, match="none of the end-of-document tokens"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
+
+
+def test_sentencepiece_unknown_eod_token(spm_model):
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model, eod_token="<nope>")
+
+
+def test_errors_name_what_is_missing(tmp_path, bpe_dir):
+    with pytest.raises(ValueError, match="unknown tokenizer type 'Nope'"):
+        build_tokenizer("Nope")
+    with pytest.raises(ValueError, match="needs --tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer")
+    with pytest.raises(ValueError, match="needs --tokenizer-model"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
+    with pytest.raises(FileNotFoundError, match="merge_file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json")
+    with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=tmp_path / "missing.model")
