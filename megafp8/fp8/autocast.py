@@ -20,12 +20,14 @@ from .scaling import AmaxPass
 @dataclass(frozen=True)
 class Fp8Context:
     """What an Fp8Linear needs to know about the fp8_autocast it runs under. `replay_scales`
-    (id of a ScalingState -> the scale it cast with) marks the recomputation of a forward."""
+    (id of a ScalingState -> the scale it cast with) marks the recomputation of a forward;
+    `collect_saturation` makes each cast count its saturated elements (forward and backward)."""
 
     recipe: Recipe
     amax_reduction_group: Optional[dist.ProcessGroup]
     forward_pass: AmaxPass
     replay_scales: Optional[dict] = None
+    collect_saturation: bool = False
 
 
 _local = threading.local()
@@ -48,6 +50,7 @@ def fp8_autocast(
     enabled: bool = True,
     recipe: Optional[Recipe] = None,
     amax_reduction_group: Optional[dist.ProcessGroup] = None,
+    collect_saturation: bool = False,
 ):
     """Run every Fp8Linear inside in FP8 with `recipe` (default: DelayedScaling()).
 
@@ -56,6 +59,9 @@ def fp8_autocast(
     all of them keep identical scales. Nested contexts override; `enabled=False` turns FP8 off.
     The forward amaxes are applied on a normal exit only: after an exception no collective
     runs, since the other ranks may never reach it.
+    `collect_saturation=True` also counts, in each ScalingState's `saturation`, the elements
+    every cast saturates, in this forward and in the backward built from it: an extra read of
+    each cast tensor, for the micro-batches whose statistics are logged. Numerics are unchanged.
     """
     if recipe is None:
         recipe = DelayedScaling()
@@ -63,7 +69,10 @@ def fp8_autocast(
         raise TypeError(
             f"fp8_autocast: recipe must be a DelayedScaling or CurrentScaling, got {type(recipe).__name__}"
         )
-    context = Fp8Context(recipe, amax_reduction_group, AmaxPass(amax_reduction_group)) if enabled else None
+    context = (
+        Fp8Context(recipe, amax_reduction_group, AmaxPass(amax_reduction_group), collect_saturation=collect_saturation)
+        if enabled else None
+    )
     stack = _stack()
     stack.append(context)
     try:

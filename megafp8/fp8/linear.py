@@ -136,6 +136,7 @@ class Fp8Linear(nn.Linear):
             margin=recipe.margin,
             scale_out=state.scale if scale is None else None,
             amax_out=state.amax if delayed else None,
+            saturation_out=state.saturation if context.collect_saturation else None,
             **layout,
         )
         if delayed:

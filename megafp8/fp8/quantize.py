@@ -6,6 +6,7 @@ because `torch._scaled_mm` takes its first operand row-major and its second colu
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -41,6 +42,26 @@ def absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
 
 
+def saturation_bound(fp8_dtype: torch.dtype) -> tuple[float, bool]:
+    """(bound, inclusive): the cast of x * scale saturates a value that would not have rounded
+    to ±fp8_max anyway when |x * scale| > bound (>= when inclusive). The bound is half an FP8
+    step above fp8_max; the tie rounds to even, which is down to 448 in E4M3 (1.110b x 2^8)
+    and up to infinity in E5M2 (1.11b x 2^15).
+
+    Values just above fp8_max are not counted: they round to it regardless, and a freshly fitted
+    scale (fp8_max / amax) puts the amax itself one fp32 ulp above fp8_max about one time in ten.
+    """
+    limit = fp8_max(fp8_dtype)
+    step = torch.finfo(fp8_dtype).eps * 2.0 ** math.floor(math.log2(limit))
+    return limit + step / 2, int(limit / step) % 2 == 1
+
+
+def saturates(scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Where the saturating cast of `scaled` (= x * scale, fp32) changes a value (`saturation_bound`)."""
+    bound, inclusive = saturation_bound(fp8_dtype)
+    return scaled.abs() >= bound if inclusive else scaled.abs() > bound
+
+
 def quantize(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -52,6 +73,7 @@ def quantize(
     scale_out: Optional[torch.Tensor] = None,
     amax_out: Optional[torch.Tensor] = None,
     col_sum: bool = False,
+    saturation_out: Optional[torch.Tensor] = None,
 ) -> Fp8Tensor:
     """Cast the 2-D tensor `x` to `fp8_dtype`, saturating at ±fp8_max.
 
@@ -60,6 +82,8 @@ def quantize(
     also written into `scale_out` when given. `amax_out`, when given, is an accumulator the
     observed amax is maxed into (and returned as `amax`): delayed scaling's per-pass record.
     `rowwise`/`columnwise` ask for `data`/`data_t`, `col_sum` for the fp32 column sums of x.
+    `saturation_out`, when given, is an int64 pair that (elements saturated, elements cast) are
+    added to (`saturation_bound` says which), on the device and without a host sync.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -71,13 +95,16 @@ def quantize(
 
         if triton_kernels.available():
             return triton_kernels.quantize(
-                x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum
+                x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out
             )
-    return _quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum)
+    return _quantize_torch(
+        x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out
+    )
 
 
 def _quantize_torch(
-    x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out=None, amax_out=None, col_sum=False
+    x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out=None, amax_out=None, col_sum=False,
+    saturation_out=None,
 ) -> Fp8Tensor:
     amax = absmax(x)
     if scale is None:
@@ -86,9 +113,13 @@ def _quantize_torch(
             scale_out.copy_(scale)
     if amax_out is not None:
         amax = torch.maximum(amax_out, amax, out=amax_out)
+    scaled = x.float() * scale
+    if saturation_out is not None:
+        saturation_out[0] += saturates(scaled, fp8_dtype).sum()
+        saturation_out[1] += x.numel()
     limit = fp8_max(fp8_dtype)
     # Saturate first: a plain .to(float8) may turn out-of-range values into NaN or inf.
-    q = (x.float() * scale).clamp_(-limit, limit).to(fp8_dtype)
+    q = scaled.clamp_(-limit, limit).to(fp8_dtype)
     return Fp8Tensor(
         data=q if rowwise else None,
         data_t=q.t().contiguous() if columnwise else None,

@@ -22,6 +22,8 @@ class ScalingState(nn.Module):
     follow the module's device and live in its state_dict with the update count.
     `amax` accumulates what the casts of the current pass observe (the quantize kernel maxes
     into it, so no amax tensor is allocated per cast); the end-of-pass update consumes it.
+    `saturation` counts (elements saturated, elements cast) over the casts made under
+    `fp8_autocast(collect_saturation=True)`, until `take_saturation` reads and resets it.
     """
 
     def __init__(self):
@@ -29,6 +31,7 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("amax_history", torch.zeros(0))
         self.register_buffer("amax", torch.zeros(()), persistent=False)
+        self.register_buffer("saturation", torch.zeros(2, dtype=torch.int64), persistent=False)
         self.update_count = 0  # host-side, so `interval` needs no device sync
 
     def fit_history(self, length: int) -> None:
@@ -62,6 +65,16 @@ class ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         return f"history_len={self.amax_history.numel()}, updates={self.update_count}"
+
+
+def take_saturation(states: list[ScalingState]) -> list[tuple[int, int]]:
+    """(elements saturated, elements cast) of each state since the last call, then reset to 0.
+    One device-to-host copy for all of them."""
+    if not states:
+        return []
+    counts = torch.stack([s.saturation for s in states]).tolist()
+    torch._foreach_zero_([s.saturation for s in states])
+    return [(saturated, cast) for saturated, cast in counts]
 
 
 def scaling_states(device=None) -> nn.ModuleDict:

@@ -2,8 +2,9 @@
 
 - `quantize`: amax, scale, saturate, cast and the transposed copy in one launch, reading the
   input from device memory once and writing each output once (and, when asked, the column
-  sums that are a linear layer's bias gradient). Eager torch needs several passes; on a
-  16384 x 2048 bf16 tensor that took longer than the FP8 GEMM it fed.
+  sums that are a linear layer's bias gradient, or the count of saturated elements). Eager
+  torch needs several passes; on a 16384 x 2048 bf16 tensor that took longer than the FP8
+  GEMM it fed.
 - `update_delayed`: the end-of-pass delayed-scaling update of every layer at once, one launch
   through a table of history/scale addresses, instead of ~25 small torch ops per pass.
 """
@@ -35,10 +36,11 @@ if triton is not None:
 
     @triton.jit
     def _quantize_kernel(
-        x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr,
-        M, N, fp8_max, margin_factor,
+        x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr, saturation_ptr,
+        M, N, fp8_max, margin_factor, saturation_bound,
         CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-        WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -62,6 +64,13 @@ if triton is not None:
         if COL_SUM:
             # Per-tile partial sums, reduced by the caller: deterministic, unlike atomics.
             tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
+        if SATURATION:
+            # The opt-in count of quantize.saturates, on the very product the cast takes (padding is
+            # 0, never counted), and of the elements cast: no extra launch on the host.
+            scaled = tl.abs(x * scale)
+            hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+            tl.atomic_add(saturation_ptr, tl.sum(hits.to(tl.int32)).to(tl.int64))
+            tl.atomic_add(saturation_ptr + 1, tl.sum(mask.to(tl.int32)).to(tl.int64))
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
         if ROWWISE:
@@ -111,8 +120,8 @@ if triton is not None:
 
 
 def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor],
-             amax_out: Optional[torch.Tensor], col_sum: bool):
-    from .quantize import Fp8Tensor, absmax
+             amax_out: Optional[torch.Tensor], col_sum: bool, saturation_out: Optional[torch.Tensor] = None):
+    from .quantize import Fp8Tensor, absmax, saturation_bound
 
     M, N = x.shape
     current = scale is None
@@ -128,6 +137,7 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
     write_scale = current and scale_out is not None
+    bound, inclusive = saturation_bound(fp8_dtype)
     _quantize_kernel[grid](
         x,
         q if rowwise else qt,
@@ -137,15 +147,19 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         scale_out if write_scale else scale_inv,
         scale_inv,
         partial_sums if col_sum else scale_inv,
+        saturation_out if saturation_out is not None else scale_inv,
         M,
         N,
         fp8_max(fp8_dtype),
         1.0 / (2.0**margin),
+        bound,
         CURRENT=current,
         ROWWISE=rowwise,
         COLUMNWISE=columnwise,
         WRITE_SCALE=write_scale,
         COL_SUM=col_sum,
+        SATURATION=saturation_out is not None,
+        BOUND_INCLUSIVE=inclusive,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
