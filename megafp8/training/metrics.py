@@ -1,0 +1,392 @@
+"""Training metrics: model FLOPs and MFU, throughput, memory, FP8 scale health, and the logger
+that writes them (a Megatron-style line on stdout, `metrics.jsonl`, TensorBoard when installed).
+
+    throughput = Throughput(flops_per_token(config, seq_length), world_size, device=device)
+    logger = MetricsLogger(run_dir, tensorboard_dir, rank_is_logger=rank == world_size - 1)
+    ...every iteration: throughput.add(global_batch_size * seq_length)
+    ...every log step:  logger.log(iteration, {"loss": ..., "lr": ..., **throughput.read(),
+                                              **memory_stats(device), **fp8_health(model)})
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from time import perf_counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.fp8.scaling import ScalingState, take_saturation
+from megafp8.models import TransformerConfig
+
+# -- FLOPs ----------------------------------------------------------------------------------
+
+
+def flops_per_token(config: TransformerConfig, seq_length: int, recompute: str = "none", tp_size: int = 1) -> int:
+    """FLOPs of one token's forward and backward through the whole model.
+
+    Megatron-LM's / PaLM's count: 2 FLOPs per multiply-add, backward = 2x forward, so
+    6 x (matmul weights of the layers: QKV with its key/value heads, output projection, MLP
+    with SwiGLU's third matrix) + 12 x layers x attention width x seq_length (QK^T and AV over
+    the full s x s square, as both papers count it, not halved for the causal mask) + 6 x hidden x
+    vocabulary (the output layer, vocabulary padded for `tp_size` as the GEMM runs it).
+    Embedding lookups, norms, softmax and biases are left out.
+
+    `recompute="none"` gives the model FLOPs, the numerator of MFU. "selective" adds a second
+    forward of each attention core, "full" one of every layer: the FLOPs the hardware runs.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length <= 0:
+        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    h = config.hidden_size
+    attention_width = config.num_attention_heads * config.head_dim
+    kv_width = config.kv_heads * config.head_dim
+    attention_weights = h * (attention_width + 2 * kv_width) + attention_width * h
+    mlp_weights = (3 if config.activation == "swiglu" else 2) * h * config.ffn_size
+    layer_forward = 2 * (attention_weights + mlp_weights)
+    core_forward = 2 * 2 * seq_length * attention_width  # QK^T, then AV
+    output_forward = 2 * h * config.padded_vocab_size(tp_size)
+    total = 3 * (config.num_layers * (layer_forward + core_forward) + output_forward)
+    if recompute == "full":
+        total += config.num_layers * (layer_forward + core_forward)
+    elif recompute == "selective":
+        total += config.num_layers * core_forward
+    return total
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets; the first match wins.
+_PEAK_BF16 = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", None),  # not in the table: better n/a than the SXM number
+    ("h100", 989.4e12),  # SXM; GH200 matches "h200", which has the same peak
+    ("h200", 989.4e12),
+    ("a100", 312e12),
+    ("b200", 2250e12),
+)
+
+
+def peak_bf16_flops_by_name(name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of a GPU from its CUDA name ("NVIDIA H100 80GB HBM3"), or None."""
+    name = name.lower()
+    for key, peak in _PEAK_BF16:
+        if key in name:
+            return peak
+    return None
+
+
+def peak_bf16_flops(device) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of `device` (a torch.device, "cuda:0", or a CUDA index), or None
+    for the CPU and GPUs not in the table: MFU is then reported as n/a. FP8 runs are measured
+    against the bf16 peak too, the usual convention, so FP8 and bf16 runs compare."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_bf16_flops_by_name(torch.cuda.get_device_name(device))
+
+
+class Throughput:
+    """Tokens and wall time between log steps, as tokens/s, TFLOP/s per GPU and MFU.
+
+    `add(tokens)` once per iteration with the tokens of the whole global batch (every data
+    parallel replica); `read()` at a log step returns the window's numbers and starts the next.
+    `flops_per_token` are model FLOPs (`flops_per_token(..., recompute="none")`); pass the
+    recompute count as `hardware_flops_per_token` to also report what the GPUs ran. On CUDA
+    both ends of a window synchronize, so queued kernels count in the window that launched them.
+    `peak_flops` defaults to `peak_bf16_flops(device)`.
+    """
+
+    def __init__(self, flops_per_token: float, world_size: int = 1, device=None,
+                 peak_flops: Optional[float] = None, hardware_flops_per_token: Optional[float] = None):
+        self.flops_per_token = flops_per_token
+        self.hardware_flops_per_token = hardware_flops_per_token
+        self.world_size = world_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.peak_flops = peak_flops if peak_flops is not None else peak_bf16_flops(self.device)
+        self.restart()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def restart(self) -> None:
+        """Start a new window now (after evaluation or checkpointing, to leave them out)."""
+        self._sync()
+        self._begin(perf_counter())
+
+    def _begin(self, start: float) -> None:
+        self._start, self._tokens, self._iterations = start, 0, 0
+
+    def add(self, tokens: int, iterations: int = 1) -> None:
+        self._tokens += tokens
+        self._iterations += iterations
+
+    def read(self) -> dict:
+        """iteration_time_ms, tokens_per_sec, tflops_per_gpu, mfu (None without a peak) and,
+        with hardware FLOPs, hw_tflops_per_gpu, for the window since the last read."""
+        self._sync()
+        now = perf_counter()
+        elapsed, tokens, iterations = now - self._start, self._tokens, self._iterations
+        self._begin(now)  # the next window starts where this one ends
+        if elapsed <= 0 or iterations == 0:
+            return {}
+        tokens_per_sec = tokens / elapsed
+        flops_per_gpu = tokens_per_sec * self.flops_per_token / self.world_size
+        stats = {
+            "iteration_time_ms": 1000 * elapsed / iterations,
+            "tokens_per_sec": tokens_per_sec,
+            "tflops_per_gpu": flops_per_gpu / 1e12,
+            "mfu": flops_per_gpu / self.peak_flops if self.peak_flops else None,
+        }
+        if self.hardware_flops_per_token is not None:
+            stats["hw_tflops_per_gpu"] = tokens_per_sec * self.hardware_flops_per_token / self.world_size / 1e12
+        return stats
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def memory_stats(device=None) -> dict:
+    """{"memory_gib": ...}: on CUDA the most memory torch has allocated on `device` so far,
+    elsewhere the process's resident set."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        used = torch.cuda.max_memory_allocated(device)
+    else:
+        used = _resident_bytes()
+    return {"memory_gib": used / 2**30}
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc (macOS): the peak instead, which getrusage gives in bytes there
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# -- FP8 health -----------------------------------------------------------------------------
+
+
+def fp8_health(model: nn.Module, group=None, per_layer: bool = True) -> dict:
+    """The FP8 scales of `model`'s Fp8Linear layers and the fraction of elements saturated.
+
+    Returns `fp8_scale_min`, `fp8_scale_max` (current scales over every layer and role) and
+    `fp8_saturation` (saturated / cast elements over the casts made under
+    `fp8_autocast(collect_saturation=True)` since the last call, which resets the counts; None
+    when nothing was counted), ready to merge into a `MetricsLogger` record; with `per_layer`
+    also `fp8_layers`: {layer path: {scale_min, scale_max, saturation, roles: {role: {scale,
+    saturation}}}}. Scaling states that never cast (layers kept in high precision) are left out.
+
+    With `group`, the overall numbers cover every rank of it (collectives: all of its ranks must
+    call), e.g. the whole world, so the logging rank sees every pipeline stage's layers.
+    """
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, ScalingState)]
+    states = [m for _, m in named]
+    scales = torch.stack([m.scale for m in states]).tolist() if states else []
+    counts = take_saturation(states)
+    layers: dict = {}
+    for (name, state), scale, (saturated, cast) in zip(named, scales, counts):
+        # Never cast: the initial scale, no delayed-scaling update, nothing counted.
+        if state.update_count == 0 and cast == 0 and scale == 1.0:
+            continue
+        path, _, role = name.rpartition(".")
+        path = "" if path == "fp8_scaling" else path.removesuffix(".fp8_scaling")  # the layer's own path
+        layers.setdefault(path, {})[role] = (scale, saturated, cast)
+
+    used = [entry for roles in layers.values() for entry in roles.values()]
+    scale_min = min((s for s, _, _ in used), default=math.inf)
+    scale_max = max((s for s, _, _ in used), default=-math.inf)
+    saturated, cast = sum(n for _, n, _ in used), sum(c for _, _, c in used)
+    if group is not None and dist.get_world_size(group) > 1:
+        scale_min, scale_max, saturated, cast = _reduce_health(scale_min, scale_max, saturated, cast, group)
+
+    health = {
+        "fp8_scale_min": scale_min if math.isfinite(scale_min) else None,
+        "fp8_scale_max": scale_max if math.isfinite(scale_max) else None,
+        "fp8_saturation": _fraction(saturated, cast),
+    }
+    if per_layer:
+        health["fp8_layers"] = {
+            path: {
+                "scale_min": min(s for s, _, _ in roles.values()),
+                "scale_max": max(s for s, _, _ in roles.values()),
+                "saturation": _fraction(sum(n for _, n, _ in roles.values()), sum(c for _, _, c in roles.values())),
+                "roles": {role: {"scale": s, "saturation": _fraction(n, c)} for role, (s, n, c) in roles.items()},
+            }
+            for path, roles in layers.items()
+        }
+    return health
+
+
+def _fraction(part: int, whole: int) -> Optional[float]:
+    return part / whole if whole else None
+
+
+def _reduce_health(scale_min, scale_max, saturated, cast, group):
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    extremes = torch.tensor([-scale_min, scale_max], dtype=torch.float64, device=device)
+    totals = torch.tensor([saturated, cast], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(totals, group=group)
+    (neg_min, scale_max), (saturated, cast) = extremes.tolist(), totals.tolist()
+    return -neg_min, scale_max, saturated, cast
+
+
+# -- the logger -----------------------------------------------------------------------------
+
+# Megatron's labels for the keys the trainer sends, in the order they print; other keys follow.
+_LINE_FIELDS = (
+    ("consumed_samples", "consumed samples", "{:12d}"),
+    ("iteration_time_ms", "elapsed time per iteration (ms)", "{:.1f}"),
+    ("tokens_per_sec", "tokens/s", "{:.0f}"),
+    ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
+    ("hw_tflops_per_gpu", "with recompute (TFLOP/s/GPU)", "{:.1f}"),
+    ("mfu", "MFU", None),
+    ("lr", "learning rate", "{:.6E}"),
+    ("global_batch_size", "global batch size", "{:5d}"),
+    ("loss", "lm loss", "{:.6E}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+    ("skipped_steps", "number of skipped iterations", "{:3d}"),
+    ("memory_gib", "memory (GiB)", "{:.2f}"),
+    ("fp8_scale_min", None, None),
+    ("fp8_saturation", "fp8 saturated", "{:.2e}"),
+)
+_NOT_PRINTED = {"iteration", "train_iters", "fp8_scale_max", "fp8_layers"}
+
+
+class MetricsLogger:
+    """Writes one record per log step: a Megatron-style line on `stream`, a JSON line appended
+    to `<run_dir>/metrics.jsonl` (flushed at once, so a crash keeps every logged step; a resumed
+    run appends, so a step logged after the last checkpoint may appear twice: the later record
+    wins), and scalars to TensorBoard under `tensorboard_dir` when `torch.utils.tensorboard`
+    imports. On a TTY a tqdm bar follows the iterations (`progress(step)` moves it between log
+    steps). Every method is a no-op unless `rank_is_logger`.
+    """
+
+    def __init__(self, run_dir, tensorboard_dir=None, rank_is_logger: bool = True, stream=sys.stdout,
+                 total_iterations: Optional[int] = None):
+        self.enabled = rank_is_logger
+        self.stream = stream
+        self.total_iterations = total_iterations
+        self._file = self._writer = self._bar = self._tqdm = None
+        if not self.enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "a")
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._print("tensorboard is not installed: metrics go to stdout and metrics.jsonl only")
+            else:
+                self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        if _isatty(stream):
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._tqdm = tqdm
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)  # above the bar, not through it
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def progress(self, step: int) -> None:
+        """Move the progress bar to iteration `step` (cheap; call it every iteration)."""
+        if self._tqdm is None:
+            return
+        if self._bar is None:  # started at the first step seen, so a resumed run's rate is right
+            self._bar = self._tqdm(total=self.total_iterations, initial=step, unit="it", file=self.stream,
+                                   dynamic_ncols=True)
+        elif step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def log(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {key: _plain(value) for key, value in record.items()}
+        self.progress(step)
+        self._print(self._line(step, record))
+        # default=str: an odd value in a record must not stop the training run.
+        self._file.write(json.dumps({"iteration": step, "time": time.time(), **record}, default=str) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration":
+                    self._writer.add_scalar(key, value, step)
+
+    def _line(self, step: int, record: dict) -> str:
+        total = record.get("train_iters", self.total_iterations)
+        parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {step:8d}"
+                 + (f"/{total:8d}" if total else "")]
+        for key, label, spec in _LINE_FIELDS:
+            if key == "mfu":
+                mfu = record.get("mfu")
+                if isinstance(mfu, (int, float)):
+                    parts.append(f"MFU: {100 * mfu:.1f}%")
+                elif "mfu" in record or "tflops_per_gpu" in record:
+                    parts.append("MFU: n/a")
+            elif key == "fp8_scale_min":
+                if record.get("fp8_scale_min") is not None:
+                    parts.append(f"fp8 scale: [{record['fp8_scale_min']:.3g}, {record['fp8_scale_max']:.3g}]")
+            elif key in record:
+                parts.append(f"{label}: {_format(record[key], spec)}")
+        known = {key for key, _, _ in _LINE_FIELDS} | _NOT_PRINTED
+        for key, value in record.items():
+            if key not in known and isinstance(value, (int, float)):
+                parts.append(f"{key}: {_format(value, '{:.6g}')}")
+        return " | ".join(parts) + " |"
+
+    def close(self) -> None:
+        for handle in (self._bar, self._writer, self._file):
+            if handle is not None:
+                handle.close()
+        self._file = self._writer = self._bar = self._tqdm = None
+        self.enabled = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", None) and stream.isatty())
+
+
+def _plain(value):
+    """JSON-ready: tensors become numbers or lists; inf and NaN become strings, since JSON has none."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _plain(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _format(value, spec) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, str):  # a non-finite float, as _plain wrote it
+        return value
+    try:
+        return spec.format(value)
+    except (ValueError, TypeError):  # e.g. an int spec given a float
+        return f"{value:.6g}"
