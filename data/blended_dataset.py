@@ -5,6 +5,8 @@ sample is due when the blend reaches (k + 1) / w_d samples, and the blend takes 
 order of that due time. After any n samples each dataset has served within one sample of
 n * w_d, so realised proportions match the weights to within 1/n.
 """
+import warnings
+
 import numpy as np
 import torch
 
@@ -100,6 +102,12 @@ def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=No
     ranges = [split_ranges(len(ds), split) for ds in indexed]
     result = []
     for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        empty = [prefix for (_, prefix), split_range in zip(blend, ranges) if split_range[s][0] == split_range[s][1]]
+        if count and empty and name != "train":
+            # Too few documents for a small share (e.g. the test 1 of 969,30,1): evaluate without it.
+            warnings.warn(f"the {name} split of {', '.join(empty)} has no documents under --split {split}; "
+                          f"no {name} dataset")
+            count = 0
         if not count:
             result.append(None)
             continue

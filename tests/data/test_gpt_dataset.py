@@ -116,8 +116,12 @@ def test_unwritable_cache_and_empty_split_are_clear_errors(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(OSError, match="--data-cache-path"):
         GPTDataset(indexed, np.arange(40), 8, 10, seed=1, cache_dir=blocker / "cache")
-    with pytest.raises(ValueError, match="valid split has no documents"):
-        build_datasets(str(tmp_path / "c"), "1,0,0", 8, (10, 5, 0), seed=1)
+    with pytest.raises(ValueError, match="train split has no documents"):
+        build_datasets(str(tmp_path / "c"), "0,1,0", 8, (10, 5, 0), seed=1)
+    # Evaluation splits too small to hold a document are left out, with a warning.
+    with pytest.warns(UserWarning, match="valid split .* has no documents"):
+        train, valid, test = build_datasets(str(tmp_path / "c"), "1,0,0", 8, (10, 5, 0), seed=1)
+    assert len(train) == 10 and valid is None and test is None
 
 
 def batches(dataset, total, consumed, micro_batch_size, dp_rank, dp_size, count):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole pipeline on whatever machine this is (CPU: a few minutes): build the sample corpus,
+# train a tokenizer on it, preprocess it into an indexed dataset, pretrain a small GPT with FP8
+# (HYBRID, delayed scaling), save a checkpoint. Everything goes under $WORKDIR.
+#   bash examples/quickstart.sh                 # defaults
+#   WORKDIR=/tmp/qs ITERS=300 bash examples/quickstart.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORKDIR=${WORKDIR:-quickstart_run}
+ITERS=${ITERS:-150}
+NPROC=${NPROC:-1}
+mkdir -p "$WORKDIR"
+
+echo "== 1/2 sample corpus (SlimPajama format, from the Python standard library), tokenizer, indexed dataset"
+bash examples/prepare_sample_data.sh "$WORKDIR" 4096
+
+echo "== 2/2 pretraining a 4-layer GPT with FP8"
+PRECISION=()
+if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    PRECISION=(--bf16)  # bf16 parameters on a GPU; on the CPU fp32 parameters, FP8 GEMMs either way
+fi
+torchrun --standalone --nproc-per-node "$NPROC" -m megafp8.train \
+    --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
+    --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 16 \
+    --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 15 --lr-decay-style cosine \
+    --weight-decay 0.1 --clip-grad 1.0 "${PRECISION[@]}" --fp8-format hybrid --fp8-recipe delayed \
+    --data-path "$WORKDIR/data/sample_text_document" --split 98,2,0 \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORKDIR/tokenizer" \
+    --log-interval 10 --eval-interval 50 --eval-iters 2 --save "$WORKDIR/checkpoints" --save-interval 100
+
+echo
+echo "corpus:      $WORKDIR/corpus"
+echo "tokenizer:   $WORKDIR/tokenizer/tokenizer.json"
+echo "dataset:     $WORKDIR/data/sample_text_document.{bin,idx}"
+echo "checkpoint:  $WORKDIR/checkpoints (latest: $(cat "$WORKDIR/checkpoints/latest_checkpointed_iteration.txt"))"
+echo "metrics:     $WORKDIR/checkpoints/metrics.jsonl"

@@ -1,0 +1,317 @@
+"""The pretraining loop: `pretrain(argv)` is what `python -m megafp8.train` runs under torchrun.
+
+One step = one global batch: `num_micro_batches` forward/backward passes (each its own FP8
+pass, reusing the step's weight casts), gradients accumulated in fp32 and reduced over data
+parallel while the last backward runs, then one optimizer step unless the gradients are not
+finite. Checkpoints, evaluation, metrics and a clean exit on SIGTERM/SIGINT hang off the loop.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megafp8.data import MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer, parse_split
+from megafp8.fp8 import fp8_autocast
+from megafp8.models.documents import document_layout
+from megafp8.models.transformer import TransformerLM
+from megafp8.parallel import ParallelGroups
+from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.training import arguments, checkpointing, metrics
+from megafp8.training.lr_schedule import LRSchedule
+from megafp8.training.optimizer import MixedPrecisionAdamW
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had non-finite gradients."""
+
+
+def _init_distributed():
+    """torchrun's environment, or a one-process group when run as plain python."""
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+
+
+class _ExitSignal:
+    """Remembers a SIGTERM/SIGINT so the loop can checkpoint and leave between steps."""
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    def __init__(self, args, groups: ParallelGroups):
+        self.args, self.groups = args, groups
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # the last stage has the loss
+        self.tokenizer = (build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                                          args.merge_file, args.vocab_size, args.eod_token)
+                          if args.tokenizer_type else None)
+        vocab_size = self.tokenizer.vocab_size if self.tokenizer else args.vocab_size
+        self.eod = self.tokenizer.eod if self.tokenizer else vocab_size - 1
+        self.config = arguments.model_config(args, vocab_size)
+        self.recipe = arguments.fp8_recipe(args)
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.model = TransformerLM(
+            self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
+            seed=args.seed, fp8_output_layer=args.fp8_output_layer,
+            first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
+            recompute=args.recompute_granularity or "none", dtype=self.dtype, device=self.device)
+        self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, shard=args.use_distributed_optimizer,
+                                     overlap=args.overlap_grad_reduce)
+        self.optimizer = MixedPrecisionAdamW(
+            self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
+            model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
+            dp_group=groups.dp_group, distributed=args.use_distributed_optimizer)
+        self.schedule = LRSchedule(
+            lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+            decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
+            wsd_decay_iters=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style)
+        self.sequence_parallel_params = [p for p in self.model.parameters()
+                                         if getattr(p, "sequence_parallel", False)]
+        self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
+        self.train_data, self.valid_data, self.test_data = self._datasets()
+        self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
+        self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _datasets(self):
+        a = self.args
+        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_interval and a.eval_iters else 0
+        counts = (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
+        if not a.mock_data:  # a split given no share in --split is not asked for samples
+            counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
+        if a.mock_data:
+            return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.seed + k, eod=self.eod)
+                    if n else None for k, n in enumerate(counts)]
+        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.seed, a.data_cache_path)
+
+    def _micro_batches(self, dataset, consumed):
+        """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on."""
+        sampler = PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size,
+                                     self.groups.dp_rank, self.groups.dp_size)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
+                                             pin_memory=self.device.type == "cuda")
+        for batch in loader:
+            yield batch["tokens"].to(self.device, non_blocking=True)
+
+    def _prepare(self, tokens):
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        mask = torch.ones_like(labels, dtype=torch.float32)
+        if self.args.eod_mask_loss:
+            mask[labels == self.eod] = 0.0
+        extra = {}
+        if self.args.reset_attention_mask or self.args.reset_position_ids:
+            documents, positions = document_layout(inputs, self.eod)
+            if self.args.reset_attention_mask:
+                extra["document_ids"] = documents
+            if self.args.reset_position_ids:
+                extra["position_ids"] = positions
+        return inputs, labels, mask, extra
+
+    def _forward(self, tokens, collect_saturation=False):
+        """Mean loss of one micro-batch (fp32 scalar) and its token count."""
+        inputs, labels, mask, extra = self._prepare(tokens)
+        fp8 = self.recipe is not None
+        with fp8_autocast(enabled=fp8, recipe=self.recipe, amax_reduction_group=self.groups.amax_reduction_group,
+                          collect_saturation=fp8 and collect_saturation):
+            losses = self.model(inputs, labels, **extra)
+        count = mask.sum()
+        return (losses.float() * mask).sum() / count.clamp(min=1), count
+
+    # -- one step --------------------------------------------------------------------------
+
+    def train_step(self, micro_batches, collect_saturation=False):
+        """One optimizer step over this rank's micro-batches; (mean loss, applied, grad norm).
+        `collect_saturation` counts saturated FP8 values in the first micro-batch (log steps)."""
+        self.model.train()
+        self.buffer.zero()
+        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        for i, tokens in enumerate(micro_batches):
+            self.buffer.set_sync(i == n - 1)
+            # The first micro-batch after a step also casts the weights: all three roles counted.
+            loss, _ = self._forward(tokens, collect_saturation and i == 0)
+            (loss / n).backward()
+            total += loss.detach()
+        self.buffer.finish()
+        if self.sequence_parallel_params and self.groups.tp_size > 1:
+            for param in self.sequence_parallel_params:  # each tp rank saw one sequence shard
+                dist.all_reduce(param.main_grad, group=self.groups.tp_group)
+        self.optimizer.set_lr(self.schedule(self.iteration))
+        applied, grad_norm = self.optimizer.step()
+        loss = total / n
+        if self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp_size
+        return loss.item(), applied, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, dataset, consumed):
+        self.model.eval()
+        total, batches = 0.0, 0
+        micro = self._micro_batches(dataset, consumed)
+        for _ in range(self.args.eval_iters * self.args.num_micro_batches):
+            tokens = next(micro, None)
+            if tokens is None:
+                break
+            loss, _ = self._forward(tokens)
+            total, batches = total + loss.item(), batches + 1
+        loss = torch.tensor([total / max(batches, 1)], device=self.device)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp_size
+        return loss.item()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def train_state(self):
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                "skipped_steps": self.skipped_steps}
+
+    def save(self):
+        path = checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                                             groups=self.groups, train_state=self.train_state(),
+                                             args=arguments.args_to_dict(self.args))
+        self._print(f"saved checkpoint {path}")
+
+    def load(self):
+        a = self.args
+        if not a.load or checkpointing.latest_checkpoint(a.load) is None:
+            if a.load:
+                self._print(f"no checkpoint in {a.load}: starting from scratch")
+            return
+        state = checkpointing.load_checkpoint(a.load, self.model, self.optimizer, groups=self.groups,
+                                              load_optimizer=not (a.no_load_optim or a.finetune),
+                                              load_rng=not (a.no_load_rng or a.finetune))
+        if not a.finetune:
+            self.iteration = state.get("iteration", 0)
+            self.consumed_samples = state.get("consumed_samples", 0)
+            self.skipped_steps = state.get("skipped_steps", 0)
+        self._print(f"loaded {checkpointing.latest_checkpoint(a.load)} at iteration {self.iteration}")
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _print(self, message):
+        if self.is_logger:
+            print(message, flush=True)
+
+    def train(self):
+        a = self.args
+        self.load()
+        logger = metrics.MetricsLogger(self.run_dir, tensorboard_dir=a.tensorboard_dir,
+                                       rank_is_logger=self.is_logger, total_iterations=a.train_iters)
+        throughput = metrics.Throughput(self.flops_per_token, world_size=dist.get_world_size(),
+                                        device=self.device)
+        world = dist.group.WORLD if dist.get_world_size() > 1 else None
+        exit_signal = _ExitSignal()
+        start_time = time.time()
+        micro = self._micro_batches(self.train_data, self.consumed_samples)
+        losses = []
+        try:
+            while self.iteration < a.train_iters:
+                batches = [next(micro) for _ in range(a.num_micro_batches)]
+                log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
+                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step)
+                self.iteration += 1
+                logger.progress(self.iteration)
+                self.consumed_samples += a.global_batch_size
+                throughput.add(a.global_batch_size * a.seq_length)
+                losses.append(loss)
+                if applied:
+                    self.skipped_in_a_row = 0
+                else:
+                    self.skipped_steps += 1
+                    self.skipped_in_a_row += 1
+                    self._print(f"iteration {self.iteration}: non-finite loss or gradients, step skipped")
+                    if self.skipped_in_a_row >= a.skip_nonfinite_steps_max:
+                        raise NonFiniteError(
+                            f"{self.skipped_in_a_row} steps in a row had non-finite gradients (last loss "
+                            f"{loss}); lower --lr, check the data, or raise --skip-nonfinite-steps-max")
+                if log_step:
+                    record = {"consumed_samples": self.consumed_samples,
+                              "loss": sum(losses) / len(losses), "lr": self.schedule(self.iteration - 1),
+                              "grad_norm": grad_norm, "skipped_steps": self.skipped_steps,
+                              **throughput.read(), **metrics.memory_stats(self.device),
+                              **metrics.fp8_health(self.model, group=world, per_layer=False)}
+                    losses = []
+                    logger.log(self.iteration, record)
+                if a.eval_interval and self.valid_data is not None and self.iteration % a.eval_interval == 0:
+                    valid = self.evaluate(self.valid_data, (self.iteration // a.eval_interval - 1)
+                                          * a.eval_iters * a.global_batch_size)
+                    logger.log(self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
+                    throughput.restart()
+                stop = exit_signal.any_rank(self.device)
+                if a.exit_duration_in_mins and time.time() - start_time > 60 * a.exit_duration_in_mins:
+                    stop = True
+                if a.exit_interval and self.iteration % a.exit_interval == 0:
+                    stop = True
+                due = a.save and a.save_interval and self.iteration % a.save_interval == 0
+                if a.save and (due or stop or self.iteration == a.train_iters):
+                    self.save()
+                    throughput.restart()
+                if stop:
+                    self._print(f"stopping at iteration {self.iteration}"
+                                + (f" on {exit_signal.received}" if exit_signal.received else ""))
+                    break
+        finally:
+            exit_signal.restore()
+            logger.close()
+        return self.iteration
+
+
+def pretrain(argv=None):
+    """Parse, set up and train; returns the Trainer. Joins the running process group if there
+    is one (tests), else initialises one from torchrun's environment (or a one-process group)."""
+    args = arguments.parse_args(argv)
+    own_group = not dist.is_initialized()
+    if own_group:
+        _init_distributed()
+    arguments.validate_args(args, dist.get_world_size() if not own_group else int(os.environ["WORLD_SIZE"]))
+    groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    try:
+        torch.manual_seed(args.seed)
+        trainer = Trainer(args, groups)
+        trainer.train()
+        return trainer
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def main():
+    try:
+        pretrain()
+    except (ValueError, NonFiniteError, checkpointing.CheckpointError) as error:
+        print(f"megafp8-train: error: {error}", file=sys.stderr)
+        sys.exit(2)
