@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,14 +32,12 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had non-finite gradients."""
 
 
-def _init_distributed():
-    """torchrun's environment, or a one-process group when run as plain python."""
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+def _init_single_process():
+    """A one-process group for a plain `python -m megafp8.train` (no torchrun environment)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
 
 
 class _ExitSignal:
@@ -99,6 +96,7 @@ class Trainer:
         self.sequence_parallel_params = [p for p in self.model.parameters()
                                          if getattr(p, "sequence_parallel", False)]
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
+        self.history = []  # (iteration, loss) of every step this process ran
         self.train_data, self.valid_data, self.test_data = self._datasets()
         self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
         self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
@@ -248,6 +246,7 @@ class Trainer:
                 self.consumed_samples += a.global_batch_size
                 throughput.add(a.global_batch_size * a.seq_length)
                 losses.append(loss)
+                self.history.append((self.iteration, loss))
                 if applied:
                     self.skipped_in_a_row = 0
                 else:
@@ -295,9 +294,11 @@ def pretrain(argv=None):
     is one (tests), else initialises one from torchrun's environment (or a one-process group)."""
     args = arguments.parse_args(argv)
     own_group = not dist.is_initialized()
-    if own_group:
-        _init_distributed()
-    arguments.validate_args(args, dist.get_world_size() if not own_group else int(os.environ["WORLD_SIZE"]))
+    torchrun = "WORLD_SIZE" in os.environ
+    arguments.validate_args(args, int(os.environ["WORLD_SIZE"]) if own_group and torchrun
+                            else dist.get_world_size() if not own_group else 1)
+    if own_group and not torchrun:
+        _init_single_process()
     groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     try:
         torch.manual_seed(args.seed)

@@ -1,0 +1,122 @@
+"""The pretraining job end to end on the CPU: the loss falls on the sample corpus, data
+parallelism and the distributed optimizer match one process, resume is exact, SIGTERM saves,
+non-finite steps are skipped then abort, bad flags fail at start-up."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megafp8.training import arguments
+from megafp8.training.trainer import NonFiniteError, pretrain
+
+from ..multiprocess import run_on_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "7", "--mock-data"]
+
+
+def losses_of(rank, world_size, argv):
+    trainer = pretrain(argv)
+    return trainer.history
+
+
+def test_loss_falls_on_the_sample_corpus(tmp_path):
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], check=True, cwd=REPO, capture_output=True)
+    run("tools/make_sample_corpus.py", "--output", str(tmp_path / "corpus"), "--max-mb", "0.3")
+    run("tools/train_tokenizer.py", "--input", str(tmp_path / "corpus"), "--type", "bpe", "--vocab-size", "512",
+        "--output", str(tmp_path / "tok"))
+    run("tools/preprocess_data.py", "--input", str(tmp_path / "corpus"), "--output-prefix", str(tmp_path / "ds"),
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok"), "--append-eod")
+    trainer = pretrain(["--model", "gpt-tiny", "--seq-length", "64", "--micro-batch-size", "4",
+                        "--global-batch-size", "8", "--train-iters", "40", "--lr", "1e-2", "--lr-warmup-iters", "5",
+                        "--fp8-format", "hybrid", "--data-path", str(tmp_path / "ds_text_document"),
+                        "--split", "95,5,0", "--tokenizer-type", "HuggingFaceTokenizer",
+                        "--tokenizer-model", str(tmp_path / "tok"), "--log-interval", "10",
+                        "--eval-interval", "20", "--eval-iters", "1", "--save", str(tmp_path / "run")])
+    losses = [loss for _, loss in trainer.history]
+    assert losses[0] == pytest.approx(math.log(512), abs=0.1)  # a uniform guess at the start
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.75, losses
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "lm_loss" in r or "loss" in r] == [10, 20, 30, 40]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "40"
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return run_on_ranks(losses_of, 1, TINY + ["--train-iters", "4"])[0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]])
+def test_data_parallel_matches_one_process(one_process, extra):
+    for history in run_on_ranks(losses_of, 2, TINY + ["--train-iters", "4"] + extra):
+        assert [i for i, _ in history] == [i for i, _ in one_process]
+        for (_, a), (_, b) in zip(history, one_process):
+            assert a == pytest.approx(b, rel=2e-5)
+
+
+def resume_body(rank, world_size, argv, save):
+    straight = pretrain(argv + ["--train-iters", "6"]).history
+    first = pretrain(argv + ["--train-iters", "6", "--save", save, "--exit-interval", "3"]).history
+    second = pretrain(argv + ["--train-iters", "6", "--save", save, "--load", save]).history
+    return straight, first, second
+
+
+@pytest.mark.parametrize("extra", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"]])
+def test_resume_is_bitwise_exact(tmp_path, extra):
+    straight, first, second = run_on_ranks(resume_body, 1, TINY + extra, str(tmp_path))[0]
+    assert [i for i, _ in first] == [1, 2, 3] and [i for i, _ in second] == [4, 5, 6]
+    assert first + second == straight  # bitwise: FP8 state, Adam moments, data position, RNG
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megafp8.train", *TINY, "--train-iters", "100000", "--save", str(tmp_path),
+         "--fp8-format", "hybrid"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "on SIGTERM" in output
+    iteration = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= iteration < 100000
+    assert (tmp_path / f"iter_{iteration:07d}" / ".metadata").exists()
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
+    with pytest.raises(NonFiniteError, match="3 steps in a row"):
+        pretrain(TINY + ["--train-iters", "20", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
+                         "--skip-nonfinite-steps-max", "3"])
+
+
+def test_bad_flags_fail_at_start_up():
+    with pytest.raises(arguments.ArgumentsError, match="--micro-batch-sise"):
+        pretrain(TINY + ["--train-iters", "2", "--micro-batch-sise", "2"])
+    with pytest.raises(arguments.ArgumentsError, match="--global-batch-size"):
+        pretrain(TINY + ["--global-batch-size", "3", "--train-iters", "2"])
+
+
+def reshard_body(rank, world_size, argv):
+    return pretrain(argv).history
+
+
+def test_a_tp2_run_resumes_with_tp1(tmp_path):
+    argv = TINY + ["--fp8-format", "hybrid", "--save", str(tmp_path)]
+    tp2 = run_on_ranks(reshard_body, 2, argv + ["--train-iters", "4", "--tensor-model-parallel-size", "2",
+                                                "--global-batch-size", "4", "--exit-interval", "2"])[0]
+    resumed = run_on_ranks(reshard_body, 1, argv + ["--train-iters", "4", "--global-batch-size", "4",
+                                                    "--load", str(tmp_path)])[0]
+    assert [i for i, _ in tp2] == [1, 2] and [i for i, _ in resumed] == [3, 4]
+    straight = run_on_ranks(reshard_body, 2, TINY + ["--fp8-format", "hybrid", "--train-iters", "4",
+                                                     "--tensor-model-parallel-size", "2", "--global-batch-size", "4"])[0]
+    assert resumed[0][1] == pytest.approx(straight[2][1], rel=1e-3)
