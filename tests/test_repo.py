@@ -12,7 +12,7 @@ def readme_commands():
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_them():
     commands = readme_commands()
-    assert len(commands) == 2 and "fp8_demo.py" in commands[0] and "pytest" in commands[1]
+    assert len(commands) == 2 and "examples/quickstart.sh" in commands[0] and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in commands:
         assert command in ci, f"CI does not run the README's command: {command}"
