@@ -13,13 +13,20 @@ fixed rearrangement of several:
 | layers.i.mlp.fc1 | h.i.mlp.c_fc (transposed) | layers.i.mlp.{gate,up}_proj, stacked |
 | layers.i.mlp.fc2 | h.i.mlp.c_proj (transposed) | layers.i.mlp.down_proj |
 | final_norm | transformer.ln_f | model.norm |
-| output_layer.weight (rows padded) | tied to wte | lm_head.weight |
+| output_layer.weight (rows padded) | tied to wte (untied: lm_head.weight) | lm_head.weight (tied: none) |
 
 GPT-2's Conv1D layers store weights as [in, out]; megafp8 (like nn.Linear) as [out, in]. The
 fused QKV is laid out per key/value group — for each kv head: its query heads, then k, then v
 — so that tensor parallelism can split it into whole groups. SwiGLU's fc1 is [gate; up].
+A Llama config with `bias=True` maps to LlamaForCausalLM with attention_bias and mlp_bias.
+
+`from_hf_*(hf, config, layers=..., ends=...)` convert part of a model (a few layers, or the
+embeddings and output), so a converter can go layer by layer; `to_hf_*(ours, config)` convert
+whichever megafp8 tensors they are given, and drop the vocabulary's padding rows.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -36,18 +43,37 @@ def grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Trans
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def ungrouped_qkv(qkv: torch.Tensor, config: TransformerConfig) -> tuple:
+    """grouped_qkv's inverse: the fused, per-group tensor as separate q, k and v."""
+    d, kv = config.head_dim, config.kv_heads
+    per_group = config.num_attention_heads // kv
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(kv, per_group + 2, d, *rest).split([per_group, 1, 1], dim=1)
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
+
+
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
-def from_hf_gpt2(hf: dict, config: TransformerConfig) -> dict:
-    out = {
-        "embedding.weight": _pad_rows(hf["transformer.wte.weight"], config.padded_vocab_size()),
-        "position_embedding.weight": hf["transformer.wpe.weight"],
-        "final_norm.weight": hf["transformer.ln_f.weight"],
-        "final_norm.bias": hf["transformer.ln_f.bias"],
-    }
-    for i in range(config.num_layers):
+def _layer_range(config: TransformerConfig, layers):
+    return range(config.num_layers) if layers is None else layers
+
+
+def from_hf_gpt2(hf: dict, config: TransformerConfig, layers=None, ends: bool = True) -> dict:
+    """GPT2LMHeadModel's weights as megafp8's: the transformer `layers` (default all) and with
+    `ends` the embeddings, final norm (and untied output layer)."""
+    out = {}
+    if ends:
+        out.update({
+            "embedding.weight": _pad_rows(hf["transformer.wte.weight"], config.padded_vocab_size()),
+            "position_embedding.weight": hf["transformer.wpe.weight"],
+            "final_norm.weight": hf["transformer.ln_f.weight"],
+            "final_norm.bias": hf["transformer.ln_f.bias"],
+        })
+        if not config.tie_embeddings:
+            out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], config.padded_vocab_size())
+    for i in _layer_range(config, layers):
         theirs, ours = f"transformer.h.{i}.", f"layers.{i}."
         for name in ("weight", "bias"):
             out[ours + f"input_norm.{name}"] = hf[theirs + f"ln_1.{name}"]
@@ -61,22 +87,101 @@ def from_hf_gpt2(hf: dict, config: TransformerConfig) -> dict:
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def from_hf_llama(hf: dict, config: TransformerConfig) -> dict:
+def from_hf_llama(hf: dict, config: TransformerConfig, layers=None, ends: bool = True) -> dict:
+    """LlamaForCausalLM's weights as megafp8's: the transformer `layers` (default all) and with
+    `ends` the embedding, final norm and (untied) output layer."""
     vocab = config.padded_vocab_size()
-    out = {
-        "embedding.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab),
-        "final_norm.weight": hf["model.norm.weight"],
-        "output_layer.weight": _pad_rows(hf["lm_head.weight"], vocab),
-    }
-    for i in range(config.num_layers):
+    out = {}
+    if ends:
+        out["embedding.weight"] = _pad_rows(hf["model.embed_tokens.weight"], vocab)
+        out["final_norm.weight"] = hf["model.norm.weight"]
+        if not config.tie_embeddings:
+            out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], vocab)
+    kinds = ("weight", "bias") if config.bias else ("weight",)
+    for i in _layer_range(config, layers):
         theirs, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = theirs + "self_attn."
         out[ours + "input_norm.weight"] = hf[theirs + "input_layernorm.weight"]
         out[ours + "mlp_norm.weight"] = hf[theirs + "post_attention_layernorm.weight"]
-        out[ours + "attention.qkv.weight"] = grouped_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], config)
-        out[ours + "attention.proj.weight"] = hf[attn + "o_proj.weight"]
         mlp = theirs + "mlp."
-        out[ours + "mlp.fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-        out[ours + "mlp.fc2.weight"] = hf[mlp + "down_proj.weight"]
+        for kind in kinds:
+            out[ours + f"attention.qkv.{kind}"] = grouped_qkv(
+                hf[attn + f"q_proj.{kind}"], hf[attn + f"k_proj.{kind}"], hf[attn + f"v_proj.{kind}"], config)
+            out[ours + f"attention.proj.{kind}"] = hf[attn + f"o_proj.{kind}"]
+            out[ours + f"mlp.fc1.{kind}"] = torch.cat([hf[mlp + f"gate_proj.{kind}"], hf[mlp + f"up_proj.{kind}"]])
+            out[ours + f"mlp.fc2.{kind}"] = hf[mlp + f"down_proj.{kind}"]
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+# ---- megafp8 -> Hugging Face ----------------------------------------------------------------
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_GPT2_CONV = {"attention.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+_LLAMA_LINEAR = {"attention.proj": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj"}
+_NORMS = {"gpt2": {"input_norm": "ln_1", "mlp_norm": "ln_2"},
+          "llama": {"input_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}}
+
+
+def _unknown(name: str, model: str):
+    return KeyError(f"megafp8 weight {name!r} has no counterpart in {model} (is the model of that shape?)")
+
+
+def to_hf_gpt2(ours: dict, config: TransformerConfig) -> dict:
+    """megafp8 weights (any subset of a model's, e.g. one layer) as GPT2LMHeadModel's; the
+    vocabulary tensors keep only their first config.vocab_size rows. Tied output: no lm_head."""
+    out = {}
+    for name, tensor in ours.items():
+        layer = _LAYER.fullmatch(name)
+        if layer is None:
+            ends = {"embedding.weight": "transformer.wte.weight", "position_embedding.weight": "transformer.wpe.weight",
+                    "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
+                    "output_layer.weight": "lm_head.weight"}
+            if name not in ends:
+                raise _unknown(name, "GPT2LMHeadModel")
+            out[ends[name]] = tensor[:config.vocab_size] if name in ("embedding.weight", "output_layer.weight") \
+                else tensor
+            continue
+        index, rest = layer.groups()
+        module, kind = rest.rsplit(".", 1)
+        theirs = f"transformer.h.{index}."
+        if module in _NORMS["gpt2"]:
+            out[theirs + f"{_NORMS['gpt2'][module]}.{kind}"] = tensor
+        elif module == "attention.qkv":
+            fused = torch.cat(ungrouped_qkv(tensor, config))
+            out[theirs + f"attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
+        elif module in _GPT2_CONV:
+            out[theirs + f"{_GPT2_CONV[module]}.{kind}"] = tensor.t() if kind == "weight" else tensor
+        else:
+            raise _unknown(name, "GPT2LMHeadModel")
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def to_hf_llama(ours: dict, config: TransformerConfig) -> dict:
+    """megafp8 weights (any subset of a model's, e.g. one layer) as LlamaForCausalLM's; the
+    vocabulary tensors keep only their first config.vocab_size rows. Tied output: no lm_head."""
+    out = {}
+    for name, tensor in ours.items():
+        layer = _LAYER.fullmatch(name)
+        if layer is None:
+            ends = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+                    "output_layer.weight": "lm_head.weight"}
+            if name not in ends:
+                raise _unknown(name, "LlamaForCausalLM")
+            out[ends[name]] = tensor[:config.vocab_size] if name != "final_norm.weight" else tensor
+            continue
+        index, rest = layer.groups()
+        module, kind = rest.rsplit(".", 1)
+        theirs = f"model.layers.{index}."
+        if module in _NORMS["llama"]:
+            out[theirs + f"{_NORMS['llama'][module]}.{kind}"] = tensor
+        elif module == "attention.qkv":
+            for part, piece in zip("qkv", ungrouped_qkv(tensor, config)):
+                out[theirs + f"self_attn.{part}_proj.{kind}"] = piece
+        elif module == "mlp.fc1":
+            gate, up = tensor.chunk(2)
+            out[theirs + f"mlp.gate_proj.{kind}"], out[theirs + f"mlp.up_proj.{kind}"] = gate, up
+        elif module in _LLAMA_LINEAR:
+            out[theirs + f"{_LLAMA_LINEAR[module]}.{kind}"] = tensor
+        else:
+            raise _unknown(name, "LlamaForCausalLM")
     return {name: tensor.contiguous() for name, tensor in out.items()}
