@@ -1,0 +1,464 @@
+"""tools/convert_checkpoint.py: megafp8 checkpoints saved by tp = 2 FP8 runs become Hugging Face
+models with the same logits; Hugging Face -> megafp8 -> Hugging Face is bitwise; a converted
+checkpoint loads under another tensor-parallel size; tokenizers travel; errors say what is wrong.
+Everything runs on the CPU in fp32 (the FP8 state of the runs is dropped); nothing is downloaded."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from megafp8.data.tokenizers import build_tokenizer
+from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
+from megafp8.models import preset
+from megafp8.models.transformer import TransformerLM
+from megafp8.parallel import ParallelGroups
+from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.training import arguments, checkpointing
+from megafp8.training.optimizer import MixedPrecisionAdamW
+
+from ..data.corpora import corpus_text
+from ..fp8.helpers import rel_err
+from ..multiprocess import run_on_ranks
+from .load import load_tool
+
+convert = load_tool("convert_checkpoint")
+# load_checkpoint in this process (tp = 1, no process group) is DCP's single-process mode.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MODELS = ["gpt-tiny", "llama-tiny"]  # llama-tiny: 4 heads sharing 2 key/value heads (GQA)
+RECIPES = {"gpt-tiny": DelayedScaling(amax_history_len=4), "llama-tiny": CurrentScaling()}
+SEQ = 32
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x * 2\n",
+         "naïve éclair, 数据 and 模型 — 12345"]
+
+
+def tokens(vocab, seed=3, shape=(2, 24)):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def run_args(name, tp=2):
+    """The arguments a `megafp8-train` run of the preset records in its checkpoints."""
+    args = arguments.parse_args(["--model", name, "--mock-data", "--train-iters", "3", "--micro-batch-size", "2",
+                                 "--lr", "1e-2", "--seq-length", str(SEQ), "--fp8-format", "hybrid",
+                                 "--tensor-model-parallel-size", str(tp)])
+    return arguments.args_to_dict(args)
+
+
+def train_and_save_body(rank, world_size, folders):
+    """A few FP8 training steps of each model at tp = 2, then a checkpoint; and a bf16 gpt-tiny
+    (bf16 weights, fp32 masters), whose masters it returns."""
+    groups = ParallelGroups(world_size)
+    for name, folder in folders.items():
+        bf16 = name.endswith("-bf16")
+        name = name.removesuffix("-bf16")
+        config = preset(name)
+        model = TransformerLM(config, tp_group=groups.tp_group, seed=0,
+                              dtype=torch.bfloat16 if bf16 else torch.float32)
+        buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=5_000)
+        optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-2, weight_decay=0.1,
+                                        model_parallel_group=groups.model_parallel_group,
+                                        tp_group=groups.tp_group, dp_group=groups.dp_group)
+        for step in range(3):
+            buffer.zero()
+            batch = tokens(config.vocab_size, seed=100 + step, shape=(2, SEQ + 1))
+            with fp8_autocast(recipe=RECIPES[name], amax_reduction_group=groups.amax_reduction_group):
+                model(batch[:, :-1], batch[:, 1:]).float().mean().backward()
+            buffer.finish()
+            optimizer.step()
+        checkpointing.save_checkpoint(folder, 3, model, optimizer, groups=groups, train_state={"iteration": 3},
+                                      args=run_args(name))
+
+
+def load_tp2_body(rank, world_size, folders):
+    """Each converted checkpoint under tp = 2 with an optimizer: this rank's logits, whether the
+    optimizer's masters were reset from the weights, and that a step runs."""
+    groups = ParallelGroups(world_size)
+    out = {}
+    for name, folder in folders.items():
+        config = preset(name)
+        model = TransformerLM(config, tp_group=groups.tp_group, seed=1)  # another init: all must be loaded
+        buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=5_000)
+        optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-3,
+                                        model_parallel_group=groups.model_parallel_group,
+                                        tp_group=groups.tp_group, dp_group=groups.dp_group)
+        state = checkpointing.load_checkpoint(folder, model, optimizer, groups=groups,
+                                              load_optimizer=False, load_rng=False)
+        with torch.no_grad():
+            logits = model.eval()(tokens(config.vocab_size))
+        masters = optimizer.state_for_checkpoint()
+        reset = all(torch.equal(masters[n]["master"], p.detach().float()) for n, p in model.named_parameters())
+        buffer.zero()
+        batch = tokens(config.vocab_size, seed=200, shape=(2, SEQ + 1))
+        model.train()(batch[:, :-1], batch[:, 1:]).mean().backward()
+        buffer.finish()
+        applied, _ = optimizer.step()
+        out[name] = logits, reset, applied, state
+    return out
+
+
+def megafp8_logits(folder, name, inputs=None):
+    """Logits of the checkpoint loaded into one process (tp = 1), padded vocabulary sliced off."""
+    config = preset(name)
+    model = TransformerLM(config)
+    checkpointing.load_checkpoint(folder, model, None, groups=None, load_rng=False)
+    with torch.no_grad():
+        return model.eval()(tokens(config.vocab_size) if inputs is None else inputs)[..., :config.vocab_size]
+
+
+def hf_weights(folder):
+    """Every tensor of a Hugging Face folder, sharded or not."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out = {}
+    for file in files:
+        out.update(load_file(folder / file))
+    return out
+
+
+def assert_same_weights(a, b):
+    wa, wb = hf_weights(a), hf_weights(b)
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        assert wa[name].dtype == wb[name].dtype and torch.equal(wa[name], wb[name]), name
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """gpt-tiny and llama-tiny trained 3 FP8 steps at tp = 2 and saved; and converted to HF."""
+    root = tmp_path_factory.mktemp("trained")
+    folders = {name: str(root / name) for name in MODELS + ["gpt-tiny-bf16"]}
+    run_on_ranks(train_and_save_body, 2, folders)
+    for name in MODELS:
+        with pytest.warns(UserWarning, match="no tokenizer"):
+            convert.to_hf(folders[name], root / f"{name}-hf", progress=False)
+    return root
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_fp8_checkpoint_to_hf_gives_the_same_logits(trained, name):
+    hf_dir = trained / f"{name}-hf"
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(hf) is (GPT2LMHeadModel if name.startswith("gpt") else LlamaForCausalLM)
+    config = preset(name)
+    if name == "llama-tiny":
+        assert hf.config.num_key_value_heads == 2 and not hf.config.tie_word_embeddings
+    assert hf.config.vocab_size == config.vocab_size  # the padding rows are gone
+    expected = megafp8_logits(trained / name, name)
+    inputs = tokens(config.vocab_size)
+    with torch.no_grad():
+        got = hf(inputs).logits
+    assert rel_err(got, expected) < 1e-4
+    generated = hf.generate(inputs[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.shape == (2, 12)
+    # Greedy decoding's first token is megafp8's most likely next token.
+    assert torch.equal(generated[:, 8], megafp8_logits(trained / name, name, inputs[:, :8])[:, -1].argmax(-1))
+
+
+def test_into_another_layout_and_back(trained, tmp_path):
+    """HF -> megafp8 (recorded for tp = 2) loads under tp = 2 with the logits of the trained model
+    and a fresh optimizer state; converted back it is bitwise the same HF model."""
+    folders = {}
+    for name in MODELS:
+        with pytest.warns(UserWarning, match="no tokenizer files"):
+            folders[name] = str(convert.from_hf(trained / f"{name}-hf", tmp_path / name,
+                                                tensor_model_parallel_size=2, progress=False).parent)
+        saved = json.loads((tmp_path / name / "iter_0000000" / "megafp8.json").read_text())
+        assert saved["args"]["tensor_model_parallel_size"] == 2 and saved["iteration"] == 0
+    results = run_on_ranks(load_tp2_body, 2, folders)
+    for name in MODELS:
+        config = preset(name)
+        logits = torch.cat([results[rank][name][0] for rank in range(2)], dim=-1)[..., :config.vocab_size]
+        assert rel_err(logits, megafp8_logits(trained / name, name)) < 1e-5
+        _, reset, applied, state = results[0][name]
+        assert reset and applied and state == convert.TRAIN_STATE
+        with pytest.warns(UserWarning, match="no tokenizer"):
+            convert.to_hf(tmp_path / name, tmp_path / f"{name}-hf", progress=False)
+        assert_same_weights(trained / f"{name}-hf", tmp_path / f"{name}-hf")
+
+
+def randomize(model, dtype=torch.float32):
+    """Every parameter random (HF initialises biases to 0 and norms to 1, hiding mapping errors)."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model.to(dtype).eval()
+
+
+def small_gpt2(**overrides):
+    return GPT2LMHeadModel(GPT2Config(**{
+        "vocab_size": 400, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4, "bos_token_id": 0,
+        "eos_token_id": 0, **overrides}))
+
+
+def small_llama(**overrides):
+    return LlamaForCausalLM(LlamaConfig(**{
+        "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, **overrides}))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+ROUND_TRIPS = {
+    "gpt2": lambda: small_gpt2(),
+    "gpt2-untied-erf-gelu": lambda: small_gpt2(tie_word_embeddings=False, activation_function="gelu"),
+    "llama-gqa": lambda: small_llama(),
+    "llama-tied-bias-llama3-rope": lambda: small_llama(tie_word_embeddings=True, attention_bias=True,
+                                                       mlp_bias=True, rope_parameters=LLAMA3_ROPE),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ROUND_TRIPS)
+def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
+    hf = randomize(ROUND_TRIPS[kind](), dtype)
+    hf.save_pretrained(tmp_path / "a", max_shard_size="40KB")  # sharded, with an index, on the way in
+    with pytest.warns(UserWarning):  # no tokenizer; erf GELU / rope scaling have no training flag
+        convert.from_hf(tmp_path / "a", tmp_path / "ckpt", progress=False)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        convert.main(["--direction", "to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
+                      "--max-shard-size", "100KB", "--no-progress"])
+    assert (tmp_path / "b" / "model.safetensors.index.json").exists()  # sharded on the way out
+    assert_same_weights(tmp_path / "a", tmp_path / "b")
+    # Both folders load as the same model (from_pretrained, not the model in memory: casting that
+    # to bf16 also rounded its rotary frequencies).
+    back, original = (AutoModelForCausalLM.from_pretrained(tmp_path / f).eval() for f in "ba")
+    assert back.dtype == dtype and type(back) is type(hf)
+    inputs = tokens(400, shape=(2, 16))
+    with torch.no_grad():
+        assert torch.equal(back(inputs).logits, original(inputs).logits)
+    # ...and megafp8 computes what the HF model computes.
+    config = convert.config_from_hf(hf.config)
+    ours = TransformerLM(config, dtype=torch.float32)
+    checkpointing.load_checkpoint(tmp_path / "ckpt", ours, None, groups=None, load_rng=False)
+    with torch.no_grad():
+        expected = hf.float()(inputs).logits
+        assert rel_err(ours.eval()(inputs)[..., :400], expected) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+def test_fp32_export_of_a_bf16_run_takes_the_master_weights(trained, tmp_path):
+    ckpt = trained / "gpt-tiny-bf16"
+    masters = {"final_norm.weight": torch.empty(64), "layers.1.mlp.fc1.weight": torch.empty(256, 64)}
+    dcp.load({f"optimizer/{n}/master": t for n, t in masters.items()}, checkpoint_id=str(ckpt / "iter_0000003"),
+             no_dist=True)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        convert.to_hf(ckpt, tmp_path / "bf16", progress=False)
+        convert.to_hf(ckpt / "iter_0000003", tmp_path / "fp32", dtype="fp32", progress=False)  # one iteration
+    bf16, fp32 = hf_weights(tmp_path / "bf16"), hf_weights(tmp_path / "fp32")
+    assert bf16["transformer.ln_f.weight"].dtype == torch.bfloat16
+    assert torch.equal(fp32["transformer.ln_f.weight"], masters["final_norm.weight"])
+    assert torch.equal(fp32["transformer.h.1.mlp.c_fc.weight"], masters["layers.1.mlp.fc1.weight"].t())
+    for name in ("transformer.ln_f.weight", "transformer.h.1.mlp.c_fc.weight"):  # not the bf16 weights
+        assert not torch.equal(fp32[name], bf16[name].float())
+        assert torch.equal(fp32[name].bfloat16(), bf16[name])
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_pytorch_bin_with_old_gpt2_names(tmp_path):
+    """pytorch_model.bin files, and GPT-2's original names (no "transformer." prefix, causal-mask
+    buffers stored as weights), as the first GPT-2 uploads have them."""
+    hf = randomize(small_gpt2())
+    hf.save_pretrained(tmp_path / "new")
+    (tmp_path / "old").mkdir()
+    shutil.copy(tmp_path / "new" / "config.json", tmp_path / "old")
+    old = {name.removeprefix("transformer."): t for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    old.update({f"h.{i}.attn.bias": torch.ones(1, 1, 64, 64) for i in range(2)})
+    torch.save(old, tmp_path / "old" / "pytorch_model.bin")
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        convert.from_hf(tmp_path / "old", tmp_path / "ckpt", progress=False)
+        convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    assert_same_weights(tmp_path / "new", tmp_path / "out")
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A tiny byte-level BPE (tokenizer.json and vocab.json + merges.txt) and a SentencePiece model."""
+    import sentencepiece
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    out = tmp_path_factory.mktemp("tokenizers")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus_text(), trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    (out / "bpe").mkdir()
+    tokenizer.save(str(out / "bpe" / "tokenizer.json"))
+    tokenizer.model.save(str(out / "bpe"))
+    lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(out / "spm"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    return {"HuggingFaceTokenizer": {"tokenizer_model": str(out / "bpe" / "tokenizer.json")},
+            "GPT2BPETokenizer": {"vocab_file": str(out / "bpe" / "vocab.json"),
+                                 "merge_file": str(out / "bpe" / "merges.txt")},
+            "SentencePieceTokenizer": {"tokenizer_model": str(out / "spm.model")}}
+
+
+def checkpoint_with_tokenizer(tmp_path, tokenizer_args):
+    """A megafp8 checkpoint (converted from a random HF GPT-2) whose run used `tokenizer_args`."""
+    randomize(small_gpt2()).save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        path = convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    info = json.loads((path / "megafp8.json").read_text())
+    info["args"].update(tokenizer_args)
+    (path / "megafp8.json").write_text(json.dumps(info))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"])
+def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind):
+    files = tokenizer_files[kind]
+    ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": kind, **files})
+    convert.to_hf(ckpt, tmp_path / "out", progress=False)
+    ours = build_tokenizer(kind, **files)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in TEXTS:
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ours.tokenize(text)
+    assert theirs.eos_token_id == ours.eod
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eod
+    if kind != "SentencePieceTokenizer":  # byte-level BPE decodes exactly
+        assert theirs.decode(ours.tokenize(TEXTS[1])) == TEXTS[1]
+    copies = {"HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
+              "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
+              "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"}}[kind]
+    for key, name in copies.items():  # the run's own files, byte for byte
+        assert (tmp_path / "out" / name).read_bytes() == Path(files[key]).read_bytes()
+
+
+def test_missing_tokenizer_files_warn_and_are_skipped(tmp_path, tokenizer_files):
+    ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": "HuggingFaceTokenizer",
+                                                "tokenizer_model": str(tmp_path / "gone" / "tokenizer.json")})
+    with pytest.warns(UserWarning, match="TOKENIZER SKIPPED.*gone/tokenizer.json.*--tokenizer-dir"):
+        convert.to_hf(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "tokenizer_config.json").exists()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the model itself is complete
+    # --tokenizer-dir supplies them.
+    bpe = tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"].rsplit("/", 1)[0]
+    convert.to_hf(ckpt, tmp_path / "out2", tokenizer_dir=bpe, progress=False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out2")("the fox")["input_ids"]
+
+
+def test_from_hf_points_the_run_at_the_hf_tokenizer_and_its_flags_build_the_model(tmp_path, tokenizer_files):
+    hf = randomize(small_llama())
+    hf.save_pretrained(tmp_path / "hf")
+    shutil.copy(tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"], tmp_path / "hf")
+    path = convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", tensor_model_parallel_size=2,
+                           pipeline_model_parallel_size=3, progress=False)
+    saved = arguments.args_from_dict(json.loads((path / "megafp8.json").read_text())["args"])
+    assert saved.tokenizer_type == "HuggingFaceTokenizer"
+    assert saved.tokenizer_model == str((tmp_path / "hf" / "tokenizer.json").resolve())
+    assert (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (2, 3)
+    config = convert.config_from_hf(hf.config)
+    vocab = build_tokenizer(saved.tokenizer_type, saved.tokenizer_model).vocab_size
+    assert arguments.model_config(saved, vocab) == config.replace(num_kv_heads=2, ffn_hidden_size=96)
+    # The flags it prints, given to the trainer's parser, build the same model.
+    tokenizer = {"tokenizer_type": saved.tokenizer_type, "tokenizer_model": saved.tokenizer_model}
+    parsed = arguments.parse_args(convert.train_flags(config, tokenizer) + [
+        "--mock-data", "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3", "--seq-length", "64"])
+    assert arguments.model_config(parsed, vocab) == arguments.model_config(saved, vocab)
+    # No optimizer state, no FP8 state, no RNG: a --finetune start.
+    metadata = torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert all(k.startswith("model/") or k == "train" for k in metadata)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+def test_unknown_architecture(tmp_path):
+    randomize(small_gpt2()).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(convert.ConversionError, match="model_type 'mistral' is not supported; supported: gpt2 "
+                       r"\(GPT2LMHeadModel\), llama \(LlamaForCausalLM\)"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+
+def test_config_that_does_not_match_the_weights(tmp_path):
+    randomize(small_llama()).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(convert.ConversionError, match=r"config.json does not match the weights: "
+                       r"model.layers.0.self_attn.k_proj.weight is \[32, 64\] in the weights, config.json "
+                       r"implies \[64, 64\]"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+
+def test_missing_shard(tmp_path):
+    randomize(small_llama()).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    gone = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "hf" / gone).unlink()
+    with pytest.raises(convert.ConversionError, match=f"lists {gone}, which is not in .*incomplete"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+
+def test_unsupported_hf_settings_are_named(tmp_path):
+    randomize(small_llama(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})) \
+        .save_pretrained(tmp_path / "hf")
+    with pytest.raises(convert.ConversionError, match="rope type 'linear'"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    randomize(small_llama()).save_pretrained(tmp_path / "hf2")
+    with pytest.raises(convert.ConversionError, match="tp_size=3 does not divide"):
+        convert.from_hf(tmp_path / "hf2", tmp_path / "ckpt", tensor_model_parallel_size=3, progress=False)
+
+
+def test_incomplete_megafp8_checkpoints(tmp_path):
+    randomize(small_gpt2()).save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    iteration = tmp_path / "ckpt" / "iter_0000000"
+    with pytest.raises(convert.ConversionError, match="no megafp8 checkpoint"):
+        convert.to_hf(tmp_path / "hf", tmp_path / "out", progress=False)
+    with pytest.raises(convert.ConversionError, match="already holds a megafp8 checkpoint"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+    broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "no_json")
+    (broken / "iter_0000000" / "megafp8.json").unlink()
+    with pytest.raises(convert.ConversionError, match="no megafp8.json"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+
+    broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "no_data")
+    (broken / "iter_0000000" / "__0_0.distcp").unlink()
+    with pytest.raises(convert.ConversionError, match="names __0_0.distcp, which is missing"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+
+    broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "no_metadata")
+    (broken / "iter_0000000" / ".metadata").unlink()
+    with pytest.raises(convert.ConversionError, match="incomplete megafp8 checkpoint.*names iteration 0"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+
+    broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "other_shape")
+    info = json.loads((broken / "iter_0000000" / "megafp8.json").read_text())
+    info["args"]["ffn_hidden_size"] = 128
+    (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
+    with pytest.raises(convert.ConversionError, match=r"model/layers.0.mlp.fc1.weight is \[256, 64\].*needs "
+                       r"\[128, 64\]: the args and the weights disagree"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+
+    info["args"].update(ffn_hidden_size=256, position_embedding_type="rope")
+    (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
+    with pytest.raises(convert.ConversionError, match="no Hugging Face architecture matches"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+    assert iteration.exists()
+
+
+def test_command_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["--direction", "from-hf", "--hf-dir", str(tmp_path), "--save", str(tmp_path / "c")])
+    assert exit_info.value.code == 2
+    assert "convert_checkpoint: error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert.main(["--direction", "to-hf", "--load", str(tmp_path)])
+    assert "--direction to-hf needs --output" in capsys.readouterr().err

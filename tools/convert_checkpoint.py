@@ -1,0 +1,675 @@
+"""Convert models between megafp8 checkpoints and Hugging Face `transformers` folders.
+
+    # megafp8 -> HF: a checkpoint of any tp / pp / dp layout and FP8 recipe (FP8 state dropped)
+    python tools/convert_checkpoint.py --direction to-hf --load ckpt --output hf_model [--dtype bf16]
+
+    # HF -> megafp8: a local GPT-2 or Llama folder, to continue with --load ... --finetune
+    python tools/convert_checkpoint.py --direction from-hf --hf-dir hf_model --save ckpt_ft \\
+        --tensor-model-parallel-size 2
+
+GPT models (LayerNorm, learned positions, GELU, biases) become GPT2LMHeadModel, Llama models
+(RMSNorm, RoPE, SwiGLU) LlamaForCausalLM. megafp8 stores its tensors layout-free (full shapes,
+vocabulary without padding rows), so both directions read and write whole tensors, one layer at
+a time: memory stays about one copy of the weights. The weight mapping is models/hf_mapping.py;
+docs/checkpoints.md has the details. Needs `transformers` and `safetensors`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from tqdm import tqdm
+
+from megafp8.data.tokenizers import build_tokenizer
+from megafp8.models.config import PRESETS, RopeScaling, TransformerConfig, preset
+from megafp8.models.hf_mapping import from_hf_gpt2, from_hf_llama, to_hf_gpt2, to_hf_llama
+from megafp8.models.transformer import TransformerLM
+from megafp8.training import arguments, checkpointing
+
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+TO_HF = {"gpt2": to_hf_gpt2, "llama": to_hf_llama}
+FROM_HF = {"gpt2": from_hf_gpt2, "llama": from_hf_llama}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Hugging Face weights that are no parameters of the model (old GPT-2 files keep the causal mask).
+IGNORED_HF = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+TRAIN_STATE = {"iteration": 0, "consumed_samples": 0, "skipped_steps": 0}
+
+
+class ConversionError(RuntimeError):
+    """The input cannot be converted; the message says what is wrong and where."""
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+        import safetensors  # noqa: F401
+    except ImportError as error:
+        raise ConversionError(f"conversion needs transformers and safetensors ({error}): "
+                              "pip install transformers safetensors") from None
+    return transformers
+
+
+def parse_size(text) -> int:
+    """'5GB' (10^9), '500MiB' (2^20), '10KB' or a plain number of bytes, as Hugging Face reads them."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        raise ConversionError(f"--max-shard-size {text!r}: give bytes or a size such as 5GB, 500MB, 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    if unit == "B":
+        return int(number)
+    power = "KMGT".index(unit[0]) + 1
+    return int(number * ((1024 if "I" in unit else 1000) ** power))
+
+
+# ---- configs ----------------------------------------------------------------------------------
+
+def hf_architecture(config: TransformerConfig) -> str:
+    """'gpt2' or 'llama': the Hugging Face model that computes exactly what `config` does."""
+    if (config.normalization == "layernorm" and config.position_embedding == "learned"
+            and config.activation in ("gelu", "gelu_tanh") and config.bias):
+        return "gpt2"
+    if config.normalization == "rmsnorm" and config.position_embedding == "rope" and config.activation == "swiglu":
+        return "llama"
+    raise ConversionError(
+        f"no Hugging Face architecture matches this model (normalization={config.normalization}, "
+        f"position_embedding={config.position_embedding}, activation={config.activation}, bias={config.bias}): "
+        "GPT2LMHeadModel needs layernorm + learned positions + gelu/gelu_tanh + biases; "
+        "LlamaForCausalLM needs rmsnorm + rope + swiglu")
+
+
+def hf_config(config: TransformerConfig, arch: str, dtype: torch.dtype, bos=None, eos=None):
+    """The transformers config of `config` (vocabulary unpadded)."""
+    transformers = _transformers()
+    if arch == "gpt2":
+        hf = transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
+            activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
+            layer_norm_epsilon=config.norm_epsilon, initializer_range=config.init_method_std,
+            resid_pdrop=config.hidden_dropout, embd_pdrop=0.0, attn_pdrop=config.attention_dropout,
+            tie_word_embeddings=config.tie_embeddings, bos_token_id=bos, eos_token_id=eos)
+    else:
+        rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+        if config.rope_scaling is not None:
+            s = config.rope_scaling
+            rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                        high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
+        hf = transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
+            rope_parameters=rope, tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias,
+            mlp_bias=config.bias, attention_dropout=config.attention_dropout, hidden_act="silu",
+            initializer_range=config.init_method_std, bos_token_id=bos, eos_token_id=eos)
+    hf.architectures = [SUPPORTED[arch]]
+    hf.dtype = dtype
+    return hf
+
+
+def _require(condition, message):
+    if not condition:
+        raise ConversionError(message)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """The megafp8 config of a transformers GPT2Config or LlamaConfig; a setting megafp8 does not
+    compute (e.g. another activation or rope type) is an error naming it."""
+    where = f"{hf.model_type} config"
+    try:
+        if hf.model_type == "gpt2":
+            activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+            _require(hf.activation_function in activations,
+                     f"{where}: activation_function={hf.activation_function!r}; megafp8 computes "
+                     f"{', '.join(activations)}")
+            _require(hf.scale_attn_weights and not hf.scale_attn_by_inverse_layer_idx and not hf.add_cross_attention,
+                     f"{where}: megafp8 needs scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false "
+                     "and add_cross_attention=false")
+            return TransformerConfig(
+                num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
+                vocab_size=hf.vocab_size, max_position_embeddings=hf.n_positions,
+                ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, normalization="layernorm",
+                norm_epsilon=hf.layer_norm_epsilon, activation=activations[hf.activation_function],
+                position_embedding="learned", tie_embeddings=bool(hf.tie_word_embeddings), bias=True,
+                init_method_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
+                attention_dropout=hf.attn_pdrop)
+        _require(hf.hidden_act == "silu", f"{where}: hidden_act={hf.hidden_act!r}; megafp8's SwiGLU is silu")
+        _require(bool(hf.attention_bias) == bool(getattr(hf, "mlp_bias", False)),
+                 f"{where}: attention_bias={hf.attention_bias} and mlp_bias={hf.mlp_bias}; megafp8 has one "
+                 "bias switch for every linear layer")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        _require(head_dim * hf.num_attention_heads == hf.hidden_size,
+                 f"{where}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
+                 f"hidden_size={hf.hidden_size}; megafp8 needs head_dim = hidden_size / heads")
+        _require(getattr(hf, "pretraining_tp", 1) == 1, f"{where}: pretraining_tp={hf.pretraining_tp}; needs 1")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type in ("default", "llama3"),
+                 f"{where}: rope type {rope_type!r}; megafp8 computes 'default' and 'llama3' RoPE")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                                  high_freq_factor=rope["high_freq_factor"],
+                                  original_max_position_embeddings=rope["original_max_position_embeddings"])
+        return TransformerConfig(
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size, max_position_embeddings=hf.max_position_embeddings,
+            normalization="rmsnorm", norm_epsilon=hf.rms_norm_eps, activation="swiglu", position_embedding="rope",
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))), rope_scaling=scaling,
+            tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
+            init_method_std=hf.initializer_range, attention_dropout=float(hf.attention_dropout))
+    except (ValueError, TypeError) as error:  # TransformerConfig's own checks
+        raise ConversionError(f"{where}: {error}") from None
+
+
+def train_flags(config: TransformerConfig, tokenizer: dict | None = None, bf16: bool = False) -> list:
+    """Megatron-style flags that make megafp8's trainer build `config` (with the tokenizer flags
+    of `tokenizer`, {arg name: value}, and --bf16)."""
+    flags = ["--num-layers", config.num_layers, "--hidden-size", config.hidden_size,
+             "--num-attention-heads", config.num_attention_heads]
+    if config.kv_heads != config.num_attention_heads:
+        flags += ["--num-query-groups", config.kv_heads]
+    flags += ["--ffn-hidden-size", config.ffn_size, "--max-position-embeddings", config.max_position_embeddings,
+              "--position-embedding-type", "rope" if config.position_embedding == "rope" else "learned_absolute",
+              "--normalization", "RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
+              "--norm-epsilon", config.norm_epsilon, "--init-method-std", config.init_method_std]
+    if config.position_embedding == "rope":
+        flags += ["--rotary-base", config.rope_theta]
+    flags += [flag for flag, on in (("--swiglu", config.activation == "swiglu"),
+                                    ("--disable-bias-linear", not config.bias),
+                                    ("--untie-embeddings-and-output-weights", not config.tie_embeddings)) if on]
+    for flag, value in (("--hidden-dropout", config.hidden_dropout), ("--attention-dropout", config.attention_dropout)):
+        flags += [flag, value]
+    for key, value in (tokenizer or {}).items():
+        flags += ["--" + key.replace("_", "-"), value]
+    return [str(f) for f in flags] + (["--bf16"] if bf16 else [])
+
+
+def _explicit(config: TransformerConfig) -> TransformerConfig:
+    """`config` with its defaulted sizes spelled out, for comparing."""
+    return config.replace(num_kv_heads=config.kv_heads, ffn_hidden_size=config.ffn_size)
+
+
+def _single_process(call, *args, **kwargs):
+    """A DCP call without a process group (no_dist), without DCP's warning that there is none."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return call(*args, **kwargs, no_dist=True)
+
+
+# ---- the stored layout of a model ----------------------------------------------------------------
+
+def stored_layout(config: TransformerConfig) -> dict:
+    """name -> (parameter, stored shape) for every parameter, as checkpointing stores them at any
+    layout: vocabulary tensors without padding rows, stacked matrices (SwiGLU) as [stack, ...]."""
+    model = TransformerLM(config, device="meta")
+    layout = {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "unpadded_rows"):
+            shape = (param.unpadded_rows, *param.shape[1:])
+        elif getattr(param, "partition", None) is not None:
+            shape = tuple(param.partition.stacked_view(param).shape)
+        else:
+            shape = tuple(param.shape)
+        layout[name] = (param, shape)
+    return layout
+
+
+def parts(layout: dict) -> list:
+    """The parameter names grouped as the converters go: the ends, then layer by layer."""
+    groups = {}
+    for name in layout:
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+# ---- megafp8 -> Hugging Face ---------------------------------------------------------------------
+
+def _find_checkpoint(load) -> Path:
+    load = Path(load)
+    if not load.exists():
+        raise ConversionError(f"--load {load}: no such folder")
+    try:
+        path = checkpointing.latest_checkpoint(load)
+    except checkpointing.CheckpointError as error:
+        raise ConversionError(f"incomplete megafp8 checkpoint: {error}") from None
+    if path is None:
+        leftovers = sorted(p.name for p in load.glob("iter_*.tmp"))
+        raise ConversionError(
+            f"{load} is no megafp8 checkpoint: it has no {checkpointing.LATEST} and no .metadata"
+            + (f" (only {', '.join(leftovers)}: saves that never finished)" if leftovers else ""))
+    return path
+
+
+def _check_files(path: Path, metadata, keys) -> None:
+    """Every data file the metadata names for `keys` must be there (one per saving rank)."""
+    needed = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    missing = sorted(name for name in needed if not (path / name).is_file())
+    if missing:
+        raise ConversionError(f"incomplete megafp8 checkpoint {path}: its .metadata names "
+                              f"{', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} missing")
+
+
+def _config_from_args(args, vocab_size: int) -> TransformerConfig:
+    if getattr(args, "num_layers", None) is None:
+        if args.model in PRESETS:  # args saved unresolved: the preset alone
+            return preset(args.model, vocab_size=vocab_size)
+        raise ConversionError("megafp8.json's args give no model shape (neither num_layers nor a --model preset)")
+    try:
+        config = arguments.model_config(args, vocab_size)
+        overrides = dict(getattr(args, "model_overrides", None) or {})  # written by from-hf
+        if overrides.get("rope_scaling") is not None:
+            overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+        return config.replace(**overrides)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"megafp8.json's args do not describe a valid model: {error}") from None
+
+
+def _tokenizer_source(args, tokenizer_dir):
+    """(tokenizer type, kwargs for build_tokenizer, files) of the run, or of --tokenizer-dir."""
+    if tokenizer_dir is not None:
+        folder = Path(tokenizer_dir)
+        if (folder / "tokenizer.json").is_file():
+            return "HuggingFaceTokenizer", {"tokenizer_model": folder / "tokenizer.json"}
+        if (folder / "tokenizer.model").is_file():
+            return "SentencePieceTokenizer", {"tokenizer_model": folder / "tokenizer.model"}
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return "GPT2BPETokenizer", {"vocab_file": folder / "vocab.json", "merge_file": folder / "merges.txt"}
+        raise ConversionError(f"--tokenizer-dir {folder}: no tokenizer.json, tokenizer.model or "
+                              "vocab.json + merges.txt there")
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "GPT2BPETokenizer":
+        return kind, {"vocab_file": args.vocab_file, "merge_file": args.merge_file}
+    if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
+        return kind, {"tokenizer_model": args.tokenizer_model}
+    return kind, {}
+
+
+def export_tokenizer(args, output: Path, config: TransformerConfig, tokenizer_dir=None):
+    """Write the run's tokenizer into `output` so AutoTokenizer loads it; returns (bos id, eos id),
+    or None (with a warning) when there is nothing to write."""
+    kind, files = _tokenizer_source(args, tokenizer_dir)
+    if kind in (None, "NullTokenizer"):
+        warnings.warn(f"the run used {'no tokenizer' if kind is None else 'NullTokenizer'}: the Hugging Face "
+                      "folder gets no tokenizer files (give --tokenizer-dir to add some)", stacklevel=2)
+        return None
+    paths = {key: Path(value) if value else None for key, value in files.items()}
+    if kind == "HuggingFaceTokenizer" and paths["tokenizer_model"] and paths["tokenizer_model"].is_dir():
+        paths["tokenizer_model"] = paths["tokenizer_model"] / "tokenizer.json"  # the folder form
+    missing = [f"{key}={value}" for key, value in paths.items() if value is None or not value.is_file()]
+    if missing:
+        warnings.warn(f"TOKENIZER SKIPPED: the run's {kind} files are not found ({', '.join(missing)}; "
+                      f"relative paths are taken from {Path.cwd()}). The Hugging Face folder has no "
+                      "tokenizer: rerun with --tokenizer-dir DIR, or copy the files in yourself", stacklevel=2)
+        return None
+    transformers = _transformers()
+    ours = build_tokenizer(kind, **paths, eod_token=getattr(args, "eod_token", None))
+    if ours.vocab_size != config.vocab_size:
+        warnings.warn(f"the tokenizer has {ours.vocab_size} tokens but the model {config.vocab_size}", stacklevel=2)
+    if kind == "SentencePieceTokenizer":
+        sp = ours._model
+        named = {role: sp.id_to_piece(i) for role, i in (("bos_token", sp.bos_id()), ("unk_token", sp.unk_id()))
+                 if i >= 0}
+        hf = transformers.SentencePieceBackend(vocab_file=str(paths["tokenizer_model"]),
+                                               eos_token=sp.id_to_piece(ours.eod), **named)
+        bos = sp.bos_id() if sp.bos_id() >= 0 else ours.eod
+    else:
+        raw = ours._tokenizer
+        eos = raw.id_to_token(ours.eod)
+        bos_token = next((t for t in ("<|begin_of_text|>", "<s>", "<bos>") if raw.token_to_id(t) is not None), eos)
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos_token)
+        bos = raw.token_to_id(bos_token)
+    hf.model_max_length = config.max_position_embeddings
+    hf.save_pretrained(str(output))
+    # The run's own files, byte for byte (save_pretrained re-serialises tokenizer.json).
+    names = {"vocab_file": "vocab.json", "merge_file": "merges.txt",
+             "tokenizer_model": "tokenizer.model" if kind == "SentencePieceTokenizer" else "tokenizer.json"}
+    for key, path in paths.items():
+        shutil.copyfile(path, output / names[key])
+    return bos, ours.eod
+
+
+def _plan_shards(groups, layout, arch, config, dtype, max_bytes):
+    """(hf name, bytes) per group, converted on the meta device, and the shard of every name."""
+    planned, shard_of, current, sizes = [], {}, 0, [0]
+    for names in groups:
+        meta = {n: torch.empty(layout[n][1] if hasattr(layout[n][0], "unpadded_rows") else layout[n][0].shape,
+                               dtype=dtype, device="meta") for n in names}
+        entries = [(name, t.numel() * t.element_size()) for name, t in TO_HF[arch](meta, config).items()]
+        planned.append(entries)
+        for name, size in entries:
+            if sizes[current] and sizes[current] + size > max_bytes:
+                current += 1
+                sizes.append(0)
+            sizes[current] += size
+            shard_of[name] = current
+    return planned, shard_of, len(sizes), sum(sizes)
+
+
+def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_size="5GB",
+          progress: bool = True) -> Path:
+    """Write the megafp8 checkpoint `load` (a --save folder or one iter_N folder) as a Hugging
+    Face model folder `output`; returns `output`."""
+    transformers = _transformers()
+    from safetensors.torch import save_file
+    max_bytes = parse_size(max_shard_size)
+    path = _find_checkpoint(load)
+    info_file = path / "megafp8.json"
+    if not info_file.is_file():
+        raise ConversionError(f"incomplete megafp8 checkpoint {path}: no megafp8.json (it holds the run's "
+                              "arguments, which give the model's shape)")
+    info = json.loads(info_file.read_text())
+    args = arguments.args_from_dict(info.get("args") or {})
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    stored = metadata.state_dict_metadata
+    if "model/embedding.weight" not in stored:
+        raise ConversionError(f"incomplete megafp8 checkpoint {path}: no model/embedding.weight")
+    config = _config_from_args(args, int(stored["model/embedding.weight"].size[0]))
+    arch = hf_architecture(config)
+    layout = stored_layout(config)
+    for name, (_, shape) in layout.items():
+        key = f"model/{name}"
+        if key not in stored:
+            raise ConversionError(f"megafp8 checkpoint {path} has no {key}, which megafp8.json's model "
+                                  f"({config.num_layers} layers) has: incomplete, or saved from another model")
+        if tuple(stored[key].size) != shape:
+            raise ConversionError(f"{key} is {list(stored[key].size)} in {path} but megafp8.json's model shape "
+                                  f"needs {list(shape)}: the args and the weights disagree")
+    params_dtype = stored["model/final_norm.weight"].properties.dtype
+    out_dtype = DTYPES[dtype] if dtype else params_dtype
+    if out_dtype not in DTYPES.values():
+        raise ConversionError(f"the checkpoint's weights are {params_dtype}; give --dtype bf16 or fp32")
+    # A bf16 run keeps fp32 masters of its weights: an fp32 export takes those, not the rounded params.
+    masters = (out_dtype == torch.float32 and params_dtype != torch.float32
+               and all(f"optimizer/{n}/master" in stored for n in layout))
+    source = {n: f"optimizer/{n}/master" if masters else f"model/{n}" for n in layout}
+    _check_files(path, metadata, set(source.values()))
+
+    output = Path(output)
+    if output.exists() and (any(output.glob("*.safetensors")) or (output / "config.json").exists()):
+        raise ConversionError(f"--output {output} already holds a model; give a new or empty folder")
+    output.mkdir(parents=True, exist_ok=True)
+    tokens = export_tokenizer(args, output, config, tokenizer_dir)
+    bos, eos = tokens if tokens else (None, None)
+    hf = hf_config(config, arch, out_dtype, bos=bos, eos=eos)
+    hf.save_pretrained(str(output))
+    transformers.GenerationConfig.from_model_config(hf).save_pretrained(str(output))
+
+    groups = parts(layout)
+    planned, shard_of, n_shards, total = _plan_shards(groups, layout, arch, config, out_dtype, max_bytes)
+    names = (["model.safetensors"] if n_shards == 1 else
+             [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)])
+    pending, remaining = {}, [0] * n_shards
+    for entries in planned:
+        for name, _ in entries:
+            remaining[shard_of[name]] += 1
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"to {SUPPORTED[arch]}", file=sys.stderr,
+              disable=not progress) as bar:
+        for group in groups:
+            state = {n: torch.empty(tuple(stored[source[n]].size), dtype=stored[source[n]].properties.dtype)
+                     for n in group}
+            _single_process(dcp.load, {source[n]: t for n, t in state.items()}, storage_reader=reader)
+            ours = {n: t if hasattr(layout[n][0], "unpadded_rows") else t.reshape(layout[n][0].shape)
+                    for n, t in state.items()}
+            del state
+            for name, tensor in TO_HF[arch](ours, config).items():
+                shard = shard_of[name]
+                pending.setdefault(shard, {})[name] = tensor.to(out_dtype).contiguous()
+                remaining[shard] -= 1
+                bar.update(tensor.numel() * out_dtype.itemsize)
+                if remaining[shard] == 0:
+                    save_file(pending.pop(shard), str(output / names[shard]), metadata={"format": "pt"})
+            del ours
+    if n_shards > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: names[shard] for name, shard in sorted(shard_of.items())}}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return output
+
+
+# ---- Hugging Face -> megafp8 ---------------------------------------------------------------------
+
+class HFWeights:
+    """A Hugging Face folder's weights by name, read one tensor at a time (safetensors or
+    pytorch_model.bin, whole or sharded with an index)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                                   ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+            if (folder / index_name).is_file():
+                weight_map = json.loads((folder / index_name).read_text())["weight_map"]
+                missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+                if missing:
+                    raise ConversionError(f"{folder / index_name} lists {', '.join(missing)}, "
+                                          f"which {'is' if len(missing) == 1 else 'are'} not in {folder}: "
+                                          "the download is incomplete")
+                break
+            if (folder / single).is_file():
+                weight_map = None
+                break
+        else:
+            raise ConversionError(f"{folder} has no weights (model.safetensors, pytorch_model.bin, or their "
+                                  ".index.json)")
+        self.safetensors = index_name.startswith("model.safetensors")
+        files = sorted(set(weight_map.values())) if weight_map else [single]
+        self._open, self.file_of, self.shapes, self.dtypes = {}, {}, {}, {}
+        for file in files:
+            handle = self._handle(file)
+            for name in (handle.keys() if self.safetensors else handle):
+                if weight_map is None or weight_map.get(name) == file:
+                    self.file_of[name] = file
+                    if self.safetensors:
+                        piece = handle.get_slice(name)
+                        self.shapes[name], self.dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+                    else:
+                        self.shapes[name], self.dtypes[name] = tuple(handle[name].shape), str(handle[name].dtype)
+        # Old GPT-2 files name the base model's weights without the "transformer." prefix.
+        self.stored_name = {n: n for n in self.file_of}
+        if "wte.weight" in self.file_of and "transformer.wte.weight" not in self.file_of:
+            self.stored_name = {(n if n.startswith("lm_head.") else f"transformer.{n}"): n for n in self.file_of}
+        self.shapes = {name: self.shapes[stored] for name, stored in self.stored_name.items()}
+
+    def _handle(self, file):
+        if file not in self._open:
+            path = str(self.folder / file)
+            if self.safetensors:
+                from safetensors import safe_open
+                self._open[file] = safe_open(path, framework="pt")
+            else:
+                self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return self._open[file]
+
+    def __getitem__(self, name):
+        stored = self.stored_name.get(name)
+        if stored is None:
+            raise ConversionError(f"the weights in {self.folder} have no {name}")
+        handle = self._handle(self.file_of[stored])
+        return handle.get_tensor(stored) if self.safetensors else handle[stored]
+
+    def dtype(self):
+        """The floating dtype most of the weights have."""
+        kinds = [d for d in self.dtypes.values()]
+        common = max(set(kinds), key=kinds.count)
+        return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "torch.bfloat16": torch.bfloat16,
+                "torch.float16": torch.float16, "torch.float32": torch.float32}.get(common, torch.float32)
+
+
+def _hf_tokenizer_args(folder: Path) -> dict:
+    """Tokenizer flags for the HF folder's tokenizer files (absolute paths), or {} without any."""
+    if (folder / "tokenizer.json").is_file():
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str((folder / "tokenizer.json").resolve())}
+    if (folder / "tokenizer.model").is_file():
+        return {"tokenizer_type": "SentencePieceTokenizer",
+                "tokenizer_model": str((folder / "tokenizer.model").resolve())}
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str((folder / "vocab.json").resolve()),
+                "merge_file": str((folder / "merges.txt").resolve())}
+    return {}
+
+
+def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+            dtype: str | None = None, progress: bool = True) -> Path:
+    """Write the Hugging Face GPT-2 / Llama folder `hf_dir` as a megafp8 checkpoint in `save`
+    (iteration 0, weights only: --load it with --finetune); returns the iteration folder."""
+    transformers = _transformers()
+    folder, save = Path(hf_dir), Path(save)
+    if not (folder / "config.json").is_file():
+        raise ConversionError(f"--hf-dir {folder}: no config.json there")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConversionError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported; "
+                              f"supported: {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}")
+    config_class = transformers.GPT2Config if model_type == "gpt2" else transformers.LlamaConfig
+    config = config_from_hf(config_class.from_pretrained(str(folder)))
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    try:
+        config.validate_tensor_parallel(tp)
+    except ValueError as error:
+        raise ConversionError(f"--tensor-model-parallel-size: {error}") from None
+    if pp < 1 or config.num_layers % pp:
+        raise ConversionError(f"--pipeline-model-parallel-size {pp} does not divide the {config.num_layers} layers")
+    if (save / checkpointing.LATEST).exists():
+        raise ConversionError(f"--save {save} already holds a megafp8 checkpoint; give a new folder")
+
+    weights = HFWeights(folder)
+    layout = stored_layout(config)
+    # The shapes the config implies, named as the HF weights are: mapped from meta tensors.
+    expected = TO_HF[model_type]({n: torch.empty(p.shape, device="meta") for n, (p, _) in layout.items()}, config)
+    for name, tensor in expected.items():
+        if name not in weights.shapes:
+            raise ConversionError(f"{folder}: config.json describes a weight {name} that the weight files lack")
+        if weights.shapes[name] != tuple(tensor.shape):
+            raise ConversionError(f"{folder}: config.json does not match the weights: {name} is "
+                                  f"{list(weights.shapes[name])} in the weights, config.json implies "
+                                  f"{list(tensor.shape)}")
+    extra = sorted(n for n in weights.shapes if n not in expected and not IGNORED_HF.fullmatch(n)
+                   and not (n == "lm_head.weight" and config.tie_embeddings))
+    if extra:
+        warnings.warn(f"{folder}: weights not used by {SUPPORTED[model_type]}: {', '.join(extra[:5])}"
+                      + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""), stacklevel=2)
+    source_dtype = weights.dtype()
+    store_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if source_dtype == torch.bfloat16 else torch.float32)
+
+    # The ends (embeddings, final norm, output layer), then layer by layer: the HF tensors of one
+    # part at a time are in memory next to the converted ones (which DCP saves in one go).
+    state = {}
+    steps = [([], True)] + [([i], False) for i in range(config.num_layers)]
+    for layers, ends in tqdm(steps, unit="part", desc=f"from {SUPPORTED[model_type]}", file=sys.stderr,
+                             disable=not progress):
+        for name, tensor in FROM_HF[model_type](weights, config, layers=layers, ends=ends).items():
+            param, shape = layout[name]
+            tensor = tensor[:param.unpadded_rows] if hasattr(param, "unpadded_rows") else tensor.reshape(shape)
+            state[f"model/{name}"] = tensor.to(store_dtype, copy=True)  # a copy: no view of a padded one
+    missing = [n for n in layout if f"model/{n}" not in state]
+    assert not missing, missing  # the mapping covers the model
+
+    tokenizer = _hf_tokenizer_args(folder)
+    if not tokenizer:
+        warnings.warn(f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + "
+                      "merges.txt): give the trainer your own --tokenizer-type and files", stacklevel=2)
+    else:
+        vocab = build_tokenizer(tokenizer["tokenizer_type"], tokenizer.get("tokenizer_model"),
+                                tokenizer.get("vocab_file"), tokenizer.get("merge_file")).vocab_size
+        if vocab != config.vocab_size:
+            warnings.warn(f"{folder}'s tokenizer has {vocab} tokens but the model {config.vocab_size}: megafp8 "
+                          "sizes the model by its tokenizer, so this checkpoint will not load as it is", stacklevel=2)
+    flags = train_flags(config, tokenizer, bf16=store_dtype == torch.bfloat16)
+    # The arguments a run started with these flags would hold, as a checkpoint records them.
+    args = arguments.build_parser().parse_args(flags)
+    args.swiglu, args.disable_bias_linear = config.activation == "swiglu", not config.bias
+    args.untie_embeddings_and_output_weights = not config.tie_embeddings
+    args.num_query_groups, args.rotary_base = config.kv_heads, config.rope_theta
+    args.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by
+    args.seq_length = config.max_position_embeddings
+    args.params_dtype = "bfloat16" if store_dtype == torch.bfloat16 else "float32"
+    args.vocab_size = config.vocab_size
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    for key, value in tokenizer.items():
+        setattr(args, key, value)
+    rebuilt, wanted = (_explicit(arguments.model_config(args, config.vocab_size)), _explicit(config))
+    differ = [f for f in wanted.__dataclass_fields__ if getattr(rebuilt, f) != getattr(wanted, f)]
+    if differ:
+        # Kept for to-hf, which applies them after the flags; the trainer knows no such argument.
+        args.model_overrides = {f: dataclasses.asdict(getattr(config, f)) if f == "rope_scaling" else getattr(config, f)
+                                for f in differ}
+        warnings.warn(f"megafp8's training flags cannot express {', '.join(f'{f}={getattr(config, f)!r}' for f in differ)}: "
+                      "the weights are converted exactly and to-hf restores it (args.model_overrides in megafp8.json), "
+                      "but a run started from flags builds the model without it", stacklevel=2)
+
+    final = checkpointing.iteration_dir(save, 0)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state["train"] = json.dumps(TRAIN_STATE)
+    _single_process(dcp.save, state, checkpoint_id=str(tmp))
+    (tmp / "megafp8.json").write_text(json.dumps(
+        {"iteration": 0, "args": arguments.args_to_dict(args), "train": TRAIN_STATE}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (save / checkpointing.LATEST).write_text("0")
+    print(f"wrote {final}\ncontinue training with:\n  megafp8-train {' '.join(flags)} "
+          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --load {save} --finetune "
+          "--seq-length ... (and your data, batch and learning-rate flags)", file=sys.stderr)
+    return final
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--direction", required=True, choices=("to-hf", "from-hf"))
+    g = p.add_argument_group("to-hf")
+    g.add_argument("--load", help="a megafp8 --save folder (its latest checkpoint) or one iter_N folder")
+    g.add_argument("--output", help="the Hugging Face folder to write")
+    g.add_argument("--dtype", choices=tuple(DTYPES), help="weights' dtype (to-hf default: the checkpoint's; "
+                   "fp32 from a --bf16 run takes the fp32 master weights. from-hf default: bf16 weights stay "
+                   "bf16, others become fp32)")
+    g.add_argument("--tokenizer-dir", help="take the tokenizer from this folder instead of the run's files")
+    g.add_argument("--max-shard-size", default="5GB", help="larger models are split into shards with an index")
+    g = p.add_argument_group("from-hf")
+    g.add_argument("--hf-dir", help="a local GPT-2 or Llama folder (config.json + safetensors or .bin)")
+    g.add_argument("--save", help="the megafp8 checkpoint folder to write (a new one)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="checked and recorded; any loads")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="checked and recorded; any loads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    needed = ("load", "output") if args.direction == "to-hf" else ("hf_dir", "save")
+    missing = [f"--{n.replace('_', '-')}" for n in needed if getattr(args, n) is None]
+    if missing:
+        parser.error(f"--direction {args.direction} needs {' and '.join(missing)}")
+    try:
+        if args.direction == "to-hf":
+            out = to_hf(args.load, args.output, args.dtype, args.tokenizer_dir, args.max_shard_size,
+                        progress=not args.no_progress)
+            print(f"wrote {out}", file=sys.stderr)
+        else:
+            from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    args.dtype, progress=not args.no_progress)
+    except ConversionError as error:
+        print(f"convert_checkpoint: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
