@@ -26,7 +26,10 @@ def no_weight_decay(name: str, param) -> bool:
 
 def counts_towards_norm(param, tp_rank: int) -> bool:
     """Whether this rank's copy of `param` enters the global gradient norm: a parameter every
-    tensor-parallel rank holds whole is counted on tp rank 0 only."""
+    tensor-parallel rank holds whole is counted on tp rank 0 only, and the last pipeline stage's
+    copy of a tied embedding (`shared_embedding_copy`) not at all: the first stage counts it."""
+    if getattr(param, "shared_embedding_copy", False):
+        return False
     return hasattr(param, "partition") or tp_rank == 0
 
 

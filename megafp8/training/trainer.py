@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megafp8.data import MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer, parse_split
 from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM
-from megafp8.parallel import ParallelGroups
+from megafp8.parallel import ParallelGroups, forward_backward, stage_layers, sync_embedding_grads
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.lr_schedule import LRSchedule
@@ -63,12 +64,25 @@ class _ExitSignal:
             signal.signal(sig, handler)
 
 
+class PipelineStage(nn.Module):
+    """This rank's model chunks seen as one module whose parameter and state names are the
+    whole model's (layers by global index), for the optimizer, checkpoints and metrics."""
+
+    def __init__(self, chunks):
+        super().__init__()
+        self.layers = nn.ModuleDict({name: layer for chunk in chunks for name, layer in chunk.layers.items()})
+        for part in ("embedding", "position_embedding", "final_norm", "output_layer"):
+            owners = [chunk for chunk in chunks if getattr(chunk, part, None) is not None]
+            if owners:
+                setattr(self, part, getattr(owners[0], part))
+
+
 class Trainer:
     def __init__(self, args, groups: ParallelGroups):
         self.args, self.groups = args, groups
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
-        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # the last stage has the loss
+        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # on the last stage, which has the loss
         self.tokenizer = (build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                           args.merge_file, args.vocab_size, args.eod_token)
                           if args.tokenizer_type else None)
@@ -77,13 +91,20 @@ class Trainer:
         self.config = arguments.model_config(args, vocab_size)
         self.recipe = arguments.fp8_recipe(args)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.model = TransformerLM(
+        vpp = args.virtual_pipeline_model_parallel_size or 1
+        self.chunks = [TransformerLM(
             self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
-            seed=args.seed, fp8_output_layer=args.fp8_output_layer,
+            layers=span, seed=args.seed, fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
             recompute=args.recompute_granularity or "none", dtype=self.dtype, device=self.device)
+            for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
+        self.model = PipelineStage(self.chunks)
+        if groups.pp_size > 1 and not groups.is_first_stage and hasattr(self.model, "embedding"):
+            self.model.embedding.weight.shared_embedding_copy = True  # the first stage's counts
+        # One buffer for all chunks: with virtual stages a bucket may mix chunks whose last
+        # backward comes at different times, so their reduction waits for the end of the step.
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, shard=args.use_distributed_optimizer,
-                                     overlap=args.overlap_grad_reduce)
+                                     overlap=args.overlap_grad_reduce and vpp == 1)
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
@@ -137,59 +158,74 @@ class Trainer:
                 extra["position_ids"] = positions
         return inputs, labels, mask, extra
 
-    def _forward(self, tokens, collect_saturation=False):
-        """Mean loss of one micro-batch (fp32 scalar) and its token count."""
-        inputs, labels, mask, extra = self._prepare(tokens)
-        fp8 = self.recipe is not None
-        with fp8_autocast(enabled=fp8, recipe=self.recipe, amax_reduction_group=self.groups.amax_reduction_group,
-                          collect_saturation=fp8 and collect_saturation):
-            losses = self.model(inputs, labels, **extra)
-        count = mask.sum()
-        return (losses.float() * mask).sum() / count.clamp(min=1), count
+    def _forward_step(self, collect_saturation_on):
+        """The schedule's forward_step: one chunk on one micro-batch, in FP8 per the recipe."""
+        fp8, n = self.recipe is not None, self.args.num_micro_batches
+
+        def forward_step(chunk_index, chunk, input_tensor, tokens):
+            inputs, labels, mask, extra = self._prepare(tokens)
+            first_micro_batch = self._forwards_seen[chunk_index] == 0
+            self._forwards_seen[chunk_index] += 1
+            with fp8_autocast(enabled=fp8, recipe=self.recipe,
+                              amax_reduction_group=self.groups.amax_reduction_group,
+                              collect_saturation=fp8 and collect_saturation_on and first_micro_batch):
+                out = chunk(inputs if input_tensor is None else input_tensor,
+                            labels if chunk.post_process else None, **extra)
+            if not chunk.post_process:
+                return out
+            loss = (out.float() * mask).sum() / mask.sum().clamp(min=1)
+            return loss / n, loss.detach()
+
+        return forward_step
+
+    def _run_schedule(self, micro_batches, forward_only, collect_saturation=False):
+        a = self.args
+        self._forwards_seen = [0] * len(self.chunks)
+        losses = forward_backward(
+            None, self.chunks, iter(micro_batches), self._forward_step(collect_saturation),
+            a.num_micro_batches, self.groups, a.seq_length, a.micro_batch_size, self.config.hidden_size,
+            self.dtype, self.chunks[0].sequence_parallel, forward_only=forward_only,
+            grad_buffers=None if forward_only else self.buffer)
+        # The mean loss over micro-batches and data-parallel replicas; NaN off the last stage.
+        loss = torch.tensor([sum(l.float().item() for l in losses) / len(losses) if losses else float("nan")],
+                            device=self.device)
+        if losses and self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp_size
+        return loss.item()
 
     # -- one step --------------------------------------------------------------------------
 
     def train_step(self, micro_batches, collect_saturation=False):
         """One optimizer step over this rank's micro-batches; (mean loss, applied, grad norm).
-        `collect_saturation` counts saturated FP8 values in the first micro-batch (log steps)."""
-        self.model.train()
+        `collect_saturation` counts saturated FP8 values in the first micro-batch of each chunk
+        (log steps): it also casts the weights, so all three roles are counted."""
+        for chunk in self.chunks:
+            chunk.train()
         self.buffer.zero()
-        total = torch.zeros((), device=self.device)
-        n = len(micro_batches)
-        for i, tokens in enumerate(micro_batches):
-            self.buffer.set_sync(i == n - 1)
-            # The first micro-batch after a step also casts the weights: all three roles counted.
-            loss, _ = self._forward(tokens, collect_saturation and i == 0)
-            (loss / n).backward()
-            total += loss.detach()
+        self.buffer.set_sync(False)
+        loss = self._run_schedule(micro_batches, forward_only=False, collect_saturation=collect_saturation)
         self.buffer.finish()
         if self.sequence_parallel_params and self.groups.tp_size > 1:
             for param in self.sequence_parallel_params:  # each tp rank saw one sequence shard
                 dist.all_reduce(param.main_grad, group=self.groups.tp_group)
+        sync_embedding_grads(self.chunks, self.groups)
         self.optimizer.set_lr(self.schedule(self.iteration))
         applied, grad_norm = self.optimizer.step()
-        loss = total / n
-        if self.groups.dp_size > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.groups.dp_size
-        return loss.item(), applied, grad_norm
+        return loss, applied, grad_norm
 
     @torch.no_grad()
     def evaluate(self, dataset, consumed):
-        self.model.eval()
-        total, batches = 0.0, 0
+        for chunk in self.chunks:
+            chunk.eval()
         micro = self._micro_batches(dataset, consumed)
-        for _ in range(self.args.eval_iters * self.args.num_micro_batches):
-            tokens = next(micro, None)
-            if tokens is None:
+        losses = []
+        for _ in range(self.args.eval_iters):
+            batches = [next(micro, None) for _ in range(self.args.num_micro_batches)]
+            if any(b is None for b in batches):
                 break
-            loss, _ = self._forward(tokens)
-            total, batches = total + loss.item(), batches + 1
-        loss = torch.tensor([total / max(batches, 1)], device=self.device)
-        if self.groups.dp_size > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.groups.dp_size
-        return loss.item()
+            losses.append(self._run_schedule(batches, forward_only=True))
+        return sum(losses) / max(len(losses), 1)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -206,6 +242,8 @@ class Trainer:
     def load(self):
         a = self.args
         if not a.load or checkpointing.latest_checkpoint(a.load) is None:
+            if a.load and a.finetune:  # finetuning from random weights is never what was meant
+                raise checkpointing.CheckpointError(f"--finetune: no checkpoint in --load {a.load}")
             if a.load:
                 self._print(f"no checkpoint in {a.load}: starting from scratch")
             return
