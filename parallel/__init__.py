@@ -1,21 +1,39 @@
 """megafp8.parallel: process groups, tensor/sequence-parallel layers on the FP8 core, and the
-vocabulary-parallel embedding and cross-entropy. Pipeline and data parallelism come next.
+vocabulary-parallel embedding and cross-entropy, pipeline schedules and point-to-point
+exchange between stages (schedules.py, p2p.py), and data-parallel gradient buffers.
 
 Installed as `megafp8.parallel`; never import it as a bare `parallel`.
 """
 from .initialization import master_slice, normal_init
 from .layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from .p2p import P2PCommunicator, pipeline_tensor_shape
 from .process_groups import ParallelGroups, ParallelSizes
+from .schedules import (
+    SCHEDULES,
+    check_embeddings_in_sync,
+    forward_backward,
+    get_schedule,
+    stage_layers,
+    sync_embedding_grads,
+)
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [
+    "SCHEDULES",
     "ColumnParallelLinear",
+    "P2PCommunicator",
     "ParallelGroups",
     "ParallelSizes",
     "QKVParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "check_embeddings_in_sync",
+    "forward_backward",
+    "get_schedule",
     "master_slice",
     "normal_init",
+    "pipeline_tensor_shape",
+    "stage_layers",
+    "sync_embedding_grads",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,548 @@
+"""Pipeline parallelism: how the layers are cut into stages, and the schedules that run one
+step's micro-batches through them (Megatron-LM's schedules, without its global state).
+
+    chunks = [TransformerLM(config, tp_group=groups.tp_group, sequence_parallel=sp, layers=span, seed=seed)
+              for span in stage_layers(config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
+
+    def forward_step(chunk_index, chunk, input_tensor, micro_batch):
+        tokens, labels = micro_batch
+        with fp8_autocast(recipe=recipe, amax_reduction_group=groups.amax_reduction_group):
+            out = chunk(tokens if input_tensor is None else input_tensor,
+                        labels if chunk.post_process else None)
+        if not chunk.post_process:
+            return out                                  # hidden states for the next stage
+        loss = out.mean()
+        return loss / num_micro_batches, loss.detach()  # (what backward runs on, what is reported)
+
+    losses = forward_backward(None, chunks, micro_batches, forward_step, num_micro_batches, groups,
+                              seq_length, micro_batch_size, hidden_size, dtype, sequence_parallel,
+                              grad_buffers=buffers)
+    for buffer in buffers: buffer.finish()
+    sync_embedding_grads(chunks, groups)                # tied embeddings, pp > 1
+    optimizer.step()
+
+Schedules (`forward_backward`'s first argument, or None to pick by the layout):
+
+- "no_pipelining" (pp = 1): forward and backward of each micro-batch in turn; gradients
+  accumulate (gradient accumulation).
+- "1f1b" (pp > 1, one chunk per rank): stage r runs pp - r - 1 warm-up forwards, then
+  alternates one forward and one backward, then the cool-down backwards. At most
+  min(pp - r, num_micro_batches) micro-batches are in flight (forward done, backward not) on
+  stage r: activation memory of pp micro-batches on the first stage, whatever the number of
+  micro-batches.
+- "interleaved_1f1b" (pp > 1, vpp > 1 chunks per rank): chunk c of rank r is virtual stage
+  c * pp + r; micro-batches go through in groups of pp, which cuts the pipeline bubble by vpp
+  at the cost of vpp times the point-to-point traffic. Needs num_micro_batches % pp == 0.
+
+Each schedule also runs forward only (`forward_only=True`, for evaluation): no backward,
+no activations kept, under torch.no_grad.
+
+FP8: delayed scaling reduces amaxes at the end of every forward pass (each forward_step's
+fp8_autocast) and every backward pass (each backward call here), over the amax-reduction
+group: tensor x data parallel, every rank of one pipeline stage. Those collectives match up
+because every rank of a stage runs the same sequence of forward and backward passes: the
+order depends only on (schedule, pp, pp_rank, vpp, num_micro_batches), never on data or on
+tp/dp rank. `stats["order"]` records it; the tests check it is identical within a stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .p2p import P2PCommunicator, pipeline_tensor_shape
+
+# -- the layout: which layers each stage holds ----------------------------------------------
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None) -> list[tuple[int, int]]:
+    """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
+    ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
+
+    There are pp * vpp virtual stages; chunk c of rank r is virtual stage c * pp + r. Layers
+    are split evenly over them, unless `first_stage_layers` / `last_stage_layers` give the first
+    / last virtual stage (which also carry the embedding / the output layer and loss) their
+    own, usually smaller, count; the other stages split the rest evenly. Every stage holds at
+    least one layer.
+
+        stage_layers(8, 2, 0)                        # [(0, 4)]
+        stage_layers(8, 2, 1, vpp=2)                 # [(2, 4), (6, 8)]
+        stage_layers(10, 4, 0, first_stage_layers=1, last_stage_layers=3)   # [(0, 1)]; then 3, 3, 3
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
+    stages = pp * vpp
+    what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
+    fixed = {}  # virtual stage -> its given layer count
+    for name, value, stage in (("first_stage_layers", first_stage_layers, 0),
+                               ("last_stage_layers", last_stage_layers, stages - 1)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int (every stage holds at least one layer), got {value!r}")
+        if stages == 1:
+            if value != num_layers:
+                raise ValueError(f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}")
+            continue
+        fixed[stage] = value
+    rest, others = num_layers - sum(fixed.values()), stages - len(fixed)
+    given = " and ".join(f"{name}={value}" for name, value in
+                         (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers))
+                         if value is not None and stages > 1)
+    if others == 0:
+        if rest != 0:
+            raise ValueError(f"{given} add up to {num_layers - rest} layers, but the model has "
+                             f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})")
+        per_stage = 0
+    elif rest < others or rest % others:
+        if given:
+            raise ValueError(
+                f"the {rest} layers left after {given} do not split evenly over the other {others} "
+                f"pipeline stages ({what} stages, num_layers={num_layers}): {rest} % {others} = "
+                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer")
+        raise ValueError(
+            f"num_layers={num_layers} does not split evenly over {what} pipeline stages "
+            f"({num_layers} % {stages} = {num_layers % stages}{', fewer layers than stages' if rest < others else ''}): "
+            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers")
+    else:
+        per_stage = rest // others
+    counts = [fixed.get(stage, per_stage) for stage in range(stages)]
+    starts = [sum(counts[:stage]) for stage in range(stages + 1)]
+    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
+
+
+# -- tied embeddings between the first and last stage -----------------------------------------
+
+
+def _tied_embedding(model_chunks: Sequence[nn.Module], groups) -> Optional[nn.Parameter]:
+    """This rank's copy of the tied embedding weight, if it holds one and pp > 1: the first
+    stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk)."""
+    if groups is None or groups.pp_size == 1 or groups.embedding_group is None:
+        return None
+    chunk = model_chunks[0] if groups.is_first_stage else model_chunks[-1]
+    config = getattr(chunk, "config", None)
+    if config is None or not config.tie_embeddings or not hasattr(chunk, "embedding"):
+        return None
+    return chunk.embedding.weight
+
+
+def sync_embedding_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> None:
+    """Sum the tied embedding's gradient over the first and last stage (embedding group).
+
+    With pp > 1 and tied embeddings the first stage's embedding and the last stage's output
+    layer are two copies of one weight; each gets its part of the gradient. Call after
+    every GradientBuffer.finish() (so each copy holds its dp-averaged gradient) and before
+    the optimizer step: both copies then take the same update and stay equal. Uses
+    `main_grad` when the parameter has one (a GradientBuffer), else `.grad`. A no-op with
+    pp = 1, untied embeddings, or on the stages in between.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    weight = _tied_embedding(chunks, groups)
+    if weight is None:
+        return
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad
+    dist.all_reduce(grad, group=groups.embedding_group)
+
+
+def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups,
+                             atol: float = 0.0) -> float:
+    """Check that the first and last stage's copies of the tied embedding are equal; return
+    the largest absolute difference (0.0 where there is nothing to compare).
+
+    TransformerLM initialises both copies from the same seed, so they start equal; this
+    catches a mismatch (another seed, a checkpoint loaded into one stage only) before it
+    trains two different embeddings. Collective over the embedding group: call it on every
+    rank. Raises RuntimeError on both stages when the difference exceeds `atol`.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    weight = _tied_embedding(chunks, groups)
+    if weight is None:
+        return 0.0
+    first = weight.detach().clone()
+    dist.broadcast(first, src=groups.embedding_ranks[0], group=groups.embedding_group)
+    difference = (first.float() - weight.detach().float()).abs().max().reshape(1)
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX, group=groups.embedding_group)
+    difference = difference.item()
+    if not difference <= atol:
+        raise RuntimeError(
+            f"the tied embedding differs between the first and last pipeline stage (global ranks "
+            f"{groups.embedding_ranks}): largest difference {difference:g} > {atol:g}. Build every stage "
+            f"from the same config and seed, and load checkpoints into both copies")
+    return difference
+
+
+# -- the schedules ------------------------------------------------------------------------------
+
+
+class _Step:
+    """What every schedule shares: running forward and backward passes of the model chunks,
+    the micro-batches, point-to-point communication, gradient-buffer sync and statistics."""
+
+    def __init__(self, model_chunks, data_iterator, forward_step, num_micro_batches, groups, shape, dtype,
+                 forward_only, grad_buffers, stats):
+        self.chunks, self.forward_step, self.groups = model_chunks, forward_step, groups
+        self.num_micro_batches, self.forward_only = num_micro_batches, forward_only
+        self.pp = groups.pp_size if groups is not None else 1
+        self.pp_rank = groups.pp_rank if groups is not None else 0
+        self.buffers = grad_buffers
+        self.data = iter(data_iterator)
+        self.batches: dict = {}  # micro-batch index -> micro-batch, until its last chunk's forward
+        self.fetched = 0
+        self.losses: list = []
+        device = next(iter(model_chunks[0].parameters())).device
+        self.p2p_log = stats.setdefault("p2p", []) if stats is not None else None
+        self.p2p = P2PCommunicator(groups, shape, dtype, device, self.p2p_log) if self.pp > 1 else None
+        self.stats = stats
+        self.live = self.max_live = 0
+        self.forwards = [0] * len(model_chunks)
+        self.backwards = [0] * len(model_chunks)
+        self.order: list = []
+
+    def is_first(self, chunk: int) -> bool:
+        return self.pp_rank == 0 and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.pp_rank == self.pp - 1 and chunk == len(self.chunks) - 1
+
+    def micro_batch(self, index: int, chunk: int):
+        # Every chunk of this rank takes micro-batch `index` in turn, chunk 0 first.
+        while self.fetched <= index:
+            try:
+                self.batches[self.fetched] = next(self.data)
+            except StopIteration:
+                raise ValueError(f"data_iterator ran out after {self.fetched} of num_micro_batches="
+                                 f"{self.num_micro_batches} micro-batches") from None
+            self.fetched += 1
+        batch = self.batches[index]
+        if chunk == len(self.chunks) - 1:
+            del self.batches[index]
+        return batch
+
+    def forward(self, chunk: int, index: int, input_tensor):
+        """Run forward_step on one micro-batch; the output to send on (None on the last virtual stage)."""
+        result = self.forward_step(chunk, self.chunks[chunk], input_tensor, self.micro_batch(index, chunk))
+        self.forwards[chunk] += 1
+        self.order.append(("F", chunk, index))
+        if not self.forward_only:
+            self.live += 1
+            self.max_live = max(self.max_live, self.live)
+        if not self.is_last(chunk):
+            if not isinstance(result, torch.Tensor):
+                raise TypeError(f"forward_step of chunk {chunk} (not the last pipeline stage) must return the "
+                                f"output hidden states as one tensor, got {type(result).__name__}")
+            return result
+        loss, report = result if isinstance(result, tuple) else (result, None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("forward_step on the last pipeline stage must return the micro-batch's loss (a "
+                            "one-element tensor, divided by num_micro_batches) or a tuple (loss, report)")
+        self.losses.append(loss.detach() if report is None else report)
+        return loss
+
+    def backward(self, chunk: int, index: int, input_tensor, output, output_grad):
+        """Backward of one micro-batch through one chunk; the gradient of its input (None on
+        the first virtual stage)."""
+        self.backwards[chunk] += 1
+        last = self.backwards[chunk] == self.num_micro_batches
+        for buffer in self.buffers:
+            # Only the chunk's last backward starts the overlapped data-parallel reduction.
+            buffer.set_sync(last)
+        self.order.append(("B", chunk, index))
+        if self.is_last(chunk):
+            torch.autograd.backward(output)  # the loss
+        else:
+            torch.autograd.backward(output, grad_tensors=output_grad)
+        self.live -= 1
+        return None if input_tensor is None else input_tensor.grad
+
+    def finish(self) -> list:
+        for buffer in self.buffers:
+            buffer.set_sync(True)  # the buffer's default, whatever runs next
+        expected = [self.num_micro_batches] * len(self.chunks)
+        # Every rank of a stage must have run the same passes (the FP8 amax collectives).
+        assert self.forwards == expected and (self.forward_only or self.backwards == expected), \
+            (self.forwards, self.backwards)
+        if self.stats is not None:
+            self.stats.update(max_live_forwards=self.max_live, forwards=list(self.forwards),
+                              backwards=list(self.backwards), order=list(self.order))
+        return self.losses
+
+
+def no_pipelining(step: _Step) -> list:
+    """pp = 1: forward and backward of each micro-batch in turn, gradients accumulating."""
+    for index in range(step.num_micro_batches):
+        loss = step.forward(0, index, None)
+        if not step.forward_only:
+            step.backward(0, index, None, loss, None)
+    return step.finish()
+
+
+def one_f_one_b(step: _Step) -> list:
+    """1F1B (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, cool-down."""
+    p2p, num, forward_only = step.p2p, step.num_micro_batches, step.forward_only
+    first, last = step.is_first(0), step.is_last(0)
+    warmup = num if forward_only else min(step.pp - step.pp_rank - 1, num)
+    inputs, outputs = [], []  # of the micro-batches in flight, oldest first
+    forward_index = backward_index = 0
+
+    def recv_forward():
+        return p2p.communicate(recv_prev=True, requires_grad=not forward_only)[0]
+
+    def send_forward(output):
+        if not last:
+            p2p.communicate(send_next=output)
+
+    def run_forward(input_tensor):
+        nonlocal forward_index
+        output = step.forward(0, forward_index, input_tensor)
+        forward_index += 1
+        return output
+
+    def run_backward(output_grad):
+        nonlocal backward_index
+        input_grad = step.backward(0, backward_index, inputs.pop(0), outputs.pop(0), output_grad)
+        backward_index += 1
+        return input_grad
+
+    for _ in range(warmup):
+        input_tensor = None if first else recv_forward()
+        output = run_forward(input_tensor)
+        send_forward(output)
+        if not forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output)
+
+    remaining = num - warmup
+    input_tensor = None if first or remaining == 0 else recv_forward()
+    for i in range(remaining):
+        output = run_forward(input_tensor)
+        inputs.append(input_tensor)
+        outputs.append(output)
+        # Send this output and receive the gradient of the oldest micro-batch in flight.
+        _, output_grad = p2p.communicate(send_next=None if last else output, recv_next=not last)
+        input_grad = run_backward(output_grad)
+        # Send its input gradient back and receive the input of the next micro-batch.
+        input_tensor, _ = p2p.communicate(send_prev=None if first else input_grad,
+                                          recv_prev=not first and i < remaining - 1)
+
+    if not forward_only:
+        for _ in range(warmup):
+            _, output_grad = p2p.communicate(recv_next=not last)
+            input_grad = run_backward(output_grad)
+            if not first:
+                p2p.communicate(send_prev=input_grad)
+    return step.finish()
+
+
+def interleaved_one_f_one_b(step: _Step) -> list:
+    """Interleaved 1F1B over vpp model chunks per rank (Megatron's virtual pipeline)."""
+    p2p, pp, rank, forward_only = step.p2p, step.pp, step.pp_rank, step.forward_only
+    chunks, num = len(step.chunks), step.num_micro_batches
+    total = num * chunks
+    first_rank, last_rank = rank == 0, rank == pp - 1
+
+    def chunk_of(k: int, forward: bool) -> int:
+        # Passes go in groups of pp micro-batches through chunk 0, then 1, ...; backward in reverse.
+        chunk = (k % (pp * chunks)) // pp
+        return chunk if forward else chunks - 1 - chunk
+
+    def micro_batch_of(k: int) -> int:
+        return (k // (pp * chunks)) * pp + k % pp
+
+    if forward_only:
+        warmup, all_warmup = total, True
+    elif num == pp:
+        warmup, all_warmup = total, True  # every forward first, then every backward
+    else:
+        warmup, all_warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total), False
+    remaining = total - warmup
+    inputs = [[] for _ in range(chunks)]
+    outputs = [[] for _ in range(chunks)]
+    output_grads = [[] for _ in range(chunks)]
+
+    def run_forward(k: int):
+        chunk = chunk_of(k, True)
+        input_tensor = None if step.is_first(chunk) else inputs[chunk][-1]
+        if step.is_first(chunk):
+            inputs[chunk].append(None)
+        output = step.forward(chunk, micro_batch_of(k), input_tensor)
+        if forward_only:
+            inputs[chunk].pop()
+        else:
+            outputs[chunk].append(output)
+        return output
+
+    def run_backward(k: int):
+        chunk = chunk_of(k, False)
+        output_grad = None if step.is_last(chunk) else output_grads[chunk].pop(0)
+        index = backward_counts[chunk]
+        backward_counts[chunk] += 1
+        return step.backward(chunk, index, inputs[chunk].pop(0), outputs[chunk].pop(0), output_grad)
+
+    backward_counts = [0] * chunks
+
+    # Warm-up: forwards only. Each iteration sends its output and receives the next input.
+    if not first_rank:
+        inputs[0].append(p2p.communicate(recv_prev=True, requires_grad=not forward_only)[0])
+    for k in range(warmup):
+        output = run_forward(k)
+        next_chunk = chunk_of(k + 1, True)
+        recv_prev = not (first_rank and next_chunk == 0) and k < total - 1
+        send = None if step.is_last(chunk_of(k, True)) else output
+        if k == warmup - 1 and not all_warmup:
+            # The last warm-up forward also receives the first gradient.
+            input_tensor, output_grad = p2p.communicate(send_next=send, recv_prev=recv_prev,
+                                                        recv_next=not last_rank)
+            if not last_rank:
+                output_grads[chunks - 1].append(output_grad)
+        else:
+            input_tensor, _ = p2p.communicate(send_next=send, recv_prev=recv_prev,
+                                              requires_grad=not forward_only)
+        if recv_prev:
+            inputs[next_chunk].append(input_tensor)
+
+    # Steady state: one forward and one backward, then one exchange in each direction.
+    for i in range(remaining):
+        forward_k, backward_k = warmup + i, i
+        output = run_forward(forward_k)
+        input_grad = run_backward(backward_k)
+        send_next = None if step.is_last(chunk_of(forward_k, True)) else output
+        send_prev = None if step.is_first(chunk_of(backward_k, False)) else input_grad
+        # Which chunk the arriving input / gradient belongs to. The first rank runs pp - 1
+        # forwards ahead of the last rank, whose output it receives; symmetrically for grads.
+        recv_prev = True
+        if first_rank:
+            next_forward_chunk = chunk_of(forward_k - (pp - 1), True)
+            recv_prev = next_forward_chunk != chunks - 1
+            next_forward_chunk += 1
+        else:
+            next_forward_chunk = chunk_of(forward_k + 1, True)
+        recv_next = True
+        if last_rank:
+            next_backward_chunk = chunk_of(backward_k - (pp - 1), False)
+            recv_next = next_backward_chunk != 0
+            next_backward_chunk -= 1
+        else:
+            next_backward_chunk = chunk_of(backward_k + 1, False)
+        if i == remaining - 1:
+            recv_prev = False
+        input_tensor, output_grad = p2p.communicate(send_next=send_next, send_prev=send_prev,
+                                                    recv_prev=recv_prev, recv_next=recv_next)
+        if recv_prev:
+            inputs[next_forward_chunk].append(input_tensor)
+        if recv_next:
+            output_grads[next_backward_chunk].append(output_grad)
+
+    # Cool-down: the remaining backwards.
+    if not forward_only:
+        if all_warmup and not last_rank:
+            output_grads[chunks - 1].append(p2p.communicate(recv_next=True)[1])
+        for k in range(remaining, total):
+            input_grad = run_backward(k)
+            next_chunk = chunk_of(k + 1, False)
+            recv_next = not (last_rank and next_chunk == chunks - 1) and k < total - 1
+            send_prev = None if step.is_first(chunk_of(k, False)) else input_grad
+            _, output_grad = p2p.communicate(send_prev=send_prev, recv_next=recv_next)
+            if recv_next:
+                output_grads[next_chunk].append(output_grad)
+    return step.finish()
+
+
+SCHEDULES = {
+    "no_pipelining": no_pipelining,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_one_f_one_b,
+}
+
+
+def get_schedule(pp_size: int, num_chunks: int = 1) -> str:
+    """The schedule for a layout: no_pipelining for pp = 1, 1f1b for one chunk per rank,
+    interleaved_1f1b for several."""
+    if pp_size == 1:
+        return "no_pipelining"
+    return "1f1b" if num_chunks == 1 else "interleaved_1f1b"
+
+
+def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[nn.Module, Sequence[nn.Module]],
+                     data_iterator: Iterable, forward_step: Callable, num_micro_batches: int, groups,
+                     seq_length: int, micro_batch_size: int, hidden_size: int, dtype: torch.dtype,
+                     sequence_parallel: bool = False, forward_only: bool = False, grad_buffers=None,
+                     stats: Optional[dict] = None) -> list:
+    """Run one step's `num_micro_batches` micro-batches forward (and backward) through this
+    rank's pipeline stage; return the per-micro-batch losses on the last stage ([] elsewhere).
+
+    schedule: "no_pipelining", "1f1b", "interleaved_1f1b", None (picked by `get_schedule`),
+        or a function taking the internal step object (for new schedules).
+    model_chunks: this rank's model chunk(s): one TransformerLM, or a list of vpp of them
+        (chunk c holds virtual stage c * pp + pp_rank, see `stage_layers`).
+    data_iterator: yields this rank's micro-batches; exactly num_micro_batches are taken, in
+        order, on every rank (stages after the first may need them for labels, positions or
+        document masks; a rank that needs none may yield None).
+    forward_step(chunk_index, model_chunk, input_tensor, micro_batch): runs the chunk on one
+        micro-batch inside the caller's fp8_autocast. `input_tensor` is None on the first
+        virtual stage (take the tokens from micro_batch), else the previous stage's hidden
+        states. Returns the output hidden states, or on the last virtual stage the loss to
+        backpropagate (a one-element tensor, already divided by num_micro_batches) or a
+        tuple (loss, report) whose `report` goes into the returned list instead of
+        `loss.detach()`.
+    groups: the ParallelGroups (None for a single process, pp = 1).
+    seq_length, micro_batch_size, hidden_size, dtype, sequence_parallel: the shape and dtype
+        of the tensors exchanged between stages (`pipeline_tensor_shape`).
+    forward_only: evaluation; no backward, under torch.no_grad.
+    grad_buffers: a GradientBuffer or a list of them (one per chunk, or one for all chunks):
+        set_sync(True) only for the last backward of each chunk, so the overlapped
+        data-parallel reduction starts in that backward; call finish() after this returns.
+    stats: a dict to fill with max_live_forwards (most micro-batch forwards held for
+        backward at once), forwards / backwards (per chunk), order (the ("F"|"B", chunk,
+        micro_batch) sequence) and p2p (every transfer, in order).
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if not chunks:
+        raise ValueError("model_chunks is empty")
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches <= 0:
+        raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
+    pp = groups.pp_size if groups is not None else 1
+    name = get_schedule(pp, len(chunks)) if schedule is None else schedule
+    if isinstance(name, str):
+        if name not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+        function = SCHEDULES[name]
+    else:
+        function = name
+    if function is no_pipelining and (pp > 1 or len(chunks) > 1):
+        raise ValueError(f"the no_pipelining schedule runs one model chunk on a single pipeline stage; "
+                         f"got pp={pp} and {len(chunks)} chunks (use 1f1b or interleaved_1f1b)")
+    if function is one_f_one_b and len(chunks) > 1:
+        raise ValueError(f"the 1f1b schedule runs one model chunk per rank, got {len(chunks)} "
+                         f"(use interleaved_1f1b for virtual pipeline stages)")
+    if function is interleaved_one_f_one_b:
+        if pp == 1:
+            raise ValueError("the interleaved_1f1b schedule needs pipeline parallelism (pp > 1)")
+        if num_micro_batches % pp:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs num_micro_batches divisible by the pipeline-parallel "
+                f"size: num_micro_batches={num_micro_batches} % pp={pp} = {num_micro_batches % pp} (micro-batches "
+                f"go through the {len(chunks)} virtual stages of each rank in groups of pp)")
+    tp = groups.tp_size if groups is not None else 1
+    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp, sequence_parallel)
+    if grad_buffers is None:
+        grad_buffers = []
+    elif not isinstance(grad_buffers, (list, tuple)):
+        grad_buffers = [grad_buffers]
+    if stats is not None:
+        stats.clear()
+        stats["schedule"] = getattr(function, "__name__", str(function))
+    step = _Step(chunks, data_iterator, forward_step, num_micro_batches, groups, shape, dtype, forward_only,
+                 list(grad_buffers), stats)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return function(step)
