@@ -47,8 +47,9 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
     return (seq_length, micro_batch_size, hidden_size)
 
 
-# Pipeline groups whose communicator has been set up (see P2PCommunicator.__init__).
-_warmed_up: set = set()
+# Pipeline groups whose communicator has been set up (see P2PCommunicator.__init__), by id;
+# the group is kept as the value, so its id cannot be reused by another group.
+_warmed_up: dict = {}
 
 
 class P2PCommunicator:
@@ -70,13 +71,12 @@ class P2PCommunicator:
         self.next_rank, self.prev_rank = groups.next_stage_rank, groups.prev_stage_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.log = log
-        key = tuple(groups.pp_ranks)
-        if groups.pp_size > 1 and key not in _warmed_up:
+        if groups.pp_size > 1 and id(self.group) not in _warmed_up:
             # NCCL: batch_isend_irecv must not be the first operation on a group unless every
             # rank of the group takes part in it. One tiny all-reduce, once per pipeline group,
             # creates the communicator on every rank together.
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-            _warmed_up.add(key)
+            _warmed_up[id(self.group)] = self.group
 
     def _check(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
