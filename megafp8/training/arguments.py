@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_POSITIVE,
                    help="interleaved 1F1B: layers per virtual stage")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=_POSITIVE,
+                   help="layers of the first pipeline stage (it also holds the embedding); the others split the rest")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=_POSITIVE,
+                   help="layers of the last pipeline stage (it also holds the output layer and loss)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
@@ -379,6 +383,20 @@ def _resolve_model(args, given) -> None:
 
 def _check_pipeline(args) -> None:
     pp, vpp_layers = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        if pp == 1:
+            raise ArgumentsError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        if vpp_layers is not None:
+            raise ArgumentsError("--decoder-first/last-pipeline-num-layers and "
+                                 "--num-layers-per-virtual-pipeline-stage cannot be combined; give one")
+        from megafp8.parallel.schedules import stage_layers
+        try:  # the same split the trainer will make, checked before any process starts
+            stage_layers(args.num_layers, pp, 0, 1, first, last)
+        except ValueError as error:
+            raise ArgumentsError(f"--decoder-first/last-pipeline-num-layers: {error}") from None
+        args.virtual_pipeline_model_parallel_size = None
+        return _check_sequence_parallel(args)
     if args.num_layers % pp:
         raise ArgumentsError(f"--num-layers {args.num_layers} is not divisible by "
                              f"--pipeline-model-parallel-size {pp}; every stage needs the same number of layers")
@@ -392,6 +410,10 @@ def _check_pipeline(args) -> None:
                 f"{args.num_layers // pp} layers per stage is not divisible by "
                 f"--num-layers-per-virtual-pipeline-stage {vpp_layers}")
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // vpp_layers
+    _check_sequence_parallel(args)
+
+
+def _check_sequence_parallel(args) -> None:
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp == 1:
         # Megatron's behaviour: nothing to shard, so not an error.

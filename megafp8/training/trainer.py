@@ -22,7 +22,8 @@ from megafp8.data import MockGPTDataset, PretrainingSampler, build_datasets, bui
 from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM
-from megafp8.parallel import ParallelGroups, forward_backward, stage_layers, sync_embedding_grads
+from megafp8.parallel import (ParallelGroups, check_embeddings_in_sync, forward_backward, stage_layers,
+                              sync_embedding_grads)
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.lr_schedule import LRSchedule
@@ -97,14 +98,16 @@ class Trainer:
             layers=span, seed=args.seed, fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
             recompute=args.recompute_granularity or "none", dtype=self.dtype, device=self.device)
-            for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
+            for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp,
+                                     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
         self.model = PipelineStage(self.chunks)
+        check_embeddings_in_sync(self.chunks, groups)
         if groups.pp_size > 1 and not groups.is_first_stage and hasattr(self.model, "embedding"):
             self.model.embedding.weight.shared_embedding_copy = True  # the first stage's counts
-        # One buffer for all chunks: with virtual stages a bucket may mix chunks whose last
-        # backward comes at different times, so their reduction waits for the end of the step.
+        # One buffer for all chunks: the schedule turns sync on only for each chunk's last
+        # backward, so a bucket mixing chunks starts reducing after the later one's.
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, shard=args.use_distributed_optimizer,
-                                     overlap=args.overlap_grad_reduce and vpp == 1)
+                                     overlap=args.overlap_grad_reduce)
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,

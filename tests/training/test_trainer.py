@@ -133,6 +133,7 @@ def last_stage_losses(rank, world_size, argv):
 @pytest.mark.parametrize("layout,extra", [
     (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
     (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 ])
 def test_pipeline_layouts_match_one_process(layout, extra):
@@ -143,3 +144,15 @@ def test_pipeline_layouts_match_one_process(layout, extra):
     for history in results:
         for (i, a), (j, b) in zip(history, reference):
             assert i == j and a == pytest.approx(b, rel=1e-4), (history, reference)
+
+
+def test_a_pp2_run_resumes_with_pp1(tmp_path):
+    argv = TINY + ["--num-layers", "4", "--fp8-format", "hybrid", "--train-iters", "4", "--save", str(tmp_path)]
+    first = [h for h in run_on_ranks(last_stage_losses, 2, argv + ["--pipeline-model-parallel-size", "2",
+                                                                   "--exit-interval", "2"]) if h][0]
+    resumed = run_on_ranks(last_stage_losses, 1, argv + ["--load", str(tmp_path)])[0]
+    straight = run_on_ranks(last_stage_losses, 1, TINY + ["--num-layers", "4", "--fp8-format", "hybrid",
+                                                          "--train-iters", "4"])[0]
+    assert [i for i, _ in first] == [1, 2] and [i for i, _ in resumed] == [3, 4]
+    for (_, a), (_, b) in zip(first + resumed, straight):  # FP8 state of both stages carried over
+        assert a == pytest.approx(b, rel=1e-4)
