@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import shutil
 import sys
@@ -214,16 +213,7 @@ def stored_layout(config: TransformerConfig) -> dict:
     """name -> (parameter, stored shape) for every parameter, as checkpointing stores them at any
     layout: vocabulary tensors without padding rows, stacked matrices (SwiGLU) as [stack, ...]."""
     model = TransformerLM(config, device="meta")
-    layout = {}
-    for name, param in model.named_parameters():
-        if hasattr(param, "unpadded_rows"):
-            shape = (param.unpadded_rows, *param.shape[1:])
-        elif getattr(param, "partition", None) is not None:
-            shape = tuple(param.partition.stacked_view(param).shape)
-        else:
-            shape = tuple(param.shape)
-        layout[name] = (param, shape)
-    return layout
+    return {name: (param, checkpointing.stored_shape(param)) for name, param in model.named_parameters()}
 
 
 def parts(layout: dict) -> list:
@@ -610,18 +600,8 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
                       "the weights are converted exactly and to-hf restores it (args.model_overrides in megafp8.json), "
                       "but a run started from flags builds the model without it", stacklevel=2)
 
-    final = checkpointing.iteration_dir(save, 0)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state["train"] = json.dumps(TRAIN_STATE)
-    _single_process(dcp.save, state, checkpoint_id=str(tmp))
-    (tmp / "megafp8.json").write_text(json.dumps(
-        {"iteration": 0, "args": arguments.args_to_dict(args), "train": TRAIN_STATE}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    (save / checkpointing.LATEST).write_text("0")
+    final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE,
+                                           args=arguments.args_to_dict(args))
     print(f"wrote {final}\ncontinue training with:\n  megafp8-train {' '.join(flags)} "
           f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --load {save} --finetune "
           "--seq-length ... (and your data, batch and learning-rate flags)", file=sys.stderr)

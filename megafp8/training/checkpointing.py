@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,15 @@ class _Layout:
         return stored.reshape(param.shape)
 
 
+def stored_shape(param) -> tuple:
+    """The global shape `param` of a one-process (tp = 1) model is stored with: vocabulary
+    tensors without padding rows, stacked matrices (SwiGLU's gate and up) as [stack, ...]."""
+    if hasattr(param, "unpadded_rows"):
+        return (param.unpadded_rows, *param.shape[1:])
+    partition = getattr(param, "partition", None)
+    return tuple(partition.stacked_view(param).shape if partition is not None else param.shape)
+
+
 def _rng_state():
     state = {"cpu": torch.get_rng_state(),
              "numpy": torch.tensor(np.frombuffer(json.dumps(_numpy_state()).encode(), dtype=np.uint8)),
@@ -151,10 +161,6 @@ def _set_rng_state(state):
 
 # -- save / load -----------------------------------------------------------------------------
 
-def _named_params(model):
-    return [(n, p) for n, p in model.named_parameters()]
-
-
 def _fp8_state(model):
     """The model's non-parameter state: FP8 scales, amax histories and (as JSON) update counts."""
     params = {n for n, _ in model.named_parameters()}
@@ -170,7 +176,7 @@ def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_stat
     """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it."""
     layout = _Layout(groups.tp_group if groups else None)
     state = {}
-    for name, param in _named_params(model):
+    for name, param in model.named_parameters():
         state[f"model/{name}"] = layout.stored(param, param.detach())
     if optimizer is not None:
         for name, entry in optimizer.state_for_checkpoint().items():
@@ -180,17 +186,28 @@ def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_stat
         state["optimizer/step"] = optimizer.step_count()
     for name, value in _fp8_state(model).items():
         state[f"fp8/{name}"] = value
-    state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
     for key, value in _rng_state().items():
         state[f"rng/{_coordinates(groups)}/{key}"] = value
+    return write_checkpoint(save_dir, iteration, state, train_state=train_state, args=args)
 
+
+def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, args: dict) -> Path:
+    """Write `state` (keys as above) as `save_dir/iter_<iteration>` and point latest at it, so
+    that no moment of the save leaves a half-written checkpoint as the latest. Collective when
+    torch.distributed is initialised; one process (DCP's no_dist mode) otherwise."""
+    state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if _is_writer():
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a save that was killed
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    if _distributed():
+        dcp.save(state, checkpoint_id=str(tmp))
+    else:
+        with warnings.catch_warnings():  # DCP warns that there is no process group: none is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     _barrier()
     if _is_writer():
         (tmp / "megafp8.json").write_text(json.dumps({"iteration": iteration, "args": args,
@@ -213,7 +230,7 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
         raise CheckpointError(f"no checkpoint in {path} (no {LATEST}, no .metadata)")
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     layout = _Layout(groups.tp_group if groups else None)
-    params = _named_params(model)
+    params = list(model.named_parameters())
 
     def expect(key, placeholder):
         if key not in metadata:
