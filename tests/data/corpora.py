@@ -68,3 +68,27 @@ def write_formats(folder, rows):
         write_zst(folder / "b.jsonl.zst", rows[third:2 * third], frames=2),
         write_parquet(folder / "c.parquet", rows[2 * third:]),
     ]
+
+
+def train_tiny_bpe(folder):
+    """A byte-level BPE of 400 tokens, GPT-2 style, on `corpus_text()`: `folder/tokenizer.json`
+    plus `vocab.json` + `merges.txt` (trained here, not by the tool under test)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus_text(), trainer=trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer.model.save(str(folder))
+
+
+def train_tiny_sentencepiece(prefix):
+    """A SentencePiece BPE of 400 pieces with byte fallback and identity normalisation (exact
+    round trips) on the lines of `corpus_text()`: `<prefix>.model`."""
+    import sentencepiece
+    lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)

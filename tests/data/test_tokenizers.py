@@ -5,7 +5,7 @@ import pytest
 
 from megafp8.data.tokenizers import build_tokenizer
 
-from .corpora import corpus_text
+from .corpora import corpus_text, train_tiny_bpe, train_tiny_sentencepiece
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -19,30 +19,16 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory):
     """A tiny byte-level BPE, GPT-2 style: tokenizer.json plus vocab.json + merges.txt."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     out = tmp_path_factory.mktemp("bpe")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(corpus_text(), trainer=trainer)
-    tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer.model.save(str(out))
+    train_tiny_bpe(out)
     return out
 
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
     """A tiny SentencePiece BPE with byte fallback and identity normalisation (exact round trips)."""
-    import sentencepiece
     out = tmp_path_factory.mktemp("spm")
-    lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(out / "tokenizer"), vocab_size=400,
-        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, minloglevel=2)
+    train_tiny_sentencepiece(out / "tokenizer")
     return out / "tokenizer.model"
 
 

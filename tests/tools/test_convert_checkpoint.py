@@ -21,7 +21,7 @@ from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
-from ..data.corpora import corpus_text
+from ..data.corpora import train_tiny_bpe, train_tiny_sentencepiece
 from ..fp8.helpers import rel_err
 from ..multiprocess import run_on_ranks
 from .load import load_tool
@@ -284,22 +284,10 @@ def test_pytorch_bin_with_old_gpt2_names(tmp_path):
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A tiny byte-level BPE (tokenizer.json and vocab.json + merges.txt) and a SentencePiece model."""
-    import sentencepiece
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     out = tmp_path_factory.mktemp("tokenizers")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(corpus_text(), trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
     (out / "bpe").mkdir()
-    tokenizer.save(str(out / "bpe" / "tokenizer.json"))
-    tokenizer.model.save(str(out / "bpe"))
-    lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(out / "spm"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    train_tiny_bpe(out / "bpe")
+    train_tiny_sentencepiece(out / "spm")
     return {"HuggingFaceTokenizer": {"tokenizer_model": str(out / "bpe" / "tokenizer.json")},
             "GPT2BPETokenizer": {"vocab_file": str(out / "bpe" / "vocab.json"),
                                  "merge_file": str(out / "bpe" / "merges.txt")},
