@@ -1,49 +1,13 @@
 #!/usr/bin/env bash
 # GPT-1.3B (24 layers, hidden 2048, 16 heads) with FP8 HYBRID delayed scaling on one node.
-# Sizes come from the environment; data from DATA_PATH (Megatron's --data-path syntax, with
-# TOKENIZER_MODEL a tokenizer.json or its folder) or, when unset, the embedded sample corpus,
-# which this script prepares itself under $WORKDIR.
+# Sizes come from the environment (GPUS TP PP MBS GBS SEQ ITERS LR MIN_LR WARMUP PRECISION
+# FP8_RECIPE WORKDIR SAVE LOG_INTERVAL EXTRA_ARGS; see examples/pretrain_fp8.sh); data from
+# DATA_PATH + TOKENIZER_MODEL or, when unset, the embedded sample corpus, prepared under $WORKDIR.
 #   GPUS=8 TP=1 PP=1 bash examples/pretrain_gpt_1b_fp8.sh
 #   PRECISION=bf16 ITERS=50 bash examples/pretrain_gpt_1b_fp8.sh           # the bf16 baseline
 #   FP8_RECIPE=current bash examples/pretrain_gpt_1b_fp8.sh                # current scaling
 set -euo pipefail
-cd "$(dirname "$0")/.."
-GPUS=${GPUS:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
-TP=${TP:-1}; PP=${PP:-1}
-MBS=${MBS:-4}; GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 8))}
-SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
-LR=${LR:-2e-4}; MIN_LR=${MIN_LR:-2e-5}; WARMUP=${WARMUP:-$((ITERS / 10))}
-PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
-WORKDIR=${WORKDIR:-runs/gpt_1b_fp8}
-SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
-LOG_INTERVAL=${LOG_INTERVAL:-10}
-EXTRA_ARGS=${EXTRA_ARGS:-}
-
-if [ -z "${DATA_PATH:-}" ]; then
-    # The embedded default: a SlimPajama-format sample from the Python stdlib (not SlimPajama).
-    bash examples/prepare_sample_data.sh "$WORKDIR" 32768
-    DATA_PATH="$WORKDIR/data/sample_text_document"
-    TOKENIZER_MODEL="$WORKDIR/tokenizer"
-fi
-
-PRECISION_ARGS=(--bf16)
-if [ "$PRECISION" = fp8 ]; then
-    PRECISION_ARGS+=(--fp8-format hybrid --fp8-recipe "$FP8_RECIPE")
-    if [ "$FP8_RECIPE" = delayed ]; then
-        PRECISION_ARGS+=(--fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
-    fi
-fi
-
-# shellcheck disable=SC2086  # DATA_PATH and EXTRA_ARGS are word lists on purpose
-torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
-    --model gpt-1.3b --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \
-    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
-    --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \
-    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
-    "${PRECISION_ARGS[@]}" \
-    --data-path $DATA_PATH --split 969,30,1 \
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
-    --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10 \
-    ${SAVE:+--save "$SAVE" --save-interval 1000} $EXTRA_ARGS
+export SEQ=${SEQ:-2048} WORKDIR=${WORKDIR:-runs/gpt_1b_fp8}
+# Learned positions: the table is as long as the sequence.
+MODEL=gpt-1.3b SAMPLE_VOCAB=32768 MODEL_ARGS="--max-position-embeddings $SEQ" \
+    exec bash "$(dirname "$0")/pretrain_fp8.sh"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The body of the pretraining recipes (pretrain_gpt_1b_fp8.sh, pretrain_llama2_7b_fp8.sh): one
+# node, FP8 HYBRID (delayed scaling with Transformer Engine's history of 1024 and max, or current
+# scaling) or the bf16 baseline. The recipe sets MODEL (a preset), MODEL_ARGS (its extra flags),
+# SAMPLE_VOCAB (the tokenizer size for the sample corpus) and its size defaults; everything below
+# can be overridden from the environment.
+# Data from DATA_PATH (Megatron's --data-path syntax, with TOKENIZER_MODEL a tokenizer.json or
+# its folder) or, when unset, the embedded sample corpus, prepared under $WORKDIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${MODEL:?set by the recipe script}" "${WORKDIR:?set by the recipe script}"
+MODEL_ARGS=${MODEL_ARGS:-}; SAMPLE_VOCAB=${SAMPLE_VOCAB:-32768}
+GPUS=${GPUS:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+TP=${TP:-1}; PP=${PP:-1}
+MBS=${MBS:-4}; GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 8))}
+SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
+LR=${LR:-2e-4}; MIN_LR=${MIN_LR:-2e-5}; WARMUP=${WARMUP:-$((ITERS / 10))}
+PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
+SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+
+if [ -z "${DATA_PATH:-}" ]; then
+    # The embedded default: a SlimPajama-format sample from the Python stdlib (not SlimPajama).
+    bash examples/prepare_sample_data.sh "$WORKDIR" "$SAMPLE_VOCAB"
+    DATA_PATH="$WORKDIR/data/sample_text_document"
+    TOKENIZER_MODEL="$WORKDIR/tokenizer"
+fi
+
+PRECISION_ARGS=(--bf16)
+if [ "$PRECISION" = fp8 ]; then
+    PRECISION_ARGS+=(--fp8-format hybrid --fp8-recipe "$FP8_RECIPE")
+    if [ "$FP8_RECIPE" = delayed ]; then
+        PRECISION_ARGS+=(--fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
+    fi
+fi
+
+# shellcheck disable=SC2086  # MODEL_ARGS, DATA_PATH and EXTRA_ARGS are word lists on purpose
+torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
+    --model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS \
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
+    $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \
+    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
+    --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
+    "${PRECISION_ARGS[@]}" \
+    --data-path $DATA_PATH --split 969,30,1 \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
+    --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10 \
+    ${SAVE:+--save "$SAVE" --save-interval 1000} $EXTRA_ARGS
