@@ -68,10 +68,6 @@ class MixedPrecisionAdamW:
         self.optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **fused)
         self.steps = 0
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
     def set_lr(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -190,8 +190,10 @@ class Trainer:
             self.dtype, self.chunks[0].sequence_parallel, forward_only=forward_only,
             grad_buffers=None if forward_only else self.buffer)
         # The mean loss over micro-batches and data-parallel replicas; NaN off the last stage.
-        loss = torch.tensor([sum(l.float().item() for l in losses) / len(losses) if losses else float("nan")],
-                            device=self.device)
+        # Reduced on the device (one host sync per step, not one per micro-batch); in fp64, where
+        # a sum of fp32 losses is exact, so the figure is the same as a host-side mean.
+        loss = (torch.stack(losses).double().mean().float().reshape(1) if losses
+                else torch.full((1,), float("nan"), device=self.device))
         if losses and self.groups.dp_size > 1:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.groups.dp_size
