@@ -246,20 +246,24 @@ class Trainer:
 
     def load(self):
         a = self.args
-        if not a.load or checkpointing.latest_checkpoint(a.load) is None:
-            if a.load and a.finetune:  # finetuning from random weights is never what was meant
-                raise checkpointing.CheckpointError(f"--finetune: no checkpoint in --load {a.load}")
-            if a.load:
-                self._print(f"no checkpoint in {a.load}: starting from scratch")
+        if not a.load:
             return
-        state = checkpointing.load_checkpoint(a.load, self.model, self.optimizer, groups=self.groups,
+        # Resolved once: the same checkpoint is loaded and reported even if a run writing to
+        # that folder moves its latest pointer meanwhile.
+        checkpoint = checkpointing.latest_checkpoint(a.load)
+        if checkpoint is None:
+            if a.finetune:  # finetuning from random weights is never what was meant
+                raise checkpointing.CheckpointError(f"--finetune: no checkpoint in --load {a.load}")
+            self._print(f"no checkpoint in {a.load}: starting from scratch")
+            return
+        state = checkpointing.load_checkpoint(checkpoint, self.model, self.optimizer, groups=self.groups,
                                               load_optimizer=not (a.no_load_optim or a.finetune),
                                               load_rng=not (a.no_load_rng or a.finetune))
         if not a.finetune:
             self.iteration = state.get("iteration", 0)
             self.consumed_samples = state.get("consumed_samples", 0)
             self.skipped_steps = state.get("skipped_steps", 0)
-        self._print(f"loaded {checkpointing.latest_checkpoint(a.load)} at iteration {self.iteration}")
+        self._print(f"loaded {checkpoint} at iteration {self.iteration}")
 
     # -- the loop ----------------------------------------------------------------------------
 
