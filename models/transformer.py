@@ -178,10 +178,13 @@ class TransformerLM(nn.Module):
         self.vocab_size = config.padded_vocab_size(tp)
         std = config.init_method_std
 
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+
         def seeded(index, build):
             # Each component draws its master weights from its own seed, so a stage holds exactly
-            # the full model's weights for its layers, whatever the pipeline layout.
-            with torch.random.fork_rng(devices=[]):
+            # the full model's weights for its layers, whatever the pipeline layout. They are
+            # drawn on `device` (Megatron's default): a 7B model drawn on one CPU core takes a minute.
+            with torch.random.fork_rng(devices=[torch.device(device)] if on_gpu else []):
                 torch.manual_seed(seed * 1_000_003 + index)
                 return build()
 
@@ -192,7 +195,8 @@ class TransformerLM(nn.Module):
                 self.vocab_size, config.hidden_size, tp_group=tp_group, sequence_parallel=sp,
                 init_method=normal_init(std), dtype=dtype, device=device))
         if self.pre_process and config.position_embedding == "learned":
-            master = seeded(1, lambda: torch.empty(config.max_position_embeddings, config.hidden_size).normal_(0, std))
+            master = seeded(1, lambda: torch.empty(config.max_position_embeddings, config.hidden_size,
+                                                   device=device).normal_(0, std))
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                    dtype=dtype, device="meta")
             self.position_embedding.weight = nn.Parameter(master.to(device=device, dtype=dtype or torch.float32))

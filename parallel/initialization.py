@@ -1,8 +1,9 @@
 """Weights that are the same whatever the tensor-parallel size: initialise the full (master)
-weight from the global seed on the CPU, then keep this rank's slice.
+weight from the global seed on the device the weight will live on, then keep this rank's slice.
 
 Every rank draws the same full tensor (same seed, same layer order), so a tp = 4 run starts
-from exactly the weights of a tp = 1 run, and the two can be compared step by step.
+from exactly the weights of a tp = 1 run on the same kind of device, and the two can be
+compared step by step. (CPU and CUDA generators draw different numbers from one seed.)
 """
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ def normal_init(std: float = 0.02) -> InitMethod:
 
 def master_slice(full_shape, partition_dim: int, rank: int, world_size: int, init_method: InitMethod,
                  dtype: torch.dtype, device) -> torch.Tensor:
-    """Initialise a `full_shape` fp32 master on the CPU and return slice `rank` of `world_size`
-    along `partition_dim`, in `dtype` on `device`."""
+    """Initialise a `full_shape` fp32 master on `device` and return slice `rank` of `world_size`
+    along `partition_dim`, in `dtype`."""
     if full_shape[partition_dim] % world_size:
         raise ValueError(
             f"dimension {partition_dim} of size {full_shape[partition_dim]} does not split over "
             f"{world_size} tensor-parallel ranks"
         )
-    master = torch.empty(full_shape, dtype=torch.float32)
+    master = torch.empty(full_shape, dtype=torch.float32, device=device)
     init_method(master)
     return master.chunk(world_size, dim=partition_dim)[rank].to(device=device, dtype=dtype).contiguous()
