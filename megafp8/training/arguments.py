@@ -19,6 +19,8 @@ import re
 import warnings
 from pathlib import Path
 
+import torch
+
 from megafp8.data.gpt_dataset import parse_split
 from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.fp8.formats import Format
@@ -191,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--profile", action="store_true",
+                   help="profile steps --profile-step-start..--profile-step-end on --profile-ranks: "
+                        "torch.profiler with --use-pytorch-profiler, else a CUDA profiler range for nsys")
+    g.add_argument("--use-pytorch-profiler", action="store_true")
+    g.add_argument("--profile-step-start", type=_NON_NEGATIVE, default=10)
+    g.add_argument("--profile-step-end", type=_POSITIVE, default=12)
+    g.add_argument("--profile-ranks", type=_NON_NEGATIVE, nargs="+", default=[0])
 
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=_NON_NEGATIVE, default=1234)
@@ -529,6 +538,23 @@ def _check_run(args, given) -> None:
         stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
         if stray:
             raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --recompute-granularity full")
+    _check_profile(args, given)
+
+
+def _check_profile(args, given) -> None:
+    options = [d for d in ("use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks")
+               if d in given]
+    if not args.profile:
+        if options:
+            raise ArgumentsError(f"{_flags(*options)} {_apply(options)} only with --profile")
+        return
+    if args.profile_step_end <= args.profile_step_start:
+        raise ArgumentsError(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
+                             f"{args.profile_step_start} (steps start+1 .. end are profiled)")
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ArgumentsError("--profile without --use-pytorch-profiler marks a CUDA profiler range for "
+                             "`nsys profile --capture-range=cudaProfilerApi` and needs a GPU; add "
+                             "--use-pytorch-profiler for a torch.profiler trace")
 
 
 def _check_and_resolve(args, given: set) -> None:

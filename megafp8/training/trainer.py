@@ -26,6 +26,7 @@ from megafp8.parallel import (ParallelGroups, check_embeddings_in_sync, forward_
                               sync_embedding_grads)
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
+from megafp8.training.profiling import StepProfiler
 from megafp8.training.lr_schedule import LRSchedule
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
@@ -280,6 +281,7 @@ class Trainer:
                                         device=self.device)
         world = dist.group.WORLD if dist.get_world_size() > 1 else None
         exit_signal = _ExitSignal()
+        profiler = StepProfiler(a, dist.get_rank(), self.run_dir, self.device)
         start_time = time.time()
         micro = self._micro_batches(self.train_data, self.consumed_samples)
         losses = []
@@ -287,8 +289,10 @@ class Trainer:
             while self.iteration < a.train_iters:
                 batches = [next(micro) for _ in range(a.num_micro_batches)]
                 log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
+                profiler.before_step(self.iteration)
                 loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step)
                 self.iteration += 1
+                profiler.after_step(self.iteration)
                 logger.progress(self.iteration)
                 self.consumed_samples += a.global_batch_size
                 throughput.add(a.global_batch_size * a.seq_length)
@@ -332,6 +336,7 @@ class Trainer:
                     break
         finally:
             exit_signal.restore()
+            profiler.stop(self.iteration)
             logger.close()
         return self.iteration
 

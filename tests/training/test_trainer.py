@@ -156,3 +156,50 @@ def test_a_pp2_run_resumes_with_pp1(tmp_path):
     assert [i for i, _ in first] == [1, 2] and [i for i, _ in resumed] == [3, 4]
     for (_, a), (_, b) in zip(first + resumed, straight):  # FP8 state of both stages carried over
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def profiled_files(rank, world_size, argv):
+    pretrain(argv)
+    return sorted(p.name for p in (Path(argv[argv.index("--tensorboard-dir") + 1]) / "profile").glob("*"))
+
+
+def test_profile_records_the_chosen_steps_on_the_chosen_ranks(tmp_path):
+    argv = TINY + ["--fp8-format", "hybrid", "--train-iters", "4", "--tensorboard-dir", str(tmp_path),
+                   "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
+                   "--profile-ranks", "1"]
+    names = run_on_ranks(profiled_files, 2, argv)[0]
+    assert names == ["rank1_steps2-3.json", "rank1_steps2-3.txt"]
+    summary = (tmp_path / "profile" / "rank1_steps2-3.txt").read_text()
+    assert summary.startswith("rank 1: 2 steps in ")
+    assert "aten::" in summary  # the operator table
+    trace = json.loads((tmp_path / "profile" / "rank1_steps2-3.json").read_text())
+    assert any("Fp8LinearFunction" in event.get("name", "") for event in trace["traceEvents"])
+
+
+def test_profile_flags_are_checked():
+    with pytest.raises(arguments.ArgumentsError, match="only with --profile"):
+        pretrain(TINY + ["--train-iters", "2", "--profile-step-start", "1"])
+    with pytest.raises(arguments.ArgumentsError, match="must be after --profile-step-start"):
+        pretrain(TINY + ["--train-iters", "2", "--profile", "--use-pytorch-profiler",
+                         "--profile-step-start", "3", "--profile-step-end", "3"])
+    with pytest.raises(arguments.ArgumentsError, match="needs a GPU"):
+        pretrain(TINY + ["--train-iters", "2", "--profile"])
+
+
+def test_kernel_time_separates_exposed_communication():
+    from megafp8.training.profiling import kernel_time
+
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("sm90_gemm", 0, 100), kernel("quantize", 50, 100),       # compute 0..150
+        kernel("ncclKernel_AllGather", 120, 60),                       # 30 beside compute, 30 alone
+        kernel("ncclKernel_ReduceScatter", 300, 50),                   # alone
+        kernel("sm90_gemm", 400, 10), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999}]}
+    times = kernel_time(trace)
+    assert times["kernels"] == 5
+    assert times["busy_ms"] * 1000 == 150 + 30 + 50 + 10
+    assert times["compute_ms"] * 1000 == 160
+    assert times["nccl_ms"] * 1000 == 110
+    assert times["nccl_exposed_ms"] * 1000 == 80

@@ -1,0 +1,134 @@
+"""`--profile`: record a few training steps, as Megatron-LM's flags of the same names do.
+
+Steps `--profile-step-start + 1` .. `--profile-step-end` (counted from 1) are recorded on each
+rank of `--profile-ranks`. With `--use-pytorch-profiler`, torch.profiler writes, per rank, a
+Chrome/Perfetto trace and a table of the operators and kernels that took the most device time
+(CPU time without a GPU) under `<run dir>/profile/`; otherwise the steps are wrapped in a CUDA
+profiler range, for `nsys profile --capture-range=cudaProfilerApi`.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, args, rank: int, run_dir, device: torch.device):
+        self.enabled = bool(args.profile) and rank in args.profile_ranks
+        self.start_step, self.end_step = args.profile_step_start, args.profile_step_end
+        self.torch_profiler = args.use_pytorch_profiler
+        self.rank, self.device = rank, device
+        self.directory = Path(run_dir) / "profile"
+        self._profiler = None
+        self._started_at = None
+        self._recording = False
+
+    def before_step(self, steps_done: int) -> None:
+        if not self.enabled or steps_done != self.start_step:
+            return
+        self._sync()
+        if self.torch_profiler:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+        else:
+            torch.cuda.profiler.start()
+        self._started_at = time.perf_counter()
+        self._recording = True
+
+    def after_step(self, steps_done: int) -> None:
+        if self._recording and steps_done >= self.end_step:
+            self.stop(steps_done)
+
+    def stop(self, steps_done: int) -> None:
+        """End the recording (also when the run ends before --profile-step-end) and write it."""
+        if not self._recording:
+            return
+        self._recording = False
+        self._sync()
+        wall = time.perf_counter() - self._started_at
+        steps = steps_done - self.start_step
+        if not self.torch_profiler:
+            torch.cuda.profiler.stop()
+            return
+        self._profiler.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}_steps{self.start_step + 1}-{steps_done}"
+        trace = self.directory / f"{name}.json"
+        self._profiler.export_chrome_trace(str(trace))
+        sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self._profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90)
+        steps = max(steps, 1)
+        lines = [f"rank {self.rank}: {steps} steps in {wall:.3f} s ({1000 * wall / steps:.1f} ms per step, "
+                 "profiler overhead included)"]
+        kernels = kernel_time(json.loads(trace.read_text()))
+        if kernels["kernels"]:
+            lines.append(
+                f"GPU busy {kernels['busy_ms'] / steps:.1f} ms per step ({100 * kernels['busy_ms'] / (1000 * wall):.0f}% "
+                f"of the wall time): compute kernels {kernels['compute_ms'] / steps:.1f} ms, NCCL kernels "
+                f"{kernels['nccl_ms'] / steps:.1f} ms, of which {kernels['nccl_exposed_ms'] / steps:.1f} ms with no "
+                "compute kernel running beside them")
+        summary = self.directory / f"{name}.txt"
+        summary.write_text("\n".join(lines) + f"\n{table}\n")
+        print(f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",
+              flush=True)
+        self._profiler = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def kernel_time(trace: dict) -> dict:
+    """From a Chrome trace: milliseconds in which any GPU kernel ran (`busy_ms`), any compute
+    (non-NCCL) kernel ran, NCCL kernels ran (summed), and NCCL ran with no compute beside it
+    (communication nothing overlapped). Idle wall time beyond `busy_ms` is time the GPU waited
+    on the host (launches, Python) or on another rank."""
+    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e.get("name", "").lower())
+               for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    compute = _merged([(start, end) for start, end, nccl in kernels if not nccl])
+    nccl = [(start, end) for start, end, is_nccl in kernels if is_nccl]
+    starts = [start for start, _ in compute]
+    exposed = sum(_length(_minus(interval, compute, starts)) for interval in _merged(nccl))
+    return {"kernels": len(kernels), "busy_ms": _length(_merged([(s, e) for s, e, _ in kernels])) / 1000,
+            "compute_ms": _length(compute) / 1000, "nccl_ms": sum(e - s for s, e in nccl) / 1000,
+            "nccl_exposed_ms": exposed / 1000}
+
+
+def _merged(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(interval, merged, starts=None):
+    """The parts of `interval` not covered by the sorted, disjoint `merged` intervals
+    (`starts`: their start points, for a binary search)."""
+    start, end = interval
+    starts = starts if starts is not None else [s for s, _ in merged]
+    parts = []
+    for other_start, other_end in merged[max(bisect.bisect_right(starts, start) - 1, 0):]:
+        if other_start >= end:
+            break
+        if other_end <= start:
+            continue
+        if other_start > start:
+            parts.append((start, other_start))
+        start = max(start, other_end)
+    if start < end:
+        parts.append((start, end))
+    return parts
