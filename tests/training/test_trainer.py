@@ -146,6 +146,21 @@ def test_pipeline_layouts_match_one_process(layout, extra):
             assert i == j and a == pytest.approx(b, rel=1e-4), (history, reference)
 
 
+def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
+    # The layout and options of examples/pretrain_llama2_7b_fp8.sh (RoPE, SwiGLU, untied output,
+    # selective recomputation, distributed optimizer) at tp2 x pp2 x dp2.
+    argv = ["llama-tiny" if a == "gpt-tiny" else a for a in TINY] + [
+        "--num-layers", "4", "--train-iters", "3", "--recompute-granularity", "selective",
+        "--use-distributed-optimizer"]
+    reference = run_on_ranks(last_stage_losses, 1, argv)[0]
+    layout = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    results = [h for h in run_on_ranks(last_stage_losses, 8, argv + layout) if h is not None]
+    assert results
+    for history in results:
+        for (i, a), (j, b) in zip(history, reference):
+            assert i == j and a == pytest.approx(b, rel=1e-5), (history, reference)
+
+
 def test_a_pp2_run_resumes_with_pp1(tmp_path):
     argv = TINY + ["--num-layers", "4", "--fp8-format", "hybrid", "--train-iters", "4", "--save", str(tmp_path)]
     first = [h for h in run_on_ranks(last_stage_losses, 2, argv + ["--pipeline-model-parallel-size", "2",
