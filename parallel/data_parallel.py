@@ -15,6 +15,8 @@ sum divided by the group size), so dp = N equals dp = 1 with the same global bat
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -61,7 +63,16 @@ class GradientBuffer:
                 p.main_grad_offset = layout[p]
                 self.bucket_of[p] = bucket
         self._sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        # The hooks live in C++ on the parameters, out of the garbage collector's sight: a bound
+        # method there would keep this buffer, and through it the parameters, alive for good.
+        this = weakref.ref(self)
+
+        def grad_ready(param):
+            buffer = this()
+            if buffer is not None:
+                buffer._grad_ready(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in self.params]
 
     # -- the step's life cycle ------------------------------------------------------------
 

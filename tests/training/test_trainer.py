@@ -218,3 +218,17 @@ def test_kernel_time_separates_exposed_communication():
     assert times["compute_ms"] * 1000 == 160
     assert times["nccl_ms"] * 1000 == 110
     assert times["nccl_exposed_ms"] * 1000 == 80
+
+
+def test_a_finished_run_frees_its_model_and_gradient_buffer():
+    # Hooks on parameters live in C++, out of the garbage collector's sight: they must not keep
+    # the run's buffer (and through it every parameter) alive once the trainer is dropped.
+    import gc
+    import weakref
+
+    trainer = pretrain(TINY + ["--train-iters", "3"])
+    refs = [weakref.ref(obj) for obj in (trainer, trainer.buffer, trainer.optimizer,
+                                         next(trainer.model.parameters()))]
+    del trainer
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)
