@@ -9,7 +9,8 @@ the NCCL set-up are paid once. Everything after `--` is the trainer's command li
 
 Appends one JSON line per precision to --output (written by the last rank, which holds the
 loss): the layout, the last logged window's tokens/s per GPU, TFLOP/s per GPU and MFU, the peak
-memory allocated on any rank, and the loss of every step; and prints a table row for each.
+memory allocated on any rank, what the run left allocated after it (which would count in the next
+run's peak), and the loss of every step; and prints a table row for each.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
     """Train once; return this run's figures (complete on the last rank)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    before = _allocated(device)
     with tempfile.TemporaryDirectory(prefix=f"bench_{precision}_") as run_dir:
         trainer = pretrain(trainer_args + PRECISION_FLAGS[precision] + ["--tensorboard-dir", run_dir])
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()] \
@@ -80,7 +82,15 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    # What the run left allocated would inflate the next run's peak: say so in its record.
+    left = torch.tensor(_allocated(device) - before, dtype=torch.float64, device=device)
+    dist.all_reduce(left, op=dist.ReduceOp.MAX)
+    result["memory_left_after_gib"] = left.item() / 2**30
     return result
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def main(argv=None):
@@ -104,6 +114,9 @@ def main(argv=None):
                 with open(args.output, "a") as f:
                     f.write(json.dumps(result) + "\n")
                 rate = result["tokens_per_sec_per_gpu"]
+                if result["memory_left_after_gib"] > 0.1:
+                    print(f"bench_layouts: warning: the {precision} run left {result['memory_left_after_gib']:.1f} GiB "
+                          "allocated, which counts in the next run's peak memory", flush=True)
                 print(f"bench {args.label} tp{result['tp']} pp{result['pp']} dp{result['dp']} {precision:8s} "
                       f"tokens/s/GPU {rate:,.0f} | TFLOP/s/GPU {result['tflops_per_gpu']:.1f} | "
                       f"peak {result['peak_memory_gib']:.1f} GiB | loss@{result['iterations']} "
