@@ -61,9 +61,7 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
     if trainer.iteration < a.train_iters:  # stopped early (SIGTERM, --exit-*): no figures for a partial run
         raise SystemExit(f"bench_layouts: the {precision} run stopped at iteration {trainer.iteration} of "
                          f"{a.train_iters}; nothing recorded for it")
-    peak = torch.tensor(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-                        dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = _max_over_ranks(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0, device)
     timed = [r for r in records if "tokens_per_sec" in r]
     last = timed[-1] if timed else {}
     result = {
@@ -75,7 +73,7 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
         "tokens_per_sec_per_gpu": last["tokens_per_sec"] / a.world_size if last else None,
         "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu"),
         "iteration_time_ms": last.get("iteration_time_ms"),
-        "peak_memory_gib": peak.item() / 2**30,
+        "peak_memory_gib": peak / 2**30,
         "losses": [loss for _, loss in trainer.history],
     }
     del trainer
@@ -83,10 +81,14 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
     if device.type == "cuda":
         torch.cuda.empty_cache()
     # What the run left allocated would inflate the next run's peak: say so in its record.
-    left = torch.tensor(_allocated(device) - before, dtype=torch.float64, device=device)
-    dist.all_reduce(left, op=dist.ReduceOp.MAX)
-    result["memory_left_after_gib"] = left.item() / 2**30
+    result["memory_left_after_gib"] = _max_over_ranks(_allocated(device) - before, device) / 2**30
     return result
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
 
 
 def _allocated(device: torch.device) -> int:

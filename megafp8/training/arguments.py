@@ -538,7 +538,6 @@ def _check_run(args, given) -> None:
         stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
         if stray:
             raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --recompute-granularity full")
-    _check_profile(args, given)
 
 
 def _check_profile(args, given) -> None:
@@ -566,6 +565,7 @@ def _check_and_resolve(args, given: set) -> None:
     _check_schedule(args, given)
     _check_data(args)
     _check_run(args, given)
+    _check_profile(args, given)
 
 
 # ---- checks against the world size --------------------------------------------------------------

@@ -24,8 +24,7 @@ class StepProfiler:
         self.rank, self.device = rank, device
         self.directory = Path(run_dir) / "profile"
         self._profiler = None
-        self._started_at = None
-        self._recording = False
+        self._started_at = None  # set while recording
 
     def before_step(self, steps_done: int) -> None:
         if not self.enabled or steps_done != self.start_step:
@@ -40,19 +39,18 @@ class StepProfiler:
         else:
             torch.cuda.profiler.start()
         self._started_at = time.perf_counter()
-        self._recording = True
 
     def after_step(self, steps_done: int) -> None:
-        if self._recording and steps_done >= self.end_step:
+        if self._started_at is not None and steps_done >= self.end_step:
             self.stop(steps_done)
 
     def stop(self, steps_done: int) -> None:
         """End the recording (also when the run ends before --profile-step-end) and write it."""
-        if not self._recording:
+        if self._started_at is None:
             return
-        self._recording = False
         self._sync()
         wall = time.perf_counter() - self._started_at
+        self._started_at = None
         steps = steps_done - self.start_step
         if not self.torch_profiler:
             torch.cuda.profiler.stop()

@@ -139,11 +139,16 @@ def last_stage_losses(rank, world_size, argv):
 def test_pipeline_layouts_match_one_process(layout, extra):
     argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "8"]
     reference = run_on_ranks(last_stage_losses, 1, argv + [x for x in extra if x in ("--fp8-format", "hybrid")])[0]
-    results = [h for h in run_on_ranks(last_stage_losses, layout, argv + extra) if h is not None]
+    assert_last_stages_match(run_on_ranks(last_stage_losses, layout, argv + extra), reference, rel=1e-4)
+
+
+def assert_last_stages_match(histories, reference, rel):
+    """Every last-stage rank's (iteration, loss) history equals the reference's within `rel`."""
+    results = [h for h in histories if h is not None]
     assert results
     for history in results:
         for (i, a), (j, b) in zip(history, reference):
-            assert i == j and a == pytest.approx(b, rel=1e-4), (history, reference)
+            assert i == j and a == pytest.approx(b, rel=rel), (history, reference)
 
 
 def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
@@ -154,11 +159,7 @@ def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
         "--use-distributed-optimizer"]
     reference = run_on_ranks(last_stage_losses, 1, argv)[0]
     layout = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    results = [h for h in run_on_ranks(last_stage_losses, 8, argv + layout) if h is not None]
-    assert results
-    for history in results:
-        for (i, a), (j, b) in zip(history, reference):
-            assert i == j and a == pytest.approx(b, rel=1e-5), (history, reference)
+    assert_last_stages_match(run_on_ranks(last_stage_losses, 8, argv + layout), reference, rel=1e-5)
 
 
 def test_a_pp2_run_resumes_with_pp1(tmp_path):
