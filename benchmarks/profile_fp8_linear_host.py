@@ -2,6 +2,7 @@
 
     python benchmarks/profile_fp8_linear_host.py [--recipe delayed|current] [--steps 200]
     python benchmarks/profile_fp8_linear_host.py --ops    # host cost of each building block
+    python benchmarks/profile_fp8_linear_host.py --per-linear   # host cost per linear in a model
 
 The GPU is kept busy by a queued sleep kernel so the host never waits on it; the table is
 cProfile's, sorted by own time. Use it when a layer step is launch-bound (bench_fp8_linear.py
@@ -67,15 +68,48 @@ def op_costs(repeat=200):
         print(f"{name:36} {elapsed:8.1f}")
 
 
+def per_linear_costs(blocks=6, tokens=256, repeat=7):
+    """Host time per linear, forward + backward, in a stack of GPT-1.3B blocks' four linears
+    under one fp8_autocast (one scale update per pass, weights cached: as in a model). Few
+    tokens and a busy GPU keep the GPU's own time out of it; few blocks keep the launches
+    queued behind the sleep under the ~1000 at which the host would wait for the GPU."""
+    shapes = [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)] * blocks
+    layers = [Fp8Linear(k, n, device="cuda", dtype=torch.bfloat16) for k, n in shapes]
+    xs = [torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True) for k, _ in shapes]
+    dys = [torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) for _, n in shapes]
+
+    def step(recipe):
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            ys = [layer(x) for layer, x in zip(layers, xs)]
+        torch.autograd.backward(ys, dys)
+
+    print(f"{'precision':12} host us per linear (forward + backward), {len(layers)} linears, median of {repeat}")
+    for name, recipe in [("bf16", None), ("fp8 delayed", DelayedScaling()), ("fp8 current", CurrentScaling())]:
+        for _ in range(3):
+            step(recipe)
+        times = []
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1_000_000_000)
+            start = time.perf_counter()
+            step(recipe)
+            times.append((time.perf_counter() - start) / len(layers) * 1e6)
+            torch.cuda.synchronize()
+        print(f"{name:12} {sorted(times)[repeat // 2]:8.1f}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", action="store_true", help="time each building block instead")
+    parser.add_argument("--per-linear", action="store_true", help="host time per linear in a model-like stack")
     args = parser.parse_args()
     if args.ops:
         return op_costs()
+    if args.per_linear:
+        return per_linear_costs()
     recipe = DelayedScaling() if args.recipe == "delayed" else CurrentScaling()
     layer = Fp8Linear(2048, 2048, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
