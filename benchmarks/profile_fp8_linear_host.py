@@ -17,6 +17,9 @@ import torch
 
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 
+# The script's own folder is on sys.path when it runs: share the layer benchmark's measuring.
+from bench_fp8_linear import SHAPES, host_ms, layer_step, make_layers
+
 
 def op_costs(repeat=200):
     """Host time of one call of each building block of an FP8 step (GPU kept busy)."""
@@ -56,46 +59,21 @@ def op_costs(repeat=200):
     }
     print(f"{'operation':36} host us/call")
     for name, op in ops.items():
-        for _ in range(5):
-            op()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        start = time.perf_counter()
-        for _ in range(repeat):
-            op()
-        elapsed = (time.perf_counter() - start) / repeat * 1e6
-        torch.cuda.synchronize()
-        print(f"{name:36} {elapsed:8.1f}")
+        print(f"{name:36} {host_ms(op, steps=repeat) * 1e3:8.1f}")
 
 
 def per_linear_costs(blocks=6, tokens=256, repeat=7):
     """Host time per linear, forward + backward, in a stack of GPT-1.3B blocks' four linears
-    under one fp8_autocast (one scale update per pass, weights cached: as in a model). Few
-    tokens and a busy GPU keep the GPU's own time out of it; few blocks keep the launches
-    queued behind the sleep under the ~1000 at which the host would wait for the GPU."""
-    shapes = [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)] * blocks
-    layers = [Fp8Linear(k, n, device="cuda", dtype=torch.bfloat16) for k, n in shapes]
-    xs = [torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True) for k, _ in shapes]
-    dys = [torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) for _, n in shapes]
-
-    def step(recipe):
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            ys = [layer(x) for layer, x in zip(layers, xs)]
-        torch.autograd.backward(ys, dys)
-
-    print(f"{'precision':12} host us per linear (forward + backward), {len(layers)} linears, median of {repeat}")
-    for name, recipe in [("bf16", None), ("fp8 delayed", DelayedScaling()), ("fp8 current", CurrentScaling())]:
-        for _ in range(3):
-            step(recipe)
-        times = []
-        for _ in range(repeat):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(1_000_000_000)
-            start = time.perf_counter()
-            step(recipe)
-            times.append((time.perf_counter() - start) / len(layers) * 1e6)
-            torch.cuda.synchronize()
-        print(f"{name:12} {sorted(times)[repeat // 2]:8.1f}")
+    under one fp8_autocast (one scale update per pass, weights cached: as in a model), bf16 as
+    nn.Linear. Few tokens and a busy GPU keep the GPU's own time out of it; few blocks keep the
+    launches queued behind the sleep under the ~1000 at which the host would wait for the GPU."""
+    bf16, fp8, xs, dys = make_layers(tokens, SHAPES * blocks)
+    print(f"{'precision':12} host us per linear (forward + backward), {len(fp8)} linears, median of {repeat}")
+    for name, layers, recipe in [("bf16", bf16, None), ("fp8 delayed", fp8, DelayedScaling()),
+                                 ("fp8 current", fp8, CurrentScaling())]:
+        step = layer_step(layers, xs, dys, recipe)
+        times = sorted(host_ms(step, steps=1) * 1e3 / len(layers) for _ in range(repeat))
+        print(f"{name:12} {times[repeat // 2]:8.1f}")
 
 
 def main():
