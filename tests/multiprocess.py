@@ -68,6 +68,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         outcomes = {}
+        stopped_because = f"timed out after {timeout_s}s"
         deadline = time.monotonic() + timeout_s
         try:
             while len(outcomes) < world_size and time.monotonic() < deadline:
@@ -76,23 +77,31 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
                 except queue.Empty:
                     # A worker that died without reporting (segfault, OOM kill) fails the test
                     # now, not at the timeout; the others may be waiting on it in a collective.
-                    if any(w.exitcode not in (None, 0) for w in workers):
+                    dead = [r for r, w in enumerate(workers) if r not in outcomes and w.exitcode not in (None, 0)]
+                    if dead:
+                        stopped_because = f"rank {dead[0]} died"
                         break
                     continue
                 outcomes[rank] = (ok, value)
                 if not ok:
+                    stopped_because = f"rank {rank} failed"
                     break
         finally:
+            # A rank in the middle of exiting gets a moment to finish, and the codes are read
+            # before the rest are killed: a rank stopped here must not look like one that died.
+            join_until = time.monotonic() + (30.0 if len(outcomes) == world_size else 1.0)
             for worker in workers:
-                worker.join(timeout=0 if len(outcomes) < world_size else 30)
+                worker.join(timeout=max(0.0, join_until - time.monotonic()))
+            exit_codes = [w.exitcode for w in workers]
+            for worker in workers:
                 if worker.is_alive():
                     worker.kill()
     problems = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
-    missing = sorted(set(range(world_size)) - set(outcomes))
-    if missing:
-        codes = {rank: workers[rank].exitcode for rank in missing}
-        problems.append(f"ranks {missing} gave no result (exit codes {codes}; None: still running "
-                        f"when stopped, after {timeout_s}s at most)")
+    for rank in sorted(set(range(world_size)) - set(outcomes)):
+        if exit_codes[rank] is None:
+            problems.append(f"rank {rank} gave no result: still running when stopped ({stopped_because})")
+        else:
+            problems.append(f"rank {rank} gave no result: died with exit code {exit_codes[rank]}")
     if problems:
         raise AssertionError("a distributed test body failed\n" + "\n".join(problems))
     return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
