@@ -15,6 +15,7 @@ from .schedules import (
     get_schedule,
     stage_layers,
     sync_embedding_grads,
+    tied_embedding,
 )
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -35,5 +36,6 @@ __all__ = [
     "pipeline_tensor_shape",
     "stage_layers",
     "sync_embedding_grads",
+    "tied_embedding",
     "vocab_parallel_cross_entropy",
 ]

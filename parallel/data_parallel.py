@@ -10,8 +10,13 @@ last parameter's gradient is in, overlapping the rest of backward.
 
 With `shard=True` (the distributed optimizer) each bucket is padded to a multiple of the group
 size and reduce-scattered: rank r ends up owning the summed gradient of the r-th equal slice of
-every bucket (`owned_ranges`). Without it, buckets are all-reduced. Gradients are averaged (the
-sum divided by the group size), so dp = N equals dp = 1 with the same global batch.
+every bucket (`owned_ranges`); the rest of its buffer holds its own unreduced gradients. Without
+it, buckets are all-reduced. Gradients are averaged (the sum divided by the group size), so
+dp = N equals dp = 1 with the same global batch.
+
+A parameter given in `own_bucket` gets a bucket to itself. The tied embedding needs one: its
+copies on the first and last pipeline stage are summed element by element after the reduction,
+so each dp rank must own the same slice of both copies, whatever else each stage holds.
 """
 from __future__ import annotations
 
@@ -36,24 +41,38 @@ class GradientBuffer:
     """The fp32 `main_grad` buffer of `params`, with bucketed, overlapped reduction over `group`."""
 
     def __init__(self, params, group=None, bucket_size=DEFAULT_BUCKET_SIZE, shard=False,
-                 overlap=True):
+                 overlap=True, own_bucket=()):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
         self.group, self.shard, self.overlap = group, shard, overlap
         self.size = group_size(group)
         device = self.params[0].device
-        # Buckets of whole parameters; with sharding each is padded so it splits evenly.
-        self.buckets, layout, offset, current, current_size = [], {}, 0, [], 0
+        alone = {id(p) for p in own_bucket}
+        # Buckets of whole parameters, in reverse order (roughly the order backward produces them).
+        members, current, size = [], [], 0
         for p in reversed(self.params):
-            layout[p] = offset + current_size
+            if id(p) in alone and current:
+                members.append(current)
+                current, size = [], 0
             current.append(p)
-            current_size += p.numel()
-            if current_size >= bucket_size or p is self.params[0]:
-                padded = -(-current_size // self.size) * self.size if shard else current_size
-                self.buckets.append(_Bucket(current, offset, offset + padded))
-                offset += padded
-                current, current_size = [], 0
+            size += p.numel()
+            if id(p) in alone or size >= bucket_size:
+                members.append(current)
+                current, size = [], 0
+        if current:
+            members.append(current)
+        self.buckets, layout, offset = [], {}, 0
+        for params_of_bucket in members:
+            start = offset
+            for p in params_of_bucket:
+                layout[p] = offset
+                offset += p.numel()
+            if shard:  # padded so that it splits evenly over the group
+                offset = start + -(-(offset - start) // self.size) * self.size
+            self.buckets.append(_Bucket(params_of_bucket, start, offset))
         self.numel = offset
         self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.bucket_of = {}

@@ -121,9 +121,11 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_sta
 # -- tied embeddings between the first and last stage -----------------------------------------
 
 
-def _tied_embedding(model_chunks: Sequence[nn.Module], groups) -> Optional[nn.Parameter]:
+def tied_embedding(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> Optional[nn.Parameter]:
     """This rank's copy of the tied embedding weight, if it holds one and pp > 1: the first
-    stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk)."""
+    stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk).
+    Give it its own gradient bucket (`GradientBuffer(own_bucket=...)`)."""
+    model_chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if groups is None or groups.pp_size == 1 or groups.embedding_group is None:
         return None
     chunk = model_chunks[0] if groups.is_first_stage else model_chunks[-1]
@@ -142,9 +144,12 @@ def sync_embedding_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], gr
     the optimizer step: both copies then take the same update and stay equal. Uses
     `main_grad` when the parameter has one (a GradientBuffer), else `.grad`. A no-op with
     pp = 1, untied embeddings, or on the stages in between.
+
+    With a sharded buffer (the distributed optimizer) each dp rank holds the reduced gradient
+    only in the slice it owns, so both stages must slice the embedding alike: build each
+    stage's buffer with `own_bucket=[tied_embedding(chunks, groups)]`.
     """
-    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    weight = _tied_embedding(chunks, groups)
+    weight = tied_embedding(model_chunks, groups)
     if weight is None:
         return
     grad = getattr(weight, "main_grad", None)
@@ -165,8 +170,7 @@ def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]]
     trains two different embeddings. Collective over the embedding group: call it on every
     rank. Raises RuntimeError on both stages when the difference exceeds `atol`.
     """
-    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    weight = _tied_embedding(chunks, groups)
+    weight = tied_embedding(model_chunks, groups)
     if weight is None:
         return 0.0
     first = weight.detach().clone()

@@ -26,6 +26,7 @@ from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
 from megafp8.models.config import PRESETS, TransformerConfig
+from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 
 
 class ArgumentsError(ValueError):
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--ddp-bucket-size", type=_POSITIVE, default=DEFAULT_BUCKET_SIZE,
+                   help="elements per data-parallel gradient bucket (reduced as soon as it is complete)")
 
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=_POSITIVE)

@@ -23,7 +23,7 @@ from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM
 from megafp8.parallel import (ParallelGroups, check_embeddings_in_sync, forward_backward, stage_layers,
-                              sync_embedding_grads)
+                              sync_embedding_grads, tied_embedding)
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.profiling import StepProfiler
@@ -103,12 +103,15 @@ class Trainer:
                                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
         self.model = PipelineStage(self.chunks)
         check_embeddings_in_sync(self.chunks, groups)
-        if groups.pp_size > 1 and not groups.is_first_stage and hasattr(self.model, "embedding"):
-            self.model.embedding.weight.shared_embedding_copy = True  # the first stage's counts
+        tied = tied_embedding(self.chunks, groups)
+        if tied is not None and not groups.is_first_stage:
+            tied.shared_embedding_copy = True  # the first stage's copy counts in the norm
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
-        # backward, so a bucket mixing chunks starts reducing after the later one's.
-        self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, shard=args.use_distributed_optimizer,
-                                     overlap=args.overlap_grad_reduce)
+        # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
+        # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
+        self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
+                                     shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
+                                     own_bucket=[tied] if tied is not None else [])
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
@@ -122,6 +125,7 @@ class Trainer:
                                          if getattr(p, "sequence_parallel", False)]
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
         self.history = []  # (iteration, loss) of every step this process ran
+        self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
         self.train_data, self.valid_data, self.test_data = self._datasets()
         self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
         self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
@@ -143,8 +147,11 @@ class Trainer:
         """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on."""
         sampler = PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size,
                                      self.groups.dp_rank, self.groups.dp_size)
+        # Its own generator: starting an iterator draws a worker seed, which must not come from
+        # the global CPU generator that dropout uses (a resumed run would be one draw off).
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
-                                             pin_memory=self.device.type == "cuda")
+                                             pin_memory=self.device.type == "cuda",
+                                             generator=torch.Generator().manual_seed(self.args.seed))
         for batch in loader:
             yield batch["tokens"].to(self.device, non_blocking=True)
 
@@ -298,6 +305,7 @@ class Trainer:
                 throughput.add(a.global_batch_size * a.seq_length)
                 losses.append(loss)
                 self.history.append((self.iteration, loss))
+                self.grad_norms.append((self.iteration, grad_norm))
                 if applied:
                     self.skipped_in_a_row = 0
                 else:

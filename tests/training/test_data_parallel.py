@@ -89,6 +89,23 @@ def test_buckets_overlap_and_cover_every_parameter():
     assert buffer.buckets[0].params[0] is list(model.parameters())[-1]
 
 
+def test_a_parameter_can_have_a_bucket_of_its_own():
+    # The tied embedding's rule: a bucket holding only it, so two pipeline stages whose other
+    # parameters differ still split it over dp at the same elements (the 4- and 8-process
+    # trainer tests check the sharded case).
+    model = TransformerLM(preset("gpt-tiny"), seed=0)
+    params = list(model.parameters())
+    middle = params[len(params) // 2]
+    buffer = GradientBuffer(params, None, bucket_size=10**9, own_bucket=[middle])
+    # One bucket would hold everything; the chosen parameter splits it into three.
+    assert [b.params for b in buffer.buckets] == [params[:len(params) // 2:-1], [middle],
+                                                  params[len(params) // 2 - 1::-1]]
+    alone = buffer.bucket_of[middle]
+    assert alone.end - alone.start == middle.numel() == (alone.end - middle.main_grad_offset)
+    with pytest.raises(ValueError, match="bucket_size"):
+        GradientBuffer(params, None, bucket_size=0)
+
+
 def test_nonfinite_step_is_skipped_on_every_rank():
     results = run_on_ranks(train_tiny, 2, True, 10_000, torch.float32, 1)
     for _, norms, applied, _, _ in results:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megafp8.parallel import check_embeddings_in_sync
 from megafp8.training import arguments
 from megafp8.training.trainer import NonFiniteError, pretrain
 
@@ -68,9 +69,11 @@ def resume_body(rank, world_size, argv, save):
     return straight, first, second
 
 
+# With dropout, so that the RNG state must be restored, and restored last, for the test to pass.
 @pytest.mark.parametrize("extra", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"]])
 def test_resume_is_bitwise_exact(tmp_path, extra):
-    straight, first, second = run_on_ranks(resume_body, 1, TINY + extra, str(tmp_path))[0]
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    straight, first, second = run_on_ranks(resume_body, 1, TINY + dropout + extra, str(tmp_path))[0]
     assert [i for i, _ in first] == [1, 2, 3] and [i for i, _ in second] == [4, 5, 6]
     assert first + second == straight  # bitwise: FP8 state, Adam moments, data position, RNG
 
@@ -149,6 +152,49 @@ def assert_last_stages_match(histories, reference, rel):
     for history in results:
         for (i, a), (j, b) in zip(history, reference):
             assert i == j and a == pytest.approx(b, rel=rel), (history, reference)
+
+
+# Tied embeddings under the distributed optimizer: each dp rank owns one slice of each copy's
+# gradient, and the first and last stage must own the same slice for their sum to be right. Small
+# buckets give each stage several, laid out differently; the embedding alone spans several.
+TIED = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+        "--mock-data", "--vocab-size", "1024", "--ddp-bucket-size", "20000", "--log-interval", "1",
+        "--eval-iters", "0", "--seed", "1234"]
+
+
+def tied_run(rank, world_size, argv):
+    """Losses and grad norms of the last stage, and the largest difference between the tied
+    embedding's two copies after training (check_embeddings_in_sync raises above 0)."""
+    trainer = pretrain(argv)
+    difference = check_embeddings_in_sync(trainer.chunks, trainer.groups)
+    if not trainer.groups.is_last_stage:
+        return None
+    return trainer.history, trainer.grad_norms, difference
+
+
+@pytest.fixture(scope="module")
+def tied_reference():
+    return run_on_ranks(tied_run, 1, TIED)[0]
+
+
+@pytest.mark.parametrize("world_size,layout", [
+    (4, ["--pipeline-model-parallel-size", "2"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
+    (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--decoder-last-pipeline-num-layers", "1"]),
+], ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven"])
+def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(tied_reference, world_size, layout):
+    assert 1024 * 64 > 20000  # the embedding is larger than a bucket
+    history, norms, _ = tied_reference
+    results = [r for r in run_on_ranks(tied_run, world_size, TIED + layout + ["--use-distributed-optimizer"]) if r]
+    assert results
+    for got_history, got_norms, difference in results:
+        assert difference == 0.0
+        assert [i for i, _ in got_history] == [1, 2, 3, 4]
+        for (_, a), (_, b) in zip(got_history + got_norms, history + norms):
+            assert a == pytest.approx(b, rel=1e-6, abs=0), (got_history, got_norms, history, norms)
 
 
 def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
