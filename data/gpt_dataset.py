@@ -14,8 +14,10 @@ A split (train / valid / test) owns a contiguous range of the indexed dataset's 
 
 The arrays are cached as `.npy` next to the data (or in `cache_dir`) under a name that hashes
 everything they depend on; one process per node builds them while the others wait, and later
-runs load them. Resuming is a matter of the consumed-samples count: sample k is the same in
-every run, so a sampler that starts at k serves the same next batch (see `samplers.py`).
+runs load them. A build that fails on one rank (a full disk, an unwritable cache folder) stops
+every rank with its message, not only the builder. Resuming is a matter of the consumed-samples
+count: sample k is the same in every run, so a sampler that starts at k serves the same next
+batch (see `samplers.py`).
 """
 import hashlib
 import json
@@ -38,21 +40,23 @@ def parse_split(split):
         raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    parts = np.array(parts + [0.0] * (3 - len(parts)))
+    # numpy's plain sum, as megatron-core normalises (Python >= 3.12's sum() rounds differently).
+    return (parts / parts.sum()).tolist()
 
 
 def split_ranges(num_documents, split):
-    """[start, end) document ranges of train, valid and test, as Megatron-LM rounds them."""
-    bounds = [0]
+    """[start, end) document ranges of train, valid and test, as megatron-core rounds them.
+
+    The boundaries are the running sums of the normalised split weights, each scaled by the
+    document count and rounded on its own (megatron-core's BlendedMegatronDatasetBuilder; older
+    Megatron-LM rounded each split's size instead and could differ by a document).
+    """
+    bounds = [0.0]
     for fraction in parse_split(split):
-        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
-    # Rounding may leave the last boundary off by one or two: the remainder goes to the last splits.
-    diff = bounds[-1] - num_documents
-    for i in range(1, len(bounds)):
-        bounds[i] -= diff
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        bounds.append(bounds[-1] + fraction)
+    edges = [int(round(bound * float(num_documents))) for bound in bounds]
+    return [(edges[i], edges[i + 1]) for i in range(3)]
 
 
 def _epochs_needed(tokens_per_epoch, seq_length, num_samples):
@@ -91,9 +95,29 @@ def _is_index_builder():
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
-def _barrier():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+class DatasetBuildError(RuntimeError):
+    """Another rank failed to build a dataset index, so this one stops too (its message says why)."""
+
+
+def _share_build_outcome(name, error):
+    """Tell every rank how the index builds went; raise on all of them if any build failed.
+
+    Stands where a barrier would: the waiting ranks learn of a builder's failure (a full disk,
+    an unwritable cache) at once, instead of waiting for it until the collective times out.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    outcomes = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(outcomes, None if error is None else str(error))
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if error is not None:
+        raise error  # the builder's own error, with its traceback
+    if failed:
+        rank, message = failed[0]
+        raise DatasetBuildError(f"rank {rank} failed to build the {name} dataset index, so this rank "
+                                f"stops too: {message}")
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -125,23 +149,30 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def _load_or_build(self, folder, description, documents, seed):
+        error = None
         if _is_index_builder() and not all(f.exists() for f in self.cache_files.values()):
-            arrays = build_indices(self.indexed.sizes, documents, self.seq_length, self.num_samples, seed)
             try:
-                folder.mkdir(parents=True, exist_ok=True)
-                for (kind, path), array in zip(self.cache_files.items(), arrays):
-                    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                    with open(tmp, "wb") as f:
-                        np.save(f, array, allow_pickle=False)
-                    os.replace(tmp, path)
-                with open(self.cache_files["document"].with_suffix(".json"), "w") as f:
-                    json.dump(description, f, indent=1)
-            except OSError as error:
-                raise OSError(f"cannot write the {self.name} index cache in {folder} ({error}); "
-                              "point --data-cache-path at a writable folder") from error
-        _barrier()
+                self._build(folder, description, documents, seed)
+            except Exception as failure:  # shared with the other ranks before it is raised
+                error = failure
+        _share_build_outcome(self.name, error)
         return tuple(np.load(path, mmap_mode="r", allow_pickle=False)
                      for path in self.cache_files.values())
+
+    def _build(self, folder, description, documents, seed):
+        arrays = build_indices(self.indexed.sizes, documents, self.seq_length, self.num_samples, seed)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for (kind, path), array in zip(self.cache_files.items(), arrays):
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, array, allow_pickle=False)
+                os.replace(tmp, path)
+            with open(self.cache_files["document"].with_suffix(".json"), "w") as f:
+                json.dump(description, f, indent=1)
+        except OSError as error:
+            raise OSError(f"cannot write the {self.name} index cache in {folder} ({error}); "
+                          "point --data-cache-path at a writable folder") from error
 
     def __len__(self):
         return self.num_samples

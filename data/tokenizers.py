@@ -68,7 +68,11 @@ class HuggingFaceTokenizer(Tokenizer):
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}: give the file or the folder that "
                                     "holds it (train one with tools/train_tokenizer.py)")
-        return cls(HFTokenizer.from_file(str(path)), [path], eod_token)
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # `tokenizers` raises a bare Exception for a malformed file
+            raise ValueError(f"{path}: not a readable tokenizer.json ({error})") from None
+        return cls(tokenizer, [path], eod_token)
 
     @classmethod
     def from_gpt2_files(cls, vocab_file, merge_file, eod_token=None):
@@ -77,7 +81,11 @@ class HuggingFaceTokenizer(Tokenizer):
             if not path or not Path(path).is_file():
                 raise FileNotFoundError(f"GPT2BPETokenizer needs {name} (--{name.replace('_', '-')}), "
                                         f"got {path!r}")
-        tokenizer = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        try:
+            tokenizer = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as error:  # a bare Exception, as above
+            raise ValueError(f"{vocab_file}, {merge_file}: not a readable GPT-2 vocab.json and "
+                             f"merges.txt ({error})") from None
         # GPT-2's byte-level BPE: no prefix space, bytes mapped to printable characters.
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -112,7 +120,10 @@ class SentencePieceTokenizer(Tokenizer):
         if not Path(model_file).is_file():
             raise FileNotFoundError(f"no SentencePiece model at {model_file}")
         self.files = (str(model_file),)
-        self._model = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        except (RuntimeError, OSError) as error:
+            raise ValueError(f"{model_file}: not a readable SentencePiece model ({error})") from None
         if eod_token:
             self._eod = self._model.piece_to_id(eod_token)
             if self._eod == self._model.unk_id():

@@ -15,19 +15,27 @@ install has them and the output is deterministic for a given Python build):
   topics in ``pydoc_data/topics.py`` (text of the Language Reference; always installed, since
   ``help()`` needs it), the Zen of Python (``this.s``, rot13) and ``LICENSE.txt`` where present.
 
-Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4]``
+The corpus is built in a temporary folder beside ``--output`` and moved there when complete,
+README.txt last, so an interrupted run leaves no half corpus under that name. A folder that
+already holds files is refused; ``--overwrite`` replaces the corpus files in it (other files stay).
+
+Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4] [--overwrite]``
 """
 import argparse
 import ast
 import codecs
 import json
 import os
+import shutil
 import sys
 import sysconfig
+import uuid
 import warnings
 from pathlib import Path
 
 import zstandard
+
+from megafp8.console import show_warnings_as_messages
 
 GITHUB, BOOK, WIKI = "RedPajamaGitHub", "RedPajamaBook", "RedPajamaWikipedia"
 SUBSETS = (GITHUB, BOOK, WIKI)
@@ -36,6 +44,7 @@ MIN_BOOK_CHARS = 1000  # a module's docstrings must make at least this much pros
 # Test suites, third-party packages and caches are not "the standard library's code".
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 SKIP_FILES = {"pydoc_data/topics.py"}  # a data file; its text goes to WIKI instead
+CHUNKS = "chunk1/example_train_*.jsonl.zst"  # what --overwrite replaces, with README.txt
 
 DESCRIPTION = (
     "Write a small corpus with SlimPajama's format (chunk1/example_train_{k}.jsonl.zst, lines "
@@ -129,8 +138,6 @@ def write(docs: list[tuple[str, str]], output: Path, docs_per_chunk: int) -> lis
     """Write the chunk files, streaming through zstd so memory stays small."""
     chunk_dir = output / "chunk1"
     chunk_dir.mkdir(parents=True, exist_ok=True)
-    for stale in chunk_dir.glob("example_train_*.jsonl.zst"):  # a rerun must not leave old chunks
-        stale.unlink()
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     files = []
     for k, start in enumerate(range(0, len(docs), docs_per_chunk)):
@@ -143,27 +150,9 @@ def write(docs: list[tuple[str, str]], output: Path, docs_per_chunk: int) -> lis
     return files
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
-    parser.add_argument("--output", type=Path, default=Path("sample_corpus"),
-                        help="output folder (default ./sample_corpus)")
-    parser.add_argument("--max-mb", type=float, default=4.0,
-                        help="cap on the total text, in MB of UTF-8 (10^6 bytes; default 4)")
-    parser.add_argument("--docs-per-chunk", type=int, default=1000,
-                        help="documents per .jsonl.zst file (default 1000)")
-    args = parser.parse_args(argv)
-    if args.docs_per_chunk < 1:
-        parser.error("--docs-per-chunk must be at least 1")
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = select(collect(stdlib), int(args.max_mb * 1_000_000))
-    files = write(docs, args.output, args.docs_per_chunk)
-
-    counts = {name: sum(1 for n, _ in docs if n == name) for name in SUBSETS}
-    mb = sum(len(text.encode("utf-8")) for _, text in docs) / 1_000_000
-    summary = ", ".join(f"{name} {counts[name]}" for name in SUBSETS)
+def readme(counts: dict[str, int], mb: float, n_files: int) -> str:
     # No timestamps or absolute paths, so the README is as reproducible as the chunks.
-    (args.output / "README.txt").write_text(
+    return (
         "Sample corpus in SlimPajama's format: a stand-in, NOT SlimPajama.\n\n"
         "Built by tools/make_sample_corpus.py from the Python standard library "
         f"(Python {sys.version_info.major}.{sys.version_info.minor}) for the quickstart.\n"
@@ -173,10 +162,70 @@ def main(argv=None) -> int:
         f"  {GITHUB}: stdlib .py source files, one per document ({counts[GITHUB]} documents)\n"
         f"  {BOOK}: per-module docstrings joined ({counts[BOOK]} documents)\n"
         f"  {WIKI}: help() topics (pydoc_data), the Zen of Python, LICENSE.txt ({counts[WIKI]} documents)\n\n"
-        f"Total: {len(docs)} documents, {mb:.2f} MB of text, {len(files)} files.\n",
-        encoding="utf-8",
+        f"Total: {sum(counts.values())} documents, {mb:.2f} MB of text, {n_files} files.\n"
     )
-    print(f"sample corpus: {summary} documents; {mb:.2f} MB of text in {len(files)} files under {args.output}")
+
+
+def move_into(built: Path, output: Path) -> None:
+    """Put the finished corpus in `built` at `output`: a rename when `output` is new, else its
+    files replace the old corpus's one by one, README.txt (the sign of a finished corpus) last."""
+    if not output.exists():
+        os.rename(built, output)
+        return
+    for stale in [*output.glob(CHUNKS), output / "README.txt"]:
+        stale.unlink(missing_ok=True)  # a new corpus may have fewer chunks than the old one
+    (output / "chunk1").mkdir(exist_ok=True)
+    for path in [*sorted(built.glob(CHUNKS)), built / "README.txt"]:
+        os.replace(path, output / path.relative_to(built))
+    shutil.rmtree(built)
+
+
+def main(argv=None) -> int:
+    show_warnings_as_messages("make_sample_corpus")
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser.add_argument("--output", type=Path, default=Path("sample_corpus"),
+                        help="output folder (default ./sample_corpus); new or empty unless --overwrite")
+    parser.add_argument("--max-mb", type=float, default=4.0,
+                        help="cap on the total text, in MB of UTF-8 (10^6 bytes; default 4)")
+    parser.add_argument("--docs-per-chunk", type=int, default=1000,
+                        help="documents per .jsonl.zst file (default 1000)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"replace the corpus files ({CHUNKS}, README.txt) in an --output "
+                             "folder that holds files; other files there are kept")
+    args = parser.parse_args(argv)
+    if args.docs_per_chunk < 1:
+        parser.error("--docs-per-chunk must be at least 1")
+    output = args.output
+    if output.exists() and not output.is_dir():
+        parser.error(f"--output {output} is a file; give a folder")
+    held = sorted(p.name + "/" * p.is_dir() for p in output.iterdir()) if output.is_dir() else []
+    if held and not args.overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        # A refusal, not a usage mistake: the message alone, without the usage text.
+        parser.exit(2, f"{parser.prog}: error: --output {output} already holds files ({shown}); pass "
+                       f"--overwrite to replace the corpus files there ({CHUNKS}, README.txt; "
+                       "other files are kept), or give a new or empty folder\n")
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = select(collect(stdlib), int(args.max_mb * 1_000_000))
+    counts = {name: sum(1 for n, _ in docs if n == name) for name in SUBSETS}
+    mb = sum(len(text.encode("utf-8")) for _, text in docs) / 1_000_000
+    # Built beside --output, never in it (where a reader would take it for part of the corpus):
+    # hidden, on the same file system so that a rename moves it, and removed if anything fails.
+    where = output.resolve()  # `--output .` has no name to sit beside
+    built = where.parent / f".{where.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        built.mkdir(parents=True)
+        files = write(docs, built, args.docs_per_chunk)
+        (built / "README.txt").write_text(readme(counts, mb, len(files)), encoding="utf-8")
+        move_into(built, output)
+    except OSError as error:  # a full disk, a folder we may not write: what and where, no traceback
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+
+    summary = ", ".join(f"{name} {counts[name]}" for name in SUBSETS)
+    print(f"sample corpus: {summary} documents; {mb:.2f} MB of text in {len(files)} files under {output}")
     return 0
 
 

@@ -13,13 +13,19 @@ uint16 for vocabularies under 65500 else int32. --input takes files (.jsonl, .js
 The output is identical for any --workers: documents go to the workers in fixed-size batches and
 come back in order. Outputs are written under temporary names and moved into place only when the
 whole corpus has been processed, so a failed or interrupted run leaves no .idx that looks valid.
+Existing outputs are never replaced without --overwrite.
+
+A bad input (a malformed line, text the tokenizer refuses) or a refusal ends the run with a
+one-line message and exit code 2; a failure to write (a full disk) with one line and code 1.
 """
 import argparse
+import glob
 import multiprocessing
 import re
 import signal
 import sys
 import time
+import warnings
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -27,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megafp8.console import show_warnings_as_messages
 from megafp8.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, disable_tokenizers_parallelism
@@ -35,6 +42,10 @@ from megafp8.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, disable_to
 # large enough that a task's pickling and scheduling cost is small beside its tokenization.
 BATCH_DOCUMENTS = 16
 UNKNOWN_SET = "unknown"  # --split-by-set name for documents without meta.redpajama_set_name
+
+
+class InputError(ValueError):
+    """The corpus cannot be processed as it is: text the tokenizer refuses, clashing subset names."""
 
 
 class Encoder:
@@ -57,7 +68,7 @@ class Encoder:
                 try:
                     self.tokenizer.tokenize(text)
                 except Exception as error:
-                    raise ValueError(f"{doc.where}: tokenizing {key!r} failed: "
+                    raise InputError(f"{doc.where}: tokenizing {key!r} failed: "
                                      f"{type(error).__name__}: {error}") from None
             raise
 
@@ -113,7 +124,7 @@ class _Outputs:
         name = UNKNOWN_SET if subset is None else subset
         part = _file_part(name)
         if self._set_files.setdefault(part, name) != name:
-            raise ValueError(f"subsets {self._set_files[part]!r} and {name!r} would share the file "
+            raise InputError(f"subsets {self._set_files[part]!r} and {name!r} would share the file "
                              f"name part {part!r}; rename one in the corpus")
         return f"{self.prefix}_{part}_{_file_part(key)}_document"
 
@@ -131,6 +142,14 @@ class _Outputs:
     def abort(self):
         for builder in self.builders.values():
             builder.abort()
+
+
+def _existing_outputs(prefix, json_keys, split_by_set):
+    """The files under `prefix` that this run could write; with --split-by-set, those of any subset."""
+    subset = "_*" if split_by_set else ""
+    patterns = [f"{glob.escape(prefix)}{subset}_{_file_part(key)}_document.{ext}"
+                for key in json_keys for ext in ("bin", "idx")]
+    return sorted({path for pattern in patterns for path in glob.glob(pattern)})
 
 
 def _parse_args(argv):
@@ -157,6 +176,8 @@ def _parse_args(argv):
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True,
                        help="path prefix of the outputs: <prefix>_<key>_document.{bin,idx}")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace outputs that already exist (without it they are refused)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     group.add_argument("--log-interval", type=int, default=100,
@@ -177,8 +198,14 @@ def _parse_args(argv):
         parser.error(f"tokenizer: {error}")
     try:
         resolve_inputs(args.input)
-    except SourceError as error:
+    except (SourceError, OSError) as error:
         parser.error(str(error))
+    args.existing_outputs = _existing_outputs(args.output_prefix, args.json_keys, args.split_by_set)
+    if args.existing_outputs and not args.overwrite:
+        shown = ", ".join(args.existing_outputs[:6]) + (", ..." if len(args.existing_outputs) > 6 else "")
+        # A refusal, not a usage mistake: the message alone, without the usage text.
+        parser.exit(2, f"{parser.prog}: error: {len(args.existing_outputs)} output files already exist "
+                       f"({shown}); pass --overwrite to replace them, or choose another --output-prefix\n")
     return args
 
 
@@ -198,9 +225,10 @@ def _summary_lines(summary, split_by_set):
 
 
 def main(argv=None):
+    """Process the corpus and return the summary; a failure raises (see the end of this file)."""
+    show_warnings_as_messages("preprocess_data")
     args = _parse_args(argv)
     tokenizer = args.tokenizer
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     stats = SourceStats(tuple(args.json_keys))
     documents = iter_documents(args.input, args.json_keys, stats=stats,
                                hf_split=args.hf_split, hf_config=args.hf_config)
@@ -215,6 +243,7 @@ def main(argv=None):
     start = time.perf_counter()
     bar = tqdm(desc="tokenizing", unit="doc", file=sys.stderr, mininterval=1.0, smoothing=0.1)
     try:
+        Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
         if not args.split_by_set:
             for key in args.json_keys:  # a dataset per key even if every document lacks it
                 outputs.builder(None, key)
@@ -253,6 +282,12 @@ def main(argv=None):
         raise
     bar.close()
     elapsed = max(time.perf_counter() - start, 1e-9)
+    # --split-by-set with --overwrite: an earlier run's subsets that this corpus lacks stay behind.
+    untouched = sorted(set(args.existing_outputs) - set(files))
+    if untouched:
+        warnings.warn(f"{len(untouched)} files of an earlier run under this --output-prefix were not "
+                      f"replaced, as this corpus has no such subset: {', '.join(untouched)}; delete "
+                      "them unless they belong with these outputs")
 
     summary = {
         "documents": n_docs,
@@ -274,4 +309,13 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # main has already said what went wrong (argparse, or the "stopped" line); a traceback would
+    # only bury it. An unexpected (internal) error keeps its traceback.
+    try:
+        main()
+    except (SourceError, InputError):
+        sys.exit(2)
+    except OSError:
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

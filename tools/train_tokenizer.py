@@ -8,22 +8,32 @@
 --type sentencepiece: SentencePiece BPE with byte fallback, as Llama (`</s>` end of sentence).
     Writes tokenizer.model (--tokenizer-type SentencePieceTokenizer).
 
-Training is deterministic: the same corpus and flags give byte-identical files.
+Training is deterministic: the same corpus and flags give byte-identical files. Existing files
+are never replaced without --overwrite; the new ones are moved into place only once all are
+written (tokenizer.json last), so an interrupted run leaves no tokenizer that looks finished.
 """
 import argparse
 import io
 import itertools
+import os
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megafp8.console import show_warnings_as_messages
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import build_tokenizer
 
 BPE_EOD = "<|endoftext|>"
 MIN_VOCAB = 384  # the 256 bytes, the special tokens and room for merges
+# The files each --type writes. Moved into place last to first: the first is what
+# --tokenizer-model reads, so it appears only when the others are there.
+FILES = {"bpe": ("tokenizer.json", "vocab.json", "merges.txt"), "sentencepiece": ("tokenizer.model",)}
 
 
 def _texts(args, stats):
@@ -38,7 +48,7 @@ def _texts(args, stats):
             yield from (text for text in doc.texts.values() if text is not None)
 
 
-def train_bpe(args, texts):
+def train_bpe(args, texts, folder):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     # The same pieces from_gpt2_files assembles around vocab.json + merges.txt, so both load alike.
     tokenizer = Tokenizer(models.BPE())
@@ -51,13 +61,11 @@ def train_bpe(args, texts):
         show_progress=False,  # our bar counts documents; its own would interleave with it
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.save(str(args.output / "tokenizer.json"))
-    tokenizer.model.save(str(args.output))  # vocab.json + merges.txt
-    files = [args.output / name for name in ("tokenizer.json", "vocab.json", "merges.txt")]
-    return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=files[0]), files
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer.model.save(str(folder))  # vocab.json + merges.txt
 
 
-def train_sentencepiece(args, texts, parser):
+def train_sentencepiece(args, texts, parser, folder):
     import sentencepiece
     # SentencePiece trains on sentences: give it lines (whole documents would pass its length cap).
     lines = (line for text in texts for line in text.split("\n") if line.strip())
@@ -84,12 +92,11 @@ def train_sentencepiece(args, texts, parser):
         if "Vocabulary size" in str(error):
             parser.error(f"--vocab-size {args.vocab_size} does not fit this corpus: {error}")
         raise
-    files = [args.output / "tokenizer.model"]
-    files[0].write_bytes(model.getvalue())
-    return build_tokenizer("SentencePieceTokenizer", tokenizer_model=files[0]), files
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
 
 
 def main(argv=None):
+    show_warnings_as_messages("train_tokenizer")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True,
                         help="files (.jsonl, .json, .jsonl.zst, .parquet), folders, globs or a "
@@ -98,6 +105,8 @@ def main(argv=None):
                         help="bpe: byte-level BPE as GPT-2 (default); sentencepiece: as Llama")
     parser.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, e.g. 8192")
     parser.add_argument("--output", type=Path, required=True, help="output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the tokenizer files already in --output (without it they are refused)")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="keys whose texts train the tokenizer (default: text)")
     parser.add_argument("--max-documents", type=int, default=None,
@@ -113,15 +122,32 @@ def main(argv=None):
         resolve_inputs(args.input)
     except SourceError as error:
         parser.error(str(error))
+    files = [args.output / name for name in FILES[args.type]]
+    existing = [str(path) for path in files if path.exists()]
+    if existing and not args.overwrite:
+        # A refusal, not a usage mistake: the message alone, without the usage text.
+        parser.exit(2, f"{parser.prog}: error: {', '.join(existing)} already "
+                       f"{'exists' if len(existing) == 1 else 'exist'}; pass --overwrite to replace "
+                       "the tokenizer, or choose another --output\n")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"--output {args.output} is a file; give a folder")
     args.output.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
     stats = SourceStats(tuple(args.json_keys))
     texts = _texts(args, stats)
-    if args.type == "bpe":
-        tokenizer, files = train_bpe(args, texts)
-    else:
-        tokenizer, files = train_sentencepiece(args, texts, parser)
+    staging = Path(tempfile.mkdtemp(prefix=".train_tokenizer-", dir=args.output))
+    try:
+        if args.type == "bpe":
+            train_bpe(args, texts, staging)
+        else:
+            train_sentencepiece(args, texts, parser, staging)
+        for path in reversed(files):
+            os.replace(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    kind = "HuggingFaceTokenizer" if args.type == "bpe" else "SentencePieceTokenizer"
+    tokenizer = build_tokenizer(kind, tokenizer_model=files[0])
     elapsed = time.perf_counter() - start
 
     summary = {
@@ -140,12 +166,24 @@ def main(argv=None):
         if stats.missing[key] or stats.empty[key]:
             print(f"  {key!r}: {stats.missing[key]} missing, {stats.empty[key]} empty (skipped)",
                   file=sys.stderr)
-    if tokenizer.vocab_size < args.vocab_size:
-        print(f"  warning: the corpus yields only {tokenizer.vocab_size} tokens, fewer than "
-              f"--vocab-size {args.vocab_size}", file=sys.stderr)
     print("  files: " + ", ".join(summary["files"]), file=sys.stderr)
+    if tokenizer.vocab_size < args.vocab_size:
+        warnings.warn(f"this corpus yields only {tokenizer.vocab_size} tokens, fewer than --vocab-size "
+                      f"{args.vocab_size}, so the tokenizer has {tokenizer.vocab_size}. Nothing else "
+                      "needs changing (preprocess_data and the trainer take the vocabulary size from "
+                      f"the tokenizer); for {args.vocab_size} tokens, train on more text")
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    # Errors in what the user gave or where the files go, in one line without a traceback.
+    try:
+        main()
+    except SourceError as error:
+        print(f"train_tokenizer: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as error:
+        print(f"train_tokenizer: error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,5 +1,6 @@
 """GPT dataset, blending and the sampler: coverage, determinism, caching, resume, proportions."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from megafp8.data import (
     split_ranges,
 )
 from megafp8.data import gpt_dataset
+from megafp8.data.gpt_dataset import build_indices
 
 from ..multiprocess import run_on_ranks
 
@@ -37,13 +39,46 @@ def unshuffled_samples(ds):
     return [ds[int(i)]["tokens"] for i in order]
 
 
-def test_split_ranges_round_like_megatron():
+def megatron_core_ranges(num_documents, weights):
+    """megatron-core 0.16's rounding, written out: the running sums of the normalised weights
+    (numpy's float64 sums), each times the document count, rounded."""
+    weights = np.array(weights + [0.0] * (3 - len(weights)), dtype=np.float64)
+    ends = np.concatenate([[0.0], np.cumsum(weights / np.sum(weights))])
+    return [(int(round(float(a) * num_documents)), int(round(float(b) * num_documents)))
+            for a, b in zip(ends[:-1], ends[1:])]
+
+
+def test_split_ranges_round_like_megatron_core():
+    # Old Megatron-LM rounded each split's size and gave (0, 34), (34, 67), (67, 100) here.
+    assert split_ranges(100, "1,1,1") == [(0, 33), (33, 67), (67, 100)]
     assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges(10, "1") == [(0, 10), (10, 10), (10, 10)]
     assert split_ranges(7, "98,2,0") == [(0, 7), (7, 7), (7, 7)]
+    splits = ["1,1,1", "969,30,1", "98,2,0", "1", "2,1", "1,2,3", "3,3,4", "99,1", "90,5,5",
+              "1,0,1", "0,1,0", "0.7,0.2,0.1", "0.8,0.1,0.1", "949,50,1", "5,3,2", "1,1"]
+    sizes = list(range(0, 301)) + [997, 1001, 12345, 99999, 4_000_000, 31_415_927]
+    for split in splits:
+        weights = [float(w) for w in split.split(",")]
+        for n in sizes:
+            ranges = split_ranges(n, split)
+            assert ranges == megatron_core_ranges(n, weights), (n, split)
+            assert ranges[0][0] == 0 and ranges[2][1] == n  # contiguous and complete
+            assert ranges[0][1] == ranges[1][0] and ranges[1][1] == ranges[2][0]
     for bad in ("a,b", "1,2,3,4", "-1,2", "0,0,0"):
         with pytest.raises(ValueError, match="--split"):
             split_ranges(10, bad)
+
+
+def test_a_changed_split_range_never_reuses_a_cached_index(tmp_path, monkeypatch):
+    """An index cached for the old rounding's (0, 34) is not taken for the new (0, 33)."""
+    indexed = unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(6), n_docs=100)
+    old = GPTDataset(indexed, np.arange(0, 34), 8, 20, seed=1, cache_dir=tmp_path / "cache")
+    built = []
+    monkeypatch.setattr(gpt_dataset, "build_indices",
+                        lambda *args: built.append(args) or build_indices(*args))
+    new = GPTDataset(indexed, np.arange(0, 33), 8, 20, seed=1, cache_dir=tmp_path / "cache")
+    assert len(built) == 1 and set(old.cache_files.values()).isdisjoint(new.cache_files.values())
+    assert np.asarray(new.document_index).max() == 32
 
 
 def test_samples_cover_every_token_once_per_epoch(tmp_path):
@@ -108,6 +143,38 @@ def test_one_rank_builds_the_others_wait(tmp_path):
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def build_where_one_builder_fails(rank, world_size, prefix, nodes, cache_dirs):
+    os.environ["LOCAL_RANK"] = str(nodes[:rank].count(nodes[rank]))  # the first rank of a node builds
+    start = time.monotonic()
+    try:
+        GPTDataset(prefix, np.arange(40), 8, 50, seed=3, cache_dir=cache_dirs[nodes[rank]])
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("nodes, failing_node", [
+    ((0, 0), 0),     # one node: its builder, rank 0, fails while rank 1 waits
+    ((0, 0, 1), 1),  # two nodes: node 1's builder, rank 2, fails; node 0's succeeded
+])
+def test_a_failed_index_build_stops_every_rank(tmp_path, nodes, failing_node):
+    unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(2))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")  # a cache folder below a file cannot be created
+    cache_dirs = [str(blocker / "cache") if node == failing_node else str(tmp_path / f"cache{node}")
+                  for node in range(max(nodes) + 1)]
+    outcomes = run_on_ranks(build_where_one_builder_fails, len(nodes), str(tmp_path / "c"), nodes,
+                            cache_dirs, timeout_s=120)
+    builder = nodes.index(failing_node)
+    for rank, (kind, message, elapsed) in enumerate(outcomes):
+        assert "--data-cache-path" in message, (rank, kind, message)
+        assert elapsed < 60, (rank, elapsed)  # at once, not at a collective's timeout
+        if rank == builder:
+            assert kind == "OSError"
+        else:
+            assert kind == "DatasetBuildError" and message.startswith(f"rank {builder} failed to build the train")
 
 
 def test_unwritable_cache_and_empty_split_are_clear_errors(tmp_path):

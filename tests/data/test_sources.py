@@ -142,7 +142,7 @@ def test_order_is_deterministic(tmp_path):
 
 
 def test_hugging_face_local_datasets(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     rows = records(20)
     folder = tmp_path / "jsonl"
     folder.mkdir()
@@ -161,7 +161,7 @@ def test_hugging_face_local_datasets(tmp_path):
 
 
 def test_unloadable_hugging_face_name(monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     import huggingface_hub.constants
     # Offline: the Hub is never asked, so the test neither waits on nor needs a network.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)

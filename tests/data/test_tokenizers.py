@@ -115,3 +115,15 @@ def test_errors_name_what_is_missing(tmp_path, bpe_dir):
         build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json")
     with pytest.raises(FileNotFoundError, match="no SentencePiece model"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=tmp_path / "missing.model")
+
+
+def test_unreadable_files_are_value_errors_naming_the_file(tmp_path, bpe_dir):
+    # The libraries raise a bare Exception or RuntimeError; the tools report ValueErrors in one line.
+    garbage = tmp_path / "garbage"
+    garbage.write_text("not a tokenizer\n")
+    with pytest.raises(ValueError, match=r"garbage: not a readable tokenizer\.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=garbage)
+    with pytest.raises(ValueError, match=r"garbage: not a readable GPT-2 vocab\.json and merges\.txt"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json", merge_file=garbage)
+    with pytest.raises(ValueError, match="garbage: not a readable SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=garbage)

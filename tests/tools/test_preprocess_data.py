@@ -1,6 +1,8 @@
 """tools/preprocess_data.py: the .bin holds the tokenizer's ids, for every input form and worker count."""
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.tokenizers import build_tokenizer
 
 from ..data.corpora import SUBSETS, records, write_formats, write_jsonl, write_parquet, write_zst
-from .load import load_tool
+from .load import TOOLS, load_tool
 
 tool = load_tool("preprocess_data")
+TOOL = TOOLS / "preprocess_data.py"
 train_tokenizer = load_tool("train_tokenizer")
 N_DOCS = 90  # several batches of tool.BATCH_DOCUMENTS, the last one partial
 
@@ -78,7 +81,7 @@ def test_bin_holds_the_tokenizer_ids(tmp_path, rows, tokenizers, kind, append_eo
 
 
 def test_every_input_form_gives_identical_outputs(tmp_path, rows, tokenizers):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     flags = tokenizers["HuggingFaceTokenizer"]
     reference = run([write_jsonl(tmp_path / "all.jsonl", rows)], tmp_path / "ref", flags=flags)
     want = read_bytes(reference["outputs"])
@@ -213,3 +216,84 @@ def test_meta_as_json_string_splits_too(tmp_path, tokenizers):
     summary = run([write_jsonl(tmp_path / "c.jsonl", rows)], tmp_path / "o", "HuggingFaceTokenizer",
                   tokenizers["HuggingFaceTokenizer"], "--split-by-set")
     assert summary["outputs"] == files_of(tmp_path / "o_RedPajamaArXiv")
+
+
+NULL = ["--vocab-size", "100"]  # NullTokenizer: text is ids, nothing to train
+
+
+def test_existing_outputs_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    run([write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}])], tmp_path / "out", "NullTokenizer", NULL)
+    before = read_bytes(files_of(tmp_path / "out"))
+    capsys.readouterr()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a refused run must not read the corpus")
+
+    monkeypatch.setattr(tool, "iter_documents", no_reading)
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": "4 5"}])
+    with pytest.raises(SystemExit) as exit:
+        run([second], tmp_path / "out", "NullTokenizer", NULL)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert all(path in err for path in files_of(tmp_path / "out")), err
+    assert "pass --overwrite to replace them, or choose another --output-prefix" in err
+    assert read_bytes(files_of(tmp_path / "out")) == before
+    # --split-by-set: a file that any subset would write is refused, whichever subsets come.
+    (tmp_path / "sp_RedPajamaBook_text_document.idx").write_bytes(b"precious")
+    with pytest.raises(SystemExit):
+        run([second], tmp_path / "sp", "NullTokenizer", NULL, "--split-by-set")
+    assert "sp_RedPajamaBook_text_document.idx" in capsys.readouterr().err
+    assert (tmp_path / "sp_RedPajamaBook_text_document.idx").read_bytes() == b"precious"
+
+
+def test_overwrite_replaces_the_outputs(tmp_path):
+    run([write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}, {"text": "4"}])], tmp_path / "out",
+        "NullTokenizer", NULL)
+    run([write_jsonl(tmp_path / "b.jsonl", [{"text": "7 8"}])], tmp_path / "out", "NullTokenizer",
+        NULL, "--overwrite")
+    ds = IndexedDataset(tmp_path / "out_text_document")
+    assert [ds[i].tolist() for i in range(len(ds))] == [[7, 8]]
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+
+
+def test_overwrite_by_set_names_what_an_earlier_run_left(tmp_path):
+    def rows(*subsets):
+        return [{"text": str(i), "meta": {"redpajama_set_name": s}} for i, s in enumerate(subsets)]
+
+    run([write_jsonl(tmp_path / "a.jsonl", rows("RedPajamaBook", "RedPajamaGitHub"))], tmp_path / "sp",
+        "NullTokenizer", NULL, "--split-by-set")
+    left = [str(tmp_path / f"sp_RedPajamaGitHub_text_document.{ext}") for ext in ("bin", "idx")]
+    with pytest.warns(UserWarning, match="2 files of an earlier run") as caught:
+        run([write_jsonl(tmp_path / "b.jsonl", rows("RedPajamaBook", "RedPajamaBook"))], tmp_path / "sp",
+            "NullTokenizer", NULL, "--split-by-set", "--overwrite")
+    assert all(path in str(caught[0].message) for path in left)
+    assert len(IndexedDataset(tmp_path / "sp_RedPajamaBook_text_document")) == 2
+
+
+def test_user_errors_are_one_line_and_exit_code_2(tmp_path):
+    """As a command: what was wrong in one line, no traceback, exit code 2, nothing written."""
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "1 2"}])
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"text": "1 2"}\n{"text": "3\n')
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    (tmp_path / "taken_text_document.bin").write_bytes(b"precious")
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer"]
+    null = ["--tokenizer-type", "NullTokenizer", *NULL]
+    cases = [
+        ([malformed], "out/a", null, r"malformed\.jsonl:2: malformed JSON"),
+        ([write_jsonl(tmp_path / "words.jsonl", [{"text": "1 two"}])], "out/b", null,
+         r"words\.jsonl:1: tokenizing 'text' failed"),
+        ([tmp_path / "missing.jsonl"], "out/c", null, "no such file"),
+        ([good], "out/d", [*hf, "--tokenizer-model", str(tmp_path / "nope")], "no tokenizer.json"),
+        ([good], "out/e", [*hf, "--tokenizer-model", str(garbage)],
+         r"garbage\.json: not a readable tokenizer"),
+        ([good], "taken", null, r"taken_text_document\.bin\).*--overwrite"),
+    ]
+    for inputs, prefix, flags, message in cases:
+        done = subprocess.run([sys.executable, str(TOOL), "--input", *map(str, inputs), "--output-prefix",
+                               str(tmp_path / prefix), *flags], capture_output=True, text=True)
+        assert done.returncode == 2 and re.search(message, done.stderr), (message, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+    assert list((tmp_path / "out").iterdir()) == []  # the failed runs removed their partial outputs
+    assert (tmp_path / "taken_text_document.bin").read_bytes() == b"precious"

@@ -1,12 +1,14 @@
 """tools/train_tokenizer.py: BPE and SentencePiece from any corpus format, deterministic, loadable."""
 import re
+import subprocess
+import sys
 
 import pytest
 
 from megafp8.data.tokenizers import build_tokenizer
 
 from ..data.corpora import records, write_formats, write_jsonl
-from .load import load_tool
+from .load import TOOLS, load_tool
 
 tool = load_tool("train_tokenizer")
 TEXT = "def main(argv=None):\n    return 0  # naïve 数据 🚀\n"
@@ -75,3 +77,61 @@ def test_vocabulary_too_large_for_sentencepiece(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train(tmp_path / "a.jsonl", tmp_path / "tok", "--type", "sentencepiece")
     assert "does not fit this corpus" in capsys.readouterr().err
+
+
+def test_existing_tokenizer_files_are_refused(corpus, tmp_path, capsys):
+    train(corpus, tmp_path, "--type", "bpe")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        train(corpus, tmp_path, "--type", "bpe", "--max-documents", "10")
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert all(str(tmp_path / name) in err for name in ("tokenizer.json", "vocab.json", "merges.txt"))
+    assert "pass --overwrite to replace the tokenizer, or choose another --output" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.filterwarnings("ignore:this corpus yields only")  # 30 documents give a little less than 400
+def test_overwrite_replaces_the_tokenizer(corpus, tmp_path):
+    train(corpus, tmp_path / "tok", "--type", "bpe")
+    train(corpus, tmp_path / "tok", "--type", "bpe", "--max-documents", "30", "--overwrite")
+    fresh = train(corpus, tmp_path / "fresh", "--type", "bpe", "--max-documents", "30")["files"]
+    for path in fresh:
+        name = path.rsplit("/", 1)[1]
+        assert (tmp_path / "tok" / name).read_bytes() == open(path, "rb").read(), name
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(tool.FILES["bpe"])  # no leftovers
+
+
+def test_an_interrupted_run_leaves_no_tokenizer(corpus, tmp_path, monkeypatch):
+    train_bpe = tool.train_bpe
+
+    def interrupted(*args):
+        train_bpe(*args)
+        raise KeyboardInterrupt  # Ctrl-C once the files are written
+
+    monkeypatch.setattr(tool, "train_bpe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(corpus, tmp_path / "tok", "--type", "bpe")
+    assert list((tmp_path / "tok").iterdir()) == []
+
+
+def test_as_a_command_messages_are_lines(tmp_path):
+    """A small corpus's notice and a bad input's error read as one-line messages, no traceback."""
+    command = [sys.executable, str(TOOLS / "train_tokenizer.py"), "--vocab-size", "400"]
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": "tiny corpus"}])
+    done = subprocess.run([*command, "--input", str(small), "--output", str(tmp_path / "tok")],
+                          capture_output=True, text=True)
+    size = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path / "tok").vocab_size
+    assert done.returncode == 0 and size < 400
+    assert re.search(rf"^train_tokenizer: warning: this corpus yields only {size} tokens, fewer than "
+                     rf"--vocab-size 400, so the tokenizer has {size}\. .*train on more text$",
+                     done.stderr, re.MULTILINE), done.stderr
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"text": "fine"}\n{"text": \n')
+    done = subprocess.run([*command, "--input", str(malformed), "--output", str(tmp_path / "bad")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(r"^train_tokenizer: error: .*malformed\.jsonl:2: malformed JSON", done.stderr,
+                     re.MULTILINE), done.stderr
+    assert list((tmp_path / "bad").iterdir()) == []
