@@ -3,14 +3,16 @@
 # node, FP8 HYBRID (delayed scaling with Transformer Engine's history of 1024 and max, or current
 # scaling) or the bf16 baseline. The recipe sets MODEL (a preset), MODEL_ARGS (its extra flags),
 # SAMPLE_VOCAB (the tokenizer size for the sample corpus) and its size defaults; everything below
-# can be overridden from the environment.
+# can be overridden from the environment. A run resumes from its own checkpoints (--save and --load
+# are the same folder). Without a GPU it stops at once, unless CPU=1 (with a shrunk model).
 # Data from DATA_PATH (Megatron's --data-path syntax, with TOKENIZER_MODEL a tokenizer.json or
 # its folder) or, when unset, the embedded sample corpus, prepared under $WORKDIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set by the recipe script}" "${WORKDIR:?set by the recipe script}"
 MODEL_ARGS=${MODEL_ARGS:-}; SAMPLE_VOCAB=${SAMPLE_VOCAB:-32768}
-GPUS=${GPUS:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
 TP=${TP:-1}; PP=${PP:-1}
 MBS=${MBS:-4}; GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 8))}
 SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
@@ -19,6 +21,16 @@ PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
 SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+
+if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
+    cat >&2 <<EOF
+$(basename "${RECIPE:-$0}"): $MODEL needs NVIDIA GPUs, and this machine has none (torch sees no CUDA device).
+On a CPU, run the 4-layer GPT of examples/quickstart.sh instead, or shrink this recipe and set CPU=1:
+  CPU=1 SEQ=128 MBS=2 GBS=4 ITERS=20 EXTRA_ARGS="--num-layers 2 --hidden-size 128 --num-attention-heads 4" \\
+      bash ${RECIPE:-$0}
+EOF
+    exit 1
+fi
 
 if [ -z "${DATA_PATH:-}" ]; then
     # The embedded default: a SlimPajama-format sample from the Python stdlib (not SlimPajama).
@@ -47,4 +59,4 @@ torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
     --data-path $DATA_PATH --split 969,30,1 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
     --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10 \
-    ${SAVE:+--save "$SAVE" --save-interval 1000} $EXTRA_ARGS
+    ${SAVE:+--save "$SAVE" --load "$SAVE" --save-interval 1000} $EXTRA_ARGS

@@ -10,4 +10,4 @@ set -euo pipefail
 export SEQ=${SEQ:-2048} WORKDIR=${WORKDIR:-runs/gpt_1b_fp8}
 # Learned positions: the table is as long as the sequence.
 MODEL=gpt-1.3b SAMPLE_VOCAB=32768 MODEL_ARGS="--max-position-embeddings $SEQ" \
-    exec bash "$(dirname "$0")/pretrain_fp8.sh"
+    RECIPE=$0 exec bash "$(dirname "$0")/pretrain_fp8.sh"

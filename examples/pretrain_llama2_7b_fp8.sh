@@ -17,4 +17,4 @@ export GPUS TP=${TP:-1} PP=${PP:-$((GPUS < 4 ? GPUS : 4))} MBS=${MBS:-1}
 export GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 16))} SEQ=${SEQ:-4096} LR=${LR:-3e-4} MIN_LR=${MIN_LR:-3e-5}
 export WORKDIR=${WORKDIR:-runs/llama2_7b_fp8}
 MODEL=llama2-7b SAMPLE_VOCAB=32000 MODEL_ARGS="--recompute-granularity selective --use-distributed-optimizer" \
-    exec bash "$(dirname "$0")/pretrain_fp8.sh"
+    RECIPE=$0 exec bash "$(dirname "$0")/pretrain_fp8.sh"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole pipeline on whatever machine this is (CPU: a few minutes): build the sample corpus,
 # train a tokenizer on it, preprocess it into an indexed dataset, pretrain a small GPT with FP8
-# (HYBRID, delayed scaling), save a checkpoint. Everything goes under $WORKDIR.
+# (HYBRID, delayed scaling), save a checkpoint. Everything goes under $WORKDIR. Run it again and
+# it resumes from its checkpoint (with a larger ITERS it trains on; with the same, nothing to do).
 #   bash examples/quickstart.sh                 # defaults
 #   WORKDIR=/tmp/qs ITERS=300 bash examples/quickstart.sh
 set -euo pipefail
@@ -22,11 +23,12 @@ fi
 torchrun --standalone --nproc-per-node "$NPROC" -m megafp8.train \
     --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
     --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 16 \
-    --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 15 --lr-decay-style cosine \
+    --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters "$((ITERS / 10))" --lr-decay-style cosine \
     --weight-decay 0.1 --clip-grad 1.0 "${PRECISION[@]}" --fp8-format hybrid --fp8-recipe delayed \
     --data-path "$WORKDIR/data/sample_text_document" --split 98,2,0 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORKDIR/tokenizer" \
-    --log-interval 10 --eval-interval 50 --eval-iters 2 --save "$WORKDIR/checkpoints" --save-interval 100
+    --log-interval 10 --eval-interval 50 --eval-iters 2 \
+    --save "$WORKDIR/checkpoints" --load "$WORKDIR/checkpoints" --save-interval 100
 
 echo
 echo "corpus:      $WORKDIR/corpus"

@@ -45,6 +45,7 @@ def make_norm(config: TransformerConfig, dtype, device) -> nn.Module:
 
 
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class Attention(nn.Module):
@@ -119,26 +120,30 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, tp_group, sp, output_init, dtype, device)
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
-        self.recompute_full = recompute == "full"
 
     def forward(self, x, rotary, mask=None):
-        if not (self.recompute_full and torch.is_grad_enabled()):
-            return self._forward(x, rotary, mask)
-        # Full recomputation: keep only the input and redo the layer in backward, under the FP8
-        # context of this forward and with the scales its casts used (snapshotted right after it,
-        # before the end of the pass updates them).
-        context, scales = current_fp8_context(), {}
-        out = checkpoint(self._forward, x, rotary, mask, use_reentrant=False,
-                         context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
-        if context is not None:
-            for linear in (m for m in self.modules() if isinstance(m, Fp8Linear)):
-                scales[id(linear.fp8_scaling["input"])] = linear.fp8_scaling["input"].scale.clone()
-        return out
-
-    def _forward(self, x, rotary, mask):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
             x = x + F.dropout(self.attention(self.input_norm(x), rotary, mask), self.dropout, self.training)
             return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+
+
+def run_recomputed(layers, x, rotary, mask):
+    """Full recomputation of consecutive `layers`: keep only their input and redo them in
+    backward, under the FP8 context of this forward and with the scales its casts used
+    (snapshotted right after it, before the end of the pass updates them)."""
+
+    def run(x, rotary, mask):
+        for layer in layers:
+            x = layer(x, rotary, mask)
+        return x
+
+    context, scales = current_fp8_context(), {}
+    out = checkpoint(run, x, rotary, mask, use_reentrant=False,
+                     context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
+    if context is not None:
+        for linear in (m for layer in layers for m in layer.modules() if isinstance(m, Fp8Linear)):
+            scales[id(linear.fp8_scaling["input"])] = linear.fp8_scaling["input"].scale.clone()
+    return out
 
 
 class TransformerLM(nn.Module):
@@ -149,7 +154,10 @@ class TransformerLM(nn.Module):
     the output layer in FP8 too; `first_last_layers_bf16=N` keeps the first and last N layers
     out of FP8, as Megatron's --first-last-layers-bf16). `recompute="selective"` recomputes each
     attention core in backward instead of keeping its activations; `"full"` recomputes whole
-    layers from their inputs, with the FP8 scales their forward used. `sequence_parallel` keeps the
+    layers from their inputs, with the FP8 scales their forward used: with
+    `recompute_method="uniform"` this chunk's layers in groups of `recompute_num_layers` (one
+    input kept per group), with `"block"` only its first `recompute_num_layers` layers, one by
+    one, the rest keeping their activations (Megatron's --recompute-method). `sequence_parallel` keeps the
     residual stream, norms and dropout on this rank's sequence shard between the tensor-parallel
     regions; the parameters used there carry `param.sequence_parallel = True`, and their
     gradients must be summed over the tensor-parallel group before the optimizer step. Weights
@@ -159,7 +167,8 @@ class TransformerLM(nn.Module):
 
     def __init__(self, config: TransformerConfig, *, tp_group=None, sequence_parallel: bool = False,
                  layers: tuple[int, int] | None = None, seed: int = 0, fp8_output_layer: bool = False,
-                 first_last_layers_bf16: int = 0, recompute: str = "none", dtype=None, device=None):
+                 first_last_layers_bf16: int = 0, recompute: str = "none", recompute_method: str = "uniform",
+                 recompute_num_layers: int = 1, dtype=None, device=None):
         super().__init__()
         tp = world_size(tp_group)
         self.sequence_parallel = sp = sequence_parallel and tp > 1
@@ -169,6 +178,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        if recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_method must be one of {RECOMPUTE_METHODS}, got {recompute_method!r}")
+        if isinstance(recompute_num_layers, bool) or not isinstance(recompute_num_layers, int) or recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers must be a positive int, got {recompute_num_layers!r}")
         if not 0 <= first_last_layers_bf16 <= config.num_layers:
             raise ValueError(f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
                              f"num_layers={config.num_layers}")
@@ -217,6 +230,14 @@ class TransformerLM(nn.Module):
             self.output_layer = None if config.tie_embeddings else seeded(2, lambda: ColumnParallelLinear(
                 config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
                 init_method=normal_init(std), dtype=dtype, device=device))
+        # The units forward runs, each a list of consecutive layers and whether it is recomputed.
+        layer_list, n = list(self.layers.values()), recompute_num_layers
+        if recompute != "full":
+            self.units = [([layer], False) for layer in layer_list]
+        elif recompute_method == "uniform":
+            self.units = [(layer_list[i:i + n], True) for i in range(0, len(layer_list), n)]
+        else:
+            self.units = [([layer], i < n) for i, layer in enumerate(layer_list)]
         for module in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
             if module is not None:  # rows past the vocabulary are padding (dropped in checkpoints)
                 module.weight.unpadded_rows = config.vocab_size
@@ -244,8 +265,12 @@ class TransformerLM(nn.Module):
             if position_ids is not None:
                 rotary = tuple(table[position_ids.t()] for table in rotary)  # [s, b, head_dim]
         mask = None if document_ids is None else document_attention_mask(document_ids)
-        for layer in self.layers.values():
-            x = layer(x, rotary, mask)
+        for layers, recomputed in self.units:
+            if recomputed and torch.is_grad_enabled():
+                x = run_recomputed(layers, x, rotary, mask)
+                continue
+            for layer in layers:
+                x = layer(x, rotary, mask)
         if not self.post_process:
             return x
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]

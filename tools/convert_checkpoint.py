@@ -25,9 +25,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
+from megafp8.console import show_warnings_as_messages
 from megafp8.data.tokenizers import build_tokenizer
 from megafp8.models.config import PRESETS, RopeScaling, TransformerConfig, preset
 from megafp8.models.hf_mapping import from_hf_gpt2, from_hf_llama, to_hf_gpt2, to_hf_llama
@@ -200,13 +200,6 @@ def _explicit(config: TransformerConfig) -> TransformerConfig:
     return config.replace(num_kv_heads=config.kv_heads, ffn_hidden_size=config.ffn_size)
 
 
-def _single_process(call, *args, **kwargs):
-    """A DCP call without a process group (no_dist), without DCP's warning that there is none."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return call(*args, **kwargs, no_dist=True)
-
-
 # ---- the stored layout of a model ----------------------------------------------------------------
 
 def stored_layout(config: TransformerConfig) -> dict:
@@ -267,45 +260,54 @@ def _config_from_args(args, vocab_size: int) -> TransformerConfig:
         raise ConversionError(f"megafp8.json's args do not describe a valid model: {error}") from None
 
 
-def _tokenizer_source(args, tokenizer_dir):
-    """(tokenizer type, kwargs for build_tokenizer, files) of the run, or of --tokenizer-dir."""
+def _tokenizer_in(folder) -> tuple | None:
+    """(tokenizer type, {build_tokenizer argument: path}) of the tokenizer files in `folder`, or None."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        return "HuggingFaceTokenizer", {"tokenizer_model": folder / "tokenizer.json"}
+    if (folder / "tokenizer.model").is_file():
+        return "SentencePieceTokenizer", {"tokenizer_model": folder / "tokenizer.model"}
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return "GPT2BPETokenizer", {"vocab_file": folder / "vocab.json", "merge_file": folder / "merges.txt"}
+    return None
+
+
+def _tokenizer_source(args, tokenizer_dir, checkpoint: Path) -> tuple:
+    """The tokenizer to put into the Hugging Face folder: --tokenizer-dir's, else the copy the run
+    keeps in its --save folder, else the files the run recorded. ConversionError if none is there."""
     if tokenizer_dir is not None:
-        folder = Path(tokenizer_dir)
-        if (folder / "tokenizer.json").is_file():
-            return "HuggingFaceTokenizer", {"tokenizer_model": folder / "tokenizer.json"}
-        if (folder / "tokenizer.model").is_file():
-            return "SentencePieceTokenizer", {"tokenizer_model": folder / "tokenizer.model"}
-        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            return "GPT2BPETokenizer", {"vocab_file": folder / "vocab.json", "merge_file": folder / "merges.txt"}
-        raise ConversionError(f"--tokenizer-dir {folder}: no tokenizer.json, tokenizer.model or "
-                              "vocab.json + merges.txt there")
+        found = _tokenizer_in(tokenizer_dir)
+        if found is None:
+            raise ConversionError(f"--tokenizer-dir {tokenizer_dir}: no tokenizer.json, tokenizer.model or "
+                                  "vocab.json + merges.txt there")
+        return found
+    copy = checkpoint.parent / checkpointing.TOKENIZER_DIR
+    found = _tokenizer_in(copy)
+    if found is not None:
+        return found
     kind = getattr(args, "tokenizer_type", None)
-    if kind == "GPT2BPETokenizer":
-        return kind, {"vocab_file": args.vocab_file, "merge_file": args.merge_file}
-    if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
-        return kind, {"tokenizer_model": args.tokenizer_model}
-    return kind, {}
-
-
-def export_tokenizer(args, output: Path, config: TransformerConfig, tokenizer_dir=None):
-    """Write the run's tokenizer into `output` so AutoTokenizer loads it; returns (bos id, eos id),
-    or None (with a warning) when there is nothing to write."""
-    kind, files = _tokenizer_source(args, tokenizer_dir)
-    if kind in (None, "NullTokenizer"):
-        warnings.warn(f"the run used {'no tokenizer' if kind is None else 'NullTokenizer'}: the Hugging Face "
-                      "folder gets no tokenizer files (give --tokenizer-dir to add some)", stacklevel=2)
-        return None
-    paths = {key: Path(value) if value else None for key, value in files.items()}
+    recorded = ({"vocab_file": args.vocab_file, "merge_file": args.merge_file} if kind == "GPT2BPETokenizer"
+                else {"tokenizer_model": args.tokenizer_model}
+                if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer") else {})
+    paths = {key: Path(value) if value else None for key, value in recorded.items()}
     if kind == "HuggingFaceTokenizer" and paths["tokenizer_model"] and paths["tokenizer_model"].is_dir():
         paths["tokenizer_model"] = paths["tokenizer_model"] / "tokenizer.json"  # the folder form
-    missing = [f"{key}={value}" for key, value in paths.items() if value is None or not value.is_file()]
-    if missing:
-        warnings.warn(f"TOKENIZER SKIPPED: the run's {kind} files are not found ({', '.join(missing)}; "
-                      f"relative paths are taken from {Path.cwd()}). The Hugging Face folder has no "
-                      "tokenizer: rerun with --tokenizer-dir DIR, or copy the files in yourself", stacklevel=2)
-        return None
+    missing = [f"{value or key}" for key, value in paths.items() if value is None or not value.is_file()]
+    if recorded and not missing:
+        return kind, paths
+    why = (f"the run used {'no tokenizer' if kind is None else kind}" if not recorded else
+           f"{copy} holds no copy (saved before megafp8 kept one) and the run's {kind} files are gone "
+           f"({', '.join(missing)})")
+    raise ConversionError(f"no tokenizer for the Hugging Face folder: {why}. Give --tokenizer-dir DIR (a folder "
+                          "with tokenizer.json, tokenizer.model, or vocab.json + merges.txt), or --no-tokenizer "
+                          "to write the model without one")
+
+
+def export_tokenizer(kind, paths: dict, output: Path, config: TransformerConfig, eod_token=None):
+    """Write the tokenizer (`_tokenizer_source`'s) into `output` so AutoTokenizer loads it;
+    returns (bos id, eos id)."""
     transformers = _transformers()
-    ours = build_tokenizer(kind, **paths, eod_token=getattr(args, "eod_token", None))
+    ours = build_tokenizer(kind, **paths, eod_token=eod_token)
     if ours.vocab_size != config.vocab_size:
         warnings.warn(f"the tokenizer has {ours.vocab_size} tokens but the model {config.vocab_size}", stacklevel=2)
     if kind == "SentencePieceTokenizer":
@@ -349,9 +351,10 @@ def _plan_shards(groups, layout, arch, config, dtype, max_bytes):
 
 
 def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_size="5GB",
-          progress: bool = True) -> Path:
+          progress: bool = True, no_tokenizer: bool = False) -> Path:
     """Write the megafp8 checkpoint `load` (a --save folder or one iter_N folder) as a Hugging
-    Face model folder `output`; returns `output`."""
+    Face model folder `output`, with the run's tokenizer (or `tokenizer_dir`'s; none only with
+    `no_tokenizer`); returns `output`."""
     transformers = _transformers()
     from safetensors.torch import save_file
     max_bytes = parse_size(max_shard_size)
@@ -362,7 +365,7 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
                               "arguments, which give the model's shape)")
     info = json.loads(info_file.read_text())
     args = arguments.args_from_dict(info.get("args") or {})
-    reader = dcp.FileSystemReader(str(path))
+    reader = checkpointing.CheckpointReader(str(path))
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata
     if "model/embedding.weight" not in stored:
@@ -391,9 +394,10 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
     output = Path(output)
     if output.exists() and (any(output.glob("*.safetensors")) or (output / "config.json").exists()):
         raise ConversionError(f"--output {output} already holds a model; give a new or empty folder")
+    tokenizer = None if no_tokenizer else _tokenizer_source(args, tokenizer_dir, path)  # before any writing
     output.mkdir(parents=True, exist_ok=True)
-    tokens = export_tokenizer(args, output, config, tokenizer_dir)
-    bos, eos = tokens if tokens else (None, None)
+    bos, eos = (export_tokenizer(*tokenizer, output, config, getattr(args, "eod_token", None)) if tokenizer
+                else (None, None))
     hf = hf_config(config, arch, out_dtype, bos=bos, eos=eos)
     hf.save_pretrained(str(output))
     transformers.GenerationConfig.from_model_config(hf).save_pretrained(str(output))
@@ -411,7 +415,7 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
         for group in groups:
             state = {n: torch.empty(tuple(stored[source[n]].size), dtype=stored[source[n]].properties.dtype)
                      for n in group}
-            _single_process(dcp.load, {source[n]: t for n, t in state.items()}, storage_reader=reader)
+            checkpointing.read_state({source[n]: t for n, t in state.items()}, reader)
             ours = {n: t if hasattr(layout[n][0], "unpadded_rows") else t.reshape(layout[n][0].shape)
                     for n, t in state.items()}
             del state
@@ -565,7 +569,9 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
             tensor = tensor[:param.unpadded_rows] if hasattr(param, "unpadded_rows") else tensor.reshape(shape)
             state[f"model/{name}"] = tensor.to(store_dtype, copy=True)  # a copy: no view of a padded one
     missing = [n for n in layout if f"model/{n}" not in state]
-    assert not missing, missing  # the mapping covers the model
+    if missing:  # a gap in models/hf_mapping.py, not in the user's folder
+        raise ConversionError(f"megafp8 cannot convert this {SUPPORTED[model_type]} yet: its weight mapping "
+                              f"gives no {', '.join(missing[:3])}; please report it")
 
     tokenizer = _hf_tokenizer_args(folder)
     if not tokenizer:
@@ -600,6 +606,10 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
                       "the weights are converted exactly and to-hf restores it (args.model_overrides in megafp8.json), "
                       "but a run started from flags builds the model without it", stacklevel=2)
 
+    if tokenizer:  # the checkpoint folder carries its tokenizer, as a training run's does
+        kind = tokenizer["tokenizer_type"]
+        checkpointing.save_tokenizer(save, kind, [tokenizer[key] for key in ("tokenizer_model", "vocab_file", "merge_file")
+                                                 if tokenizer.get(key)])
     final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE,
                                            args=arguments.args_to_dict(args))
     print(f"wrote {final}\ncontinue training with:\n  megafp8-train {' '.join(flags)} "
@@ -620,7 +630,9 @@ def build_parser():
     g.add_argument("--dtype", choices=tuple(DTYPES), help="weights' dtype (to-hf default: the checkpoint's; "
                    "fp32 from a --bf16 run takes the fp32 master weights. from-hf default: bf16 weights stay "
                    "bf16, others become fp32)")
-    g.add_argument("--tokenizer-dir", help="take the tokenizer from this folder instead of the run's files")
+    g.add_argument("--tokenizer-dir", help="take the tokenizer from this folder instead of the run's (which "
+                                            "its --save folder keeps a copy of)")
+    g.add_argument("--no-tokenizer", action="store_true", help="write the model without a tokenizer")
     g.add_argument("--max-shard-size", default="5GB", help="larger models are split into shards with an index")
     g = p.add_argument_group("from-hf")
     g.add_argument("--hf-dir", help="a local GPT-2 or Llama folder (config.json + safetensors or .bin)")
@@ -632,6 +644,7 @@ def build_parser():
 
 
 def main(argv=None):
+    show_warnings_as_messages("convert_checkpoint")
     parser = build_parser()
     args = parser.parse_args(argv)
     needed = ("load", "output") if args.direction == "to-hf" else ("hf_dir", "save")
@@ -640,8 +653,10 @@ def main(argv=None):
         parser.error(f"--direction {args.direction} needs {' and '.join(missing)}")
     try:
         if args.direction == "to-hf":
+            if args.no_tokenizer and args.tokenizer_dir:
+                parser.error("--no-tokenizer and --tokenizer-dir contradict each other; give one")
             out = to_hf(args.load, args.output, args.dtype, args.tokenizer_dir, args.max_shard_size,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, no_tokenizer=args.no_tokenizer)
             print(f"wrote {out}", file=sys.stderr)
         else:
             from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -181,8 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=_NON_NEGATIVE, default=2)
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save")
-    g.add_argument("--load")
+    g.add_argument("--save", help="checkpoint folder; one holding another run's checkpoints is refused "
+                                   "(resume it with --load of the same folder, or see --overwrite-save)")
+    g.add_argument("--load", help="resume from this checkpoint folder (or one iter_N checkpoint); a folder "
+                                   "that does not exist is an error unless it is also --save")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="let this new run replace the checkpoints already in --save (they are deleted once "
+                        "its first checkpoint is written)")
     g.add_argument("--save-interval", type=_POSITIVE)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -193,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=_POSITIVE, default=100)
     g.add_argument("--tensorboard-dir")
-    g.add_argument("--wandb-project")
-    g.add_argument("--wandb-exp-name")
-    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--wandb-project", help="log to Weights & Biases in this project (pip install wandb)")
+    g.add_argument("--wandb-exp-name", help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", help="where wandb keeps its local files (default: <run dir>/wandb)")
+    g.add_argument("--log-throughput", action="store_true", help="print TFLOP/s per GPU in the log line")
     g.add_argument("--profile", action="store_true",
                    help="profile steps --profile-step-start..--profile-step-end on --profile-ranks: "
                         "torch.profiler with --use-pytorch-profiler, else a CUDA profiler range for nsys")
@@ -207,8 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=_NON_NEGATIVE, default=1234)
     g.add_argument("--recompute-granularity", choices=("full", "selective"), help="absent: no recomputation")
-    g.add_argument("--recompute-method", choices=("uniform",))
-    g.add_argument("--recompute-num-layers", type=_POSITIVE)
+    g.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="full recomputation: uniform = layers in groups of --recompute-num-layers, each group's "
+                        "input kept; block = only the first --recompute-num-layers layers of each pipeline "
+                        "stage (default uniform)")
+    g.add_argument("--recompute-num-layers", type=_POSITIVE, help="default 1")
     g.add_argument("--skip-nonfinite-steps-max", type=_POSITIVE, default=10,
                    help="abort after this many optimizer steps in a row skipped for inf/NaN gradients")
     return p
@@ -541,6 +552,36 @@ def _check_run(args, given) -> None:
         stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
         if stray:
             raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --recompute-granularity full")
+    else:  # Megatron asks for both; one layer at a time is the plain meaning of "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    if args.overwrite_save and args.save is None:
+        raise ArgumentsError("--overwrite-save needs --save (the checkpoint folder to write over)")
+    stray = [d for d in ("wandb_exp_name", "wandb_save_dir") if d in given]
+    if stray and not args.wandb_project:
+        raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --wandb-project")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentsError("--wandb-project needs the wandb package, which is not installed: "
+                             "pip install wandb, or drop --wandb-project")
+
+
+def _absolute_paths(args) -> None:
+    """Input files as absolute paths, so that the run's record in each checkpoint still finds
+    them from another working directory (--save and --load stay as given: they name outputs)."""
+    def absolute(path):
+        return os.path.abspath(os.path.expanduser(path))
+
+    for dest in ("tokenizer_model", "vocab_file", "merge_file", "data_cache_path"):
+        if getattr(args, dest):
+            setattr(args, dest, absolute(getattr(args, dest)))
+    if args.data_path:  # Megatron's list: weights (numbers) and prefixes
+        def is_number(text):
+            try:
+                float(text)
+                return True
+            except ValueError:
+                return False
+        args.data_path = [item if is_number(item) else absolute(item) for item in args.data_path]
 
 
 def _check_profile(args, given) -> None:
@@ -569,6 +610,7 @@ def _check_and_resolve(args, given: set) -> None:
     _check_data(args)
     _check_run(args, given)
     _check_profile(args, given)
+    _absolute_paths(args)
 
 
 # ---- checks against the world size --------------------------------------------------------------

@@ -6,8 +6,14 @@ Layout of `--save DIR`:
     DIR/latest_checkpointed_iteration.txt
 
 A checkpoint is written to `iter_N.tmp`, renamed to `iter_N` once every rank has finished, and
-only then does the `latest` file (itself written to a temporary name and renamed) point at it:
-a run killed at any moment of a save leaves the previous checkpoint as the latest, loadable.
+only then does the `latest` file (itself written to a temporary name, synced and renamed) point
+at it: a run killed at any moment of a save leaves the previous checkpoint as the latest,
+loadable. A checkpoint of the same iteration being replaced is first renamed `iter_N.old` and
+removed only once the new one is in place; until then the loader falls back to it. A failure on
+any rank (disk full, permissions) stops every rank with the message.
+
+Loading runs no code from the checkpoint: DCP's `.metadata` is unpickled with only DCP's own
+record classes allowed, and its non-tensor items with `torch.load(weights_only=True)`.
 
 What is stored is layout-free, so loading reshards:
 - each parameter under its name (layers are named by their global index, so any pipeline split
@@ -21,8 +27,11 @@ What is stored is layout-free, so loading reshards:
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pathlib
+import pickle
 import random
 import shutil
 import warnings
@@ -32,6 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megafp8.parallel.communication import all_gather, rank_in, world_size
 
@@ -47,32 +59,157 @@ def _distributed():
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier():
-    if _distributed():
-        dist.barrier()
-
-
 def _is_writer():
     return not _distributed() or dist.get_rank() == 0
+
+
+def _on_writer(action, what: str):
+    """Run `action` on the writing rank (global rank 0) while the others wait, and share how it
+    went: an error there is raised as a CheckpointError on every rank, not only on rank 0 while
+    the others sit in a barrier until the collective timeout."""
+    error = None
+    if _is_writer():
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            error = f"{what}: {exc}"
+    if _distributed():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def iteration_dir(save_dir, iteration) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 
 
+def _replaced(path: Path) -> Path:
+    """Where a checkpoint of the same iteration waits while a new one takes its place."""
+    return path.with_name(path.name + ".old")
+
+
+def _complete(path: Path) -> bool:
+    return (path / ".metadata").exists()
+
+
 def latest_checkpoint(load_dir) -> Path | None:
     """The checkpoint `load_dir` designates: itself if it is one, else what its latest file names."""
     load_dir = Path(load_dir)
-    if (load_dir / ".metadata").exists():
+    if _complete(load_dir):
         return load_dir
     pointer = load_dir / LATEST
     if not pointer.exists():
         return None
-    iteration = int(pointer.read_text().strip())
+    text = pointer.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(f"{pointer} should hold an iteration number, not {text[:40]!r}") from None
     path = iteration_dir(load_dir, iteration)
-    if not (path / ".metadata").exists():
+    if not _complete(path):
+        if _complete(_replaced(path)):  # a save replacing this iteration stopped half-way
+            return _replaced(path)
         raise CheckpointError(f"{pointer} names iteration {iteration}, but {path} is not a complete checkpoint")
     return path
+
+
+def saved_iterations(save_dir) -> list[int]:
+    """The iterations of the complete checkpoints in `save_dir`, in order."""
+    found = set()
+    for path in Path(save_dir).glob("iter_*"):
+        number = path.name[len("iter_"):].removesuffix(".old")
+        if number.isdigit() and _complete(path):
+            found.add(int(number))
+    return sorted(found)
+
+
+def checkpoint_info(checkpoint) -> dict:
+    """A checkpoint's megafp8.json: {"iteration", "args", "train"} ({} if it has none)."""
+    path = Path(checkpoint) / "megafp8.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _describe(iterations) -> str:
+    if len(iterations) <= 4:
+        return f"iteration{'s' if len(iterations) > 1 else ''} {', '.join(map(str, iterations))}"
+    return f"{len(iterations)} checkpoints, iterations {iterations[0]} ... {iterations[-1]}"
+
+
+def check_run_folders(save, load, *, finetune=False, overwrite=False) -> list[int]:
+    """Check --save and --load before a run builds anything; returns the iterations of another
+    run's checkpoints in `save` that this run will replace (only with `overwrite`).
+
+    A --load folder that does not exist is a typo, unless it is also --save (a job that resumes
+    itself on every launch). A --save folder that holds checkpoints belongs to a run that this
+    one must be resuming (--load of that folder, or of one of its checkpoints, without
+    --finetune); anything else would write over it and is refused unless `overwrite`."""
+    if load is not None and not Path(load).exists():
+        if save is None or Path(load).resolve() != Path(save).resolve():
+            raise CheckpointError(f"--load {load}: no such folder. Check the path; a run that starts "
+                                  "from scratch needs no --load")
+    if save is None:
+        return []
+    save_dir = Path(save).resolve()
+    previous = saved_iterations(save_dir)
+    if not previous:
+        return []
+    source = Path(load).resolve() if load is not None else None
+    if source is not None and not finetune and save_dir in (source, source.parent):
+        return []
+    if overwrite:
+        return previous
+    why = ("--finetune starts a new run at iteration 0, which would write over them" if finetune and source
+           else f"this run loads {load}, not them, and would write over them" if source
+           else "this new run would write over them")
+    raise CheckpointError(
+        f"--save {save} already holds checkpoints ({_describe(previous)}); {why}. To resume that run, "
+        f"add --load {save}; to keep it, give another --save folder; to replace it, add --overwrite-save")
+
+
+def remove_checkpoints(save_dir, iterations, keep: int) -> None:
+    """Delete the checkpoints of `iterations` in `save_dir` but `keep` (--overwrite-save, once the
+    new run's first checkpoint is in place). Writing rank only; a failure is a warning."""
+    if not _is_writer():
+        return
+    for iteration in iterations:
+        if iteration != keep:
+            path = iteration_dir(save_dir, iteration)
+            try:
+                shutil.rmtree(path)
+            except OSError as error:
+                warnings.warn(f"--overwrite-save: could not delete {path} of the earlier run ({error})",
+                              stacklevel=2)
+
+
+TOKENIZER_DIR = "tokenizer"
+# The names Hugging Face folders give these files, so the folder loads as one.
+_TOKENIZER_NAMES = {"HuggingFaceTokenizer": ("tokenizer.json",), "SentencePieceTokenizer": ("tokenizer.model",),
+                    "GPT2BPETokenizer": ("vocab.json", "merges.txt")}
+
+
+def save_tokenizer(save_dir, tokenizer_type, files) -> Path | None:
+    """Copy the run's tokenizer files into `save_dir/tokenizer` unless they are there already,
+    so the checkpoint folder stands on its own (as a Hugging Face folder carries its tokenizer).
+    Collective; returns the folder, or None for a tokenizer without files (NullTokenizer)."""
+    names = _TOKENIZER_NAMES.get(tokenizer_type)
+    if not names or not files:
+        return None
+    folder = Path(save_dir) / TOKENIZER_DIR
+
+    def copy():
+        if folder.exists():
+            return
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, source in zip(names, files):
+            shutil.copyfile(source, tmp / name)
+        os.replace(tmp, folder)
+
+    _on_writer(copy, f"cannot copy the tokenizer into {folder}")
+    return folder
 
 
 # -- layout-free views of the local tensors -------------------------------------------------
@@ -192,34 +329,160 @@ def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_stat
 
 
 def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, args: dict) -> Path:
-    """Write `state` (keys as above) as `save_dir/iter_<iteration>` and point latest at it, so
-    that no moment of the save leaves a half-written checkpoint as the latest. Collective when
-    torch.distributed is initialised; one process (DCP's no_dist mode) otherwise."""
+    """Write `state` (a flat dict, keys as above) as `save_dir/iter_<iteration>` and point latest
+    at it, so that no moment of the save leaves a half-written checkpoint as the latest or no
+    checkpoint at all. Collective when torch.distributed is initialised; one process (DCP's
+    no_dist mode) otherwise. A failure on any rank raises CheckpointError on every rank."""
     state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    if _is_writer():
+
+    def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a save that was killed
         tmp.mkdir(parents=True)
-    _barrier()
-    if _distributed():
-        dcp.save(state, checkpoint_id=str(tmp))
-    else:
+
+    def publish():
+        _write_durably(tmp / "megafp8.json", json.dumps({"iteration": iteration, "args": args,
+                                                         "train": train_state}, indent=1))
+        old = _replaced(final)
+        if final.exists():  # the same iteration saved before: set aside until the new one is in
+            if old.exists():
+                shutil.rmtree(old)  # a copy already superseded by `final`
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _sync_directory(final.parent)
+        _write_durably(Path(save_dir) / LATEST, str(iteration))
+        shutil.rmtree(old, ignore_errors=True)
+
+    _on_writer(prepare, f"cannot create the checkpoint folder {tmp}")
+    try:
+        if _distributed():
+            dcp.save(state, checkpoint_id=str(tmp))  # raises on every rank if one rank's write fails
+        else:
+            with warnings.catch_warnings():  # DCP warns that there is no process group: none is meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        raise CheckpointError(f"writing the checkpoint {tmp} failed: {_failures(error)}; the previous "
+                              "checkpoint, if any, is still the latest") from None
+    _on_writer(publish, f"cannot finish the checkpoint {final} (the previous one, if any, is still the latest)")
+    return final
+
+
+def _failures(error) -> str:
+    """One line per failing rank of a DCP error (its own text is every rank's traceback)."""
+    if not isinstance(error, CheckpointException):
+        return str(error)
+
+    def line(exc):
+        if isinstance(exc, pickle.UnpicklingError):  # weights_only's message is a page long
+            return "an item is a pickled object, not plain data: refused (loading it could run code)"
+        return f"{type(exc).__name__}: {exc}"
+
+    return "; ".join(f"rank {rank}: {line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace `path` by `text` atomically, on disk before the rename makes it visible."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _sync_directory(path.parent)
+
+
+def _sync_directory(path: Path) -> None:
+    """Make a rename in `path` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+# -- loading without running code from the checkpoint ----------------------------------------
+
+def _metadata_global(module: str, name: str):
+    """The global a DCP .metadata may name, or None: DCP's record classes, torch sizes, dtypes
+    and layouts, and paths. Anything else would be a call the file asks us to make."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    if module == dcp_metadata.__name__:
+        value = getattr(dcp_metadata, name, None)
+        return value if isinstance(value, type) and value.__module__ == module else None
+    if (module, name) == (dcp_filesystem.__name__, "_StorageInfo"):
+        return dcp_filesystem._StorageInfo
+    if module == "torch":
+        value = getattr(torch, name, None)
+        return value if value is torch.Size or isinstance(value, torch.dtype) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        return getattr(pathlib, name)
+    if (module, name) == ("collections", "OrderedDict"):
+        import collections
+        return collections.OrderedDict
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        value = _metadata_global(module, name)
+        if value is None:
+            raise CheckpointError(f"its .metadata asks to load {module}.{name}, which is not part of a "
+                                  "torch.distributed.checkpoint: refused (loading it could run code)")
+        return value
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, but the metadata must pass the restricted unpickler before DCP reads it."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                _MetadataUnpickler(f).load()
+        except CheckpointError as error:
+            raise CheckpointError(f"{self.path}: {error}") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+            raise CheckpointError(f"{path} is not a readable checkpoint index ({error})") from None
+        return super().read_metadata(*args, **kwargs)
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; megafp8 stores
+    only strings and integers there, which weights_only=True loads. The state dict is flat."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def read_metadata(checkpoint):
+    """The DCP metadata of `checkpoint`; `.state_dict_metadata` maps each key to its size, dtype, ..."""
+    return CheckpointReader(str(checkpoint)).read_metadata()
+
+
+def read_state(state: dict, checkpoint) -> None:
+    """Fill the flat `state` (placeholders for the keys wanted) from `checkpoint` (a path or a
+    CheckpointReader), running no code from it. Collective when torch.distributed is initialised."""
+    if any(isinstance(value, dict) for value in state.values()):
+        raise ValueError("read_state takes a flat state dict (no nested dicts)")
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(str(checkpoint))
+    try:
+        if _distributed():
+            dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner())
+            return
         with warnings.catch_warnings():  # DCP warns that there is no process group: none is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    _barrier()
-    if _is_writer():
-        (tmp / "megafp8.json").write_text(json.dumps({"iteration": iteration, "args": args,
-                                                     "train": train_state}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = Path(save_dir) / (LATEST + ".tmp")
-        pointer_tmp.write_text(str(iteration))
-        os.replace(pointer_tmp, Path(save_dir) / LATEST)
-    _barrier()
-    return final
+            dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=True)
+    except CheckpointException as error:
+        raise CheckpointError(f"cannot load {reader.path}: {_failures(error)}") from None
 
 
 def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load_rng=True):
@@ -228,7 +491,7 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
     checkpoint = latest_checkpoint(path)
     if checkpoint is None:
         raise CheckpointError(f"no checkpoint in {path} (no {LATEST}, no .metadata)")
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_metadata(checkpoint).state_dict_metadata
     layout = _Layout(groups.tp_group if groups else None)
     params = list(model.named_parameters())
 
@@ -263,14 +526,20 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
     rng_keys = [k for k in metadata if k.startswith(rng_prefix)] if load_rng else []
     for key in rng_keys:
         state[key] = torch.empty(tuple(metadata[key].size), dtype=torch.uint8)
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    read_state(state, checkpoint)
 
     with torch.no_grad():
         for name, param in params:
             param.copy_(layout.local(param, state[f"model/{name}"]))
     fp8 = {k[len("fp8/"):]: v if torch.is_tensor(v) else json.loads(v)
            for k, v in state.items() if k.startswith("fp8/")}
-    model.load_state_dict(fp8, strict=False)
+    missing = model.load_state_dict(fp8, strict=False).missing_keys
+    param_names = {name for name, _ in params}
+    missing = [key for key in missing if key not in param_names]
+    if missing:
+        warnings.warn(f"{checkpoint} has no FP8 scaling state for {len(missing)} entries (e.g. "
+                      f"{', '.join(missing[:3])}): they start afresh (initial scales, empty amax "
+                      "history), as in a new run", stacklevel=2)
     if optimizer is not None:
         if with_optimizer:
             states = {name: {key: layout.local(param, state[f"optimizer/{name}/{key}"])

@@ -1,11 +1,14 @@
-"""Training metrics: model FLOPs and MFU, throughput, memory, FP8 scale health, and the logger
-that writes them (a Megatron-style line on stdout, `metrics.jsonl`, TensorBoard when installed).
+"""Training metrics: model FLOPs and MFU, throughput, memory, FP8 scale health, the logger
+that writes them (a Megatron-style line on stdout, `metrics.jsonl`, TensorBoard when installed,
+Weights & Biases when asked for, a progress bar on a terminal) and the end-of-run summary.
 
     throughput = Throughput(flops_per_token(config, seq_length), world_size, device=device)
-    logger = MetricsLogger(run_dir, tensorboard_dir, rank_is_logger=rank == world_size - 1)
-    ...every iteration: throughput.add(global_batch_size * seq_length)
+    logger = MetricsLogger(run_dir, tensorboard_dir, rank_is_logger=rank == world_size - 1,
+                           start_iteration=iteration, device=device)
+    ...every iteration: throughput.add(global_batch_size * seq_length); logger.progress(iteration)
     ...every log step:  logger.log(iteration, {"loss": ..., "lr": ..., **throughput.read(),
                                               **memory_stats(device), **fp8_health(model)})
+    ...at the end:      print("\n".join(run_summary(start_iteration=..., end_iteration=..., ...)))
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from megafp8.fp8.scaling import ScalingState, take_saturation
 from megafp8.models import TransformerConfig
@@ -243,6 +247,11 @@ def _reduce_health(scale_min, scale_max, saturated, cast, group):
 
 # -- the logger -----------------------------------------------------------------------------
 
+
+class MetricsError(ValueError):
+    """A logging option that cannot be honoured (a W&B project without wandb installed)."""
+
+
 # Megatron's labels for the keys the trainer sends, in the order they print; other keys follow.
 _LINE_FIELDS = (
     ("consumed_samples", "consumed samples", "{:12d}"),
@@ -261,28 +270,59 @@ _LINE_FIELDS = (
     ("fp8_saturation", "fp8 saturated", "{:.2e}"),
 )
 _NOT_PRINTED = {"iteration", "train_iters", "fp8_scale_max", "fp8_layers"}
+# Printed only with log_throughput, as Megatron's --log-throughput; metrics.jsonl always has them.
+_THROUGHPUT_FIELDS = {"tflops_per_gpu", "hw_tflops_per_gpu"}
+# Figures of a GPU: printed only when the run is on one.
+_GPU_FIELDS = {"tflops_per_gpu", "hw_tflops_per_gpu", "mfu"}
 
 
 class MetricsLogger:
-    """Writes one record per log step: a Megatron-style line on `stream`, a JSON line appended
-    to `<run_dir>/metrics.jsonl` (flushed at once, so a crash keeps every logged step; a resumed
-    run appends, so a step logged after the last checkpoint may appear twice: the later record
-    wins), and scalars to TensorBoard under `tensorboard_dir` when `torch.utils.tensorboard`
-    imports. On a TTY a tqdm bar follows the iterations (`progress(step)` moves it between log
-    steps). Every method is a no-op unless `rank_is_logger`.
+    """Writes one record per log step: a Megatron-style line on `stream`, a JSON line in
+    `<run_dir>/metrics.jsonl` (flushed at once, so a crash keeps every logged step), scalars to
+    TensorBoard under `tensorboard_dir` when `torch.utils.tensorboard` imports, and to a Weights &
+    Biases run with `wandb_project`. On a TTY a tqdm bar follows the iterations (`progress(step)`
+    moves it between log steps; `write(line)` prints other messages above it).
+
+    metrics.jsonl holds one run: with `start_iteration` 0 (a fresh run) an earlier run's file is
+    moved aside; a run resuming from a checkpoint at `start_iteration` keeps the records up to it
+    and drops the later ones, which it logs again. `device` is where the run computes: off CUDA the
+    per-GPU figures (TFLOP/s, MFU) stay out of the line; TFLOP/s is printed only with
+    `log_throughput`. The file, TensorBoard and W&B get every number either way.
+
+    W&B: `wandb.init(project=wandb_project, name=wandb_exp_name, dir=wandb_dir or <run_dir>/wandb,
+    config=wandb_config)`; every numeric field is logged with the iteration as the step, and the
+    run is finished by `close()`. Without wandb installed every rank raises MetricsError here.
+
+    Only the logging rank (`rank_is_logger`) writes anything.
     """
 
     def __init__(self, run_dir, tensorboard_dir=None, rank_is_logger: bool = True, stream=sys.stdout,
-                 total_iterations: Optional[int] = None):
-        self.enabled = rank_is_logger
+                 total_iterations: Optional[int] = None, start_iteration: int = 0, device=None,
+                 log_throughput: bool = False, wandb_project: Optional[str] = None,
+                 wandb_exp_name: Optional[str] = None, wandb_dir=None, wandb_config: Optional[dict] = None):
+        if start_iteration < 0:
+            raise ValueError(f"start_iteration must be >= 0, got {start_iteration}")
+        self.rank_is_logger = self.enabled = rank_is_logger
         self.stream = stream
         self.total_iterations = total_iterations
-        self._file = self._writer = self._bar = self._tqdm = None
+        self.log_throughput = log_throughput
+        self.on_gpu = device is not None and torch.device(device).type == "cuda"
+        self.metrics_path = None
+        self._file = self._writer = self._bar = self._wandb_run = None
+        self._terminal = False
+        # On every rank, so that all of them stop at start-up with the same message instead of
+        # the logging rank alone while the others wait for it in a collective.
+        wandb = _import_wandb() if wandb_project else None
         if not self.enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / "metrics.jsonl", "a")
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if start_iteration == 0:
+            self._move_earlier_run_aside(self.metrics_path)
+        else:
+            self._drop_records_after(self.metrics_path, start_iteration)
+        self._file = open(self.metrics_path, "a")
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -290,13 +330,62 @@ class MetricsLogger:
                 self._print("tensorboard is not installed: metrics go to stdout and metrics.jsonl only")
             else:
                 self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
-        if _isatty(stream):
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self._tqdm = tqdm
+        if wandb is not None:
+            wandb_dir = Path(wandb_dir) if wandb_dir is not None else run_dir / "wandb"
+            wandb_dir.mkdir(parents=True, exist_ok=True)
+            self._wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, dir=str(wandb_dir),
+                                         config=wandb_config)
+        self._terminal = _isatty(stream)
+
+    # -- metrics.jsonl holds one run -------------------------------------------------------------
+
+    def _move_earlier_run_aside(self, path: Path) -> None:
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        # Named after the earlier run's last write; never over another file.
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        aside, n = path.with_name(f"metrics.{stamp}.jsonl"), 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"metrics.{stamp}-{n}.jsonl")
+        path.rename(aside)
+        self._print(f"{path} held an earlier run's metrics: moved to {aside}")
+
+    def _drop_records_after(self, path: Path, iteration: int) -> None:
+        """Keep the records up to `iteration` (where the resumed checkpoint was saved), and drop
+        lines that are not JSON (a write cut short by a crash): atomically, via a rewritten copy."""
+        if not path.exists():
+            return
+        temporary = path.with_name(path.name + ".tmp")
+        dropped = unreadable = 0
+        rewrite = False
+        with open(path) as old, open(temporary, "w") as new:
+            for line in old:
+                try:
+                    record = json.loads(line) if line.strip() else {}
+                except json.JSONDecodeError:
+                    record = None
+                if not isinstance(record, dict):
+                    unreadable += 1
+                elif record.get("iteration", 0) > iteration:
+                    dropped += 1
+                else:
+                    rewrite |= not line.endswith("\n")  # the next append would join this line
+                    new.write(line if line.endswith("\n") else line + "\n")
+            new.flush()
+            os.fsync(new.fileno())
+        if not (dropped or unreadable or rewrite):
+            temporary.unlink()
+            return
+        os.replace(temporary, path)
+        if dropped or unreadable:
+            message = f"{path}: dropped {dropped} records logged after iteration {iteration}"
+            if unreadable:
+                message += f" and {unreadable} unreadable lines"
+            self._print(message + f" (this run resumes from the checkpoint at iteration {iteration} "
+                                  "and logs the later ones again)")
+
+    # -- output --------------------------------------------------------------------------------
 
     def _print(self, line: str) -> None:
         if self._bar is not None:
@@ -304,13 +393,19 @@ class MetricsLogger:
         else:
             print(line, file=self.stream, flush=True)
 
+    def write(self, line: str) -> None:
+        """Print a message on the logging rank; with a progress bar, on its own line above it
+        (a plain print would land after the bar, on the bar's line)."""
+        if self.rank_is_logger:
+            self._print(line)
+
     def progress(self, step: int) -> None:
         """Move the progress bar to iteration `step` (cheap; call it every iteration)."""
-        if self._tqdm is None:
+        if not self._terminal:
             return
         if self._bar is None:  # started at the first step seen, so a resumed run's rate is right
-            self._bar = self._tqdm(total=self.total_iterations, initial=step, unit="it", file=self.stream,
-                                   dynamic_ncols=True)
+            self._bar = tqdm(total=self.total_iterations, initial=step, unit="it", file=self.stream,
+                             **_bar_size(self.stream))
         elif step > self._bar.n:
             self._bar.update(step - self._bar.n)
 
@@ -321,29 +416,38 @@ class MetricsLogger:
         self.progress(step)
         self._print(self._line(step, record))
         # default=str: an odd value in a record must not stop the training run.
-        self._file.write(json.dumps({"iteration": step, "time": time.time(), **record}, default=str) + "\n")
+        line = json.dumps(_json_safe({"iteration": step, "time": time.time(), **record}), default=str)
+        self._file.write(line + "\n")
         self._file.flush()
+        scalars = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration"}
         if self._writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration":
-                    self._writer.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
+        if self._wandb_run is not None and scalars:
+            self._wandb_run.log(scalars, step=step)
+
+    def _printed(self, key: str) -> bool:
+        return ((key not in _GPU_FIELDS or self.on_gpu)
+                and (key not in _THROUGHPUT_FIELDS or self.log_throughput))
 
     def _line(self, step: int, record: dict) -> str:
         total = record.get("train_iters", self.total_iterations)
         parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {step:8d}"
                  + (f"/{total:8d}" if total else "")]
         for key, label, spec in _LINE_FIELDS:
+            if key not in record or not self._printed(key):
+                continue
+            value = record[key]
             if key == "mfu":
-                mfu = record.get("mfu")
-                if isinstance(mfu, (int, float)):
-                    parts.append(f"MFU: {100 * mfu:.1f}%")
-                elif "mfu" in record or "tflops_per_gpu" in record:
-                    parts.append("MFU: n/a")
+                parts.append(f"MFU: {100 * value:.1f}%" if isinstance(value, (int, float)) else "MFU: n/a")
             elif key == "fp8_scale_min":
-                if record.get("fp8_scale_min") is not None:
-                    parts.append(f"fp8 scale: [{record['fp8_scale_min']:.3g}, {record['fp8_scale_max']:.3g}]")
-            elif key in record:
-                parts.append(f"{label}: {_format(record[key], spec)}")
+                if value is not None:
+                    parts.append(f"fp8 scale: [{value:.3g}, {record['fp8_scale_max']:.3g}]")
+            elif key == "fp8_saturation" and value is None and record.get("fp8_scale_min") is None:
+                continue  # no FP8 layer in this run
+            else:
+                parts.append(f"{label}: {_format(value, spec)}")
         known = {key for key, _, _ in _LINE_FIELDS} | _NOT_PRINTED
         for key, value in record.items():
             if key not in known and isinstance(value, (int, float)):
@@ -354,8 +458,10 @@ class MetricsLogger:
         for handle in (self._bar, self._writer, self._file):
             if handle is not None:
                 handle.close()
-        self._file = self._writer = self._bar = self._tqdm = None
-        self.enabled = False
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+        self._file = self._writer = self._bar = self._wandb_run = None
+        self._terminal = self.enabled = False
 
     def __enter__(self):
         return self
@@ -364,16 +470,34 @@ class MetricsLogger:
         self.close()
 
 
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise MetricsError("--wandb-project needs the wandb package, which is not installed: "
+                           "pip install wandb, or drop --wandb-project") from None
+    return wandb
+
+
 def _isatty(stream) -> bool:
     return bool(getattr(stream, "isatty", None) and stream.isatty())
 
 
+def _bar_size(stream) -> dict:
+    """tqdm's size arguments: follow the terminal's width, or 80 x 24 for a terminal that reports
+    0 x 0 (a pseudo-terminal nobody sized, e.g. under `script` or some container shells), where
+    tqdm would draw nothing at all."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (io.UnsupportedOperation is an OSError)
+        return {"dynamic_ncols": True}
+    return {"dynamic_ncols": True} if size.columns > 0 and size.lines > 0 else {"ncols": 80, "nrows": 24}
+
+
 def _plain(value):
-    """JSON-ready: tensors become numbers or lists; inf and NaN become strings, since JSON has none."""
+    """Tensors become numbers or lists, so every output sees plain Python values."""
     if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, dict):
         return {key: _plain(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -381,12 +505,64 @@ def _plain(value):
     return value
 
 
+def _json_safe(value):
+    """inf and NaN become strings, since JSON has none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _format(value, spec) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, str):  # a non-finite float, as _plain wrote it
-        return value
+    if isinstance(value, str) or (isinstance(value, float) and not math.isfinite(value)):
+        return str(value)
     try:
         return spec.format(value)
     except (ValueError, TypeError):  # e.g. an int spec given a float
         return f"{value:.6g}"
+
+
+# -- the end of a run -------------------------------------------------------------------------
+
+
+def run_summary(*, start_iteration: int, end_iteration: int, wall_time_s: float, tokens: int,
+                first_loss: Optional[float] = None, last_loss: Optional[float] = None,
+                valid_loss: Optional[float] = None, checkpoint=None, metrics_path=None) -> list[str]:
+    """The lines to print when a run ends: the iterations this run made (`start_iteration` is
+    where it began: 0, or the checkpoint it resumed from), its wall time and average tokens/s
+    over it (`tokens` trained in this run; evaluation and checkpoints count in the time), the
+    training loss of its first and last iterations, the last validation loss, and where the
+    last checkpoint and metrics.jsonl are (`checkpoint` None: none was saved)."""
+    ran = end_iteration - start_iteration
+    lines = ["run summary:"]
+    if ran > 0:
+        lines.append(f"  iterations: {ran} ({start_iteration + 1} to {end_iteration})")
+    else:
+        lines.append(f"  iterations: none run (the run was already at iteration {end_iteration})")
+    lines.append(f"  wall time: {_duration(wall_time_s)}")
+    if ran > 0 and wall_time_s > 0:
+        lines.append(f"  average throughput: {tokens / wall_time_s:.0f} tokens/s "
+                     "(over the wall time, evaluation and checkpoints included)")
+    if first_loss is not None and last_loss is not None:
+        lines.append(f"  lm loss: {first_loss:.4f} at iteration {start_iteration + 1}, "
+                     f"{last_loss:.4f} at iteration {end_iteration}")
+    if valid_loss is not None:
+        lines.append(f"  validation loss: {valid_loss:.4f} (last evaluation)")
+    lines.append(f"  checkpoint: {checkpoint}" if checkpoint is not None
+                 else "  checkpoint: none saved (--save DIR keeps one)")
+    if metrics_path is not None:
+        lines.append(f"  metrics: {metrics_path}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {seconds:02d}s" if hours else f"{minutes}m {seconds:02d}s"

@@ -12,13 +12,16 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megafp8.data import MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer, parse_split
+from megafp8.console import show_warnings_as_messages
+from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer,
+                          parse_split)
 from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM
@@ -79,12 +82,21 @@ class PipelineStage(nn.Module):
                 setattr(self, part, getattr(owners[0], part))
 
 
+def _lr_schedule(args) -> LRSchedule:
+    return LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                      decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
+                      wsd_decay_iters=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style)
+
+
 class Trainer:
     def __init__(self, args, groups: ParallelGroups):
         self.args, self.groups = args, groups
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # on the last stage, which has the loss
+        # Before anything is built: a typo in --load, or a --save that would write over another run.
+        self.replaced_run = checkpointing.check_run_folders(args.save, args.load, finetune=args.finetune,
+                                                            overwrite=args.overwrite_save)
         self.tokenizer = (build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                           args.merge_file, args.vocab_size, args.eod_token)
                           if args.tokenizer_type else None)
@@ -98,7 +110,8 @@ class Trainer:
             self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
             layers=span, seed=args.seed, fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
-            recompute=args.recompute_granularity or "none", dtype=self.dtype, device=self.device)
+            recompute=args.recompute_granularity or "none", recompute_method=args.recompute_method or "uniform",
+            recompute_num_layers=args.recompute_num_layers or 1, dtype=self.dtype, device=self.device)
             for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp,
                                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
         self.model = PipelineStage(self.chunks)
@@ -117,15 +130,14 @@ class Trainer:
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
             model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
             dp_group=groups.dp_group, distributed=args.use_distributed_optimizer)
-        self.schedule = LRSchedule(
-            lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-            decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
-            wsd_decay_iters=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style)
+        self.schedule = _lr_schedule(args)
         self.sequence_parallel_params = [p for p in self.model.parameters()
                                          if getattr(p, "sequence_parallel", False)]
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
         self.history = []  # (iteration, loss) of every step this process ran
         self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
+        self.last_checkpoint = None  # the checkpoint loaded or saved last, for the run summary
+        self._logger = None  # while training: messages go through it, above its progress bar
         self.train_data, self.valid_data, self.test_data = self._datasets()
         self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
         self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
@@ -247,9 +259,17 @@ class Trainer:
                 "skipped_steps": self.skipped_steps}
 
     def save(self):
-        path = checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+        a = self.args
+        if self.tokenizer is not None:
+            checkpointing.save_tokenizer(a.save, a.tokenizer_type, self.tokenizer.files)
+        path = checkpointing.save_checkpoint(a.save, self.iteration, self.model, self.optimizer,
                                              groups=self.groups, train_state=self.train_state(),
-                                             args=arguments.args_to_dict(self.args))
+                                             args=arguments.args_to_dict(a))
+        if self.replaced_run:  # --overwrite-save: the earlier run goes once this one has a checkpoint
+            checkpointing.remove_checkpoints(a.save, self.replaced_run, keep=self.iteration)
+            self._print(f"--overwrite-save: removed the earlier run's checkpoints from {a.save}")
+            self.replaced_run = []
+        self.last_checkpoint = path
         self._print(f"saved checkpoint {path}")
 
     def load(self):
@@ -258,11 +278,11 @@ class Trainer:
             return
         # Resolved once: the same checkpoint is loaded and reported even if a run writing to
         # that folder moves its latest pointer meanwhile.
-        checkpoint = checkpointing.latest_checkpoint(a.load)
+        checkpoint = checkpointing.latest_checkpoint(a.load) if Path(a.load).exists() else None
         if checkpoint is None:
             if a.finetune:  # finetuning from random weights is never what was meant
                 raise checkpointing.CheckpointError(f"--finetune: no checkpoint in --load {a.load}")
-            self._print(f"no checkpoint in {a.load}: starting from scratch")
+            self._print(f"no checkpoint in {a.load} yet: starting from scratch")
             return
         state = checkpointing.load_checkpoint(checkpoint, self.model, self.optimizer, groups=self.groups,
                                               load_optimizer=not (a.no_load_optim or a.finetune),
@@ -271,19 +291,51 @@ class Trainer:
             self.iteration = state.get("iteration", 0)
             self.consumed_samples = state.get("consumed_samples", 0)
             self.skipped_steps = state.get("skipped_steps", 0)
+        self.last_checkpoint = checkpoint
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
+        if not a.finetune:
+            self._note_schedule_change(checkpoint)
+
+    _SCHEDULE_FLAGS = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style",
+                       "lr_wsd_decay_iters", "lr_wsd_decay_style")
+
+    def _note_schedule_change(self, checkpoint):
+        """Say so when the resumed run's learning-rate schedule is not the checkpoint's run's."""
+        saved = checkpointing.checkpoint_info(checkpoint).get("args", {})
+        changed = [(name, saved[name], getattr(self.args, name)) for name in self._SCHEDULE_FLAGS
+                   if name in saved and saved[name] != getattr(self.args, name)]
+        schedule = [(name, old) for name, old, _ in changed if name != "train_iters"]
+        if not schedule:  # a longer or shorter run on the same schedule (--lr-decay-iters given)
+            return
+        before = _lr_schedule(arguments.args_from_dict(saved))(self.iteration)
+        now = self.schedule(self.iteration)
+        flags = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, old, new in changed)
+        keep = " ".join(f"--{name.replace('_', '-')} {old}" for name, old in schedule)
+        self._print(f"note: resuming with another learning-rate schedule than the checkpoint's run ({flags}): "
+                    f"the next step's learning rate is {now:.3e} where that run's would be {before:.3e}; "
+                    f"to keep the run's schedule, give {keep}")
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _print(self, message):
-        if self.is_logger:
+        if self._logger is not None:
+            self._logger.write(message)  # above the progress bar, not onto its line
+        elif self.is_logger:
             print(message, flush=True)
 
     def train(self):
         a = self.args
         self.load()
-        logger = metrics.MetricsLogger(self.run_dir, tensorboard_dir=a.tensorboard_dir,
-                                       rank_is_logger=self.is_logger, total_iterations=a.train_iters)
+        if self.iteration >= a.train_iters:
+            self._print(f"nothing to do: the checkpoint is at iteration {self.iteration} and --train-iters is "
+                        f"{a.train_iters}; raise --train-iters to train further")
+            return self.iteration
+        start_iteration = self.iteration
+        logger = self._logger = metrics.MetricsLogger(
+            self.run_dir, tensorboard_dir=a.tensorboard_dir, rank_is_logger=self.is_logger,
+            total_iterations=a.train_iters, start_iteration=start_iteration, device=self.device,
+            log_throughput=a.log_throughput, wandb_project=a.wandb_project, wandb_exp_name=a.wandb_exp_name,
+            wandb_dir=a.wandb_save_dir, wandb_config=arguments.args_to_dict(a))
         throughput = metrics.Throughput(self.flops_per_token, world_size=dist.get_world_size(),
                                         device=self.device)
         world = dist.group.WORLD if dist.get_world_size() > 1 else None
@@ -291,7 +343,7 @@ class Trainer:
         profiler = StepProfiler(a, dist.get_rank(), self.run_dir, self.device)
         start_time = time.time()
         micro = self._micro_batches(self.train_data, self.consumed_samples)
-        losses = []
+        losses, valid_loss = [], None
         try:
             while self.iteration < a.train_iters:
                 batches = [next(micro) for _ in range(a.num_micro_batches)]
@@ -328,6 +380,7 @@ class Trainer:
                     valid = self.evaluate(self.valid_data, (self.iteration // a.eval_interval - 1)
                                           * a.eval_iters * a.global_batch_size)
                     logger.log(self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
+                    valid_loss = valid
                     throughput.restart()
                 stop = exit_signal.any_rank(self.device)
                 if a.exit_duration_in_mins and time.time() - start_time > 60 * a.exit_duration_in_mins:
@@ -346,17 +399,30 @@ class Trainer:
             exit_signal.restore()
             profiler.stop(self.iteration)
             logger.close()
+            self._logger = None
+        if self.is_logger:
+            for line in metrics.run_summary(
+                    start_iteration=start_iteration, end_iteration=self.iteration,
+                    wall_time_s=time.time() - start_time,
+                    tokens=(self.iteration - start_iteration) * a.global_batch_size * a.seq_length,
+                    first_loss=self.history[0][1] if self.history else None,
+                    last_loss=self.history[-1][1] if self.history else None,
+                    valid_loss=valid_loss, checkpoint=self.last_checkpoint, metrics_path=logger.metrics_path):
+                print(line, flush=True)
         return self.iteration
 
 
 def pretrain(argv=None):
     """Parse, set up and train; returns the Trainer. Joins the running process group if there
     is one (tests), else initialises one from torchrun's environment (or a one-process group)."""
-    args = arguments.parse_args(argv)
     own_group = not dist.is_initialized()
     torchrun = "WORLD_SIZE" in os.environ
-    arguments.validate_args(args, int(os.environ["WORLD_SIZE"]) if own_group and torchrun
-                            else dist.get_world_size() if not own_group else 1)
+    with warnings.catch_warnings():
+        if int(os.environ.get("RANK", "0")) != 0:  # every rank reads the same flags: said once, by rank 0
+            warnings.simplefilter("ignore")
+        args = arguments.parse_args(argv)
+        arguments.validate_args(args, int(os.environ["WORLD_SIZE"]) if own_group and torchrun
+                                else dist.get_world_size() if not own_group else 1)
     if own_group and not torchrun:
         _init_single_process()
     groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -370,9 +436,20 @@ def pretrain(argv=None):
             dist.destroy_process_group()
 
 
+# Errors every rank raises alike (flags, checkpoint folders and saves, which share their
+# failures, non-finite steps, which every rank sees, a failed index build on another rank):
+# said once, by rank 0. Others (bad input files, a full disk) by the rank that met them.
+_SAID_BY_RANK_0 = (arguments.ArgumentsError, checkpointing.CheckpointError, NonFiniteError, DatasetBuildError)
+
+
 def main():
+    show_warnings_as_messages("megafp8-train")
     try:
         pretrain()
-    except (ValueError, NonFiniteError, checkpointing.CheckpointError) as error:
-        print(f"megafp8-train: error: {error}", file=sys.stderr)
+    except (*_SAID_BY_RANK_0, ValueError, OSError) as error:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if not isinstance(error, _SAID_BY_RANK_0):
+            print(f"megafp8-train: error{f' on rank {rank}' if world > 1 else ''}: {error}", file=sys.stderr)
+        elif rank == 0:
+            print(f"megafp8-train: error: {error}", file=sys.stderr)
         sys.exit(2)

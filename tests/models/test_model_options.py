@@ -56,33 +56,54 @@ def train(steps, fp8, **options):
     return losses, {name: p.grad for name, p in model.named_parameters()}
 
 
+RECOMPUTATIONS = {"selective": {"recompute": "selective"}, "full": {"recompute": "full"},
+                  "full-uniform-2": {"recompute": "full", "recompute_num_layers": 2},
+                  "full-block-1": {"recompute": "full", "recompute_method": "block"}}
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", list(RECOMPUTATIONS))
 def test_recomputation_does_not_change_losses_or_gradients(recompute, fp8):
     losses, grads = train(3, fp8)
-    recomputed_losses, recomputed = train(3, fp8, recompute=recompute)
+    recomputed_losses, recomputed = train(3, fp8, **RECOMPUTATIONS[recompute])
     for a, b in zip(losses, recomputed_losses):
         assert torch.equal(a, b)
     for name in grads:
         assert torch.equal(grads[name], recomputed[name]), name
 
 
-def test_full_recomputation_keeps_only_layer_inputs():
+def saved_for_backward(**options):
+    """(elements saved for backward, of which saved by the recomputed units' checkpoints)."""
     torch.manual_seed(0)
-    saved = {}
-    for recompute in ("none", "full"):
-        model = TransformerLM(CONFIG, recompute=recompute)
-        count = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
-            with fp8_autocast(recipe=DelayedScaling()):
-                model(TOKENS, labels=LABELS)
-        saved[recompute] = sum(count)
-    assert saved["full"] < saved["none"] / 2, saved
+    model = TransformerLM(preset("llama-tiny", num_layers=4), **options)
+    count = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+        with fp8_autocast(recipe=DelayedScaling()):
+            model(TOKENS, labels=LABELS)
+    return sum(count)
+
+
+def test_full_recomputation_keeps_only_unit_inputs():
+    none = saved_for_backward()
+    every_layer = saved_for_backward(recompute="full")
+    assert every_layer < none / 2, (every_layer, none)
+    # Groups of two layers keep half the inputs of single layers; the rest is the same.
+    pairs = saved_for_backward(recompute="full", recompute_num_layers=2)
+    layer_input = 32 * 2 * 64  # [seq, batch, hidden]
+    assert every_layer - pairs == 2 * layer_input
+    # Block: only the first N layers are recomputed, the others keep everything.
+    blocks = [saved_for_backward(recompute="full", recompute_method="block", recompute_num_layers=n)
+              for n in (1, 2, 3, 4)]
+    assert none > blocks[0] > blocks[1] > blocks[2] > blocks[3] == every_layer, (none, blocks)
 
 
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="recompute must be one of"):
         TransformerLM(CONFIG, recompute="everything")
+    with pytest.raises(ValueError, match="recompute_method must be one of"):
+        TransformerLM(CONFIG, recompute="full", recompute_method="random")
+    with pytest.raises(ValueError, match="recompute_num_layers must be a positive int"):
+        TransformerLM(CONFIG, recompute="full", recompute_num_layers=0)
     with pytest.raises(ValueError, match="first_last_layers_bf16=3 must be between 0 and num_layers=2"):
         TransformerLM(CONFIG, first_last_layers_bf16=3)
 

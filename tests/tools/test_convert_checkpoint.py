@@ -4,6 +4,8 @@ checkpoint loads under another tensor-parallel size; tokenizers travel; errors s
 Everything runs on the CPU in fp32 (the FP8 state of the runs is dropped); nothing is downloaded."""
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ from ..data.corpora import train_tiny_bpe, train_tiny_sentencepiece
 from ..fp8.helpers import rel_err
 from ..multiprocess import run_on_ranks
 from .load import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
 
 convert = load_tool("convert_checkpoint")
 # load_checkpoint in this process (tp = 1, no process group) is DCP's single-process mode.
@@ -134,9 +138,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     folders = {name: str(root / name) for name in MODELS + ["gpt-tiny-bf16"]}
     run_on_ranks(train_and_save_body, 2, folders)
-    for name in MODELS:
-        with pytest.warns(UserWarning, match="no tokenizer"):
-            convert.to_hf(folders[name], root / f"{name}-hf", progress=False)
+    for name in MODELS:  # --mock-data runs: no tokenizer
+        convert.to_hf(folders[name], root / f"{name}-hf", progress=False, no_tokenizer=True)
     return root
 
 
@@ -177,8 +180,7 @@ def test_into_another_layout_and_back(trained, tmp_path):
         assert rel_err(logits, megafp8_logits(trained / name, name)) < 1e-5
         _, reset, applied, state = results[0][name]
         assert reset and applied and state == convert.TRAIN_STATE
-        with pytest.warns(UserWarning, match="no tokenizer"):
-            convert.to_hf(tmp_path / name, tmp_path / f"{name}-hf", progress=False)
+        convert.to_hf(tmp_path / name, tmp_path / f"{name}-hf", progress=False, no_tokenizer=True)
         assert_same_weights(trained / f"{name}-hf", tmp_path / f"{name}-hf")
 
 
@@ -224,9 +226,8 @@ def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     hf.save_pretrained(tmp_path / "a", max_shard_size="40KB")  # sharded, with an index, on the way in
     with pytest.warns(UserWarning):  # no tokenizer; erf GELU / rope scaling have no training flag
         convert.from_hf(tmp_path / "a", tmp_path / "ckpt", progress=False)
-    with pytest.warns(UserWarning, match="no tokenizer"):
-        convert.main(["--direction", "to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
-                      "--max-shard-size", "100KB", "--no-progress"])
+    convert.main(["--direction", "to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
+                  "--max-shard-size", "100KB", "--no-progress", "--no-tokenizer"])
     assert (tmp_path / "b" / "model.safetensors.index.json").exists()  # sharded on the way out
     assert_same_weights(tmp_path / "a", tmp_path / "b")
     # Both folders load as the same model (from_pretrained, not the model in memory: casting that
@@ -250,9 +251,8 @@ def test_fp32_export_of_a_bf16_run_takes_the_master_weights(trained, tmp_path):
     masters = {"final_norm.weight": torch.empty(64), "layers.1.mlp.fc1.weight": torch.empty(256, 64)}
     dcp.load({f"optimizer/{n}/master": t for n, t in masters.items()}, checkpoint_id=str(ckpt / "iter_0000003"),
              no_dist=True)
-    with pytest.warns(UserWarning, match="no tokenizer"):
-        convert.to_hf(ckpt, tmp_path / "bf16", progress=False)
-        convert.to_hf(ckpt / "iter_0000003", tmp_path / "fp32", dtype="fp32", progress=False)  # one iteration
+    convert.to_hf(ckpt, tmp_path / "bf16", progress=False, no_tokenizer=True)
+    convert.to_hf(ckpt / "iter_0000003", tmp_path / "fp32", dtype="fp32", progress=False, no_tokenizer=True)
     bf16, fp32 = hf_weights(tmp_path / "bf16"), hf_weights(tmp_path / "fp32")
     assert bf16["transformer.ln_f.weight"].dtype == torch.bfloat16
     assert torch.equal(fp32["transformer.ln_f.weight"], masters["final_norm.weight"])
@@ -275,7 +275,7 @@ def test_pytorch_bin_with_old_gpt2_names(tmp_path):
     torch.save(old, tmp_path / "old" / "pytorch_model.bin")
     with pytest.warns(UserWarning, match="no tokenizer"):
         convert.from_hf(tmp_path / "old", tmp_path / "ckpt", progress=False)
-        convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False, no_tokenizer=True)
     assert_same_weights(tmp_path / "new", tmp_path / "out")
 
 
@@ -326,17 +326,23 @@ def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind)
         assert (tmp_path / "out" / name).read_bytes() == Path(files[key]).read_bytes()
 
 
-def test_missing_tokenizer_files_warn_and_are_skipped(tmp_path, tokenizer_files):
+def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_path, tokenizer_files):
     ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": "HuggingFaceTokenizer",
                                                 "tokenizer_model": str(tmp_path / "gone" / "tokenizer.json")})
-    with pytest.warns(UserWarning, match="TOKENIZER SKIPPED.*gone/tokenizer.json.*--tokenizer-dir"):
+    with pytest.raises(convert.ConversionError, match="gone/tokenizer.json.*--tokenizer-dir.*--no-tokenizer"):
         convert.to_hf(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    convert.to_hf(ckpt, tmp_path / "out", progress=False, no_tokenizer=True)
     assert not (tmp_path / "out" / "tokenizer_config.json").exists()
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the model itself is complete
     # --tokenizer-dir supplies them.
     bpe = tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"].rsplit("/", 1)[0]
     convert.to_hf(ckpt, tmp_path / "out2", tokenizer_dir=bpe, progress=False)
     assert AutoTokenizer.from_pretrained(tmp_path / "out2")("the fox")["input_ids"]
+    # A run on mock data had none to begin with.
+    mock = checkpoint_with_tokenizer(tmp_path / "mock", {"tokenizer_type": None})
+    with pytest.raises(convert.ConversionError, match="the run used no tokenizer"):
+        convert.to_hf(mock, tmp_path / "out3", progress=False)
 
 
 def test_from_hf_points_the_run_at_the_hf_tokenizer_and_its_flags_build_the_model(tmp_path, tokenizer_files):
@@ -357,9 +363,43 @@ def test_from_hf_points_the_run_at_the_hf_tokenizer_and_its_flags_build_the_mode
     parsed = arguments.parse_args(convert.train_flags(config, tokenizer) + [
         "--mock-data", "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3", "--seq-length", "64"])
     assert arguments.model_config(parsed, vocab) == arguments.model_config(saved, vocab)
+    # The checkpoint folder carries its tokenizer, as a training run's does.
+    assert (tmp_path / "ckpt" / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tmp_path / "hf" / "tokenizer.json").read_bytes()
     # No optimizer state, no FP8 state, no RNG: a --finetune start.
     metadata = torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     assert all(k.startswith("model/") or k == "train" for k in metadata)
+
+
+def test_a_run_converted_from_another_folder_generates_text(tmp_path):
+    """The quickstart's way, shrunk: relative paths everywhere, then to-hf run from elsewhere.
+    The checkpoint folder holds the tokenizer, so the HF folder gets it and generates."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    tool = lambda *cmd, cwd=work: subprocess.run([sys.executable, *cmd], cwd=cwd, check=True, capture_output=True)
+    tool(str(REPO / "tools/make_sample_corpus.py"), "--output", "corpus", "--max-mb", "0.2")
+    tool(str(REPO / "tools/train_tokenizer.py"), "--input", "corpus", "--type", "bpe", "--vocab-size", "512",
+         "--output", "tok")
+    tool(str(REPO / "tools/preprocess_data.py"), "--input", "corpus", "--output-prefix", "ds",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok", "--append-eod")
+    tool("-m", "megafp8.train", "--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "4",
+         "--train-iters", "20", "--lr", "1e-2", "--data-path", "ds_text_document", "--split", "1",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok", "--eval-iters", "0",
+         "--save", "run")
+    assert (work / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (work / "tok" / "tokenizer.json").read_bytes()
+    recorded = json.loads((work / "run" / "iter_0000020" / "megafp8.json").read_text())["args"]
+    assert recorded["tokenizer_model"] == str(work / "tok") and recorded["data_path"] == [str(work / "ds_text_document")]
+    (work / "tok").rename(tmp_path / "moved")  # even with the run's own tokenizer files gone
+    tool(str(REPO / "tools/convert_checkpoint.py"), "--direction", "to-hf", "--load", "../work/run",
+         "--output", "hf", "--no-progress", cwd=elsewhere)
+    tokenizer = AutoTokenizer.from_pretrained(elsewhere / "hf")
+    model = AutoModelForCausalLM.from_pretrained(elsewhere / "hf")
+    prompt = tokenizer("def main():", return_tensors="pt")
+    assert prompt["input_ids"].shape[1] > 0
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    assert tokenizer.decode(out[0]).startswith("def main():")
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -465,8 +505,7 @@ def test_pp2_training_run_to_hf_gives_the_same_logits(tmp_path, name):
                                     "--global-batch-size", "4", "--seq-length", str(SEQ), "--lr", "1e-2",
                                     "--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2",
                                     "--save", str(tmp_path / "run")])
-    with pytest.warns(UserWarning, match="no tokenizer"):
-        convert.to_hf(str(tmp_path / "run"), tmp_path / "hf", progress=False)
+    convert.to_hf(str(tmp_path / "run"), tmp_path / "hf", progress=False, no_tokenizer=True)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     inputs = tokens(preset(name).vocab_size)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Command-line arguments: Megatron's flag names, presets, YAML configs, and start-up errors that
 name the flags at fault."""
 import json
+import os
 
 import pytest
 
@@ -229,7 +230,9 @@ def test_data_contradictions():
     assert parse().vocab_size == PRESETS["gpt-tiny"].vocab_size  # mock tokens from the preset's vocabulary
     args = parse("--data-path 0.7 a_text_document 0.3 b_text_document --tokenizer-type NullTokenizer "
                  "--vocab-size 512", base)
-    assert args.data_path == ["0.7", "a_text_document", "0.3", "b_text_document"] and not args.mock_data
+    # Prefixes and tokenizer files become absolute, so a checkpoint's record finds them from elsewhere.
+    assert args.data_path == ["0.7", os.path.abspath("a_text_document"), "0.3", os.path.abspath("b_text_document")]
+    assert not args.mock_data
 
 
 @pytest.mark.parametrize("tokenizer, needs", [
@@ -249,8 +252,12 @@ def test_checkpoint_and_recompute_flags():
         "ckpt", 5, "/no/such/dir", True, True)
     fails("--recompute-method uniform", "--recompute-method", "--recompute-granularity full")
     fails("--recompute-granularity selective --recompute-num-layers 1", "--recompute-num-layers")
-    args = parse("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+    args = parse("--recompute-granularity full --recompute-method block --recompute-num-layers 2")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "block", 2)
+    args = parse("--recompute-granularity full")  # Megatron asks for both: one layer at a time
+    assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
+    fails("--overwrite-save", "--overwrite-save needs --save")
+    fails("--wandb-exp-name run1", "--wandb-exp-name", "only with --wandb-project")
     assert parse().recompute_granularity is None and parse().skip_nonfinite_steps_max == 10
 
 
@@ -262,8 +269,16 @@ def write(tmp_path, text):
     return path
 
 
+def test_wandb_needs_the_package_before_anything_starts(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    fails("--wandb-project p", "pip install wandb")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    assert parse("--wandb-project p --wandb-exp-name run1").wandb_exp_name == "run1"
+
+
 def test_yaml_config_merges_under_the_command_line(tmp_path):
-    pytest.importorskip("yaml")
     path = write(tmp_path, "model: llama-tiny\nmock-data: true\ntrain_iters: 10\nlr: 3.0e-4\n"
                            "micro_batch_size: 2\nglobal-batch-size: 8\noverlap_grad_reduce: false\n"
                            "bf16: true\nfp8_format: hybrid\nfp8-margin: 1\nswiglu: false\neval_iters: null\n"
@@ -284,7 +299,6 @@ def test_yaml_config_merges_under_the_command_line(tmp_path):
 
 
 def test_yaml_config_errors_name_the_key_and_file(tmp_path):
-    pytest.importorskip("yaml")
     path = write(tmp_path, "model: gpt-tiny\ntensor_parallel_size: 2\n")
     fails(f"--config {path}", str(path), "tensor_parallel_size", "tensor-model-parallel-size")
     path.write_text("micro_batch_size: zero\n")

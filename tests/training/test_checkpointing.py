@@ -137,28 +137,49 @@ def test_a_different_model_is_a_clear_error(tmp_path, name, overrides, match):
         run_on_ranks(mismatch_body, 1, str(tmp_path), name, overrides)
 
 
-def killed_save_body(rank, world_size, folder):
+def probe(run):
+    return run.loss(batch(9, run.config.vocab_size)).item()
+
+
+def saved_then_stepped(folder):
+    """A run saved at iteration 1 and then trained on: (the run, its probe loss at the checkpoint)."""
     run = Run()
     run.step(0)
     run.save(folder, 1)
-    before = run.loss(batch(9, run.config.vocab_size)).item()
+    before = probe(run)
     run.step(1)
-    real_save = checkpointing.dcp.save
+    return run, before
 
-    def dies_half_way(state, checkpoint_id):
-        real_save({k: v for i, (k, v) in enumerate(state.items()) if i % 2}, checkpoint_id=checkpoint_id)
-        raise KeyboardInterrupt("killed during the save")
 
-    checkpointing.dcp.save = dies_half_way
+def reloaded(folder):
+    """The probe loss of a fresh run loaded from `folder`."""
+    fresh = Run()
+    fresh.load(folder)
+    return probe(fresh)
+
+
+def save_killed(run, folder, iteration, owner, name, killer):
+    """Save with `owner.name` replaced by `killer(real)`, which raises KeyboardInterrupt."""
+    real = getattr(owner, name)
+    setattr(owner, name, killer(real))
     try:
-        run.save(folder, 2)
+        run.save(folder, iteration)
     except KeyboardInterrupt:
         pass
     finally:
-        checkpointing.dcp.save = real_save
-    fresh = Run()
-    fresh.load(folder)
-    return before, fresh.loss(batch(9, run.config.vocab_size)).item()
+        setattr(owner, name, real)
+
+
+def killed_save_body(rank, world_size, folder):
+    def dies_half_way(real_save):
+        def save(state, checkpoint_id):
+            real_save({k: v for i, (k, v) in enumerate(state.items()) if i % 2}, checkpoint_id=checkpoint_id)
+            raise KeyboardInterrupt("killed during the save")
+        return save
+
+    run, before = saved_then_stepped(folder)
+    save_killed(run, folder, 2, checkpointing.dcp, "save", dies_half_way)
+    return before, reloaded(folder)
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
@@ -171,3 +192,138 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(checkpointing.CheckpointError, match="no checkpoint"):
         checkpointing.load_checkpoint(tmp_path, None, None, groups=None)
+
+
+# -- never without a loadable checkpoint, failures reach every rank, nothing on disk unsynced --------
+
+
+def replaced_save_killed_body(rank, world_size, folder):
+    def dies_between_renames(real_replace):  # the old iter_1 is set aside, the new one not yet in
+        def replace(src, dst):
+            if str(src).endswith("iter_0000001.tmp"):
+                raise KeyboardInterrupt("killed during the save")
+            real_replace(src, dst)
+        return replace
+
+    run, before = saved_then_stepped(folder)
+    # The same iteration again, as when a run resumed from an earlier checkpoint reaches it.
+    save_killed(run, folder, 1, checkpointing.os, "replace", dies_between_renames)
+    restored = reloaded(folder)
+    run.save(folder, 1)  # now it goes through
+    return before, restored, probe(run), reloaded(folder)
+
+
+def test_replacing_a_checkpoint_never_leaves_none(tmp_path):
+    before, restored, after, reloaded = run_on_ranks(replaced_save_killed_body, 1, str(tmp_path))[0]
+    assert restored == before  # the loader fell back to the set-aside copy
+    assert reloaded == after != before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
+def durable_save_body(rank, world_size, folder):
+    """The order of fsyncs (by path) and renames of one save."""
+    import os
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    checkpointing.os.fsync, checkpointing.os.replace = fsync, replace
+    try:
+        Run().save(folder, 1)
+    finally:
+        checkpointing.os.fsync, checkpointing.os.replace = real_fsync, real_replace
+    return events
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/fd"), reason="maps descriptors to paths via /proc")
+def test_the_latest_pointer_and_run_record_are_on_disk_before_they_count(tmp_path):
+    events = run_on_ranks(durable_save_body, 1, str(tmp_path))[0]
+    for name in ("iter_0000001.tmp/megafp8.json.tmp", "latest_checkpointed_iteration.txt.tmp"):
+        path = str(tmp_path / name)
+        renamed = events.index(("replace", path))
+        assert ("fsync", path) in events[:renamed], (name, events)
+        assert ("fsync", str((tmp_path / name).parent)) in events[renamed:], (name, events)  # the rename too
+
+
+def failing_save_body(rank, world_size, folder, where):
+    import errno
+    import time
+    run, before = saved_then_stepped(folder)
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "writing rank, finishing" and rank == 0:
+        checkpointing._write_durably = lambda *args: (_ for _ in ()).throw(disk_full)
+    if where == "other rank, writing its shard" and rank == 1:
+        def fsync(fd):
+            raise disk_full
+        checkpointing.os.fsync = fsync
+    start = time.monotonic()
+    try:
+        run.save(folder, 2)
+        outcome = None
+    except checkpointing.CheckpointError as error:
+        outcome = str(error)
+    elapsed = time.monotonic() - start
+    return outcome, elapsed, before, reloaded(folder)
+
+
+@pytest.mark.parametrize("where", ["writing rank, finishing", "other rank, writing its shard"])
+def test_a_failed_save_on_one_rank_stops_every_rank(tmp_path, where):
+    for outcome, elapsed, before, after in run_on_ranks(failing_save_body, 2, str(tmp_path), where):
+        assert outcome is not None and "No space left on device" in outcome
+        assert elapsed < 60  # at once, not at a collective's timeout
+        assert after == before  # iteration 1 is still the latest, and loads
+    assert (tmp_path / checkpointing.LATEST).read_text() == "1"
+
+
+# -- loading runs no code from the checkpoint -------------------------------------------------------
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # unpickling this creates the marker file
+
+
+def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
+    import pickle
+    marker = tmp_path / "ran"
+    folder = checkpointing.write_checkpoint(tmp_path / "run", 1, {"model/w": torch.ones(3), "extra": _RunsCode(str(marker))},
+                                            train_state={}, args={})
+    assert not marker.exists()
+    with pytest.raises(checkpointing.CheckpointError, match="pickled object, not plain data: refused"):
+        checkpointing.read_state({"extra": ""}, folder)  # a pickled object among the items
+    good = {"model/w": torch.zeros(3), "train": ""}
+    checkpointing.read_state(good, folder)  # tensors and strings load
+    assert torch.equal(good["model/w"], torch.ones(3)) and good["train"] == "{}"
+    metadata = folder / ".metadata"
+    tampered = pickle.loads(metadata.read_bytes())
+    tampered.storage_meta = _RunsCode(str(marker))
+    metadata.write_bytes(pickle.dumps(tampered))
+    for load in (lambda: checkpointing.read_metadata(folder),
+                 lambda: checkpointing.load_checkpoint(folder, TransformerLM(preset("gpt-tiny")), None, groups=None)):
+        with pytest.raises(checkpointing.CheckpointError, match="asks to load io.open, .*refused"):
+            load()
+    assert not marker.exists()
+
+
+def test_fp8_state_missing_from_a_checkpoint_is_reported(tmp_path):
+    model = TransformerLM(preset("gpt-tiny"), seed=0)
+    complete = checkpointing.save_checkpoint(tmp_path / "full", 1, model, None, groups=None, train_state={}, args={})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to report
+        checkpointing.load_checkpoint(complete, TransformerLM(preset("gpt-tiny")), None, groups=None)
+    # As checkpoints store them: the vocabulary without its padding rows.
+    weights_only = {f"model/{name}": p.detach()[:getattr(p, "unpadded_rows", None)]
+                    for name, p in model.named_parameters()}
+    partial = checkpointing.write_checkpoint(tmp_path / "weights", 1, weights_only, train_state={}, args={})
+    with pytest.warns(UserWarning, match=r"no FP8 scaling state for \d+ entries \(e\.g\. layers\.0\."):
+        checkpointing.load_checkpoint(partial, TransformerLM(preset("gpt-tiny")), None, groups=None)

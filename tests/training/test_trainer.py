@@ -14,6 +14,7 @@ import pytest
 
 from megafp8.parallel import check_embeddings_in_sync
 from megafp8.training import arguments
+from megafp8.training.checkpointing import CheckpointError
 from megafp8.training.trainer import NonFiniteError, pretrain
 
 from ..multiprocess import run_on_ranks
@@ -78,6 +79,51 @@ def test_resume_is_bitwise_exact(tmp_path, extra):
     assert first + second == straight  # bitwise: FP8 state, Adam moments, data position, RNG
 
 
+def test_a_save_folder_of_another_run_is_never_written_over(tmp_path, capsys):
+    argv = TINY + ["--train-iters", "3", "--save", str(tmp_path)]
+    pretrain(argv)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for extra, why in (([], "this new run would write over them"),
+                       (["--load", str(tmp_path), "--finetune"], "--finetune starts a new run"),
+                       (["--load", str(tmp_path / "elsewhere")], "no such folder")):
+        with pytest.raises(CheckpointError, match=why):
+            pretrain(argv + extra)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing touched
+    with pytest.raises(CheckpointError, match=f"To resume that run, add --load {tmp_path}.*--overwrite-save"):
+        pretrain(argv)
+    # Resuming the run in that folder is what --save of it is for.
+    assert pretrain(TINY + ["--train-iters", "4", "--save", str(tmp_path), "--load", str(tmp_path)]).iteration == 4
+    # --overwrite-save: the earlier run's checkpoints go once the new run has saved its own (its
+    # iteration 3 replaces the earlier run's).
+    pretrain(argv + ["--overwrite-save"])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_load_of_a_missing_folder_is_a_typo_unless_it_is_also_save(tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="--load .*nope: no such folder"):
+        pretrain(TINY + ["--train-iters", "3", "--load", str(tmp_path / "nope")])
+    # A job that resumes itself passes --save X --load X from its first launch on (Megatron's habit).
+    run = tmp_path / "run"
+    assert pretrain(TINY + ["--train-iters", "3", "--save", str(run), "--load", str(run)]).iteration == 3
+    (tmp_path / "empty").mkdir()
+    assert pretrain(TINY + ["--train-iters", "3", "--load", str(tmp_path / "empty")]).iteration == 3
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_resuming_says_what_changed_and_when_there_is_nothing_to_do(tmp_path, capsys):
+    argv = TINY + ["--save", str(tmp_path), "--load", str(tmp_path)]
+    pretrain(argv + ["--train-iters", "3"])
+    capsys.readouterr()
+    assert pretrain(argv + ["--train-iters", "3"]).history == []
+    assert "nothing to do: the checkpoint is at iteration 3 and --train-iters is 3" in capsys.readouterr().out
+    pretrain(argv + ["--train-iters", "4"])
+    out = capsys.readouterr().out
+    assert "another learning-rate schedule" in out and "--train-iters 3 -> 4" in out
+    assert "give --lr-decay-iters 3" in out
+    assert "run summary:" in out and "iterations: 1 (4 to 4)" in out
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
@@ -100,6 +146,17 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
     with pytest.raises(NonFiniteError, match="3 steps in a row"):
         pretrain(TINY + ["--train-iters", "20", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
                          "--skip-nonfinite-steps-max", "3"])
+
+
+def test_under_torchrun_a_configuration_problem_is_said_once_as_a_message():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "megafp8.train", *TINY, "--train-iters", "3", "--sequence-parallel",
+                           "--global-batch-size", "6"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.count("megafp8-train: warning: --sequence-parallel has no effect") == 1, done.stderr
+    assert done.stderr.count("megafp8-train: error: --global-batch-size 6 is not divisible") == 1, done.stderr
+    assert "warnings.warn(" not in done.stderr and "Traceback" not in done.stderr.split("megafp8-train: error")[0]
 
 
 def test_bad_flags_fail_at_start_up():
