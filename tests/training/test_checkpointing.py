@@ -309,7 +309,7 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     metadata.write_bytes(pickle.dumps(tampered))
     for load in (lambda: checkpointing.read_metadata(folder),
                  lambda: checkpointing.load_checkpoint(folder, TransformerLM(preset("gpt-tiny")), None, groups=None)):
-        with pytest.raises(checkpointing.CheckpointError, match="asks to load io.open, .*refused"):
+        with pytest.raises(checkpointing.CheckpointError, match=r"asks to load _?io.open, .*refused"):
             load()
     assert not marker.exists()
 
