@@ -33,6 +33,14 @@ def counts_towards_norm(param, tp_rank: int) -> bool:
     return hasattr(param, "partition") or tp_rank == 0
 
 
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """||t||^2 in fp32, accurately. CUDA's norm kernel reduces as a tree; the CPU's adds in
+    sequence (1e-5 off at 10^5 elements, 1e-2 at 10^7), its sum() in cascade (1e-7 at any size)."""
+    if t.is_cuda:
+        return torch.linalg.vector_norm(t, dtype=torch.float32) ** 2
+    return t.float().square().sum()
+
+
 class MixedPrecisionAdamW:
     """AdamW over fp32 masters of the parameter elements this rank owns.
 
@@ -73,11 +81,12 @@ class MixedPrecisionAdamW:
             group["lr"] = lr
 
     def grad_norm(self) -> float:
-        """The L2 norm of the whole model's gradient (inf/NaN if any element is)."""
+        """The L2 norm of the whole model's gradient (inf/NaN if any element is). Each rank's
+        pieces are summed in fp64, so the norm does not depend on how dp and pp slice them."""
         grads = [m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted]
         device = self.buffer.data.device
-        local = (torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
-                 if grads else torch.zeros((), device=device))
+        local = (torch.stack([squared_norm(g) for g in grads]).double().sum()
+                 if grads else torch.zeros((), dtype=torch.float64, device=device))
         local = local.reshape(1)
         # Owners of disjoint pieces: sum over the model-parallel ranks, and over dp when sharded.
         for group in (self.model_parallel_group, self.dp_group if self.distributed else None):
