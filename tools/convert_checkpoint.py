@@ -262,13 +262,10 @@ def _config_from_args(args, vocab_size: int) -> TransformerConfig:
 
 def _tokenizer_in(folder) -> tuple | None:
     """(tokenizer type, {build_tokenizer argument: path}) of the tokenizer files in `folder`, or None."""
-    folder = Path(folder)
-    if (folder / "tokenizer.json").is_file():
-        return "HuggingFaceTokenizer", {"tokenizer_model": folder / "tokenizer.json"}
-    if (folder / "tokenizer.model").is_file():
-        return "SentencePieceTokenizer", {"tokenizer_model": folder / "tokenizer.model"}
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        return "GPT2BPETokenizer", {"vocab_file": folder / "vocab.json", "merge_file": folder / "merges.txt"}
+    for kind, names in checkpointing.TOKENIZER_FILES.items():
+        paths = {key: Path(folder) / name for key, name in names.items()}
+        if all(path.is_file() for path in paths.values()):
+            return kind, paths
     return None
 
 
@@ -286,9 +283,7 @@ def _tokenizer_source(args, tokenizer_dir, checkpoint: Path) -> tuple:
     if found is not None:
         return found
     kind = getattr(args, "tokenizer_type", None)
-    recorded = ({"vocab_file": args.vocab_file, "merge_file": args.merge_file} if kind == "GPT2BPETokenizer"
-                else {"tokenizer_model": args.tokenizer_model}
-                if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer") else {})
+    recorded = {key: getattr(args, key, None) for key in checkpointing.TOKENIZER_FILES.get(kind, {})}
     paths = {key: Path(value) if value else None for key, value in recorded.items()}
     if kind == "HuggingFaceTokenizer" and paths["tokenizer_model"] and paths["tokenizer_model"].is_dir():
         paths["tokenizer_model"] = paths["tokenizer_model"] / "tokenizer.json"  # the folder form
@@ -326,10 +321,8 @@ def export_tokenizer(kind, paths: dict, output: Path, config: TransformerConfig,
     hf.model_max_length = config.max_position_embeddings
     hf.save_pretrained(str(output))
     # The run's own files, byte for byte (save_pretrained re-serialises tokenizer.json).
-    names = {"vocab_file": "vocab.json", "merge_file": "merges.txt",
-             "tokenizer_model": "tokenizer.model" if kind == "SentencePieceTokenizer" else "tokenizer.json"}
-    for key, path in paths.items():
-        shutil.copyfile(path, output / names[key])
+    for key, name in checkpointing.TOKENIZER_FILES[kind].items():
+        shutil.copyfile(paths[key], output / name)
     return bos, ours.eod
 
 
@@ -504,15 +497,11 @@ class HFWeights:
 
 def _hf_tokenizer_args(folder: Path) -> dict:
     """Tokenizer flags for the HF folder's tokenizer files (absolute paths), or {} without any."""
-    if (folder / "tokenizer.json").is_file():
-        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str((folder / "tokenizer.json").resolve())}
-    if (folder / "tokenizer.model").is_file():
-        return {"tokenizer_type": "SentencePieceTokenizer",
-                "tokenizer_model": str((folder / "tokenizer.model").resolve())}
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str((folder / "vocab.json").resolve()),
-                "merge_file": str((folder / "merges.txt").resolve())}
-    return {}
+    found = _tokenizer_in(folder)
+    if found is None:
+        return {}
+    kind, paths = found
+    return {"tokenizer_type": kind, **{key: str(path.resolve()) for key, path in paths.items()}}
 
 
 def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -608,8 +597,7 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
 
     if tokenizer:  # the checkpoint folder carries its tokenizer, as a training run's does
         kind = tokenizer["tokenizer_type"]
-        checkpointing.save_tokenizer(save, kind, [tokenizer[key] for key in ("tokenizer_model", "vocab_file", "merge_file")
-                                                 if tokenizer.get(key)])
+        checkpointing.save_tokenizer(save, kind, [tokenizer[key] for key in checkpointing.TOKENIZER_FILES[kind]])
     final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE,
                                            args=arguments.args_to_dict(args))
     print(f"wrote {final}\ncontinue training with:\n  megafp8-train {' '.join(flags)} "

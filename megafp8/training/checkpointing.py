@@ -184,16 +184,18 @@ def remove_checkpoints(save_dir, iterations, keep: int) -> None:
 
 
 TOKENIZER_DIR = "tokenizer"
-# The names Hugging Face folders give these files, so the folder loads as one.
-_TOKENIZER_NAMES = {"HuggingFaceTokenizer": ("tokenizer.json",), "SentencePieceTokenizer": ("tokenizer.model",),
-                    "GPT2BPETokenizer": ("vocab.json", "merges.txt")}
+# Each tokenizer type's files, {build_tokenizer argument: file name}, named as Hugging Face
+# folders name them (so such a folder loads as one), in the order Tokenizer.files lists them.
+TOKENIZER_FILES = {"HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
+                   "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+                   "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"}}
 
 
 def save_tokenizer(save_dir, tokenizer_type, files) -> Path | None:
     """Copy the run's tokenizer files into `save_dir/tokenizer` unless they are there already,
     so the checkpoint folder stands on its own (as a Hugging Face folder carries its tokenizer).
     Collective; returns the folder, or None for a tokenizer without files (NullTokenizer)."""
-    names = _TOKENIZER_NAMES.get(tokenizer_type)
+    names = TOKENIZER_FILES.get(tokenizer_type, {}).values()
     if not names or not files:
         return None
     folder = Path(save_dir) / TOKENIZER_DIR
