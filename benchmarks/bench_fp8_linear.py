@@ -24,7 +24,7 @@ from triton.testing import do_bench
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.gemm import fp8_gemm
-from megafp8.fp8.quantize import _quantize_torch, quantize
+from megafp8.fp8.quantize import quantize, quantize_torch
 
 SHAPES = [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)]  # GPT-1.3B: QKV, proj, fc1, fc2
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -54,7 +54,7 @@ def quantize_times(tokens):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         scale = torch.tensor(10.0, device="cuda")
         moved = x.numel() * (2 + 1 + 1)
-        eager = ms(lambda: _quantize_torch(x, E4M3, scale, 0, True, True, None))
+        eager = ms(lambda: quantize_torch(x, E4M3, scale, 0, True, True, None))
         fused = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False))
         current = ms(lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, None, False))
         rows.append({"shape": f"{tokens}x{k}", "eager_ms": eager, "fused_ms": fused, "fused_current_ms": current,

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-gpt}; GPUS=${GPUS:-8}; LAYOUTS=${LAYOUTS:-"2:2 1:4 4:1 1:1"}
 PRECISIONS=${PRECISIONS:-"bf16 delayed current"}
 WORKDIR=${WORKDIR:-runs/layouts}; RESULTS=${RESULTS:-$WORKDIR/results}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast is off on the lent machines
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast (NVLS) off unless asked: NCCL fails on hosts that lack it
 
 bash examples/prepare_sample_data.sh "$WORKDIR" 32768
 COMMON=(--data-path "$WORKDIR/data/sample_text_document" --split 969,30,1

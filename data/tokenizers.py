@@ -23,9 +23,11 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTok
 
 
 class Tokenizer:
-    """What the data pipeline needs of a tokenizer."""
+    """What the data pipeline needs of a tokenizer. `backend` is the library's own object
+    (a `tokenizers.Tokenizer`, a `SentencePieceProcessor`), for tools that export it."""
 
     files = ()
+    backend = None
 
     @property
     def vocab_size(self) -> int:
@@ -47,7 +49,7 @@ class Tokenizer:
 
 class HuggingFaceTokenizer(Tokenizer):
     def __init__(self, tokenizer, files, eod_token=None):
-        self._tokenizer = tokenizer
+        self.backend = tokenizer
         self.files = tuple(str(f) for f in files)
         candidates = (eod_token,) if eod_token else EOD_CANDIDATES
         for token in candidates:
@@ -93,21 +95,21 @@ class HuggingFaceTokenizer(Tokenizer):
 
     @property
     def vocab_size(self):
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def eod(self):
         return self._eod
 
     def tokenize(self, text):
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts):
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
     def detokenize(self, ids):
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self.backend.decode(list(ids), skip_special_tokens=False)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -121,34 +123,34 @@ class SentencePieceTokenizer(Tokenizer):
             raise FileNotFoundError(f"no SentencePiece model at {model_file}")
         self.files = (str(model_file),)
         try:
-            self._model = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+            self.backend = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
         except (RuntimeError, OSError) as error:
             raise ValueError(f"{model_file}: not a readable SentencePiece model ({error})") from None
         if eod_token:
-            self._eod = self._model.piece_to_id(eod_token)
-            if self._eod == self._model.unk_id():
+            self._eod = self.backend.piece_to_id(eod_token)
+            if self._eod == self.backend.unk_id():
                 raise ValueError(f"{model_file}: eod token {eod_token!r} is not in the vocabulary")
-        elif self._model.eos_id() >= 0:
-            self._eod = self._model.eos_id()
+        elif self.backend.eos_id() >= 0:
+            self._eod = self.backend.eos_id()
         else:
             raise ValueError(f"{model_file} has no end-of-sentence token; name one with eod_token")
 
     @property
     def vocab_size(self):
-        return self._model.get_piece_size()
+        return self.backend.get_piece_size()
 
     @property
     def eod(self):
         return self._eod
 
     def tokenize(self, text):
-        return self._model.encode(text)
+        return self.backend.encode(text)
 
     def tokenize_batch(self, texts):
-        return self._model.encode(list(texts))
+        return self.backend.encode(list(texts))
 
     def detokenize(self, ids):
-        return self._model.decode(list(ids))
+        return self.backend.decode(list(ids))
 
 
 class NullTokenizer(Tokenizer):

@@ -10,20 +10,23 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megafp8.validation import check_integer
+
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu: erf; gelu_tanh: GPT-2's approximation
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 
-def _check_positive_int(name: str, value) -> None:
-    # bool is an int subclass; True as a size is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _check_choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _check_keys(what: str, values: dict, cls) -> None:
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{what} has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                         "(written by a newer megafp8?)")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class RopeScaling:
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"low_freq_factor={self.low_freq_factor!r}, high_freq_factor={self.high_freq_factor!r}"
             )
-        _check_positive_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        check_integer("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,10 @@ class TransformerConfig:
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
-            _check_positive_int(name, getattr(self, name))
+            check_integer(name, getattr(self, name))
         for name in ("num_kv_heads", "ffn_hidden_size"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_integer(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by "
@@ -127,7 +130,7 @@ class TransformerConfig:
 
     def validate_tensor_parallel(self, tp_size: int) -> None:
         """Raise ValueError unless tp_size splits the heads, key/value heads and MLP evenly."""
-        _check_positive_int("tp_size", tp_size)
+        check_integer("tp_size", tp_size)
         sizes = {"num_attention_heads": self.num_attention_heads, "kv_heads": self.kv_heads,
                  "ffn_size": self.ffn_size}
         for name, size in sizes.items():
@@ -142,6 +145,31 @@ class TransformerConfig:
     def replace(self, **changes) -> TransformerConfig:
         """A copy with `changes` applied, validated again."""
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The fields as JSON values (rope_scaling a nested dict or None), for a checkpoint."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransformerConfig:
+        """The config `to_dict` gave, validated as the constructor validates. Keys it does not know
+        (a checkpoint of a newer megafp8) are a ValueError naming them, never silently dropped:
+        the model built would not be the one saved. Fields missing from `values` that have a
+        default (added since it was saved) take it."""
+        if not isinstance(values, dict):
+            raise ValueError(f"a model config is a mapping of field names to values, not a {type(values).__name__}")
+        _check_keys("model config", values, cls)
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in values and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
+        scaling = values.get("rope_scaling")
+        if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise ValueError(f"rope_scaling must be a mapping or null, got {scaling!r}")
+            _check_keys("rope_scaling", scaling, RopeScaling)
+            scaling = RopeScaling(**scaling)
+        return cls(**{**values, "rope_scaling": scaling})
 
     def num_parameters(self, tp_size: int = 1) -> int:
         """All weights and biases of the whole model, with the vocabulary padded for tp_size."""

@@ -1,6 +1,13 @@
-"""Hugging Face GPT2LMHeadModel / LlamaForCausalLM state dicts as megafp8 TransformerLM state
-dicts (the full model, tensor-parallel size 1). Every megafp8 weight is one HF weight, or a
-fixed rearrangement of several:
+"""Hugging Face GPT2LMHeadModel / LlamaForCausalLM as megafp8 TransformerLM, both ways: configs
+and state dicts (the full model, tensor-parallel size 1).
+
+Configs: `hf_architecture(config)` names the HF model that computes what a TransformerConfig
+does; `hf_config(config, arch, dtype)` is its transformers config; `config_from_hf(hf_config)`
+the TransformerConfig of a GPT2Config / LlamaConfig (Llama 3.1's llama3 rope scaling and GPT-2's
+erf GELU included). A setting one side cannot compute is an HFMappingError (a ValueError) naming
+it. `transformers` is imported only by hf_config, so the weight mapping works without it.
+
+Weights: every megafp8 weight is one HF weight, or a fixed rearrangement of several:
 
 | megafp8 | GPT2LMHeadModel | LlamaForCausalLM |
 | --- | --- | --- |
@@ -30,8 +37,123 @@ import re
 
 import torch
 
-from .config import TransformerConfig
+from .config import RopeScaling, TransformerConfig
 
+# model_type -> the transformers class megafp8 converts to and from.
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+class HFMappingError(ValueError):
+    """A model or config that the other side cannot compute; the message names the setting."""
+
+
+# ---- configs ----------------------------------------------------------------------------------
+
+def hf_architecture(config: TransformerConfig) -> str:
+    """'gpt2' or 'llama': the Hugging Face model that computes exactly what `config` does."""
+    if (config.normalization == "layernorm" and config.position_embedding == "learned"
+            and config.activation in ("gelu", "gelu_tanh") and config.bias):
+        return "gpt2"
+    if config.normalization == "rmsnorm" and config.position_embedding == "rope" and config.activation == "swiglu":
+        return "llama"
+    raise HFMappingError(
+        f"no Hugging Face architecture matches this model (normalization={config.normalization}, "
+        f"position_embedding={config.position_embedding}, activation={config.activation}, bias={config.bias}): "
+        "GPT2LMHeadModel needs layernorm + learned positions + gelu/gelu_tanh + biases; "
+        "LlamaForCausalLM needs rmsnorm + rope + swiglu")
+
+
+def hf_config(config: TransformerConfig, arch: str, dtype: torch.dtype, bos=None, eos=None):
+    """The transformers config of `config` (vocabulary unpadded) for `arch` (hf_architecture's)."""
+    import transformers  # optional: only converting to Hugging Face needs it
+
+    if arch == "gpt2":
+        hf = transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
+            activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
+            layer_norm_epsilon=config.norm_epsilon, initializer_range=config.init_method_std,
+            resid_pdrop=config.hidden_dropout, embd_pdrop=0.0, attn_pdrop=config.attention_dropout,
+            tie_word_embeddings=config.tie_embeddings, bos_token_id=bos, eos_token_id=eos)
+    else:
+        rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+        if config.rope_scaling is not None:
+            s = config.rope_scaling
+            rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                        high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
+        hf = transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
+            rope_parameters=rope, tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias,
+            mlp_bias=config.bias, attention_dropout=config.attention_dropout, hidden_act="silu",
+            initializer_range=config.init_method_std, bos_token_id=bos, eos_token_id=eos)
+    hf.architectures = [SUPPORTED[arch]]
+    hf.dtype = dtype
+    return hf
+
+
+def _require(condition, message):
+    if not condition:
+        raise HFMappingError(message)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """The megafp8 config of a transformers GPT2Config or LlamaConfig; a setting megafp8 does not
+    compute (e.g. another activation or rope type) is an HFMappingError naming it."""
+    where = f"{hf.model_type} config"
+    try:
+        if hf.model_type == "gpt2":
+            activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+            _require(hf.activation_function in activations,
+                     f"{where}: activation_function={hf.activation_function!r}; megafp8 computes "
+                     f"{', '.join(activations)}")
+            _require(hf.scale_attn_weights and not hf.scale_attn_by_inverse_layer_idx and not hf.add_cross_attention,
+                     f"{where}: megafp8 needs scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false "
+                     "and add_cross_attention=false")
+            return TransformerConfig(
+                num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
+                vocab_size=hf.vocab_size, max_position_embeddings=hf.n_positions,
+                ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, normalization="layernorm",
+                norm_epsilon=hf.layer_norm_epsilon, activation=activations[hf.activation_function],
+                position_embedding="learned", tie_embeddings=bool(hf.tie_word_embeddings), bias=True,
+                init_method_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
+                attention_dropout=hf.attn_pdrop)
+        _require(hf.hidden_act == "silu", f"{where}: hidden_act={hf.hidden_act!r}; megafp8's SwiGLU is silu")
+        _require(bool(hf.attention_bias) == bool(getattr(hf, "mlp_bias", False)),
+                 f"{where}: attention_bias={hf.attention_bias} and mlp_bias={hf.mlp_bias}; megafp8 has one "
+                 "bias switch for every linear layer")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        _require(head_dim * hf.num_attention_heads == hf.hidden_size,
+                 f"{where}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
+                 f"hidden_size={hf.hidden_size}; megafp8 needs head_dim = hidden_size / heads")
+        _require(getattr(hf, "pretraining_tp", 1) == 1, f"{where}: pretraining_tp={hf.pretraining_tp}; needs 1")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type in ("default", "llama3"),
+                 f"{where}: rope type {rope_type!r}; megafp8 computes 'default' and 'llama3' RoPE")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                                  high_freq_factor=rope["high_freq_factor"],
+                                  original_max_position_embeddings=rope["original_max_position_embeddings"])
+        return TransformerConfig(
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size, max_position_embeddings=hf.max_position_embeddings,
+            normalization="rmsnorm", norm_epsilon=hf.rms_norm_eps, activation="swiglu", position_embedding="rope",
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))), rope_scaling=scaling,
+            tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
+            init_method_std=hf.initializer_range, attention_dropout=float(hf.attention_dropout))
+    except HFMappingError:
+        raise
+    except (ValueError, TypeError) as error:  # TransformerConfig's own checks
+        raise HFMappingError(f"{where}: {error}") from None
+
+
+# ---- weights ----------------------------------------------------------------------------------
 
 def grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     """Separate q [heads*d, ...], k and v [kv_heads*d, ...] (weights or biases) as the fused,

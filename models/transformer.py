@@ -13,9 +13,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
 from megafp8.fp8.autocast import current_fp8_context
 from megafp8.parallel import (
@@ -26,12 +28,8 @@ from megafp8.parallel import (
     normal_init,
     vocab_parallel_cross_entropy,
 )
-from megafp8.parallel.communication import (
-    copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
-    rank_in,
-    world_size,
-)
+from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
+from megafp8.validation import check_integer
 
 from .config import TransformerConfig
 from .documents import document_attention_mask
@@ -73,11 +71,11 @@ class Attention(nn.Module):
 
     def _core(self, q, k, v, mask):
         """Causal attention; `mask` [b, 1, s, s] (documents) replaces the plain causal mask."""
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        q, k, v = (rearrange(t, "s b heads d -> b heads s d") for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=k.shape[1] != q.shape[1],
                                              dropout_p=self.dropout if self.training else 0.0)
-        return out.permute(2, 0, 1, 3).flatten(2)
+        return rearrange(out, "b heads s d -> s b (heads d)")
 
 
 class MLP(nn.Module):
@@ -97,7 +95,7 @@ class MLP(nn.Module):
     def forward(self, x):
         h = self.fc1(x)
         if self.gated:
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = rearrange(h, "... (two ffn) -> two ... ffn", two=2)  # fc1 stacks [gate; up]
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
@@ -170,7 +168,7 @@ class TransformerLM(nn.Module):
                  first_last_layers_bf16: int = 0, recompute: str = "none", recompute_method: str = "uniform",
                  recompute_num_layers: int = 1, dtype=None, device=None):
         super().__init__()
-        tp = world_size(tp_group)
+        tp = group_size(tp_group)
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
         first, last = layers if layers is not None else (0, config.num_layers)
@@ -180,8 +178,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"recompute_method must be one of {RECOMPUTE_METHODS}, got {recompute_method!r}")
-        if isinstance(recompute_num_layers, bool) or not isinstance(recompute_num_layers, int) or recompute_num_layers < 1:
-            raise ValueError(f"recompute_num_layers must be a positive int, got {recompute_num_layers!r}")
+        check_integer("recompute_num_layers", recompute_num_layers)
         if not 0 <= first_last_layers_bf16 <= config.num_layers:
             raise ValueError(f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
                              f"num_layers={config.num_layers}")
@@ -279,7 +276,7 @@ class TransformerLM(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
 
     def _embed(self, tokens, position_ids):
-        tp = world_size(self.tp_group)
+        tp = group_size(self.tp_group)
         if self.sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
                              f"ranks (sequence parallelism needs it to)")

@@ -1,5 +1,5 @@
-"""Collectives along one dimension, and the autograd functions that move activations between
-tensor-parallel ranks (Megatron's f, g and the sequence-parallel gather/scatter).
+"""The autograd functions that move activations between tensor-parallel ranks (Megatron's f,
+g and the sequence-parallel gather/scatter), on the collectives of megafp8.collectives.
 
 All take the process group as an argument; none keeps global state. Sequence-parallel
 tensors are split along dim 0 (Megatron's [sequence, batch, hidden] layout), tensor-parallel
@@ -8,45 +8,8 @@ outputs along the last dim.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megafp8.fp8.collectives import all_gather_rows, group_size as world_size, reduce_scatter_rows
-
-
-def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`, in rank order."""
-    if world_size(group) == 1:
-        return x
-    if dim == 0:
-        return all_gather_rows(x, group)
-    return torch.cat(all_gather_rows(x.unsqueeze(0), group).unbind(0), dim=dim)
-
-
-def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum `x` over the ranks and keep this rank's slice of dim 0."""
-    return reduce_scatter_rows(x, group)
-
-
-def rank_in(group) -> int:
-    """This process's rank within `group` (0 without one)."""
-    return dist.get_rank(group) if world_size(group) > 1 else 0
-
-
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if world_size(group) > 1:
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-    return x
-
-
-def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal slice of `x` along `dim` (contiguous)."""
-    size = world_size(group)
-    if size == 1:
-        return x
-    if x.shape[dim] % size:
-        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} equal parts")
-    return x.chunk(size, dim=dim)[rank_in(group)].contiguous()
+from megafp8.collectives import all_gather, all_reduce, group_size, reduce_scatter, split
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -141,28 +104,28 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel(x, group):
-    return _CopyToTensorParallel.apply(x, group) if world_size(group) > 1 else x
+    return _CopyToTensorParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def reduce_from_tensor_parallel(x, group):
-    return _ReduceFromTensorParallel.apply(x, group) if world_size(group) > 1 else x
+    return _ReduceFromTensorParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def gather_from_tensor_parallel(x, group):
-    return _GatherFromTensorParallel.apply(x, group) if world_size(group) > 1 else x
+    return _GatherFromTensorParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def scatter_to_tensor_parallel(x, group):
-    return _ScatterToTensorParallel.apply(x, group) if world_size(group) > 1 else x
+    return _ScatterToTensorParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def gather_from_sequence_parallel(x, group):
-    return _GatherFromSequenceParallel.apply(x, group) if world_size(group) > 1 else x
+    return _GatherFromSequenceParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel(x, group):
-    return _ReduceScatterToSequenceParallel.apply(x, group) if world_size(group) > 1 else x
+    return _ReduceScatterToSequenceParallel.apply(x, group) if group_size(group) > 1 else x
 
 
 def scatter_to_sequence_parallel(x, group):
-    return _ScatterToSequenceParallel.apply(x, group) if world_size(group) > 1 else x
+    return _ScatterToSequenceParallel.apply(x, group) if group_size(group) > 1 else x

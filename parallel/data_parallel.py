@@ -25,7 +25,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from megafp8.fp8.collectives import _reduce_scatter_single, group_size
+from megafp8.collectives import group_size, rank_in, reduce_scatter_into
+from megafp8.validation import check_integer
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 
@@ -45,8 +46,7 @@ class GradientBuffer:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-            raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        check_integer("bucket_size (elements)", bucket_size)
         self.group, self.shard, self.overlap = group, shard, overlap
         self.size = group_size(group)
         device = self.params[0].device
@@ -113,13 +113,9 @@ class GradientBuffer:
         flat = self.data[bucket.start:bucket.end]
         flat.div_(self.size)
         if self.shard:
-            mine = self.owned_slice(bucket)
-            try:
-                bucket.handle = _reduce_scatter_single(flat[mine], flat, group=self.group, async_op=True)
-                return
-            except RuntimeError:  # a backend without reduce-scatter: all-reduce, keep our slice
-                pass
-        bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+            bucket.handle = reduce_scatter_into(flat[self.owned_slice(bucket)], flat, self.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
 
     def finish(self):
         """Wait for every bucket's reduction (launching those backward did not start)."""
@@ -143,7 +139,7 @@ class GradientBuffer:
 
     def owned_slice(self, bucket) -> slice:
         """This rank's slice of `bucket`, relative to the bucket's start."""
-        rank = dist.get_rank(self.group) if self.size > 1 else 0
+        rank = rank_in(self.group)
         length = (bucket.end - bucket.start) // self.size if self.shard else bucket.end - bucket.start
         start = rank * length if self.shard else 0
         return slice(start, start + length)

@@ -22,12 +22,7 @@ def normal_init(std: float = 0.02) -> InitMethod:
 def master_slice(full_shape, partition_dim: int, rank: int, world_size: int, init_method: InitMethod,
                  dtype: torch.dtype, device) -> torch.Tensor:
     """Initialise a `full_shape` fp32 master on `device` and return slice `rank` of `world_size`
-    along `partition_dim`, in `dtype`."""
-    if full_shape[partition_dim] % world_size:
-        raise ValueError(
-            f"dimension {partition_dim} of size {full_shape[partition_dim]} does not split over "
-            f"{world_size} tensor-parallel ranks"
-        )
+    along `partition_dim`, in `dtype`. The layers have checked that the dimension splits evenly."""
     master = torch.empty(full_shape, dtype=torch.float32, device=device)
     init_method(master)
     return master.chunk(world_size, dim=partition_dim)[rank].to(device=device, dtype=dtype).contiguous()

@@ -8,19 +8,21 @@ sliced, so every tensor-parallel size starts from the same model.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
+from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear
 from megafp8.fp8.scaling import scaling_states
 
 from .communication import (
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     gather_from_tensor_parallel,
-    rank_in,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
-    world_size,
 )
 from .initialization import InitMethod, master_slice, normal_init
 from .sharding import mark_partitioned
@@ -34,7 +36,7 @@ class _ShardedLinear(Fp8Linear):
 
     def __init__(self, in_features, out_features, partition_dim, tp_group, bias, bias_features,
                  init_method, dtype, device, stack=1):
-        tp = world_size(tp_group)
+        tp = group_size(tp_group)
         full = (out_features, in_features)
         if full[partition_dim] % (tp * stack):
             name = ("out_features", "in_features")[partition_dim]
@@ -71,7 +73,7 @@ class ColumnParallelLinear(_ShardedLinear):
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_method: InitMethod = normal_init(), stack: int = 1, dtype=None, device=None):
-        tp = world_size(tp_group)
+        tp = group_size(tp_group)
         super().__init__(in_features, out_features, 0, tp_group, bias, out_features // max(tp, 1),
                          init_method, dtype, device, stack)
         self.stack = stack
@@ -79,10 +81,12 @@ class ColumnParallelLinear(_ShardedLinear):
         self.sequence_parallel = sequence_parallel and tp > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            y = self._linear(x, self.bias, gather_group=self.tp_group)
+        if not self.sequence_parallel:
+            y = self.linear(copy_to_tensor_parallel(x, self.tp_group), self.bias)
+        elif (context := self.fp8_context(x, gathered_ranks=self.tp_size)) is not None:
+            y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group)  # gathers in FP8
         else:
-            y = self._linear(copy_to_tensor_parallel(x, self.tp_group), self.bias)
+            y = F.linear(gather_from_sequence_parallel(x, self.tp_group), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
 
 
@@ -112,7 +116,7 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp_group)
-        y = self._linear(x, None)
+        y = self.linear(x, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
         else:
@@ -132,7 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  tp_group=None, bias: bool = False, sequence_parallel: bool = False,
                  init_method: InitMethod = normal_init(), dtype=None, device=None):
-        tp = world_size(tp_group)
+        tp = group_size(tp_group)
         if num_heads % num_kv_heads:
             raise ValueError(f"QKVParallelLinear: num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}")
@@ -147,6 +151,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         """This rank's output [..., local features] as q [..., local heads, head_dim] and k, v
         [..., local kv heads, head_dim]."""
         queries_per_group = self.num_heads // self.num_kv_heads
-        groups = y.view(*y.shape[:-1], self.num_kv_heads // self.tp_size, queries_per_group + 2, self.head_dim)
-        q = groups[..., :queries_per_group, :].flatten(-3, -2)
+        groups = rearrange(y, "... (groups heads d) -> ... groups heads d", heads=queries_per_group + 2, d=self.head_dim)
+        q = rearrange(groups[..., :queries_per_group, :], "... groups heads d -> ... (groups heads) d")
         return q, groups[..., -2, :], groups[..., -1, :]

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megafp8.validation import check_integer
+
 # Gloo matches a receive to a send by (peer, tag); NCCL ignores the tag (see the order above).
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
@@ -37,8 +39,7 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
     ranks (each rank sends its own sequence shard), else `(seq_length, micro_batch_size, hidden_size)`."""
     for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
                         ("hidden_size", hidden_size), ("tp_size", tp_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_integer(name, value)
     if sequence_parallel and tp_size > 1:
         if seq_length % tp_size:
             raise ValueError(f"seq_length={seq_length} does not split over tp_size={tp_size} tensor-parallel "

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megafp8.validation import check_integer
+
 # Grid dimensions, fastest-varying first. This is the only place the order is written down:
 # a context-parallel dimension would slot in between "tp" and "dp" here.
 GRID_ORDER = ("tp", "dp", "pp")
@@ -42,13 +44,10 @@ class ParallelSizes:
     @classmethod
     def resolve(cls, world_size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ParallelSizes":
         """Derive dp as world_size // (tp * pp), or check the given one; ValueError saying which size is wrong."""
-        if not _is_positive_int(world_size):
-            raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        check_integer("world size", world_size)
         given = {"tp": tp, "pp": pp} if dp is None else {"tp": tp, "pp": pp, "dp": dp}
         for dim, size in given.items():
-            if not _is_positive_int(size):
-                raise ValueError(
-                    f"{_NAMES[dim]} size must be a positive integer, got {size!r} (world size {world_size})")
+            check_integer(f"{_NAMES[dim]} size", size, note=f" (world size {world_size})")
         model = f"{_NAMES['tp']} size {tp} x {_NAMES['pp']} size {pp}"
         if world_size % (tp * pp):
             raise ValueError(f"{model} = {tp * pp} does not divide the world size {world_size}")
@@ -165,7 +164,3 @@ class ParallelGroups:
     def __repr__(self) -> str:
         return (f"ParallelGroups(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

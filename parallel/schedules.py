@@ -1,5 +1,6 @@
-"""Pipeline parallelism: how the layers are cut into stages, and the schedules that run one
-step's micro-batches through them (Megatron-LM's schedules, without its global state).
+"""Pipeline parallelism's schedules: how one step's micro-batches run through this rank's model
+chunks (Megatron-LM's schedules, without its global state). Which layers a stage holds, and
+what follows the last backward, are in stages.py.
 
     chunks = [TransformerLM(config, tp_group=groups.tp_group, sequence_parallel=sp, layers=span, seed=seed)
               for span in stage_layers(config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
@@ -17,8 +18,7 @@ step's micro-batches through them (Megatron-LM's schedules, without its global s
     losses = forward_backward(None, chunks, micro_batches, forward_step, num_micro_batches, groups,
                               seq_length, micro_batch_size, hidden_size, dtype, sequence_parallel,
                               grad_buffers=buffers)
-    for buffer in buffers: buffer.finish()
-    sync_embedding_grads(chunks, groups)                # tied embeddings, pp > 1
+    finalize_grads(chunks, groups, buffers)             # dp reductions, sequence-parallel and tied grads
     optimizer.step()
 
 Schedules (`forward_backward`'s first argument, or None to pick by the layout):
@@ -50,143 +50,11 @@ import contextlib
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from megafp8.validation import check_integer
+
 from .p2p import P2PCommunicator, pipeline_tensor_shape
-
-# -- the layout: which layers each stage holds ----------------------------------------------
-
-
-def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_stage_layers: Optional[int] = None,
-                 last_stage_layers: Optional[int] = None) -> list[tuple[int, int]]:
-    """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
-    ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
-
-    There are pp * vpp virtual stages; chunk c of rank r is virtual stage c * pp + r. Layers
-    are split evenly over them, unless `first_stage_layers` / `last_stage_layers` give the first
-    / last virtual stage (which also carry the embedding / the output layer and loss) their
-    own, usually smaller, count; the other stages split the rest evenly. Every stage holds at
-    least one layer.
-
-        stage_layers(8, 2, 0)                        # [(0, 4)]
-        stage_layers(8, 2, 1, vpp=2)                 # [(2, 4), (6, 8)]
-        stage_layers(10, 4, 0, first_stage_layers=1, last_stage_layers=3)   # [(0, 1)]; then 3, 3, 3
-    """
-    for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
-        raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
-    stages = pp * vpp
-    what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
-    fixed = {}  # virtual stage -> its given layer count
-    for name, value, stage in (("first_stage_layers", first_stage_layers, 0),
-                               ("last_stage_layers", last_stage_layers, stages - 1)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int (every stage holds at least one layer), got {value!r}")
-        if stages == 1:
-            if value != num_layers:
-                raise ValueError(f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}")
-            continue
-        fixed[stage] = value
-    rest, others = num_layers - sum(fixed.values()), stages - len(fixed)
-    given = " and ".join(f"{name}={value}" for name, value in
-                         (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers))
-                         if value is not None and stages > 1)
-    if others == 0:
-        if rest != 0:
-            raise ValueError(f"{given} add up to {num_layers - rest} layers, but the model has "
-                             f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})")
-        per_stage = 0
-    elif rest < others or rest % others:
-        if given:
-            raise ValueError(
-                f"the {rest} layers left after {given} do not split evenly over the other {others} "
-                f"pipeline stages ({what} stages, num_layers={num_layers}): {rest} % {others} = "
-                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer")
-        raise ValueError(
-            f"num_layers={num_layers} does not split evenly over {what} pipeline stages "
-            f"({num_layers} % {stages} = {num_layers % stages}{', fewer layers than stages' if rest < others else ''}): "
-            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers")
-    else:
-        per_stage = rest // others
-    counts = [fixed.get(stage, per_stage) for stage in range(stages)]
-    starts = [sum(counts[:stage]) for stage in range(stages + 1)]
-    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
-
-
-# -- tied embeddings between the first and last stage -----------------------------------------
-
-
-def tied_embedding(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> Optional[nn.Parameter]:
-    """This rank's copy of the tied embedding weight, if it holds one and pp > 1: the first
-    stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk).
-    Give it its own gradient bucket (`GradientBuffer(own_bucket=...)`)."""
-    model_chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    if groups is None or groups.pp_size == 1 or groups.embedding_group is None:
-        return None
-    chunk = model_chunks[0] if groups.is_first_stage else model_chunks[-1]
-    config = getattr(chunk, "config", None)
-    if config is None or not config.tie_embeddings or not hasattr(chunk, "embedding"):
-        return None
-    return chunk.embedding.weight
-
-
-def sync_embedding_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> None:
-    """Sum the tied embedding's gradient over the first and last stage (embedding group).
-
-    With pp > 1 and tied embeddings the first stage's embedding and the last stage's output
-    layer are two copies of one weight; each gets its part of the gradient. Call after
-    every GradientBuffer.finish() (so each copy holds its dp-averaged gradient) and before
-    the optimizer step: both copies then take the same update and stay equal. Uses
-    `main_grad` when the parameter has one (a GradientBuffer), else `.grad`. A no-op with
-    pp = 1, untied embeddings, or on the stages in between.
-
-    With a sharded buffer (the distributed optimizer) each dp rank holds the reduced gradient
-    only in the slice it owns, so both stages must slice the embedding alike: build each
-    stage's buffer with `own_bucket=[tied_embedding(chunks, groups)]`.
-    """
-    weight = tied_embedding(model_chunks, groups)
-    if weight is None:
-        return
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        grad = weight.grad
-    dist.all_reduce(grad, group=groups.embedding_group)
-
-
-def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups,
-                             atol: float = 0.0) -> float:
-    """Check that the first and last stage's copies of the tied embedding are equal; return
-    the largest absolute difference (0.0 where there is nothing to compare).
-
-    TransformerLM initialises both copies from the same seed, so they start equal; this
-    catches a mismatch (another seed, a checkpoint loaded into one stage only) before it
-    trains two different embeddings. Collective over the embedding group: call it on every
-    rank. Raises RuntimeError on both stages when the difference exceeds `atol`.
-    """
-    weight = tied_embedding(model_chunks, groups)
-    if weight is None:
-        return 0.0
-    first = weight.detach().clone()
-    dist.broadcast(first, src=groups.embedding_ranks[0], group=groups.embedding_group)
-    difference = (first.float() - weight.detach().float()).abs().max().reshape(1)
-    dist.all_reduce(difference, op=dist.ReduceOp.MAX, group=groups.embedding_group)
-    difference = difference.item()
-    if not difference <= atol:
-        raise RuntimeError(
-            f"the tied embedding differs between the first and last pipeline stage (global ranks "
-            f"{groups.embedding_ranks}): largest difference {difference:g} > {atol:g}. Build every stage "
-            f"from the same config and seed, and load checkpoints into both copies")
-    return difference
-
-
-# -- the schedules ------------------------------------------------------------------------------
 
 
 class _Step:
@@ -505,7 +373,8 @@ def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[n
     forward_only: evaluation; no backward, under torch.no_grad.
     grad_buffers: a GradientBuffer or a list of them (one per chunk, or one for all chunks):
         set_sync(True) only for the last backward of each chunk, so the overlapped
-        data-parallel reduction starts in that backward; call finish() after this returns.
+        data-parallel reduction starts in that backward; finish them after this returns
+        (stages.finalize_grads).
     stats: a dict to fill with max_live_forwards (most micro-batch forwards held for
         backward at once), forwards / backwards (per chunk), order (the ("F"|"B", chunk,
         micro_batch) sequence) and p2p (every transfer, in order).
@@ -513,8 +382,7 @@ def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[n
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if not chunks:
         raise ValueError("model_chunks is empty")
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches <= 0:
-        raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
+    check_integer("num_micro_batches", num_micro_batches)
     pp = groups.pp_size if groups is not None else 1
     name = get_schedule(pp, len(chunks)) if schedule is None else schedule
     if isinstance(name, str):

@@ -12,13 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .communication import (
-    all_reduce,
-    rank_in,
-    reduce_from_tensor_parallel,
-    reduce_scatter_to_sequence_parallel,
-    world_size,
-)
+from megafp8.collectives import all_reduce, group_size, rank_in
+
+from .communication import reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel
 from .initialization import InitMethod, master_slice, normal_init
 from .sharding import mark_partitioned
 
@@ -35,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, sequence_parallel: bool = False,
                  init_method: InitMethod = normal_init(0.02), dtype=None, device=None):
         super().__init__()
-        tp = world_size(tp_group)
+        tp = group_size(tp_group)
         if num_embeddings % tp:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} does not divide over "
                              f"{tp} tensor-parallel ranks (pad the vocabulary)")
@@ -73,12 +69,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, label_smoothing):
         vocab_local = logits.shape[-1]
-        vocab = vocab_local * world_size(group)
+        vocab = vocab_local * group_size(group)
         start = rank_in(group) * vocab_local
 
         # Shift by the global max so exp cannot overflow; the shift cancels in the loss.
         logits_max = logits.amax(dim=-1).float()
-        if world_size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1))
 

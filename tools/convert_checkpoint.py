@@ -10,15 +10,16 @@
 GPT models (LayerNorm, learned positions, GELU, biases) become GPT2LMHeadModel, Llama models
 (RMSNorm, RoPE, SwiGLU) LlamaForCausalLM. megafp8 stores its tensors layout-free (full shapes,
 vocabulary without padding rows), so both directions read and write whole tensors, one layer at
-a time: memory stays about one copy of the weights. The weight mapping is models/hf_mapping.py;
+a time: memory stays about one copy of the weights. The model's config travels in megafp8.json
+("model"); the config and weight mappings are models/hf_mapping.py;
 docs/checkpoints.md has the details. Needs `transformers` and `safetensors`.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
+import shlex
 import shutil
 import sys
 import warnings
@@ -29,12 +30,12 @@ from tqdm import tqdm
 
 from megafp8.console import show_warnings_as_messages
 from megafp8.data.tokenizers import build_tokenizer
-from megafp8.models.config import PRESETS, RopeScaling, TransformerConfig, preset
-from megafp8.models.hf_mapping import from_hf_gpt2, from_hf_llama, to_hf_gpt2, to_hf_llama
+from megafp8.models.config import RopeScaling, TransformerConfig
+from megafp8.models.hf_mapping import (SUPPORTED, HFMappingError, config_from_hf, from_hf_gpt2, from_hf_llama,
+                                       hf_architecture, hf_config, to_hf_gpt2, to_hf_llama)
 from megafp8.models.transformer import TransformerLM
 from megafp8.training import arguments, checkpointing
 
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 TO_HF = {"gpt2": to_hf_gpt2, "llama": to_hf_llama}
 FROM_HF = {"gpt2": from_hf_gpt2, "llama": from_hf_llama}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -67,137 +68,6 @@ def parse_size(text) -> int:
         return int(number)
     power = "KMGT".index(unit[0]) + 1
     return int(number * ((1024 if "I" in unit else 1000) ** power))
-
-
-# ---- configs ----------------------------------------------------------------------------------
-
-def hf_architecture(config: TransformerConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face model that computes exactly what `config` does."""
-    if (config.normalization == "layernorm" and config.position_embedding == "learned"
-            and config.activation in ("gelu", "gelu_tanh") and config.bias):
-        return "gpt2"
-    if config.normalization == "rmsnorm" and config.position_embedding == "rope" and config.activation == "swiglu":
-        return "llama"
-    raise ConversionError(
-        f"no Hugging Face architecture matches this model (normalization={config.normalization}, "
-        f"position_embedding={config.position_embedding}, activation={config.activation}, bias={config.bias}): "
-        "GPT2LMHeadModel needs layernorm + learned positions + gelu/gelu_tanh + biases; "
-        "LlamaForCausalLM needs rmsnorm + rope + swiglu")
-
-
-def hf_config(config: TransformerConfig, arch: str, dtype: torch.dtype, bos=None, eos=None):
-    """The transformers config of `config` (vocabulary unpadded)."""
-    transformers = _transformers()
-    if arch == "gpt2":
-        hf = transformers.GPT2Config(
-            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
-            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
-            activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
-            layer_norm_epsilon=config.norm_epsilon, initializer_range=config.init_method_std,
-            resid_pdrop=config.hidden_dropout, embd_pdrop=0.0, attn_pdrop=config.attention_dropout,
-            tie_word_embeddings=config.tie_embeddings, bos_token_id=bos, eos_token_id=eos)
-    else:
-        rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-        if config.rope_scaling is not None:
-            s = config.rope_scaling
-            rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                        high_freq_factor=s.high_freq_factor,
-                        original_max_position_embeddings=s.original_max_position_embeddings)
-        hf = transformers.LlamaConfig(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
-            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.norm_epsilon,
-            rope_parameters=rope, tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias,
-            mlp_bias=config.bias, attention_dropout=config.attention_dropout, hidden_act="silu",
-            initializer_range=config.init_method_std, bos_token_id=bos, eos_token_id=eos)
-    hf.architectures = [SUPPORTED[arch]]
-    hf.dtype = dtype
-    return hf
-
-
-def _require(condition, message):
-    if not condition:
-        raise ConversionError(message)
-
-
-def config_from_hf(hf) -> TransformerConfig:
-    """The megafp8 config of a transformers GPT2Config or LlamaConfig; a setting megafp8 does not
-    compute (e.g. another activation or rope type) is an error naming it."""
-    where = f"{hf.model_type} config"
-    try:
-        if hf.model_type == "gpt2":
-            activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-            _require(hf.activation_function in activations,
-                     f"{where}: activation_function={hf.activation_function!r}; megafp8 computes "
-                     f"{', '.join(activations)}")
-            _require(hf.scale_attn_weights and not hf.scale_attn_by_inverse_layer_idx and not hf.add_cross_attention,
-                     f"{where}: megafp8 needs scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false "
-                     "and add_cross_attention=false")
-            return TransformerConfig(
-                num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
-                vocab_size=hf.vocab_size, max_position_embeddings=hf.n_positions,
-                ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, normalization="layernorm",
-                norm_epsilon=hf.layer_norm_epsilon, activation=activations[hf.activation_function],
-                position_embedding="learned", tie_embeddings=bool(hf.tie_word_embeddings), bias=True,
-                init_method_std=hf.initializer_range, hidden_dropout=hf.resid_pdrop,
-                attention_dropout=hf.attn_pdrop)
-        _require(hf.hidden_act == "silu", f"{where}: hidden_act={hf.hidden_act!r}; megafp8's SwiGLU is silu")
-        _require(bool(hf.attention_bias) == bool(getattr(hf, "mlp_bias", False)),
-                 f"{where}: attention_bias={hf.attention_bias} and mlp_bias={hf.mlp_bias}; megafp8 has one "
-                 "bias switch for every linear layer")
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        _require(head_dim * hf.num_attention_heads == hf.hidden_size,
-                 f"{where}: head_dim={head_dim} x num_attention_heads={hf.num_attention_heads} != "
-                 f"hidden_size={hf.hidden_size}; megafp8 needs head_dim = hidden_size / heads")
-        _require(getattr(hf, "pretraining_tp", 1) == 1, f"{where}: pretraining_tp={hf.pretraining_tp}; needs 1")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _require(rope_type in ("default", "llama3"),
-                 f"{where}: rope type {rope_type!r}; megafp8 computes 'default' and 'llama3' RoPE")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                                  high_freq_factor=rope["high_freq_factor"],
-                                  original_max_position_embeddings=rope["original_max_position_embeddings"])
-        return TransformerConfig(
-            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
-            vocab_size=hf.vocab_size, max_position_embeddings=hf.max_position_embeddings,
-            normalization="rmsnorm", norm_epsilon=hf.rms_norm_eps, activation="swiglu", position_embedding="rope",
-            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))), rope_scaling=scaling,
-            tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
-            init_method_std=hf.initializer_range, attention_dropout=float(hf.attention_dropout))
-    except (ValueError, TypeError) as error:  # TransformerConfig's own checks
-        raise ConversionError(f"{where}: {error}") from None
-
-
-def train_flags(config: TransformerConfig, tokenizer: dict | None = None, bf16: bool = False) -> list:
-    """Megatron-style flags that make megafp8's trainer build `config` (with the tokenizer flags
-    of `tokenizer`, {arg name: value}, and --bf16)."""
-    flags = ["--num-layers", config.num_layers, "--hidden-size", config.hidden_size,
-             "--num-attention-heads", config.num_attention_heads]
-    if config.kv_heads != config.num_attention_heads:
-        flags += ["--num-query-groups", config.kv_heads]
-    flags += ["--ffn-hidden-size", config.ffn_size, "--max-position-embeddings", config.max_position_embeddings,
-              "--position-embedding-type", "rope" if config.position_embedding == "rope" else "learned_absolute",
-              "--normalization", "RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
-              "--norm-epsilon", config.norm_epsilon, "--init-method-std", config.init_method_std]
-    if config.position_embedding == "rope":
-        flags += ["--rotary-base", config.rope_theta]
-    flags += [flag for flag, on in (("--swiglu", config.activation == "swiglu"),
-                                    ("--disable-bias-linear", not config.bias),
-                                    ("--untie-embeddings-and-output-weights", not config.tie_embeddings)) if on]
-    for flag, value in (("--hidden-dropout", config.hidden_dropout), ("--attention-dropout", config.attention_dropout)):
-        flags += [flag, value]
-    for key, value in (tokenizer or {}).items():
-        flags += ["--" + key.replace("_", "-"), value]
-    return [str(f) for f in flags] + (["--bf16"] if bf16 else [])
-
-
-def _explicit(config: TransformerConfig) -> TransformerConfig:
-    """`config` with its defaulted sizes spelled out, for comparing."""
-    return config.replace(num_kv_heads=config.kv_heads, ffn_hidden_size=config.ffn_size)
 
 
 # ---- the stored layout of a model ----------------------------------------------------------------
@@ -245,14 +115,12 @@ def _check_files(path: Path, metadata, keys) -> None:
                               f"{', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} missing")
 
 
-def _config_from_args(args, vocab_size: int) -> TransformerConfig:
-    if getattr(args, "num_layers", None) is None:
-        if args.model in PRESETS:  # args saved unresolved: the preset alone
-            return preset(args.model, vocab_size=vocab_size)
-        raise ConversionError("megafp8.json's args give no model shape (neither num_layers nor a --model preset)")
+def _legacy_config(args, vocab_size: int) -> TransformerConfig:
+    """The model of a checkpoint written before megafp8.json recorded it ("model"): rebuilt from
+    the run's arguments, plus the settings without a flag that from-hf then kept apart."""
     try:
         config = arguments.model_config(args, vocab_size)
-        overrides = dict(getattr(args, "model_overrides", None) or {})  # written by from-hf
+        overrides = dict(getattr(args, "model_overrides", None) or {})
         if overrides.get("rope_scaling") is not None:
             overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
         return config.replace(**overrides)
@@ -306,14 +174,14 @@ def export_tokenizer(kind, paths: dict, output: Path, config: TransformerConfig,
     if ours.vocab_size != config.vocab_size:
         warnings.warn(f"the tokenizer has {ours.vocab_size} tokens but the model {config.vocab_size}", stacklevel=2)
     if kind == "SentencePieceTokenizer":
-        sp = ours._model
+        sp = ours.backend
         named = {role: sp.id_to_piece(i) for role, i in (("bos_token", sp.bos_id()), ("unk_token", sp.unk_id()))
                  if i >= 0}
         hf = transformers.SentencePieceBackend(vocab_file=str(paths["tokenizer_model"]),
                                                eos_token=sp.id_to_piece(ours.eod), **named)
         bos = sp.bos_id() if sp.bos_id() >= 0 else ours.eod
     else:
-        raw = ours._tokenizer
+        raw = ours.backend
         eos = raw.id_to_token(ours.eod)
         bos_token = next((t for t in ("<|begin_of_text|>", "<s>", "<bos>") if raw.token_to_id(t) is not None), eos)
         hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos_token)
@@ -352,19 +220,26 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
     from safetensors.torch import save_file
     max_bytes = parse_size(max_shard_size)
     path = _find_checkpoint(load)
-    info_file = path / "megafp8.json"
-    if not info_file.is_file():
-        raise ConversionError(f"incomplete megafp8 checkpoint {path}: no megafp8.json (it holds the run's "
-                              "arguments, which give the model's shape)")
-    info = json.loads(info_file.read_text())
+    if not (path / "megafp8.json").is_file():
+        raise ConversionError(f"incomplete megafp8 checkpoint {path}: no megafp8.json (it records the model "
+                              "and the run's tokenizer)")
+    try:
+        info = checkpointing.checkpoint_info(path)
+        config = checkpointing.saved_model_config(path)
+    except checkpointing.CheckpointError as error:
+        raise ConversionError(str(error)) from None
     args = arguments.args_from_dict(info.get("args") or {})
     reader = checkpointing.CheckpointReader(str(path))
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata
     if "model/embedding.weight" not in stored:
         raise ConversionError(f"incomplete megafp8 checkpoint {path}: no model/embedding.weight")
-    config = _config_from_args(args, int(stored["model/embedding.weight"].size[0]))
-    arch = hf_architecture(config)
+    if config is None:  # written before megafp8.json recorded the model
+        config = _legacy_config(args, int(stored["model/embedding.weight"].size[0]))
+    try:
+        arch = hf_architecture(config)
+    except HFMappingError as error:
+        raise ConversionError(str(error)) from None
     layout = stored_layout(config)
     for name, (_, shape) in layout.items():
         key = f"model/{name}"
@@ -372,8 +247,8 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
             raise ConversionError(f"megafp8 checkpoint {path} has no {key}, which megafp8.json's model "
                                   f"({config.num_layers} layers) has: incomplete, or saved from another model")
         if tuple(stored[key].size) != shape:
-            raise ConversionError(f"{key} is {list(stored[key].size)} in {path} but megafp8.json's model shape "
-                                  f"needs {list(shape)}: the args and the weights disagree")
+            raise ConversionError(f"{key} is {list(stored[key].size)} in {path} but megafp8.json's model "
+                                  f"needs {list(shape)}: the recorded model and the weights disagree")
     params_dtype = stored["model/final_norm.weight"].properties.dtype
     out_dtype = DTYPES[dtype] if dtype else params_dtype
     if out_dtype not in DTYPES.values():
@@ -517,7 +392,10 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
         raise ConversionError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported; "
                               f"supported: {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}")
     config_class = transformers.GPT2Config if model_type == "gpt2" else transformers.LlamaConfig
-    config = config_from_hf(config_class.from_pretrained(str(folder)))
+    try:
+        config = config_from_hf(config_class.from_pretrained(str(folder)))
+    except HFMappingError as error:
+        raise ConversionError(str(error)) from None
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     try:
         config.validate_tensor_parallel(tp)
@@ -570,39 +448,24 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
         vocab = build_tokenizer(tokenizer["tokenizer_type"], tokenizer.get("tokenizer_model"),
                                 tokenizer.get("vocab_file"), tokenizer.get("merge_file")).vocab_size
         if vocab != config.vocab_size:
-            warnings.warn(f"{folder}'s tokenizer has {vocab} tokens but the model {config.vocab_size}: megafp8 "
-                          "sizes the model by its tokenizer, so this checkpoint will not load as it is", stacklevel=2)
-    flags = train_flags(config, tokenizer, bf16=store_dtype == torch.bfloat16)
-    # The arguments a run started with these flags would hold, as a checkpoint records them.
-    args = arguments.build_parser().parse_args(flags)
-    args.swiglu, args.disable_bias_linear = config.activation == "swiglu", not config.bias
-    args.untie_embeddings_and_output_weights = not config.tie_embeddings
-    args.num_query_groups, args.rotary_base = config.kv_heads, config.rope_theta
-    args.make_vocab_size_divisible_by = config.make_vocab_size_divisible_by
-    args.seq_length = config.max_position_embeddings
-    args.params_dtype = "bfloat16" if store_dtype == torch.bfloat16 else "float32"
-    args.vocab_size = config.vocab_size
-    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    for key, value in tokenizer.items():
-        setattr(args, key, value)
-    rebuilt, wanted = (_explicit(arguments.model_config(args, config.vocab_size)), _explicit(config))
-    differ = [f for f in wanted.__dataclass_fields__ if getattr(rebuilt, f) != getattr(wanted, f)]
-    if differ:
-        # Kept for to-hf, which applies them after the flags; the trainer knows no such argument.
-        args.model_overrides = {f: dataclasses.asdict(getattr(config, f)) if f == "rope_scaling" else getattr(config, f)
-                                for f in differ}
-        warnings.warn(f"megafp8's training flags cannot express {', '.join(f'{f}={getattr(config, f)!r}' for f in differ)}: "
-                      "the weights are converted exactly and to-hf restores it (args.model_overrides in megafp8.json), "
-                      "but a run started from flags builds the model without it", stacklevel=2)
-
+            warnings.warn(f"{folder}'s tokenizer has {vocab} tokens but the model {config.vocab_size}: the trainer "
+                          "refuses to train a checkpoint with a tokenizer of another vocabulary size; give it one "
+                          f"of {config.vocab_size} tokens", stacklevel=2)
     if tokenizer:  # the checkpoint folder carries its tokenizer, as a training run's does
         kind = tokenizer["tokenizer_type"]
         checkpointing.save_tokenizer(save, kind, [tokenizer[key] for key in checkpointing.TOKENIZER_FILES[kind]])
-    final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE,
-                                           args=arguments.args_to_dict(args))
-    print(f"wrote {final}\ncontinue training with:\n  megafp8-train {' '.join(flags)} "
-          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --load {save} --finetune "
-          "--seq-length ... (and your data, batch and learning-rate flags)", file=sys.stderr)
+    # megafp8.json records the model itself; the run's arguments only what a run needs beside it.
+    bf16 = store_dtype == torch.bfloat16
+    args = {**tokenizer, "bf16": bf16, "params_dtype": "bfloat16" if bf16 else "float32",
+            "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE, args=args, model_config=config)
+    flags = ["--load", str(save), "--finetune"]
+    for key, value in (tokenizer or {"tokenizer_type": "..."}).items():
+        flags += ["--" + key.replace("_", "-"), value]
+    flags += (["--bf16"] if bf16 else []) + (["--tensor-model-parallel-size", str(tp)] if tp > 1 else []) \
+        + (["--pipeline-model-parallel-size", str(pp)] if pp > 1 else [])
+    print(f"wrote {final}\ncontinue training with:\n  megafp8-train {shlex.join(flags)} "
+          "(and your data, batch and learning-rate flags)", file=sys.stderr)
     return final
 
 

@@ -1,14 +1,18 @@
 """The FP8 compute core: formats, recipes, scaling state, quantization, FP8 GEMM, Fp8Linear.
 
-Knows nothing of parallelism or models: process groups come in as arguments.
+Knows nothing of the parallel engines or the models: the process groups it communicates over
+come in as arguments (fp8_autocast's amax-reduction group; Fp8Linear.fp8_linear's gather group,
+over which a sequence-parallel input is all-gathered in FP8), and the collectives themselves
+are megafp8.collectives.
 """
 from .autocast import fp8_autocast, fp8_recompute
 from .formats import Format, fp8_max
 from .gemm import fp8_gemm
 from .linear import Fp8Linear
-from .quantize import Fp8Tensor, quantize, scale_from_amax
-from .recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
+from .quantize import quantize
+from .recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision, Recipe
 from .scaling import ScalingState
+from .tensor import Fp8Tensor, scale_from_amax
 
 __all__ = [
     "CurrentScaling",
@@ -17,6 +21,7 @@ __all__ = [
     "Fp8Linear",
     "Fp8Tensor",
     "OverrideLinearPrecision",
+    "Recipe",
     "ScalingState",
     "fp8_autocast",
     "fp8_recompute",

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .recipe import CurrentScaling, DelayedScaling, Recipe
+from .recipe import DelayedScaling, Recipe
 from .scaling import AmaxPass
 
 
@@ -65,9 +65,9 @@ def fp8_autocast(
     """
     if recipe is None:
         recipe = DelayedScaling()
-    elif not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    elif not isinstance(recipe, Recipe):
         raise TypeError(
-            f"fp8_autocast: recipe must be a DelayedScaling or CurrentScaling, got {type(recipe).__name__}"
+            f"fp8_autocast: recipe must be a Recipe (DelayedScaling or CurrentScaling), got {type(recipe).__name__}"
         )
     context = (
         Fp8Context(recipe, amax_reduction_group, AmaxPass(amax_reduction_group), collect_saturation=collect_saturation)

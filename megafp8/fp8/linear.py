@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives
+from megafp8 import collectives
+
 from .autocast import Fp8Context, backward_pass, current_fp8_context
-from .formats import fp8_max
 from .gemm import fp8_gemm
-from .quantize import Fp8Tensor, absmax, quantize, scale_from_amax
-from .recipe import CurrentScaling
-from .scaling import AmaxPass, scaling_states
+from .scaling import cast, record_reuse, scaling_states
+from .tensor import Fp8Tensor
 
 # torch._scaled_mm needs every GEMM dimension (tokens, in and out features) divisible by 16.
 GEMM_ALIGNMENT = 16
@@ -62,32 +62,41 @@ class Fp8Linear(nn.Linear):
         self._weight_fp8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        return self.linear(x, self.bias)
 
-    def _linear(self, x: torch.Tensor, bias, gather_group=None) -> torch.Tensor:
-        """`x W^T + bias`; with `gather_group`, `x` is this rank's dim-0 shard of the input,
-        all-gathered over that group first: in FP8 when the forward GEMM is FP8 (half the bytes
-        of bf16), and the input gradient comes back reduce-scattered to the shard."""
+    def linear(self, x: torch.Tensor, bias) -> torch.Tensor:
+        """`x W^T + bias`, in FP8 when `fp8_context` says so (a subclass adds its bias later)."""
+        context = self.fp8_context(x)
+        return F.linear(x, self.weight, bias) if context is None else self.fp8_linear(x, bias, context)
+
+    def fp8_context(self, x: torch.Tensor, gathered_ranks: int = 1) -> Optional[Fp8Context]:
+        """The fp8_autocast this layer's GEMMs run under for the input `x` (one of
+        `gathered_ranks` shards gathered before the GEMM), or None to compute in high precision:
+        outside fp8_autocast, with every GEMM overridden, or for shapes or a GPU FP8 cannot
+        take (warned once per layer)."""
         context = current_fp8_context()
-        fp8 = context is not None and not all(context.recipe.override_linear_precision)
-        if fp8:
-            reason = self._fp8_unsupported(x, collectives.group_size(gather_group))
-            if reason is not None:
-                fp8 = False
-                if not self._warned_fallback:
-                    self._warned_fallback = True
-                    warnings.warn(f"{self}: {reason}; this layer runs in {x.dtype} instead of FP8", stacklevel=3)
-        if not fp8:
-            if collectives.group_size(gather_group) > 1:
-                x = _GatherRows.apply(x, gather_group)
-            return F.linear(x, self.weight, bias)
+        if context is None or all(context.recipe.override_linear_precision):
+            return None
+        reason = self._fp8_unsupported(x, gathered_ranks)
+        if reason is None:
+            return context
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            warnings.warn(f"{self}: {reason}; this layer runs in {x.dtype} instead of FP8", stacklevel=3)
+        return None
+
+    def fp8_linear(self, x: torch.Tensor, bias, context: Fp8Context, gather_group=None) -> torch.Tensor:
+        """`x W^T + bias` in FP8 under `context` (from `fp8_context`). With `gather_group`, `x`
+        is this rank's dim-0 shard of the input, all-gathered over that group first, in FP8 when
+        the forward GEMM is FP8 (half the bytes of bf16); its gradient comes back
+        reduce-scattered to the shard."""
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
             with torch.autocast(x.device.type, enabled=False):
                 return _Fp8LinearFunction.apply(x, self.weight, bias, self, context, gather_group)
         return _Fp8LinearFunction.apply(x, self.weight, bias, self, context, gather_group)
 
-    def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int = 1):
+    def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int):
         if not x.is_floating_point() or x.numel() == 0:
             return f"input of dtype {x.dtype} and {x.numel()} elements"
         tokens = x.numel() // self.in_features * gathered_ranks
@@ -99,50 +108,6 @@ class Fp8Linear(nn.Linear):
             return "FP8 GEMMs need a GPU of compute capability 8.9 or newer"
         return None
 
-    def _quantize(self, tensor, role, fp8_dtype, context: Fp8Context, amax_pass: AmaxPass,
-                  gather_group=None, **layout) -> Fp8Tensor:
-        """Cast `tensor` for `role`. Shards that will be gathered over `gather_group` after
-        the cast must share one scale, so theirs is fitted to the amax of all of them."""
-        state = self.fp8_scaling[role]
-        recipe = context.recipe
-        if context.replay_scales is not None and id(state) in context.replay_scales:
-            # Recomputing a forward: cast exactly as it did; its amax is already recorded.
-            return quantize(tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout)
-        delayed = not isinstance(recipe, CurrentScaling)
-        agree_over = gather_group if collectives.group_size(gather_group) > 1 else None
-        if delayed:
-            state.fit_history(recipe.amax_history_len)
-            if state.update_count > 0:
-                if agree_over is not None:
-                    _check_scales_agree(context, agree_over)
-                scale = state.scale
-            else:
-                # With an empty history there is no earlier scale: fit this first cast to the
-                # tensor itself (Transformer Engine casts with 1.0, which underflows small
-                # gradients), agreed over every rank that shares the layer's scales.
-                scale = None
-                if recipe.reduce_amax and collectives.group_size(context.amax_reduction_group) > 1:
-                    agree_over = context.amax_reduction_group
-        else:
-            scale = None
-        if scale is None and agree_over is not None:
-            amax = collectives.max_over(absmax(tensor), agree_over)
-            scale = scale_from_amax(amax, fp8_dtype, recipe.margin)
-            state.scale.copy_(scale)
-        q = quantize(
-            tensor,
-            fp8_dtype,
-            scale,
-            margin=recipe.margin,
-            scale_out=state.scale if scale is None else None,
-            amax_out=state.amax if delayed else None,
-            saturation_out=state.saturation if context.collect_saturation else None,
-            **layout,
-        )
-        if delayed:
-            amax_pass.record(state, fp8_max(fp8_dtype), recipe, keep_amax=role == "weight")
-        return q
-
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
         state = self.fp8_scaling["weight"]
@@ -150,51 +115,12 @@ class Fp8Linear(nn.Linear):
         if self._weight_fp8 is None or self._weight_fp8[0] != key:
             # The weight's accumulator holds the amax of its current cast, kept across passes.
             state.amax.zero_()
-            q = self._quantize(weight.detach(), "weight", fp8_dtype, context, context.forward_pass,
-                               rowwise=True, columnwise=True)
+            q = cast(weight.detach(), state, fp8_dtype, context, context.forward_pass, keep_amax=True,
+                     rowwise=True, columnwise=True)
             self._weight_fp8 = (key, q)
             return q
-        if not isinstance(context.recipe, CurrentScaling):
-            # Every pass records the weight's amax, so all three histories roll in step.
-            state.fit_history(context.recipe.amax_history_len)
-            context.forward_pass.record(state, fp8_max(fp8_dtype), context.recipe, keep_amax=True)
+        record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
-
-
-def _check_scales_agree(context: Fp8Context, group) -> None:
-    """Shards gathered over `group` in FP8 need one scale: delayed scaling gives them one only
-    if their amaxes are reduced over a group that contains `group`."""
-    amax_group = context.amax_reduction_group if context.recipe.reduce_amax else None
-    key = (id(amax_group), id(group))
-    if key in _agreeing_groups:
-        return
-    if amax_group is None or not _ranks(group) <= _ranks(amax_group):
-        raise ValueError(
-            "an FP8 sequence-parallel all-gather needs the input scale to agree on every "
-            "tensor-parallel rank: pass fp8_autocast(amax_reduction_group=...) a group that contains "
-            "the tensor-parallel group (tensor x data parallel), with reduce_amax=True"
-        )
-    _agreeing_groups.add(key)
-
-
-_agreeing_groups: set = set()
-
-
-def _ranks(group) -> set:
-    return set(torch.distributed.get_process_group_ranks(group))
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 forward, reduce-scatter of the gradient backward (high precision)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.all_gather_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return collectives.reduce_scatter_rows(grad, ctx.group), None
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -209,19 +135,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         gather = gather_group if collectives.group_size(gather_group) > 1 else None
         fp8_gather = gather is not None and not fprop_hp
         if gather is not None and not fp8_gather:
-            x2 = collectives.all_gather_rows(x2, gather)  # a high-precision forward GEMM
+            x2 = collectives.all_gather(x2, gather)  # a high-precision forward GEMM
 
         qx = None
         if not fprop_hp or wgrad_fp8:
-            qx = module._quantize(x2, "input", fmt.forward_dtype, context, context.forward_pass,
-                                  gather_group=gather if fp8_gather else None,
-                                  rowwise=not fprop_hp, columnwise=wgrad_fp8)
+            qx = cast(x2, module.fp8_scaling["input"], fmt.forward_dtype, context, context.forward_pass,
+                      gather_group=gather if fp8_gather else None, rowwise=not fprop_hp, columnwise=wgrad_fp8)
         qw = module._quantized_weight(context, fmt.forward_dtype) if not fprop_hp or dgrad_fp8 else None
 
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
         else:
-            x_data = collectives.all_gather_rows(qx.data, gather) if fp8_gather else qx.data
+            x_data = collectives.all_gather(qx.data, gather) if fp8_gather else qx.data
             y = fp8_gemm(x_data, qw.data, qx.scale_inv, qw.scale_inv, x2.dtype, bias=bias, fast_accum=True)
 
         # For backward: the input transposed in FP8 (this rank's shard of it, gathered again in
@@ -248,11 +173,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         qdy = None
         if dgrad_fp8 or wgrad_fp8:
-            qdy = ctx.module._quantize(
-                dy2, "grad_output", context.recipe.fp8_format.backward_dtype, context,
-                backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8, columnwise=wgrad_fp8,
-                col_sum=need_db and ctx.has_bias,
-            )
+            qdy = cast(dy2, ctx.module.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype,
+                       context, backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8,
+                       columnwise=wgrad_fp8, col_sum=need_db and ctx.has_bias)
 
         dx = dw = db = None
         if need_dx:
@@ -261,7 +184,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 dx = dy2 @ w_saved.to(dy.dtype)
             if ctx.gather is not None:
-                dx = collectives.reduce_scatter_rows(dx, ctx.gather)
+                dx = collectives.reduce_scatter(dx, ctx.gather)
             dx = dx.view(-1, *dy.shape[1:-1], dx.shape[-1])
         if need_dw:
             if wgrad_fp8:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple
+
+from megafp8.validation import check_integer
 
 from .formats import Format
 
@@ -32,13 +34,25 @@ def _coerce_format(owner: str, value) -> Format:
     return value
 
 
-def _check_int(owner: str, field: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{field} must be an integer >= {minimum}, got {value!r}")
+class Recipe:
+    """What every FP8 recipe tells the layers and the scaling code (megafp8.fp8.scaling), so
+    neither asks which recipe it has: a new recipe is a subclass, and its scale rule a branch
+    in scaling.cast.
+
+    - `fp8_format`: E4M3 forward, E5M2 (HYBRID) or E4M3 gradients; `margin`: scales divided by 2**margin.
+    - `delayed`: casts take a scale fitted to the amaxes of earlier passes, kept in a history of
+      `amax_history_len` entries and recomputed every `interval` passes (else from the tensor itself).
+    - `reduce_amax`: those amaxes are MAX-reduced over the amax-reduction group once per pass.
+    - `override_linear_precision`: which GEMMs (fprop, dgrad, wgrad) stay in high precision.
+    """
+
+    delayed = False
+    reduce_amax = False
+    override_linear_precision = OverrideLinearPrecision()
 
 
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
     """Scale each tensor from the amaxes of earlier passes (Transformer Engine's timing).
 
     A cast uses the scale computed before it; the amax it observes enters `amax_history[0]`
@@ -57,11 +71,13 @@ class DelayedScaling:
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
     reduce_amax: bool = True
 
+    delayed = True
+
     def __post_init__(self):
         owner = type(self).__name__
-        _check_int(owner, "margin", self.margin, 0)
-        _check_int(owner, "interval", self.interval, 1)
-        _check_int(owner, "amax_history_len", self.amax_history_len, 1)
+        check_integer(f"{owner}.margin", self.margin, minimum=0)
+        check_integer(f"{owner}.interval", self.interval)
+        check_integer(f"{owner}.amax_history_len", self.amax_history_len)
         object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(
@@ -84,7 +100,7 @@ class DelayedScaling:
 
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(Recipe):
     """Scale each tensor from its own amax, computed just before the cast (no history).
 
     Costs one extra read of each tensor, but cannot be surprised by a sudden outlier; the
@@ -98,11 +114,4 @@ class CurrentScaling:
     def __post_init__(self):
         owner = type(self).__name__
         object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
-        _check_int(owner, "margin", self.margin, 0)
-
-    # The same interface as DelayedScaling, so layers need not ask which recipe they have.
-    override_linear_precision = OverrideLinearPrecision()
-    reduce_amax = False
-
-
-Recipe = Union[DelayedScaling, CurrentScaling]
+        check_integer(f"{owner}.margin", self.margin, minimum=0)

@@ -1,14 +1,24 @@
-"""Per-tensor FP8 scaling state and the batched end-of-pass update of delayed scaling."""
+"""Per-tensor FP8 scaling: the state of each tensor role, the choice of scale for each cast
+(`cast`, by the recipe), and the batched end-of-pass update of delayed scaling."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .recipe import DelayedScaling
+from megafp8 import collectives
+
+from . import triton_kernels
+from .formats import fp8_max
+from .quantize import quantize
+from .recipe import Recipe
+from .tensor import Fp8Tensor, absmax, scale_from_amax
+
+if TYPE_CHECKING:
+    from .autocast import Fp8Context
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -82,11 +92,88 @@ def scaling_states(device=None) -> nn.ModuleDict:
     return nn.ModuleDict({role: ScalingState() for role in ROLES}).to(device=device)
 
 
+def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass: AmaxPass, *,
+         gather_group=None, keep_amax: bool = False, **layout) -> Fp8Tensor:
+    """Cast the 2-D `tensor` to FP8 with the scale `context.recipe` chooses for the tensor role
+    whose state is `state`; `layout` is quantize's rowwise/columnwise/col_sum.
+
+    Delayed scaling casts with the scale of the history before it and records the amax it
+    observes in `amax_pass` (`keep_amax`: the accumulator describes a cached cast, kept across
+    passes); current scaling fits the scale to the tensor itself. Shards that will be gathered
+    over `gather_group` after the cast must share one scale: a fitted one is fitted to the amax
+    of all of them. Recomputing a forward (`context.replay_scales`) casts exactly as it did.
+    """
+    recipe = context.recipe
+    if context.replay_scales is not None and id(state) in context.replay_scales:
+        return quantize(tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout)
+    agree_over = gather_group if collectives.group_size(gather_group) > 1 else None
+    scale = None  # fitted to the tensor
+    if recipe.delayed:
+        state.fit_history(recipe.amax_history_len)
+        if state.update_count > 0:
+            if agree_over is not None:
+                _check_scales_agree(context, agree_over)
+            scale = state.scale
+        elif recipe.reduce_amax and collectives.group_size(context.amax_reduction_group) > 1:
+            # With an empty history there is no earlier scale: fit this first cast to the
+            # tensor itself (Transformer Engine casts with 1.0, which underflows small
+            # gradients), agreed over every rank that shares the layer's scales.
+            agree_over = context.amax_reduction_group
+    if scale is None and agree_over is not None:
+        amax = collectives.max_over(absmax(tensor), agree_over)
+        scale = scale_from_amax(amax, fp8_dtype, recipe.margin)
+        state.scale.copy_(scale)
+    q = quantize(
+        tensor,
+        fp8_dtype,
+        scale,
+        margin=recipe.margin,
+        scale_out=state.scale if scale is None else None,
+        amax_out=state.amax if recipe.delayed else None,
+        saturation_out=state.saturation if context.collect_saturation else None,
+        **layout,
+    )
+    if recipe.delayed:
+        amax_pass.record(state, fp8_max(fp8_dtype), recipe, keep_amax)
+    return q
+
+
+def record_reuse(state: ScalingState, fp8_dtype, context: Fp8Context) -> None:
+    """A cached cast (a weight's, within one optimizer step) is used again in this forward:
+    delayed scaling records its amax once more, so all of a layer's histories roll in step."""
+    if context.recipe.delayed:
+        state.fit_history(context.recipe.amax_history_len)
+        context.forward_pass.record(state, fp8_max(fp8_dtype), context.recipe, keep_amax=True)
+
+
+def _check_scales_agree(context: Fp8Context, group) -> None:
+    """Shards gathered over `group` in FP8 need one scale: delayed scaling gives them one only
+    if their amaxes are reduced over a group that contains `group`."""
+    amax_group = context.amax_reduction_group if context.recipe.reduce_amax else None
+    key = (id(amax_group), id(group))
+    if key in _agreeing_groups:
+        return
+    if amax_group is None or not _ranks(group) <= _ranks(amax_group):
+        raise ValueError(
+            "an FP8 sequence-parallel all-gather needs the input scale to agree on every "
+            "tensor-parallel rank: pass fp8_autocast(amax_reduction_group=...) a group that contains "
+            "the tensor-parallel group (tensor x data parallel), with reduce_amax=True"
+        )
+    _agreeing_groups.add(key)
+
+
+_agreeing_groups: set = set()
+
+
+def _ranks(group) -> set:
+    return set(dist.get_process_group_ranks(group))
+
+
 @dataclass
 class _Observation:
     state: ScalingState
     fp8_max: float
-    recipe: DelayedScaling
+    recipe: Recipe
     keep_amax: bool  # the weight's accumulator describes its cached cast: keep it across passes
 
 
@@ -112,7 +199,7 @@ class AmaxPass:
         if not observations:
             return
         reduced = [o.state.amax for o in observations if o.recipe.reduce_amax]
-        if reduced and self.group is not None and dist.get_world_size(self.group) > 1:
+        if reduced and collectives.group_size(self.group) > 1:
             amaxes = torch.stack(reduced)
             # NaN becomes +inf first: MAX over NaN is undefined in NCCL, and every rank must see it.
             amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
@@ -140,11 +227,8 @@ def _update_delayed(states, resets, fp8_max: float, margin: int, algo: str, reco
     that one pass keeps the old scale and the next finite amax counts at once.
     On CUDA one fused kernel does this for all states; this torch version is its reference.
     """
-    if states[0].amax.is_cuda:
-        from . import triton_kernels
-
-        if triton_kernels.available():
-            return triton_kernels.update_delayed(states, resets, fp8_max, margin, algo, recompute)
+    if states[0].amax.is_cuda and triton_kernels.available():
+        return triton_kernels.update_delayed(states, resets, fp8_max, margin, algo, recompute)
     _update_delayed_torch(states, resets, fp8_max, margin, algo, recompute)
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .formats import fp8_max
+from .tensor import Fp8Tensor, absmax, saturation_bound
 
 try:
     import triton
@@ -121,8 +122,6 @@ if triton is not None:
 
 def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor],
              amax_out: Optional[torch.Tensor], col_sum: bool, saturation_out: Optional[torch.Tensor] = None):
-    from .quantize import Fp8Tensor, absmax, saturation_bound
-
     M, N = x.shape
     current = scale is None
     if current:

@@ -2,8 +2,12 @@
 
     args = parse_args()                  # flags and --config file.yaml; every check that needs no world size
     validate_args(args, world_size)      # parallel layout, batch sizes, iteration counts
-    config = model_config(args, tokenizer.vocab_size)
+    _, saved = checkpointing.latest_model_config(args.load) or (None, None)  # the --load checkpoint's model
+    config = model_config(args, tokenizer.vocab_size, saved)
     recipe = fp8_recipe(args)            # None without --fp8-format
+
+A --load checkpoint that records its model (megafp8.json's "model") is the model: shape flags and
+--model may be left out, and one that contradicts it is an error.
 
 Each flag's dest is its name with underscores (`--fp8-format` -> `args.fp8_format`). Errors raise
 ArgumentsError (a ValueError) whose message names the flags involved and what to give instead.
@@ -29,6 +33,8 @@ from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
 from megafp8.models.config import PRESETS, TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
+from megafp8.training import checkpointing
+from megafp8.validation import check_integer
 
 
 class ArgumentsError(ValueError):
@@ -356,15 +362,74 @@ _FIELD_FLAGS.update(kv_heads="--num-query-groups", ffn_size="--ffn-hidden-size",
                     head_dim="--hidden-size / --num-attention-heads", tp_size="--tensor-model-parallel-size")
 
 
-def _resolve_model(args, given) -> None:
-    """Fill the shape flags not given from the --model preset (or TransformerConfig's defaults),
-    so that args alone describe the model."""
+# Fields a run may set otherwise than the checkpoint it loads, since no weight depends on them:
+# the vocabulary is the tokenizer's (the trainer checks it against the checkpoint's), dropout is
+# a training choice. (RoPE's position range too: its tables are computed, see _check_saved_model.)
+_FREE_FIELDS = ("vocab_size", "hidden_dropout", "attention_dropout")
+_SWITCHES = ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights")
+
+
+def _sizes(fields: dict, field: str):
+    """A field's value with the defaulted sizes spelled out (None key/value heads = one per head)."""
+    if field == "num_kv_heads":
+        return fields[field] or fields["num_attention_heads"]
+    if field == "ffn_hidden_size":
+        return fields[field] or 4 * fields["hidden_size"]
+    return fields[field]
+
+
+def _shown(value) -> str:
+    return str(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+
+
+def _check_saved_model(args, saved: TransformerConfig, checkpoint) -> None:
+    """The shape flags given and the --model preset must describe the model the --load checkpoint
+    recorded (they may be left out: that model is the base); a contradiction is an error naming
+    both values, since the weights loaded have the checkpoint's shape."""
+    names = [f.name for f in dataclasses.fields(TransformerConfig)]
+    have = {name: getattr(saved, name) for name in names}
+    asked, source = dict(have), {}
+    if args.model is not None:
+        for name in names:
+            asked[name], source[name] = getattr(PRESETS[args.model], name), None
+    for dest, field, to_field, _ in _SHAPE:
+        value = getattr(args, dest)
+        if value is not None:  # given: the switches are only ever True here
+            asked[field] = "swiglu" if dest == "swiglu" else to_field(value) if to_field else value
+            source[field] = _flags(dest) if dest in _SWITCHES else f"{_flags(dest)} {value}"
+    free = _FREE_FIELDS + (("max_position_embeddings",) if saved.position_embedding == "rope" else ())
+    wrong = [name for name in source if name not in free and _sizes(asked, name) != _sizes(have, name)]
+    if not wrong:
+        return
+    flags = [source[name] for name in wrong if source[name] is not None]
+    from_preset = [name for name in wrong if source[name] is None]
+    if from_preset:
+        flags.append(f"--model {args.model} ({', '.join(f'{n} {_shown(_sizes(asked, n))}' for n in from_preset)})")
+    theirs = ", ".join(f"{name} {_shown(_sizes(have, name))}" for name in wrong)
+    one = len(flags) == 1
+    said = flags[0] if one else f"{', '.join(flags[:-1])} and {flags[-1]}"
+    raise ArgumentsError(
+        f"{said} {'contradicts' if one else 'contradict'} the checkpoint's model in {checkpoint} ({theirs}): "
+        f"drop {'it' if one else 'them'} to train on the saved model, or --save to a new folder without "
+        f"--load {args.load} to train another")
+
+
+def _resolve_model(args, given) -> TransformerConfig | None:
+    """Fill the shape flags not given from the model the --load checkpoint recorded, else from
+    the --model preset (or TransformerConfig's defaults), so that args alone describe the model.
+    Returns the checkpoint's model config (None without one)."""
     if args.model is not None and args.model not in PRESETS:
         close = difflib.get_close_matches(args.model, list(PRESETS), n=1)
         raise ArgumentsError(f"--model {args.model!r} is not a preset"
                              + (f" (did you mean {close[0]}?)" if close else "")
                              + f"; presets: {', '.join(PRESETS)}")
-    if args.model is not None:
+    # A first run of `--save X --load X` finds nothing, and a checkpoint from before megafp8.json
+    # recorded the model gives none: then the flags describe the model, as they always did.
+    checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
+    if saved is not None:
+        _check_saved_model(args, saved, checkpoint)
+        base = {f.name: getattr(saved, f.name) for f in dataclasses.fields(TransformerConfig)}
+    elif args.model is not None:
         base = {f.name: getattr(PRESETS[args.model], f.name) for f in dataclasses.fields(TransformerConfig)}
     else:
         base = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
@@ -385,23 +450,27 @@ def _resolve_model(args, given) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
-        source = f" (from --model {args.model})" if args.model and "max_position_embeddings" not in given else ""
+        source = ("" if "max_position_embeddings" in given else
+                  f" (the checkpoint's model in {checkpoint})" if saved is not None else
+                  f" (from --model {args.model})" if args.model else "")
         raise ArgumentsError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-            f"{args.max_position_embeddings}{source}: learned positions have no row past it; "
-            "lower --seq-length or raise --max-position-embeddings")
+            f"{args.max_position_embeddings}{source}: learned positions have no row past it; lower --seq-length"
+            + ("" if saved is not None else " or raise --max-position-embeddings"))
     if args.group_query_attention and args.num_query_groups is None:
         raise ArgumentsError("--group-query-attention needs --num-query-groups (the number of key/value heads)")
 
     try:  # the shape's own rules (heads divide hidden, tp divides heads ...), before any GPU is touched
-        model_config(args, vocab_size=2).validate_tensor_parallel(args.tensor_model_parallel_size)
+        model_config(args, 2, saved).validate_tensor_parallel(args.tensor_model_parallel_size)
     except ValueError as error:
         message = str(error)
         named = [f"{field} is {flag}" for field, flag in _FIELD_FLAGS.items()
                  if re.search(rf"\b{field}\b", message)]
-        preset_note = f" (--model {args.model})" if args.model else ""
+        preset_note = (f" (the checkpoint's model in {checkpoint})" if saved is not None else
+                       f" (--model {args.model})" if args.model else "")
         raise ArgumentsError(f"invalid model shape{preset_note}: {message}"
                              + (f" [{'; '.join(named)}]" if named else "")) from None
+    return saved
 
 
 def _check_pipeline(args) -> None:
@@ -413,7 +482,7 @@ def _check_pipeline(args) -> None:
         if vpp_layers is not None:
             raise ArgumentsError("--decoder-first/last-pipeline-num-layers and "
                                  "--num-layers-per-virtual-pipeline-stage cannot be combined; give one")
-        from megafp8.parallel.schedules import stage_layers
+        from megafp8.parallel.stages import stage_layers
         try:  # the same split the trainer will make, checked before any process starts
             stage_layers(args.num_layers, pp, 0, 1, first, last)
         except ValueError as error:
@@ -518,7 +587,7 @@ def _check_precision(args, given) -> None:
     args.first_last_layers_bf16 = args.num_layers_at_start_in_bf16 = args.num_layers_at_end_in_bf16 = n
 
 
-def _check_data(args) -> None:
+def _check_data(args, saved: TransformerConfig | None) -> None:
     if args.mock_data and args.data_path:
         raise ArgumentsError("--mock-data and --data-path are both given; drop one")
     if not args.mock_data and not args.data_path:
@@ -540,9 +609,12 @@ def _check_data(args) -> None:
                              f"and end-of-document token come from it; one of {', '.join(TOKENIZER_TYPES)}")
     if args.mock_data and kind is None and args.vocab_size is None:
         # Mock tokens are drawn from [0, vocab_size); the last id is the end-of-document token.
-        if args.model is None:
+        if saved is not None:
+            args.vocab_size = saved.vocab_size
+        elif args.model is None:
             raise ArgumentsError("--mock-data without a tokenizer needs --vocab-size (or a --model preset's)")
-        args.vocab_size = PRESETS[args.model].vocab_size
+        else:
+            args.vocab_size = PRESETS[args.model].vocab_size
 
 
 def _check_run(args, given) -> None:
@@ -603,11 +675,11 @@ def _check_profile(args, given) -> None:
 def _check_and_resolve(args, given: set) -> None:
     if args.fp16:
         raise ArgumentsError("--fp16 is not supported (it needs loss scaling); use --bf16")
-    _resolve_model(args, given)
+    saved = _resolve_model(args, given)
     _check_precision(args, given)
     _check_pipeline(args)
     _check_schedule(args, given)
-    _check_data(args)
+    _check_data(args, saved)
     _check_run(args, given)
     _check_profile(args, given)
     _absolute_paths(args)
@@ -621,8 +693,10 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     batch x dp), num_micro_batches (per optimizer step, per data-parallel rank), train_iters
     (from --train-samples), lr_decay_iters (default train_iters) and lr_warmup_iters (from
     --lr-warmup-fraction). Changes args in place and returns it; calling it again is harmless."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ArgumentsError(f"world size must be a positive int, got {world_size!r}")
+    try:
+        check_integer("world size", world_size)
+    except ValueError as error:
+        raise ArgumentsError(str(error)) from None
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ArgumentsError(
@@ -669,13 +743,14 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
 
 # ---- what the trainer builds from the arguments -------------------------------------------------
 
-def model_config(args, vocab_size: int) -> TransformerConfig:
-    """The --model preset (fields without a flag, e.g. rope_scaling, kept) with the shape flags
-    applied, for the tokenizer's `vocab_size`. With RoPE the position range grows to cover
-    --seq-length: rotary tables are computed, not learned."""
+def model_config(args, vocab_size: int, saved: TransformerConfig | None = None) -> TransformerConfig:
+    """The model of `args` for the tokenizer's `vocab_size`: the shape flags applied to `saved`
+    (the model a --load checkpoint recorded, `checkpointing.latest_model_config`) if given, else
+    to the --model preset, so that fields without a flag (rope_scaling, erf GELU) are kept. With
+    RoPE the position range grows to cover --seq-length: rotary tables are computed, not learned."""
     fields = {field: (to_field(getattr(args, dest)) if to_field else getattr(args, dest))
               for dest, field, to_field, _ in _SHAPE if dest != "swiglu"}
-    base = PRESETS.get(args.model)
+    base = saved if saved is not None else PRESETS.get(args.model)
     plain = base.activation if base is not None and base.activation != "swiglu" else "gelu_tanh"
     fields["activation"] = "swiglu" if args.swiglu else plain
     if fields["position_embedding"] == "rope":

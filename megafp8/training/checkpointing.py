@@ -23,6 +23,8 @@ What is stored is layout-free, so loading reshards:
   (the distributed optimizer's dp shards are assembled per parameter);
 - the FP8 scaling state (scales, amax histories, update counts: agreed over tp x dp, so stored
   once), the iteration, consumed samples, LR schedule position and the run's arguments;
+- the model's TransformerConfig, in megafp8.json, so a run that loads it (or a converter)
+  builds that model without being told its shape;
 - each rank's RNG states under its (tp, pp, dp) coordinates, restored when the layout matches.
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megafp8.parallel.communication import all_gather, rank_in, world_size
+from megafp8.models.config import TransformerConfig
+from megafp8.collectives import all_gather, group_size, rank_in
 
 LATEST = "latest_checkpointed_iteration.txt"
 OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -126,9 +129,42 @@ def saved_iterations(save_dir) -> list[int]:
 
 
 def checkpoint_info(checkpoint) -> dict:
-    """A checkpoint's megafp8.json: {"iteration", "args", "train"} ({} if it has none)."""
+    """A checkpoint's megafp8.json: {"iteration", "args", "train", "model"} ({} if it has none;
+    checkpoints written before it recorded the model have no "model")."""
     path = Path(checkpoint) / "megafp8.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path} should hold a JSON object, not a {type(info).__name__}")
+    return info
+
+
+def saved_model_config(checkpoint) -> TransformerConfig | None:
+    """The model config a checkpoint (an iter_N folder) recorded in its megafp8.json, or None for
+    one written before megafp8.json recorded the model (its run's flags describe it)."""
+    info = checkpoint_info(checkpoint)
+    if "model" not in info:
+        return None
+    try:
+        return TransformerConfig.from_dict(info["model"])
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{Path(checkpoint) / 'megafp8.json'}: its \"model\" is not a valid model "
+                              f"config: {error}") from None
+
+
+def latest_model_config(load) -> tuple[Path, TransformerConfig] | None:
+    """(checkpoint, model config) of the checkpoint a --load folder designates (its latest, or
+    itself if it is one); None without --load (`load` None), if the folder has no checkpoint yet,
+    or if its checkpoint predates megafp8.json's "model"."""
+    checkpoint = latest_checkpoint(load) if load is not None else None
+    if checkpoint is None:
+        return None
+    config = saved_model_config(checkpoint)
+    return None if config is None else (checkpoint, config)
 
 
 def _describe(iterations) -> str:
@@ -221,7 +257,7 @@ class _Layout:
 
     def __init__(self, tp_group):
         self.tp_group = tp_group
-        self.tp = world_size(tp_group)
+        self.tp = group_size(tp_group)
         self._mesh = None
 
     def mesh(self, device):
@@ -311,8 +347,10 @@ def _coordinates(groups):
     return f"tp{groups.tp_rank}_pp{groups.pp_rank}_dp{groups.dp_rank}" if groups else "tp0_pp0_dp0"
 
 
-def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_state: dict, args: dict):
-    """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it."""
+def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_state: dict, args: dict,
+                    model_config: TransformerConfig):
+    """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it.
+    `model_config` is the config `model` was built from."""
     layout = _Layout(groups.tp_group if groups else None)
     state = {}
     for name, param in model.named_parameters():
@@ -327,15 +365,20 @@ def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_stat
         state[f"fp8/{name}"] = value
     for key, value in _rng_state().items():
         state[f"rng/{_coordinates(groups)}/{key}"] = value
-    return write_checkpoint(save_dir, iteration, state, train_state=train_state, args=args)
+    return write_checkpoint(save_dir, iteration, state, train_state=train_state, args=args,
+                            model_config=model_config)
 
 
-def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, args: dict) -> Path:
+def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, args: dict,
+                     model_config: TransformerConfig) -> Path:
     """Write `state` (a flat dict, keys as above) as `save_dir/iter_<iteration>` and point latest
     at it, so that no moment of the save leaves a half-written checkpoint as the latest or no
-    checkpoint at all. Collective when torch.distributed is initialised; one process (DCP's
-    no_dist mode) otherwise. A failure on any rank raises CheckpointError on every rank."""
+    checkpoint at all; megafp8.json records `args`, `train_state` and `model_config`. Collective
+    when torch.distributed is initialised; one process (DCP's no_dist mode) otherwise. A failure
+    on any rank raises CheckpointError on every rank."""
     state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
+    record = json.dumps({"iteration": iteration, "args": args, "train": train_state,
+                         "model": model_config.to_dict()}, indent=1)
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
 
@@ -344,8 +387,7 @@ def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, arg
         tmp.mkdir(parents=True)
 
     def publish():
-        _write_durably(tmp / "megafp8.json", json.dumps({"iteration": iteration, "args": args,
-                                                         "train": train_state}, indent=1))
+        _write_durably(tmp / "megafp8.json", record)
         old = _replaced(final)
         if final.exists():  # the same iteration saved before: set aside until the new one is in
             if old.exists():

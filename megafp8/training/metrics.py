@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from megafp8.fp8.scaling import ScalingState, take_saturation
 from megafp8.models import TransformerConfig
+from megafp8.validation import check_integer
 
 # -- FLOPs ----------------------------------------------------------------------------------
 
@@ -47,8 +48,7 @@ def flops_per_token(config: TransformerConfig, seq_length: int, recompute: str =
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length <= 0:
-        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    check_integer("seq_length", seq_length)
     h = config.hidden_size
     attention_width = config.num_attention_heads * config.head_dim
     kv_width = config.kv_heads * config.head_dim

@@ -14,8 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megafp8.fp8.collectives import _all_gather_single
-from megafp8.parallel.communication import rank_in
+from megafp8.collectives import all_gather_into, rank_in
 from megafp8.parallel.data_parallel import GradientBuffer
 
 
@@ -126,7 +125,7 @@ class MixedPrecisionAdamW:
                 for start, end, master in by_param.get(param, ()):
                     full[offset + start:offset + end] = master
             gathered = torch.empty_like(full)
-            _all_gather_single(gathered, full[mine].contiguous(), group=self.dp_group)
+            all_gather_into(gathered, full[mine].contiguous(), self.dp_group)
             for param in bucket.params:
                 offset = param.main_grad_offset - bucket.start
                 param.copy_(gathered[offset:offset + param.numel()].view_as(param))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megafp8.console import show_warnings_as_messages
 from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer,
@@ -25,8 +24,7 @@ from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler,
 from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM
-from megafp8.parallel import (ParallelGroups, check_embeddings_in_sync, forward_backward, stage_layers,
-                              sync_embedding_grads, tied_embedding)
+from megafp8.parallel import ParallelGroups, PipelineStage, finalize_grads, forward_backward, stage_layers
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.profiling import StepProfiler
@@ -69,19 +67,6 @@ class _ExitSignal:
             signal.signal(sig, handler)
 
 
-class PipelineStage(nn.Module):
-    """This rank's model chunks seen as one module whose parameter and state names are the
-    whole model's (layers by global index), for the optimizer, checkpoints and metrics."""
-
-    def __init__(self, chunks):
-        super().__init__()
-        self.layers = nn.ModuleDict({name: layer for chunk in chunks for name, layer in chunk.layers.items()})
-        for part in ("embedding", "position_embedding", "final_norm", "output_layer"):
-            owners = [chunk for chunk in chunks if getattr(chunk, part, None) is not None]
-            if owners:
-                setattr(self, part, getattr(owners[0], part))
-
-
 def _lr_schedule(args) -> LRSchedule:
     return LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                       decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
@@ -102,7 +87,16 @@ class Trainer:
                           if args.tokenizer_type else None)
         vocab_size = self.tokenizer.vocab_size if self.tokenizer else args.vocab_size
         self.eod = self.tokenizer.eod if self.tokenizer else vocab_size - 1
-        self.config = arguments.model_config(args, vocab_size)
+        # The model --load's checkpoint recorded is this run's model (None: no checkpoint there
+        # yet, or one from before megafp8.json recorded the model: the flags describe it).
+        checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
+        if saved is not None and saved.vocab_size != vocab_size:
+            source = (f"the tokenizer ({args.tokenizer_type}) has {vocab_size} tokens" if self.tokenizer
+                      else f"--vocab-size is {vocab_size}")
+            raise checkpointing.CheckpointError(
+                f"{source}, but the model in {checkpoint} has a vocabulary of {saved.vocab_size}: give the "
+                "tokenizer it was trained with (its --save folder keeps a copy in tokenizer/)")
+        self.config = arguments.model_config(args, vocab_size, saved)
         self.recipe = arguments.fp8_recipe(args)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
         vpp = args.virtual_pipeline_model_parallel_size or 1
@@ -114,25 +108,19 @@ class Trainer:
             recompute_num_layers=args.recompute_num_layers or 1, dtype=self.dtype, device=self.device)
             for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp,
                                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
-        self.model = PipelineStage(self.chunks)
-        check_embeddings_in_sync(self.chunks, groups)
-        tied = tied_embedding(self.chunks, groups)
-        if tied is not None and not groups.is_first_stage:
-            tied.shared_embedding_copy = True  # the first stage's copy counts in the norm
+        self.model = PipelineStage(self.chunks, groups)
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
         # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
                                      shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
-                                     own_bucket=[tied] if tied is not None else [])
+                                     own_bucket=self.model.own_buckets)
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
             model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
             dp_group=groups.dp_group, distributed=args.use_distributed_optimizer)
         self.schedule = _lr_schedule(args)
-        self.sequence_parallel_params = [p for p in self.model.parameters()
-                                         if getattr(p, "sequence_parallel", False)]
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
         self.history = []  # (iteration, loss) of every step this process ran
         self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
@@ -230,11 +218,7 @@ class Trainer:
         self.buffer.zero()
         self.buffer.set_sync(False)
         loss = self._run_schedule(micro_batches, forward_only=False, collect_saturation=collect_saturation)
-        self.buffer.finish()
-        if self.sequence_parallel_params and self.groups.tp_size > 1:
-            for param in self.sequence_parallel_params:  # each tp rank saw one sequence shard
-                dist.all_reduce(param.main_grad, group=self.groups.tp_group)
-        sync_embedding_grads(self.chunks, self.groups)
+        finalize_grads(self.chunks, self.groups, self.buffer)
         self.optimizer.set_lr(self.schedule(self.iteration))
         applied, grad_norm = self.optimizer.step()
         return loss, applied, grad_norm
@@ -264,7 +248,7 @@ class Trainer:
             checkpointing.save_tokenizer(a.save, a.tokenizer_type, self.tokenizer.files)
         path = checkpointing.save_checkpoint(a.save, self.iteration, self.model, self.optimizer,
                                              groups=self.groups, train_state=self.train_state(),
-                                             args=arguments.args_to_dict(a))
+                                             args=arguments.args_to_dict(a), model_config=self.config)
         if self.replaced_run:  # --overwrite-save: the earlier run goes once this one has a checkpoint
             checkpointing.remove_checkpoints(a.save, self.replaced_run, keep=self.iteration)
             self._print(f"--overwrite-save: removed the earlier run's checkpoints from {a.save}")

@@ -4,7 +4,7 @@ import torch
 
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 from megafp8.fp8 import triton_kernels
-from megafp8.fp8.quantize import _quantize_torch
+from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
 
 from .helpers import emulate, gemm_error_bound, random_amax, rel_err
@@ -38,7 +38,7 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
     for rowwise, columnwise, col_sum in [(True, True, True), (True, False, False), (False, True, False)]:
         out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
         a = triton_kernels.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, None, col_sum)
-        b = _quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, scale_out=out_b, col_sum=col_sum)
+        b = quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, scale_out=out_b, col_sum=col_sum)
         assert_same_bytes(a.data, b.data, "data")
         assert_same_bytes(a.data_t, b.data_t, "data_t")
         assert torch.equal(a.amax, b.amax) and torch.equal(a.scale_inv, b.scale_inv)

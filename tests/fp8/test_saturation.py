@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megafp8 import Fp8Linear, fp8_autocast, fp8_max, quantize
-from megafp8.fp8.quantize import saturates
+from megafp8.fp8.tensor import saturates
 from megafp8.fp8.scaling import take_saturation
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -174,3 +174,45 @@ def test_frozen():
         preset("gpt-tiny").num_layers = 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         RopeScaling().factor = 2.0
+
+
+# ---- to_dict / from_dict: the model as a checkpoint records it ----------------------------------
+
+def json_round_trip(cfg):
+    import json
+    return TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_round_trips_through_json(name):
+    assert json_round_trip(preset(name)) == preset(name)
+
+
+def test_settings_without_a_flag_round_trip():
+    llama31 = preset("llama3-8b", rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=8192),
+                     max_position_embeddings=131072)
+    erf_gpt = preset("gpt-tiny", activation="gelu", tie_embeddings=False, num_kv_heads=2, ffn_hidden_size=96)
+    for cfg in (llama31, erf_gpt):
+        assert json_round_trip(cfg) == cfg
+    assert llama31.to_dict()["rope_scaling"] == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 8192}
+    assert erf_gpt.to_dict()["rope_scaling"] is None
+
+
+def test_from_dict_rejects_unknown_and_invalid_fields():
+    values = preset("llama-tiny").to_dict()
+    with pytest.raises(ValueError, match=r"unknown fields moe_experts, qk_norm .*newer megafp8"):
+        TransformerConfig.from_dict({**values, "qk_norm": True, "moe_experts": 8})
+    with pytest.raises(ValueError, match=r"rope_scaling has unknown field beta"):
+        TransformerConfig.from_dict({**values, "rope_scaling": {"factor": 8.0, "beta": 1}})
+    with pytest.raises(ValueError, match="rope_scaling.factor must be > 0"):
+        TransformerConfig.from_dict({**values, "rope_scaling": {"factor": 0.0}})
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_attention_heads=4"):
+        TransformerConfig.from_dict({**values, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="lacks hidden_size"):
+        TransformerConfig.from_dict({k: v for k, v in values.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="mapping"):
+        TransformerConfig.from_dict(["num_layers", 2])
+    # A field added after the checkpoint was written takes its default.
+    assert TransformerConfig.from_dict({k: v for k, v in values.items() if k != "attention_dropout"}) == \
+        preset("llama-tiny")

@@ -3,8 +3,8 @@ reduce-scatter (older gloo; torch 2.13's gloo has it, so the fallback is forced 
 import torch
 import torch.distributed as dist
 
-from megafp8.fp8 import collectives
-from megafp8.parallel.communication import all_gather, reduce_scatter, split
+from megafp8 import collectives
+from megafp8.collectives import all_gather, reduce_scatter, split
 
 from ..multiprocess import run_on_ranks
 
@@ -23,11 +23,11 @@ def body(rank, world_size):
     contribution = full * (rank + 1)
     expected = (full * sum(range(1, world_size + 1))).chunk(world_size)[rank]
     native = reduce_scatter(contribution, group)
-    collectives._no_reduce_scatter.add(dist.get_backend(group))
+    collectives.backends_without_reduce_scatter.add(dist.get_backend(group))
     try:
         fallback = reduce_scatter(contribution, group)
     finally:
-        collectives._no_reduce_scatter.discard(dist.get_backend(group))
+        collectives.backends_without_reduce_scatter.discard(dist.get_backend(group))
     out["reduce_scatter"] = torch.allclose(native, expected, rtol=1e-6, atol=1e-6)
     out["fallback_equals_native"] = torch.equal(native, fallback)
     return out

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8 import DelayedScaling, fp8_autocast
-from megafp8.fp8 import collectives
+from megafp8 import collectives
 from megafp8.parallel.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 from ..fp8.helpers import gemm_error_bound, rel_err
@@ -80,9 +80,9 @@ def sequence_parallel_traffic(rank, tp, group):
     gathered = []
     original = collectives._all_gather_single
 
-    def recording(out, inp, group=None):
+    def recording(out, inp, group=None, async_op=False):
         gathered.append((str(inp.dtype), inp.numel()))
-        return original(out, inp, group=group)
+        return original(out, inp, group=group, async_op=async_op)
 
     collectives._all_gather_single = recording
     try:

@@ -17,10 +17,10 @@ from megafp8.parallel import (
     P2PCommunicator,
     ParallelGroups,
     check_embeddings_in_sync,
+    finalize_grads,
     forward_backward,
     pipeline_tensor_shape,
     stage_layers,
-    sync_embedding_grads,
 )
 from megafp8.parallel.data_parallel import GradientBuffer
 
@@ -75,12 +75,7 @@ def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=No
         stats = {}
         losses = forward_backward(schedule, chunks, iter(micro_batches(config, step, dp_rank, dp)), forward_step,
                                   NUM_MICRO_BATCHES, groups, grad_buffers=buffer, stats=stats, **shape)
-        buffer.finish()
-        if sequence_parallel and groups.tp_size > 1:
-            for param in params:
-                if getattr(param, "sequence_parallel", False):
-                    dist.all_reduce(param.main_grad, group=groups.tp_group)
-        sync_embedding_grads(chunks, groups)
+        finalize_grads(chunks, groups, buffer)
         grads = {name: param.main_grad.cpu().clone() for chunk in chunks for name, param in chunk.named_parameters()}
         with torch.no_grad():
             for param in params:
@@ -432,7 +427,7 @@ def test_check_embeddings_in_sync_finds_a_difference(pp2_results):
     assert [r["embedding_check"] for r in pp2_results] == [True, True]
 
 
-# -- over NCCL (GPU machines) ----------------------------------------------------------------------
+# -- over NCCL (needs CUDA GPUs) --------------------------------------------------------------------
 
 GPU_LAYOUTS = {2: [(name, 1, 2, vpp, False, fp8) for name in ("gpt-tiny", "llama-tiny") for vpp in (1, 2)
                    for fp8 in (False, True)],

@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from megafp8.data.tokenizers import build_tokenizer
 from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
-from megafp8.models import preset
+from megafp8.models import hf_mapping, preset
 from megafp8.models.transformer import TransformerLM
 from megafp8.parallel import ParallelGroups
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
+from megafp8.training.trainer import pretrain
 
 from ..data.corpora import train_tiny_bpe, train_tiny_sentencepiece
 from ..fp8.helpers import rel_err
@@ -75,7 +76,7 @@ def train_and_save_body(rank, world_size, folders):
             buffer.finish()
             optimizer.step()
         checkpointing.save_checkpoint(folder, 3, model, optimizer, groups=groups, train_state={"iteration": 3},
-                                      args=run_args(name))
+                                      args=run_args(name), model_config=config)
 
 
 def load_tp2_body(rank, world_size, folders):
@@ -224,8 +225,9 @@ ROUND_TRIPS = {
 def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     hf = randomize(ROUND_TRIPS[kind](), dtype)
     hf.save_pretrained(tmp_path / "a", max_shard_size="40KB")  # sharded, with an index, on the way in
-    with pytest.warns(UserWarning):  # no tokenizer; erf GELU / rope scaling have no training flag
+    with pytest.warns(UserWarning) as caught:
         convert.from_hf(tmp_path / "a", tmp_path / "ckpt", progress=False)
+    assert all("no tokenizer files" in str(w.message) for w in caught)  # and nothing about the model is lost
     convert.main(["--direction", "to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
                   "--max-shard-size", "100KB", "--no-progress", "--no-tokenizer"])
     assert (tmp_path / "b" / "model.safetensors.index.json").exists()  # sharded on the way out
@@ -238,7 +240,7 @@ def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     with torch.no_grad():
         assert torch.equal(back(inputs).logits, original(inputs).logits)
     # ...and megafp8 computes what the HF model computes.
-    config = convert.config_from_hf(hf.config)
+    config = hf_mapping.config_from_hf(hf.config)
     ours = TransformerLM(config, dtype=torch.float32)
     checkpointing.load_checkpoint(tmp_path / "ckpt", ours, None, groups=None, load_rng=False)
     with torch.no_grad():
@@ -345,7 +347,9 @@ def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_
         convert.to_hf(mock, tmp_path / "out3", progress=False)
 
 
-def test_from_hf_points_the_run_at_the_hf_tokenizer_and_its_flags_build_the_model(tmp_path, tokenizer_files):
+@pytest.mark.filterwarnings("ignore:.*has no FP8 scaling state")  # a converted checkpoint has none
+def test_from_hf_points_the_run_at_the_hf_tokenizer_and_a_run_of_it_needs_no_shape_flags(tmp_path, tokenizer_files,
+                                                                                          capsys):
     hf = randomize(small_llama())
     hf.save_pretrained(tmp_path / "hf")
     shutil.copy(tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"], tmp_path / "hf")
@@ -355,20 +359,72 @@ def test_from_hf_points_the_run_at_the_hf_tokenizer_and_its_flags_build_the_mode
     assert saved.tokenizer_type == "HuggingFaceTokenizer"
     assert saved.tokenizer_model == str((tmp_path / "hf" / "tokenizer.json").resolve())
     assert (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (2, 3)
-    config = convert.config_from_hf(hf.config)
-    vocab = build_tokenizer(saved.tokenizer_type, saved.tokenizer_model).vocab_size
-    assert arguments.model_config(saved, vocab) == config.replace(num_kv_heads=2, ffn_hidden_size=96)
-    # The flags it prints, given to the trainer's parser, build the same model.
-    tokenizer = {"tokenizer_type": saved.tokenizer_type, "tokenizer_model": saved.tokenizer_model}
-    parsed = arguments.parse_args(convert.train_flags(config, tokenizer) + [
-        "--mock-data", "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3", "--seq-length", "64"])
-    assert arguments.model_config(parsed, vocab) == arguments.model_config(saved, vocab)
+    config = hf_mapping.config_from_hf(hf.config)
+    assert checkpointing.saved_model_config(path) == config
+    hint = capsys.readouterr().err.split("continue training with:")[1]
+    assert f"--load {tmp_path / 'ckpt'} --finetune --tokenizer-type HuggingFaceTokenizer" in hint
+    assert "--num-layers" not in hint and "--tensor-model-parallel-size 2" in hint
+    # The run the printed flags start (any layout: pp = 1 here) builds the converted model and loads it.
+    trainer = pretrain(["--load", str(tmp_path / "ckpt"), "--finetune", "--tokenizer-type", saved.tokenizer_type,
+                        "--tokenizer-model", saved.tokenizer_model, "--mock-data", "--train-iters", "1",
+                        "--micro-batch-size", "1", "--lr", "1e-3", "--eval-iters", "0"])
+    assert trainer.config == config and trainer.last_checkpoint == path
+    assert (trainer.args.num_layers, trainer.args.num_query_groups, trainer.args.seq_length) == (3, 2, 64)
     # The checkpoint folder carries its tokenizer, as a training run's does.
     assert (tmp_path / "ckpt" / "tokenizer" / "tokenizer.json").read_bytes() == (
         tmp_path / "hf" / "tokenizer.json").read_bytes()
     # No optimizer state, no FP8 state, no RNG: a --finetune start.
     metadata = torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     assert all(k.startswith("model/") or k == "train" for k in metadata)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no FP8 scaling state")  # a converted checkpoint has none
+@pytest.mark.parametrize("kind,setting", [("llama-tied-bias-llama3-rope", "rope_parameters"),
+                                          ("gpt2-untied-erf-gelu", "activation_function")])
+def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path, kind, setting):
+    """Llama 3.1's llama3 rope scaling and GPT-2's erf GELU have no training flag: HF -> megafp8 ->
+    a run of --load --finetune without shape flags -> its checkpoint -> HF keeps them."""
+    hf = randomize(ROUND_TRIPS[kind]())
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    trainer = pretrain(["--load", str(tmp_path / "ckpt"), "--finetune", "--mock-data", "--train-iters", "2",
+                        "--micro-batch-size", "2", "--seq-length", str(SEQ), "--lr", "1e-3", "--eval-iters", "0",
+                        "--save", str(tmp_path / "run")])
+    assert [i for i, _ in trainer.history] == [1, 2]
+    assert trainer.config == hf_mapping.config_from_hf(hf.config)  # vocabulary too: the mock data's is the model's
+    convert.to_hf(tmp_path / "run", tmp_path / "out", progress=False, no_tokenizer=True)
+    original, back = (json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("hf", "out"))
+    assert back[setting] == original[setting]
+    assert back[setting] == (LLAMA3_ROPE if setting == "rope_parameters" else "gelu")
+
+
+def test_checkpoints_from_before_the_model_was_recorded_convert_from_their_args(trained, tmp_path):
+    """Written before megafp8.json had "model": to-hf rebuilds the model from the run's arguments,
+    and from-hf's model_overrides of then (settings without a flag) still apply."""
+    def without_model(folder, **args):
+        record = next(Path(folder).glob("iter_*/megafp8.json"))
+        info = json.loads(record.read_text())
+        del info["model"]
+        info["args"].update(args)
+        record.write_text(json.dumps(info))
+        return folder
+
+    run = without_model(shutil.copytree(trained / "gpt-tiny", tmp_path / "run"))
+    convert.to_hf(run, tmp_path / "run-hf", progress=False, no_tokenizer=True)
+    assert_same_weights(trained / "gpt-tiny-hf", tmp_path / "run-hf")
+
+    hf = randomize(small_gpt2(activation_function="gelu", resid_pdrop=0.0, attn_pdrop=0.0))
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    flags = arguments.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                  "--max-position-embeddings", "64", "--mock-data", "--vocab-size", "400",
+                                  "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3"])
+    without_model(tmp_path / "ckpt", **arguments.args_to_dict(flags), model_overrides={"activation": "gelu"})
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False, no_tokenizer=True)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu"
+    assert_same_weights(tmp_path / "hf", tmp_path / "out")
 
 
 def test_a_run_converted_from_another_folder_generates_text(tmp_path):
@@ -469,15 +525,21 @@ def test_incomplete_megafp8_checkpoints(tmp_path):
 
     broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "other_shape")
     info = json.loads((broken / "iter_0000000" / "megafp8.json").read_text())
-    info["args"]["ffn_hidden_size"] = 128
+    info["model"]["ffn_hidden_size"] = 128
     (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
     with pytest.raises(convert.ConversionError, match=r"model/layers.0.mlp.fc1.weight is \[256, 64\].*needs "
-                       r"\[128, 64\]: the args and the weights disagree"):
+                       r"\[128, 64\]: the recorded model and the weights disagree"):
         convert.to_hf(broken, tmp_path / "out", progress=False)
 
-    info["args"].update(ffn_hidden_size=256, position_embedding_type="rope")
+    info["model"].update(ffn_hidden_size=256, position_embedding="rope")
     (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
     with pytest.raises(convert.ConversionError, match="no Hugging Face architecture matches"):
+        convert.to_hf(broken, tmp_path / "out", progress=False)
+
+    info["model"].update(position_embedding="learned", hidden_size=65)
+    (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
+    with pytest.raises(convert.ConversionError, match=r"megafp8.json: its \"model\" is not a valid model config: "
+                       "hidden_size=65"):
         convert.to_hf(broken, tmp_path / "out", progress=False)
     assert iteration.exists()
 

@@ -83,6 +83,83 @@ def test_model_errors_name_the_flags():
     parse("--model llama-tiny --group-query-attention")  # the preset has its key/value heads
 
 
+# ---- --load of a checkpoint that records its model ----------------------------------------------
+
+LOAD_BASE = "--mock-data --train-iters 10 --lr 1e-3 --micro-batch-size 2 --seq-length 32"
+
+
+def saved_checkpoint(folder, config):
+    """A checkpoint folder (iteration 10) whose megafp8.json records `config`, as a run's does."""
+    import torch
+    from megafp8.training import checkpointing
+    return checkpointing.write_checkpoint(folder, 10, {"model/w": torch.zeros(1)}, train_state={}, args={},
+                                          model_config=config)
+
+
+def test_load_without_shape_flags_trains_the_saved_model(tmp_path):
+    saved = preset("llama-tiny", vocab_size=300, num_layers=3)
+    saved_checkpoint(tmp_path, saved)
+    for extra in ("", "--model llama-tiny --num-layers 3", "--num-layers 3 --swiglu --hidden-dropout 0.1 "
+                                                         "--max-position-embeddings 256 --seq-length 64"):
+        args = parse(f"--load {tmp_path} {extra}", LOAD_BASE)
+        # The recorded args describe the model, and the mock tokens are the saved vocabulary's.
+        assert (args.num_layers, args.hidden_size, args.num_query_groups, args.swiglu) == (3, 64, 2, True)
+        assert args.normalization == "RMSNorm" and args.untie_embeddings_and_output_weights
+        assert args.vocab_size == 300
+        if not extra:
+            assert model_config(args, 300, saved) == saved
+    # Dropout is a training choice; RoPE's range is computed, so --max-position-embeddings and a
+    # longer --seq-length are no contradiction.
+    assert model_config(args, 300, saved) == saved.replace(hidden_dropout=0.1, max_position_embeddings=256)
+    # The vocabulary of a tokenizer is the trainer's to check, not the parser's.
+    assert parse(f"--load {tmp_path} --vocab-size 500", LOAD_BASE).vocab_size == 500
+
+
+def test_settings_without_a_flag_come_from_the_checkpoint(tmp_path):
+    from megafp8.models.config import RopeScaling
+    llama31 = preset("llama-tiny", rope_scaling=RopeScaling(original_max_position_embeddings=64))
+    saved_checkpoint(tmp_path / "llama31", llama31)
+    args = parse(f"--load {tmp_path / 'llama31'}", LOAD_BASE)
+    assert model_config(args, 1000, llama31) == llama31
+    # A preset without the setting is not that model.
+    fails(f"--load {tmp_path / 'llama31'} --model llama-tiny", "--model llama-tiny (rope_scaling None)",
+          "original_max_position_embeddings': 64", base=LOAD_BASE)
+    erf = preset("gpt-tiny", activation="gelu")
+    saved_checkpoint(tmp_path / "erf", erf)
+    assert model_config(parse(f"--load {tmp_path / 'erf'}", LOAD_BASE), 1000, erf) == erf
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("--hidden-size 128 --num-attention-heads 8", ["--hidden-size 128", "hidden_size 64", "--num-attention-heads 8",
+                                                   "num_attention_heads 4", "drop them"]),
+    ("--num-layers 4", ["--num-layers 4", "num_layers 2", "drop it"]),
+    ("--swiglu", ["--swiglu", "activation gelu_tanh"]),
+    ("--model llama-tiny", ["--model llama-tiny (", "normalization rmsnorm", "activation swiglu",
+                            "normalization layernorm", "activation gelu_tanh"]),
+    ("--model gpt-tiny --num-query-groups 2", ["--num-query-groups 2", "num_kv_heads 4"]),
+    ("--max-position-embeddings 256", ["--max-position-embeddings 256", "max_position_embeddings 128"]),
+])
+def test_a_flag_that_contradicts_the_saved_model_is_an_error_naming_both_values(tmp_path, extra, named):
+    checkpoint = saved_checkpoint(tmp_path / "ckpt", preset("gpt-tiny"))
+    message = fails(f"--load {tmp_path / 'ckpt'} {extra}", *named, str(checkpoint),
+                    "to train on the saved model", base=LOAD_BASE)
+    assert "contradict" in message and f"--save to a new folder without --load {tmp_path / 'ckpt'}" in message
+
+
+def test_without_a_saved_model_the_flags_describe_it(tmp_path):
+    # An empty --load folder (the first run of --save X --load X): flags needed, as without --load.
+    (tmp_path / "run").mkdir()
+    fails(f"--load {tmp_path / 'run'}", "no model", "--model", base=LOAD_BASE)
+    assert parse(f"--load {tmp_path / 'run'} --model gpt-tiny", LOAD_BASE).num_layers == 2
+    # A checkpoint from before megafp8.json recorded the model: the same.
+    checkpoint = saved_checkpoint(tmp_path / "old", preset("gpt-tiny", num_layers=3))
+    info = json.loads((checkpoint / "megafp8.json").read_text())
+    del info["model"]
+    (checkpoint / "megafp8.json").write_text(json.dumps(info))
+    fails(f"--load {tmp_path / 'old'}", "no model", base=LOAD_BASE)
+    assert parse(f"--load {tmp_path / 'old'} --model gpt-tiny", LOAD_BASE).num_layers == 2
+
+
 # ---- unknown flags and choices ----------------------------------------------------------------
 
 def test_unknown_flag_suggests_the_closest():

@@ -54,7 +54,8 @@ class Run:
 
     def save(self, folder, iteration):
         return checkpointing.save_checkpoint(folder, iteration, self.model, self.optimizer, groups=self.groups,
-                                             train_state={"iteration": iteration}, args={"model": "gpt-tiny"})
+                                             train_state={"iteration": iteration}, args={"model": "gpt-tiny"},
+                                             model_config=self.config)
 
     def load(self, folder, **kwargs):
         return checkpointing.load_checkpoint(folder, self.model, self.optimizer, groups=self.groups, **kwargs)
@@ -296,7 +297,7 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     import pickle
     marker = tmp_path / "ran"
     folder = checkpointing.write_checkpoint(tmp_path / "run", 1, {"model/w": torch.ones(3), "extra": _RunsCode(str(marker))},
-                                            train_state={}, args={})
+                                            train_state={}, args={}, model_config=preset("gpt-tiny"))
     assert not marker.exists()
     with pytest.raises(checkpointing.CheckpointError, match="pickled object, not plain data: refused"):
         checkpointing.read_state({"extra": ""}, folder)  # a pickled object among the items
@@ -316,7 +317,8 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
 
 def test_fp8_state_missing_from_a_checkpoint_is_reported(tmp_path):
     model = TransformerLM(preset("gpt-tiny"), seed=0)
-    complete = checkpointing.save_checkpoint(tmp_path / "full", 1, model, None, groups=None, train_state={}, args={})
+    complete = checkpointing.save_checkpoint(tmp_path / "full", 1, model, None, groups=None, train_state={}, args={},
+                                             model_config=model.config)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to report
@@ -324,6 +326,54 @@ def test_fp8_state_missing_from_a_checkpoint_is_reported(tmp_path):
     # As checkpoints store them: the vocabulary without its padding rows.
     weights_only = {f"model/{name}": p.detach()[:getattr(p, "unpadded_rows", None)]
                     for name, p in model.named_parameters()}
-    partial = checkpointing.write_checkpoint(tmp_path / "weights", 1, weights_only, train_state={}, args={})
+    partial = checkpointing.write_checkpoint(tmp_path / "weights", 1, weights_only, train_state={}, args={},
+                                             model_config=model.config)
     with pytest.warns(UserWarning, match=r"no FP8 scaling state for \d+ entries \(e\.g\. layers\.0\."):
         checkpointing.load_checkpoint(partial, TransformerLM(preset("gpt-tiny")), None, groups=None)
+
+
+# -- the model's config is part of the checkpoint ---------------------------------------------------
+
+
+def test_the_model_config_is_recorded_and_read_back(tmp_path):
+    from megafp8.models.config import RopeScaling
+    config = preset("llama-tiny", rope_scaling=RopeScaling(original_max_position_embeddings=64))
+    weights = {"model/w": torch.ones(3)}
+    path = checkpointing.write_checkpoint(tmp_path / "run", 4, weights, train_state={}, args={}, model_config=config)
+    assert json.loads((path / "megafp8.json").read_text())["model"] == config.to_dict()
+    assert checkpointing.saved_model_config(path) == config
+    assert checkpointing.latest_model_config(tmp_path / "run") == (path, config)  # a --save folder
+    assert checkpointing.latest_model_config(path) == (path, config)  # one iter_N folder
+    # Nothing to read: no --load, an empty folder, a missing one.
+    (tmp_path / "empty").mkdir()
+    for load in (None, tmp_path / "empty", tmp_path / "missing"):
+        assert checkpointing.latest_model_config(load) is None
+
+
+def test_a_checkpoint_from_before_the_model_was_recorded_gives_none(tmp_path):
+    path = checkpointing.write_checkpoint(tmp_path, 1, {"model/w": torch.ones(3)}, train_state={}, args={},
+                                          model_config=preset("gpt-tiny"))
+    info = json.loads((path / "megafp8.json").read_text())
+    del info["model"]
+    (path / "megafp8.json").write_text(json.dumps(info))
+    assert checkpointing.saved_model_config(path) is None
+    assert checkpointing.latest_model_config(tmp_path) is None
+
+
+@pytest.mark.parametrize("model,match", [
+    ({"num_layers": 2}, "lacks hidden_size"),
+    ({**preset("gpt-tiny").to_dict(), "num_experts": 8}, "unknown field num_experts"),
+    ({**preset("gpt-tiny").to_dict(), "hidden_size": 65}, "hidden_size=65 must be divisible"),
+    ("gpt-tiny", "mapping"),
+])
+def test_an_invalid_recorded_model_names_the_file_and_the_problem(tmp_path, model, match):
+    path = checkpointing.write_checkpoint(tmp_path, 1, {"model/w": torch.ones(3)}, train_state={}, args={},
+                                          model_config=preset("gpt-tiny"))
+    info = json.loads((path / "megafp8.json").read_text())
+    (path / "megafp8.json").write_text(json.dumps({**info, "model": model}))
+    with pytest.raises(checkpointing.CheckpointError, match=rf"{path}/megafp8.json: its \"model\" is not a valid "
+                                                            rf"model config: .*{match}"):
+        checkpointing.latest_model_config(tmp_path)
+    (path / "megafp8.json").write_text("{not json")
+    with pytest.raises(checkpointing.CheckpointError, match=rf"{path}/megafp8.json is not valid JSON"):
+        checkpointing.saved_model_config(path)

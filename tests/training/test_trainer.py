@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megafp8.parallel import check_embeddings_in_sync
-from megafp8.training import arguments
+from megafp8.training import arguments, checkpointing
 from megafp8.training.checkpointing import CheckpointError
 from megafp8.training.trainer import NonFiniteError, pretrain
 
@@ -77,6 +77,36 @@ def test_resume_is_bitwise_exact(tmp_path, extra):
     straight, first, second = run_on_ranks(resume_body, 1, TINY + dropout + extra, str(tmp_path))[0]
     assert [i for i, _ in first] == [1, 2, 3] and [i for i, _ in second] == [4, 5, 6]
     assert first + second == straight  # bitwise: FP8 state, Adam moments, data position, RNG
+
+
+def test_a_run_resumes_from_its_checkpoint_without_shape_flags(tmp_path):
+    """The checkpoint records the model: --load of it needs no --model and no shape flags."""
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--vocab-size", "300"]
+    run = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
+           "--mock-data", "--eval-iters", "0", "--save", str(tmp_path)]
+    first = pretrain(shape + run + ["--train-iters", "2"])
+    resumed = pretrain(run + ["--train-iters", "3", "--load", str(tmp_path)])
+    assert [i for i, _ in resumed.history] == [3]
+    assert resumed.config == first.config == checkpointing.saved_model_config(tmp_path / "iter_0000002")
+    # Its own record still describes the model in flags (and the mock vocabulary is the model's).
+    recorded = checkpointing.checkpoint_info(tmp_path / "iter_0000003")
+    assert recorded["model"] == first.config.to_dict()
+    args = recorded["args"]
+    assert (args["num_layers"], args["num_query_groups"], args["swiglu"], args["vocab_size"]) == (2, 2, True, 300)
+
+
+def test_a_vocabulary_other_than_the_checkpoints_is_refused(tmp_path):
+    pretrain(TINY + ["--train-iters", "3", "--save", str(tmp_path)])  # gpt-tiny: 1000 tokens
+    checkpoint = tmp_path / "iter_0000003"
+    with pytest.raises(CheckpointError, match=rf"the tokenizer \(NullTokenizer\) has 500 tokens, but the model in "
+                                              rf"{checkpoint} has a vocabulary of 1000: give the tokenizer it was"):
+        pretrain(TINY + ["--train-iters", "4", "--load", str(tmp_path), "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "500"])
+    with pytest.raises(CheckpointError, match=rf"--vocab-size is 500, but the model in {checkpoint} has a "
+                                              "vocabulary of 1000"):
+        pretrain(TINY + ["--train-iters", "4", "--load", str(tmp_path), "--vocab-size", "500"])
 
 
 def test_a_save_folder_of_another_run_is_never_written_over(tmp_path, capsys):

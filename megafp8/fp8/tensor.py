@@ -1,0 +1,58 @@
+"""What a cast to FP8 produces and the arithmetic around it: the leaf of the FP8 core, imported
+by the torch and the Triton quantize alike."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from .formats import fp8_max
+
+
+class Fp8Tensor(NamedTuple):
+    """A tensor in FP8: `data` [M, K] and/or `data_t` [K, M], both row-major.
+
+    The high-precision value is `data * scale_inv`; `amax` is the largest |x| of the input
+    (non-finite if the input held inf or NaN); `col_sum`, when asked for, is the input's sum
+    over rows in fp32 (a linear layer's bias gradient, computed on the same read).
+    """
+
+    data: Optional[torch.Tensor]
+    data_t: Optional[torch.Tensor]
+    scale_inv: torch.Tensor
+    amax: torch.Tensor
+    col_sum: Optional[torch.Tensor] = None
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """`fp8_max / amax / 2**margin`, or 1 where amax is 0, inf or NaN."""
+    # A tensor numerator: `float / tensor` would compute float * (1 / tensor), rounding twice.
+    candidate = (torch.full_like(amax, fp8_max(fp8_dtype)) / amax) / (2.0**margin)
+    usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(candidate)
+    return torch.where(usable, candidate, torch.ones_like(candidate))
+
+
+def absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in fp32 in one read, without materialising |x|; NaN if x holds a NaN."""
+    return torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
+
+
+def saturation_bound(fp8_dtype: torch.dtype) -> tuple[float, bool]:
+    """(bound, inclusive): the cast of x * scale saturates a value that would not have rounded
+    to ±fp8_max anyway when |x * scale| > bound (>= when inclusive). The bound is half an FP8
+    step above fp8_max; the tie rounds to even, which is down to 448 in E4M3 (1.110b x 2^8)
+    and up to infinity in E5M2 (1.11b x 2^15).
+
+    Values just above fp8_max are not counted: they round to it regardless, and a freshly fitted
+    scale (fp8_max / amax) puts the amax itself one fp32 ulp above fp8_max about one time in ten.
+    """
+    limit = fp8_max(fp8_dtype)
+    step = torch.finfo(fp8_dtype).eps * 2.0 ** math.floor(math.log2(limit))
+    return limit + step / 2, int(limit / step) % 2 == 1
+
+
+def saturates(scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Where the saturating cast of `scaled` (= x * scale, fp32) changes a value (`saturation_bound`)."""
+    bound, inclusive = saturation_bound(fp8_dtype)
+    return scaled.abs() >= bound if inclusive else scaled.abs() > bound

@@ -1,0 +1,193 @@
+"""One pipeline rank's share of the model: which layers it holds (`stage_layers`), its model
+chunks seen as one module (`PipelineStage`), the tied embedding's two copies on the first and
+last stage, and `finalize_grads`, what a step does between the last backward and the
+optimizer (Megatron's finalize_model_grads).
+
+    chunks = [TransformerLM(config, tp_group=groups.tp_group, sequence_parallel=sp, layers=span, seed=seed)
+              for span in stage_layers(config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
+    stage = PipelineStage(chunks, groups)      # checks the tied embedding's copies agree
+    buffer = GradientBuffer(stage.parameters(), groups.dp_group, own_bucket=stage.own_buckets)
+    ... forward_backward(None, chunks, ..., grad_buffers=buffer)
+    finalize_grads(chunks, groups, buffer)
+    optimizer.step()
+
+The chunks are duck-typed: modules with `layers` (a ModuleDict named by global layer index),
+`config.tie_embeddings`, and where they hold them `embedding`, `position_embedding`,
+`final_norm` and `output_layer`, as megafp8.models.TransformerLM has.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.collectives import group_size
+from megafp8.validation import check_integer
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None) -> list[tuple[int, int]]:
+    """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
+    ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
+
+    There are pp * vpp virtual stages; chunk c of rank r is virtual stage c * pp + r. Layers
+    are split evenly over them, unless `first_stage_layers` / `last_stage_layers` give the first
+    / last virtual stage (which also carry the embedding / the output layer and loss) their
+    own, usually smaller, count; the other stages split the rest evenly. Every stage holds at
+    least one layer.
+
+        stage_layers(8, 2, 0)                        # [(0, 4)]
+        stage_layers(8, 2, 1, vpp=2)                 # [(2, 4), (6, 8)]
+        stage_layers(10, 4, 0, first_stage_layers=1, last_stage_layers=3)   # [(0, 1)]; then 3, 3, 3
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
+        check_integer(name, value)
+    check_integer("pp_rank", pp_rank, minimum=0)
+    if pp_rank >= pp:
+        raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
+    stages = pp * vpp
+    what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
+    fixed = {}  # virtual stage -> its given layer count
+    for name, value, stage in (("first_stage_layers", first_stage_layers, 0),
+                               ("last_stage_layers", last_stage_layers, stages - 1)):
+        if value is None:
+            continue
+        check_integer(name, value, note=" (every stage holds at least one layer)")
+        if stages == 1:
+            if value != num_layers:
+                raise ValueError(f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}")
+            continue
+        fixed[stage] = value
+    rest, others = num_layers - sum(fixed.values()), stages - len(fixed)
+    given = " and ".join(f"{name}={value}" for name, value in
+                         (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers))
+                         if value is not None and stages > 1)
+    if others == 0:
+        if rest != 0:
+            raise ValueError(f"{given} add up to {num_layers - rest} layers, but the model has "
+                             f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})")
+        per_stage = 0
+    elif rest < others or rest % others:
+        if given:
+            raise ValueError(
+                f"the {rest} layers left after {given} do not split evenly over the other {others} "
+                f"pipeline stages ({what} stages, num_layers={num_layers}): {rest} % {others} = "
+                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer")
+        raise ValueError(
+            f"num_layers={num_layers} does not split evenly over {what} pipeline stages "
+            f"({num_layers} % {stages} = {num_layers % stages}{', fewer layers than stages' if rest < others else ''}): "
+            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers")
+    else:
+        per_stage = rest // others
+    counts = [fixed.get(stage, per_stage) for stage in range(stages)]
+    starts = [sum(counts[:stage]) for stage in range(stages + 1)]
+    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
+
+
+class PipelineStage(nn.Module):
+    """This rank's model chunks seen as one module whose parameter and state names are the
+    whole model's (layers by global index), for the optimizer, checkpoints and metrics.
+
+    With pp > 1 and tied embeddings, checks at once that the first and last stage's copies
+    of the embedding agree (collective over the embedding group: build it on every rank), and
+    marks the last stage's copy as `shared_embedding_copy` (the gradient norm counts the
+    first stage's only). `own_buckets` lists what needs a gradient bucket of its own."""
+
+    def __init__(self, chunks: Sequence[nn.Module], groups=None):
+        super().__init__()
+        self.layers = nn.ModuleDict({name: layer for chunk in chunks for name, layer in chunk.layers.items()})
+        for part in ("embedding", "position_embedding", "final_norm", "output_layer"):
+            owners = [chunk for chunk in chunks if getattr(chunk, part, None) is not None]
+            if owners:
+                setattr(self, part, getattr(owners[0], part))
+        check_embeddings_in_sync(chunks, groups)
+        tied = tied_embedding(chunks, groups)
+        if tied is not None and not groups.is_first_stage:
+            tied.shared_embedding_copy = True
+        self.own_buckets = [tied] if tied is not None else []
+
+
+def finalize_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups, grad_buffers=()) -> None:
+    """Finish a step's gradients after its last backward: wait for the data-parallel reductions
+    (`grad_buffers`, a GradientBuffer or a list of them), sum the gradients of parameters used
+    on a sequence shard (`param.sequence_parallel`: norms, row-parallel biases, positions) over
+    the tensor-parallel ranks, and the tied embedding's over the first and last stage. Uses
+    `main_grad` where a GradientBuffer gave one, else `.grad`."""
+    model_chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    for buffer in [grad_buffers] if not isinstance(grad_buffers, (list, tuple)) else grad_buffers:
+        buffer.finish()
+    if groups is not None and group_size(groups.tp_group) > 1:
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                if getattr(param, "sequence_parallel", False) and param.requires_grad:
+                    dist.all_reduce(_gradient(param), group=groups.tp_group)  # each rank saw one shard
+    _sum_tied_embedding_grads(model_chunks, groups)
+
+
+def _gradient(param: nn.Parameter) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+    return grad
+
+
+def tied_embedding(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> Optional[nn.Parameter]:
+    """This rank's copy of the tied embedding weight, if it holds one and pp > 1: the first
+    stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk).
+    Give it its own gradient bucket (`GradientBuffer(own_bucket=...)`)."""
+    model_chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if groups is None or groups.pp_size == 1 or groups.embedding_group is None:
+        return None
+    chunk = model_chunks[0] if groups.is_first_stage else model_chunks[-1]
+    config = getattr(chunk, "config", None)
+    if config is None or not config.tie_embeddings or not hasattr(chunk, "embedding"):
+        return None
+    return chunk.embedding.weight
+
+
+def _sum_tied_embedding_grads(model_chunks, groups) -> None:
+    """Sum the tied embedding's gradient over the first and last stage (embedding group).
+
+    With pp > 1 and tied embeddings the first stage's embedding and the last stage's output
+    layer are two copies of one weight; each gets its part of the gradient. Run after every
+    GradientBuffer.finish() (so each copy holds its dp-averaged gradient): both copies then
+    take the same update and stay equal. A no-op with pp = 1, untied embeddings, or on the
+    stages in between.
+
+    With a sharded buffer (the distributed optimizer) each dp rank holds the reduced gradient
+    only in the slice it owns, so both stages must slice the embedding alike: build each
+    stage's buffer with `own_bucket=[tied_embedding(chunks, groups)]`.
+    """
+    weight = tied_embedding(model_chunks, groups)
+    if weight is None:
+        return
+    dist.all_reduce(_gradient(weight), group=groups.embedding_group)
+
+
+def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups,
+                             atol: float = 0.0) -> float:
+    """Check that the first and last stage's copies of the tied embedding are equal; return
+    the largest absolute difference (0.0 where there is nothing to compare).
+
+    TransformerLM initialises both copies from the same seed, so they start equal; this
+    catches a mismatch (another seed, a checkpoint loaded into one stage only) before it
+    trains two different embeddings. Collective over the embedding group: call it on every
+    rank. Raises RuntimeError on both stages when the difference exceeds `atol`.
+    """
+    weight = tied_embedding(model_chunks, groups)
+    if weight is None:
+        return 0.0
+    first = weight.detach().clone()
+    dist.broadcast(first, src=groups.embedding_ranks[0], group=groups.embedding_group)
+    difference = (first.float() - weight.detach().float()).abs().max().reshape(1)
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX, group=groups.embedding_group)
+    difference = difference.item()
+    if not difference <= atol:
+        raise RuntimeError(
+            f"the tied embedding differs between the first and last pipeline stage (global ranks "
+            f"{groups.embedding_ranks}): largest difference {difference:g} > {atol:g}. Build every stage "
+            f"from the same config and seed, and load checkpoints into both copies")
+    return difference
