@@ -144,6 +144,18 @@ def run_recomputed(layers, x, rotary, mask):
     return out
 
 
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile each transformer layer of `model` in place (torchtitan's per-block compile),
+    for the glue between the linears: norms, residual adds, dropout, rotary embedding, the
+    attention layout and the activation, fused forward and backward. The tensor-parallel FP8
+    linears stay eager (a graph break each): their casts, scaling state and collectives are
+    host-side bookkeeping that compiled code must not replay. Parameter names are unchanged."""
+    for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
+        for linear in (m for m in layer.modules() if isinstance(m, Fp8Linear)):
+            linear.forward = torch.compiler.disable(linear.forward, recursive=True)
+        layer.compile()
+
+
 class TransformerLM(nn.Module):
     """A GPT or Llama language model (by its config) on tensor-parallel FP8 layers.
 

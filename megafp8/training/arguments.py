@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "input kept; block = only the first --recompute-num-layers layers of each pipeline "
                         "stage (default uniform)")
     g.add_argument("--recompute-num-layers", type=_POSITIVE, help="default 1")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer (the FP8 linears stay eager); the first steps "
+                        "compile")
     g.add_argument("--skip-nonfinite-steps-max", type=_POSITIVE, default=10,
                    help="abort after this many optimizer steps in a row skipped for inf/NaN gradients")
     return p

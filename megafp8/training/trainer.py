@@ -23,7 +23,7 @@ from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler,
                           parse_split)
 from megafp8.fp8 import fp8_autocast
 from megafp8.models.documents import document_layout
-from megafp8.models.transformer import TransformerLM
+from megafp8.models.transformer import TransformerLM, compile_layers
 from megafp8.parallel import ParallelGroups, PipelineStage, finalize_grads, forward_backward, stage_layers
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
@@ -108,6 +108,9 @@ class Trainer:
             recompute_num_layers=args.recompute_num_layers or 1, dtype=self.dtype, device=self.device)
             for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp,
                                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
+        if args.torch_compile:
+            for chunk in self.chunks:
+                compile_layers(chunk)
         self.model = PipelineStage(self.chunks, groups)
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
