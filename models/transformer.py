@@ -284,8 +284,9 @@ class TransformerLM(nn.Module):
             return x
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+            return self._mask_padding(logits)
+        # The loss leaves the padded vocabulary out itself, without a masked copy of the logits.
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=self.config.vocab_size)
 
     def _embed(self, tokens, position_ids):
         tp = group_size(self.tp_group)
@@ -309,7 +310,10 @@ class TransformerLM(nn.Module):
                 logits = F.linear(gather_from_sequence_parallel(x, self.tp_group), self.embedding.weight)
             else:
                 logits = F.linear(copy_to_tensor_parallel(x, self.tp_group), self.embedding.weight)
-        # The padded vocabulary entries are no tokens: give them no probability (and no gradient).
+        return logits
+
+    def _mask_padding(self, logits):
+        """The padded vocabulary entries are no tokens: give them no probability (and no gradient)."""
         start = rank_in(self.tp_group) * logits.shape[-1]
         padding = start + logits.shape[-1] - self.config.vocab_size
         if padding > 0:

@@ -67,10 +67,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     (the softmax) kept for backward, which turns it into the gradient in place."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing):
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
         vocab_local = logits.shape[-1]
-        vocab = vocab_local * group_size(group)
         start = rank_in(group) * vocab_local
+        vocab = vocab_local * group_size(group) if vocab_size is None else vocab_size
+        valid = max(0, min(vocab_local, vocab - start))  # this shard's columns that are tokens
 
         # Shift by the global max so exp cannot overflow; the shift cancels in the loss.
         logits_max = logits.amax(dim=-1).float()
@@ -84,8 +85,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # [sum of logits, for label smoothing,] sum of exp.
         partial = [shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)]
         if label_smoothing:
-            partial.append(shifted.sum(dim=-1))
+            partial.append(shifted[..., :valid].sum(dim=-1))
         exp = shifted.exp_()
+        exp[..., valid:] = 0.0  # padding: no probability, and so no gradient
         partial.append(exp.sum(dim=-1))
         sums = all_reduce(torch.stack(partial), group)
 
@@ -99,7 +101,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(sums[-1].unsqueeze(-1))
         ctx.save_for_backward(softmax, owned, local_target, ignored)
-        ctx.dtype, ctx.vocab, ctx.label_smoothing = logits.dtype, vocab, label_smoothing
+        ctx.dtype, ctx.vocab, ctx.valid, ctx.label_smoothing = logits.dtype, vocab, valid, label_smoothing
         return loss
 
     @staticmethod
@@ -110,20 +112,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         smoothing = ctx.label_smoothing
         grad.scatter_add_(-1, local_target.unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype) * -(1 - smoothing))
         if smoothing:
-            grad.sub_(smoothing / ctx.vocab)
+            grad[..., :ctx.valid].sub_(smoothing / ctx.vocab)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+                                 ignore_index: int = -100, label_smoothing: float = 0.0,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy, as F.cross_entropy(reduction="none") on the full logits.
 
     `logits` [..., vocab/tp] is this rank's contiguous vocabulary shard (any dtype; computed in
     fp32, gradient returned in the logits' dtype); `target` [...] holds global token ids, the
     same on every rank. Returns the fp32 loss [...]; tokens whose target is `ignore_index` get
     loss 0 and gradient 0. The full logits are never gathered: only per-token statistics travel.
+    `vocab_size`: the real vocabulary when the logits carry padding columns past it (Megatron's
+    padded vocabulary); those get no probability and no gradient, as if masked to -inf.
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} is not in [0, 1]")
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, label_smoothing)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, label_smoothing, vocab_size)

@@ -49,24 +49,31 @@ def check_embedding(rank, world_size, group, generator):
 
 
 def check_cross_entropy(rank, world_size, group, generator):
+    """Per (dtype, label smoothing, padding columns past the real vocabulary): errors of the loss
+    and of this rank's gradient against F.cross_entropy on the real vocabulary."""
     errors = {}
     logits = torch.randn(SEQ, BATCH, VOCAB, generator=generator) * 4
-    target = torch.randint(0, VOCAB, (SEQ, BATCH), generator=generator)
-    target[0, :2] = IGNORE
+    targets = torch.rand(SEQ, BATCH, generator=generator)
     grad = torch.rand(SEQ, BATCH, generator=generator) + 0.5
-    for dtype in (torch.float32, torch.bfloat16):
-        for smoothing in (0.0, 0.1):
-            full = logits.to(dtype).float().detach().requires_grad_()
-            ref = F.cross_entropy(full.view(-1, VOCAB), target.view(-1), reduction="none", ignore_index=IGNORE,
-                                  label_smoothing=smoothing).view(SEQ, BATCH)
-            ref.backward(grad)
-            local = logits.to(dtype).chunk(world_size, dim=-1)[rank].clone().requires_grad_()
-            loss = vocab_parallel_cross_entropy(local, target, group, ignore_index=IGNORE, label_smoothing=smoothing)
-            loss.backward(grad)
-            assert loss.dtype == torch.float32 and local.grad.dtype == dtype
-            assert not loss[0, :2].any() and not local.grad[0, :2].any(), "ignored tokens contribute"
-            ref_grad = full.grad.chunk(world_size, dim=-1)[rank]
-            errors[dtype, smoothing] = (rel_err(loss, ref), rel_err(local.grad, ref_grad))
+    for padding in (0, 5, 13):  # 13: tp = 4's last shard (12 columns) is all padding
+        real = VOCAB - padding
+        target = (targets * real).long()
+        target[0, :2] = IGNORE
+        for dtype in (torch.float32, torch.bfloat16):
+            for smoothing in (0.0, 0.1):
+                full = logits.to(dtype).float()[..., :real].detach().requires_grad_()
+                ref = F.cross_entropy(full.reshape(-1, real), target.view(-1), reduction="none", ignore_index=IGNORE,
+                                      label_smoothing=smoothing).view(SEQ, BATCH)
+                ref.backward(grad)
+                local = logits.to(dtype).chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+                loss = vocab_parallel_cross_entropy(local, target, group, ignore_index=IGNORE, label_smoothing=smoothing,
+                                                    vocab_size=real if padding else None)
+                loss.backward(grad)
+                assert loss.dtype == torch.float32 and local.grad.dtype == dtype
+                assert not loss[0, :2].any() and not local.grad[0, :2].any(), "ignored tokens contribute"
+                ref_grad = F.pad(full.grad, (0, padding)).chunk(world_size, dim=-1)[rank]  # no gradient on padding
+                grad_err = rel_err(local.grad, ref_grad) if ref_grad.any() else float(local.grad.abs().max())
+                errors[dtype, smoothing, padding] = (rel_err(loss, ref), grad_err)
     return errors
 
 
@@ -99,9 +106,10 @@ def test_embedding_matches_a_single_process_table(results):
 def test_cross_entropy_matches_the_full_logits(results):
     tp, by_rank = results
     for rank, result in enumerate(by_rank):
-        for (dtype, smoothing), (loss_err, grad_err) in result["cross_entropy"].items():
+        for (dtype, smoothing, padding), (loss_err, grad_err) in result["cross_entropy"].items():
             grad_bound = BF16_GRAD_BOUND if dtype == torch.bfloat16 else FP32_BOUND
-            assert loss_err < FP32_BOUND and grad_err < grad_bound, (tp, rank, dtype, smoothing, loss_err, grad_err)
+            assert loss_err < FP32_BOUND and grad_err < grad_bound, (tp, rank, dtype, smoothing, padding, loss_err,
+                                                                       grad_err)
 
 
 def test_a_vocabulary_that_does_not_divide_is_rejected(results):
