@@ -200,10 +200,7 @@ class AmaxPass:
             return
         reduced = [o.state.amax for o in observations if o.recipe.reduce_amax]
         if reduced and collectives.group_size(self.group) > 1:
-            amaxes = torch.stack(reduced)
-            # NaN becomes +inf first: MAX over NaN is undefined in NCCL, and every rank must see it.
-            amaxes = torch.nan_to_num(amaxes, nan=float("inf"), posinf=float("inf"))
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+            amaxes = collectives.max_over(torch.stack(reduced), self.group)  # one collective, NaN seen as inf
             torch._foreach_copy_(reduced, list(amaxes.unbind(0)))
 
         batches: dict = {}
