@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
 from megafp8.fp8.autocast import current_fp8_context
+from megafp8.fp8.graphs import LayerGraphs
 from megafp8.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -64,7 +65,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.recompute_core:
             # Selective recomputation: keep only q, k, v and redo the attention core in backward.
-            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
+            # The RNG state is kept for the recomputation only when dropout draws from it: reading
+            # it is not allowed while a CUDA graph is captured.
+            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False,
+                             preserve_rng_state=self.training and self.dropout > 0)
         else:
             out = self._core(q, k, v, mask)
         return self.proj(out)
@@ -136,7 +140,8 @@ def run_recomputed(layers, x, rotary, mask):
         return x
 
     context, scales = current_fp8_context(), {}
-    out = checkpoint(run, x, rotary, mask, use_reentrant=False,
+    draws = any(layer.training and (layer.dropout > 0 or layer.attention.dropout > 0) for layer in layers)
+    out = checkpoint(run, x, rotary, mask, use_reentrant=False, preserve_rng_state=draws,
                      context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
     if context is not None:
         for linear in (m for layer in layers for m in layer.modules() if isinstance(m, Fp8Linear)):
@@ -239,6 +244,7 @@ class TransformerLM(nn.Module):
             self.output_layer = None if config.tie_embeddings else seeded(2, lambda: ColumnParallelLinear(
                 config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
                 init_method=normal_init(std), dtype=dtype, device=device))
+        self.cuda_graphs = None  # enable_cuda_graphs
         # The units forward runs, each a list of consecutive layers and whether it is recomputed.
         layer_list, n = list(self.layers.values()), recompute_num_layers
         if recompute != "full":
@@ -274,12 +280,10 @@ class TransformerLM(nn.Module):
             if position_ids is not None:
                 rotary = tuple(table[position_ids.t()] for table in rotary)  # [s, b, head_dim]
         mask = None if document_ids is None else document_attention_mask(document_ids)
-        for layers, recomputed in self.units:
-            if recomputed and torch.is_grad_enabled():
-                x = run_recomputed(layers, x, rotary, mask)
-                continue
-            for layer in layers:
-                x = layer(x, rotary, mask)
+        graphed = None
+        if self.cuda_graphs is not None and self.training:
+            graphed = self.cuda_graphs(x, *(rotary or (None, None)), mask)
+        x = graphed if graphed is not None else self._run_units(x, rotary, mask)
         if not self.post_process:
             return x
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
@@ -287,6 +291,35 @@ class TransformerLM(nn.Module):
             return self._mask_padding(logits)
         # The loss leaves the padded vocabulary out itself, without a masked copy of the logits.
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=self.config.vocab_size)
+
+    def _run_units(self, x, rotary, mask):
+        for layers, recomputed in self.units:
+            if recomputed and torch.is_grad_enabled():
+                x = run_recomputed(layers, x, rotary, mask)
+                continue
+            for layer in layers:
+                x = layer(x, rotary, mask)
+        return x
+
+    def enable_cuda_graphs(self, grads_ready=None) -> None:
+        """Run the transformer layers as CUDA graphs in training from the next forward on, which
+        captures them (megafp8.fp8.graphs.LayerGraphs: one forward and one backward graph per
+        unit of `units`, a recomputed group being one unit). Parameters need `main_grad` (the
+        GradientBuffer), and the layers one eager training step behind them; `grads_ready(params)`
+        is told when a unit's gradients are in main_grad. For gradient accumulation without
+        pipelining: every micro-batch's backward must end before the next forward."""
+
+        def unit(layers, recomputed):
+            def run(x, rotary_cos, rotary_sin, mask):
+                rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
+                if recomputed:
+                    return run_recomputed(layers, x, rotary, mask)
+                for layer in layers:
+                    x = layer(x, rotary, mask)
+                return x
+            return run, nn.ModuleList(layers)
+
+        self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready)
 
     def _embed(self, tokens, position_ids):
         tp = group_size(self.tp_group)

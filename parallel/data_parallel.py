@@ -102,12 +102,18 @@ class GradientBuffer:
     def _grad_ready(self, param):
         param.main_grad.add_(param.grad)
         param.grad = None
+        self.mark_ready((param,))
+
+    def mark_ready(self, params):
+        """`params`' gradients of this backward are in their main_grad (added by the hook above,
+        or inside a CUDA graph): on the step's last micro-batch, launch each bucket they complete."""
         if not (self._sync and self.overlap and self.size > 1):
             return
-        bucket = self.bucket_of[param]
-        bucket.pending.discard(param)
-        if not bucket.pending:
-            self._launch(bucket)
+        for param in params:
+            bucket = self.bucket_of[param]
+            bucket.pending.discard(param)
+            if not bucket.pending:
+                self._launch(bucket)
 
     def _launch(self, bucket):
         flat = self.data[bucket.start:bucket.end]

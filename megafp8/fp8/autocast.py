@@ -6,6 +6,7 @@ that produced them ends (an engine callback). Either way, one collective per pas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -111,6 +112,8 @@ def backward_pass(group: Optional[dist.ProcessGroup]) -> AmaxPass:
     Must be called from within a backward. Its first call in a pass queues the flush that
     runs once the engine has finished the whole pass.
     """
+    if _recording is not None:
+        return _recording.backward_pass(group)
     task = torch._C._current_graph_task_id()
     with _backward_lock:
         passes = _backward_passes.get(task)
@@ -128,3 +131,59 @@ def _flush_backward(task: int) -> None:
         passes = _backward_passes.pop(task, {})
     for amax_pass in passes.values():
         amax_pass.flush()
+
+
+class AmaxRecording:
+    """The amax observations of forwards and backwards run under `record_amaxes`: what a CUDA
+    graph capture saw, to be recorded again at each replay (`take`)."""
+
+    def __init__(self, group):
+        self.forward = AmaxPass(group)
+        self.backward: dict = {}  # id(group) -> (group, AmaxPass)
+
+    def backward_pass(self, group) -> AmaxPass:
+        return self.backward.setdefault(id(group), (group, AmaxPass(group)))[1]
+
+    def take(self) -> tuple[list, list]:
+        """(forward observations, [(group, backward observations)]) since the last call."""
+        forward = list(self.forward.observations.values())
+        backward = [(group, list(amax_pass.observations.values())) for group, amax_pass in self.backward.values()]
+        self.forward.observations, self.backward = {}, {}
+        return forward, backward
+
+
+_recording: Optional[AmaxRecording] = None  # global: backward runs on autograd's own threads
+
+
+@contextlib.contextmanager
+def record_amaxes(context: Optional[Fp8Context]):
+    """Run forwards (under `context`, or without FP8 when None) and backwards whose amax
+    observations go to the AmaxRecording yielded instead of the passes they belong to: nothing
+    is flushed, no end-of-pass callback is queued. For capturing CUDA graphs, whose kernels do
+    not run at capture; the replays record what the capture saw (`replay_amaxes`)."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("record_amaxes does not nest")
+    recording = AmaxRecording(None if context is None else context.amax_reduction_group)
+    stack = _stack()
+    stack.append(None if context is None else dataclasses.replace(context, forward_pass=recording.forward))
+    _recording = recording
+    try:
+        yield recording
+    finally:
+        _recording = None
+        stack.pop()
+
+
+def replay_forward_amaxes(context: Optional[Fp8Context], observations: list) -> None:
+    """Record, in `context`'s forward pass, what a captured forward observed (`AmaxRecording.take`)."""
+    for o in observations:
+        context.forward_pass.record(o.state, o.fp8_max, o.recipe, o.keep_amax)
+
+
+def replay_backward_amaxes(groups_observations: list) -> None:
+    """Record, in the backward pass now running, what a captured backward observed."""
+    for group, observations in groups_observations:
+        amax_pass = backward_pass(group)
+        for o in observations:
+            amax_pass.record(o.state, o.fp8_max, o.recipe, o.keep_amax)

@@ -56,6 +56,7 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
+        self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.fp8.graphs)
         self._warned_fallback = False
 
     def clear_fp8_weight_cache(self) -> None:
@@ -108,19 +109,39 @@ class Fp8Linear(nn.Linear):
             return "FP8 GEMMs need a GPU of compute capability 8.9 or newer"
         return None
 
+    def refresh_weight_cast(self, context: Fp8Context) -> None:
+        """Make the weight cast that a forward under `context` would use, if it is stale (the
+        first micro-batch of a step), else record its reuse, as that forward would. A CUDA-graphed
+        layer calls this before each replay: the captured graph reads the cast, never makes it.
+        Only for a layer that has cast its weight before (its first forward is eager)."""
+        if self._weight_fp8 is not None and self._weight_fp8[0][4] == context.recipe:
+            self._quantized_weight(context, self._weight_fp8[0][3])
+
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
         state = self.fp8_scaling["weight"]
         key = (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, context.recipe)
         if self._weight_fp8 is None or self._weight_fp8[0] != key:
+            if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
+                                   "call refresh_weight_cast before capturing")
             # The weight's accumulator holds the amax of its current cast, kept across passes.
             state.amax.zero_()
             q = cast(weight.detach(), state, fp8_dtype, context, context.forward_pass, keep_amax=True,
-                     rowwise=True, columnwise=True)
+                     rowwise=True, columnwise=True, out=self._reusable_weight_cast(fp8_dtype))
             self._weight_fp8 = (key, q)
             return q
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
+
+    def _reusable_weight_cast(self, fp8_dtype) -> Optional[Fp8Tensor]:
+        """The cached cast's buffers, to cast into again, when the layer is CUDA-graphed (its
+        graphs captured their addresses); eager layers take fresh ones, so a backward still
+        to run keeps the cast its forward used."""
+        cached = self._weight_fp8[1] if self._weight_fp8 is not None else None
+        if not self.keep_weight_cast_addresses or cached is None or cached.data.dtype != fp8_dtype:
+            return None
+        return cached
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -27,6 +27,7 @@ def quantize(
     amax_out: Optional[torch.Tensor] = None,
     col_sum: bool = False,
     saturation_out: Optional[torch.Tensor] = None,
+    out: Optional[Fp8Tensor] = None,
 ) -> Fp8Tensor:
     """Cast the 2-D tensor `x` to `fp8_dtype`, saturating at ±fp8_max.
 
@@ -37,6 +38,9 @@ def quantize(
     `rowwise`/`columnwise` ask for `data`/`data_t`, `col_sum` for the fp32 column sums of x.
     `saturation_out`, when given, is an int64 pair that (elements saturated, elements cast) are
     added to (`saturation_bound` says which), on the device and without a host sync.
+    `out`, when given, is an earlier cast of the same shape and layout whose `data`, `data_t`
+    and `scale_inv` are overwritten in place: a cast cached across passes (a weight's) keeps
+    the addresses a CUDA graph captured.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -45,11 +49,15 @@ def quantize(
     x = x.contiguous()
     if x.is_cuda and triton_kernels.available():
         return triton_kernels.quantize(
-            x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out
+            x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out, out
         )
-    return quantize_torch(
-        x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out
-    )
+    q = quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out)
+    if out is None:
+        return q
+    for target, value in ((out.data, q.data), (out.data_t, q.data_t), (out.scale_inv, q.scale_inv)):
+        if value is not None:
+            target.copy_(value)
+    return q._replace(data=out.data, data_t=out.data_t, scale_inv=out.scale_inv)
 
 
 def quantize_torch(

@@ -114,6 +114,9 @@ def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Conte
             if agree_over is not None:
                 _check_scales_agree(context, agree_over)
             scale = state.scale
+        elif tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a CUDA graph capture met a delayed-scaling state with no history yet: "
+                               "capture after at least one eager training step")
         elif recipe.reduce_amax and collectives.group_size(context.amax_reduction_group) > 1:
             # With an empty history there is no earlier scale: fit this first cast to the
             # tensor itself (Transformer Engine casts with 1.0, which underflows small

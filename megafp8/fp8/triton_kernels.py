@@ -121,7 +121,8 @@ if triton is not None:
 
 
 def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor],
-             amax_out: Optional[torch.Tensor], col_sum: bool, saturation_out: Optional[torch.Tensor] = None):
+             amax_out: Optional[torch.Tensor], col_sum: bool, saturation_out: Optional[torch.Tensor] = None,
+             out: Optional[Fp8Tensor] = None):
     M, N = x.shape
     current = scale is None
     if current:
@@ -130,9 +131,12 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
             amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
         amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
-    q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
-    qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
-    scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
+    if out is not None:  # overwrite an earlier cast in place (see quantize.quantize)
+        q, qt, scale_inv = out.data if rowwise else None, out.data_t if columnwise else None, out.scale_inv
+    else:
+        q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
+        qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
+        scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
     write_scale = current and scale_out is not None

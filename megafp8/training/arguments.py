@@ -229,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (the FP8 linears stay eager); the first steps "
                         "compile")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="replay each transformer layer's forward and backward as CUDA graphs, captured after "
+                        "--cuda-graph-warmup-steps eager steps (FP8 included): the host launches a layer at once")
+    g.add_argument("--cuda-graph-scope", choices=("full",), default="full",
+                   help="what one graph holds: full = a whole transformer layer (a group recomputed together "
+                        "under --recompute-granularity full)")
+    g.add_argument("--cuda-graph-warmup-steps", type=_POSITIVE, default=3,
+                   help="eager steps before the capture (at least 1: delayed scaling needs a history)")
     g.add_argument("--skip-nonfinite-steps-max", type=_POSITIVE, default=10,
                    help="abort after this many optimizer steps in a row skipped for inf/NaN gradients")
     return p
@@ -690,6 +698,19 @@ def _check_and_resolve(args, given: set) -> None:
 
 # ---- checks against the world size --------------------------------------------------------------
 
+def _check_cuda_graph(args) -> None:
+    """What --enable-cuda-graph cannot capture, said at start-up."""
+    if args.pipeline_model_parallel_size > 1:
+        raise ArgumentsError(
+            "--enable-cuda-graph does not work with pipeline parallelism yet (a layer's graphs serve one "
+            "micro-batch at a time, and 1F1B keeps several in flight): use --pipeline-model-parallel-size 1 "
+            "or leave --enable-cuda-graph out")
+    if args.torch_compile:
+        raise ArgumentsError("--enable-cuda-graph and --torch-compile do not combine: choose one")
+    if not torch.cuda.is_available():
+        raise ArgumentsError("--enable-cuda-graph needs a CUDA GPU; leave it out on the CPU")
+
+
 def validate_args(args, world_size: int) -> argparse.Namespace:
     """Check the parallel layout and batch sizes against `world_size` (all ranks of the run) and
     fill the derived sizes: world_size, data_parallel_size, global_batch_size (default micro
@@ -707,6 +728,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
             f"divide the world size {world_size}; choose sizes whose product divides the number of GPUs")
     dp = world_size // (tp * pp)
     args.world_size, args.data_parallel_size = world_size, dp
+    if args.enable_cuda_graph:
+        _check_cuda_graph(args)
 
     per_pass = args.micro_batch_size * dp
     if args.global_batch_size is None:

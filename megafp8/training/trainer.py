@@ -97,6 +97,12 @@ class Trainer:
                 f"{source}, but the model in {checkpoint} has a vocabulary of {saved.vocab_size}: give the "
                 "tokenizer it was trained with (its --save folder keeps a copy in tokenizer/)")
         self.config = arguments.model_config(args, vocab_size, saved)
+        if args.enable_cuda_graph and args.recompute_granularity and (
+                self.config.hidden_dropout or self.config.attention_dropout):
+            raise arguments.ArgumentsError(
+                "--enable-cuda-graph with --recompute-granularity needs the model without dropout (a captured "
+                "recomputation cannot replay the forward's random mask): give --hidden-dropout 0 "
+                "--attention-dropout 0, or leave one of the two flags out")
         self.recipe = arguments.fp8_recipe(args)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
         vpp = args.virtual_pipeline_model_parallel_size or 1
@@ -334,6 +340,9 @@ class Trainer:
         try:
             while self.iteration < a.train_iters:
                 batches = [next(micro) for _ in range(a.num_micro_batches)]
+                if a.enable_cuda_graph and self.iteration - start_iteration == a.cuda_graph_warmup_steps:
+                    for chunk in self.chunks:  # the next forward captures, the later ones replay
+                        chunk.enable_cuda_graphs(self.buffer.mark_ready)
                 log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
                 profiler.before_step(self.iteration)
                 loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step)

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
@@ -201,6 +202,15 @@ def test_parallel_contradictions():
           "--global-batch-size 2", "--pipeline-model-parallel-size 2", "--global-batch-size", world_size=2)
     vpp = parse("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2")
     assert vpp.virtual_pipeline_model_parallel_size == 2
+
+
+def test_cuda_graphs_refuse_what_they_cannot_capture():
+    fails("--enable-cuda-graph --num-layers 8 --pipeline-model-parallel-size 2", "--enable-cuda-graph",
+          "--pipeline-model-parallel-size 1", world_size=2)
+    fails("--enable-cuda-graph --torch-compile", "--enable-cuda-graph", "--torch-compile", world_size=1)
+    fails("--cuda-graph-warmup-steps 0", "--cuda-graph-warmup-steps")
+    if not torch.cuda.is_available():
+        fails("--enable-cuda-graph", "--enable-cuda-graph", "CUDA GPU", world_size=1)
 
 
 def test_sequence_parallel():

@@ -1,0 +1,194 @@
+"""CUDA graphs of a model's layers, FP8 included (Megatron-core's `--enable-cuda-graph`,
+Transformer Engine's `make_graphed_callables(fp8_enabled=True)`).
+
+Each unit (a transformer layer, or a group of layers recomputed together) has its forward and
+its backward captured as two CUDA graphs and replayed, so a layer costs the host a few launches
+instead of a few hundred. All graphs of a set share one memory pool and are captured in the
+order a training micro-batch runs them (forwards first to last, backwards last to first); they
+must be replayed in that order, one micro-batch's backward finished before the next forward:
+gradient accumulation, not pipelining.
+
+What the FP8 core does on the host around its kernels is done again at each replay, so a graphed
+step equals an eager one bit for bit:
+- the weight casts stay outside the graphs: before each forward replay every FP8 linear of the
+  unit refreshes its cast if stale (the step's first micro-batch) into the buffers the graph
+  reads, or records its reuse;
+- the amaxes a capture saw are recorded again into the forward pass and the backward pass now
+  running, so delayed scaling's end-of-pass update (eager, one collective per pass) covers them;
+- parameter gradients are added into `param.main_grad` inside the backward graph (the fp32
+  gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction.
+Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
+and write in place. A capture is made at the first call with a new signature (FP8 recipe and
+reduction group, saturation counting, shapes); calls a graph cannot serve return None.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
+from .linear import Fp8Linear
+
+
+class _GraphSet:
+    """The captured graphs of every unit for one signature, and their static tensors."""
+
+    def __init__(self, count: int):
+        self.forward_graphs: list = [None] * count
+        self.backward_graphs: list = [None] * count
+        self.inputs: list = [None] * count  # static input of each unit (unit i+1's is unit i's output)
+        self.outputs: list = [None] * count
+        self.extras: tuple = ()  # static extra arguments, shared by the units
+        self.grad_outputs: list = [None] * count  # unit i's is unit i+1's grad_input
+        self.grad_inputs: list = [None] * count
+        self.forward_amaxes: list = [[] for _ in range(count)]
+        self.backward_amaxes: list = [[] for _ in range(count)]
+
+
+class LayerGraphs:
+    """CUDA graphs of `units`: each a (function(x, *extras) -> y shaped like x, module holding
+    its parameters and FP8 linears). `graphs(x, *extras)` runs every unit in turn, replaying
+    their graphs, and returns the last output; or returns None without running anything when
+    the call cannot be graphed (no grad, not on CUDA, an `x` that needs no gradient, a
+    recomputed forward), so that the caller
+    runs the units eagerly. Extra tensors given at the capture are kept and, when a later call
+    passes other tensors, overwritten with their values; a None extra stays None.
+
+    Parameters must carry `main_grad` (megafp8.parallel.data_parallel.GradientBuffer).
+    """
+
+    def __init__(self, units: Sequence[tuple[Callable, nn.Module]],
+                 grads_ready: Optional[Callable[[list], None]] = None):
+        self.functions = [function for function, _ in units]
+        self.params = [[p for p in module.parameters() if p.requires_grad] for _, module in units]
+        self.linears = [[m for m in module.modules() if isinstance(m, Fp8Linear)] for _, module in units]
+        missing = [p for params in self.params for p in params if not hasattr(p, "main_grad")]
+        if missing:
+            raise ValueError("LayerGraphs adds gradients into param.main_grad: build the GradientBuffer "
+                             f"before graphing ({len(missing)} parameters have none)")
+        self.grads_ready = grads_ready
+        self.sets: dict = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+        for linear in (m for linears in self.linears for m in linears):
+            linear.keep_weight_cast_addresses = True
+
+    def __call__(self, x: torch.Tensor, *extras) -> Optional[torch.Tensor]:
+        context = current_fp8_context()
+        if not (torch.is_grad_enabled() and x.is_cuda and x.requires_grad) or (
+                context is not None and context.replay_scales is not None):
+            return None
+        key = (None if context is None else (context.recipe, id(context.amax_reduction_group),
+                                             context.collect_saturation),
+               _layout(x), tuple(None if e is None else _layout(e) for e in extras))
+        graphs = self.sets.get(key)
+        if graphs is None:
+            graphs = self.sets[key] = self._capture(x, extras, context)
+        for static, value in zip(graphs.extras, extras):
+            if value is not None:
+                _copy_into(static, value)
+        for index in range(len(self.functions)):
+            x = _ReplayUnit.apply(self, graphs, index, context, x)
+        return x
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def replay_forward(self, graphs: _GraphSet, index: int, context, x) -> torch.Tensor:
+        if context is not None:
+            for linear in self.linears[index]:
+                linear.refresh_weight_cast(context)
+            replay_forward_amaxes(context, graphs.forward_amaxes[index])
+        _copy_into(graphs.inputs[index], x)
+        graphs.forward_graphs[index].replay()
+        return graphs.outputs[index]
+
+    def replay_backward(self, graphs: _GraphSet, index: int, grad_output) -> torch.Tensor:
+        _copy_into(graphs.grad_outputs[index], grad_output)
+        graphs.backward_graphs[index].replay()
+        replay_backward_amaxes(graphs.backward_amaxes[index])
+        if self.grads_ready is not None:
+            self.grads_ready(self.params[index])
+        return graphs.grad_inputs[index]
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def _capture(self, x, extras, context) -> _GraphSet:
+        if context is not None:  # the graphs read this step's weight casts; make them now
+            for linear in (m for linears in self.linears for m in linears):
+                linear.refresh_weight_cast(context)
+        graphs = _GraphSet(len(self.functions))
+        graphs.extras = tuple(None if e is None else e.detach() for e in extras)
+        first_input = torch.empty_like(x).requires_grad_()
+        self._warm_up(first_input, graphs.extras, context)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with record_amaxes(context) as recording:
+            inputs = first_input
+            for index, function in enumerate(self.functions):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    output = function(inputs, *graphs.extras)
+                graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = graph, inputs, output
+                graphs.forward_amaxes[index], _ = recording.take()
+                inputs = output.detach().requires_grad_()  # the next unit reads this output in place
+            grad_output = torch.empty_like(graphs.outputs[-1])
+            for index in reversed(range(len(self.functions))):
+                graph, params = torch.cuda.CUDAGraph(), self.params[index]
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    grads = torch.autograd.grad(graphs.outputs[index], (graphs.inputs[index], *params),
+                                                grad_outputs=grad_output, allow_unused=True)
+                    for param, grad in zip(params, grads[1:]):
+                        if grad is not None:
+                            param.main_grad.add_(grad)
+                graphs.backward_graphs[index], graphs.grad_outputs[index] = graph, grad_output
+                graphs.grad_inputs[index] = grad_output = grads[0]
+                _, graphs.backward_amaxes[index] = recording.take()
+                del grads
+        # The graphs' outputs hold no autograd history: the replays give them theirs.
+        graphs.outputs = [output.detach() for output in graphs.outputs]
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graphs
+
+    def _warm_up(self, first_input, extras, context) -> None:
+        """One forward and backward of every unit on the capture stream before capturing (cuBLAS
+        and the like set up per stream, which a capture must not do), leaving no trace: the
+        scaling state it touches and the CUDA generator are restored, no gradient is kept."""
+        states = [t for linears in self.linears for m in linears for s in m.fp8_scaling.values()
+                  for t in (s.scale, s.amax, s.saturation)]
+        saved, rng = [t.clone() for t in states], torch.cuda.get_rng_state()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream), record_amaxes(context):
+            inputs = first_input
+            for function, params in zip(self.functions, self.params):
+                output = function(inputs, *extras)
+                torch.autograd.grad(output, (inputs, *params), grad_outputs=torch.ones_like(output),
+                                    allow_unused=True)
+                inputs = output.detach().requires_grad_()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch._foreach_copy_(states, saved)
+        torch.cuda.set_rng_state(rng)
+
+
+class _ReplayUnit(torch.autograd.Function):
+    """One unit's forward graph, and its backward graph when autograd gets there. The parameters
+    are no inputs: their gradients go to main_grad inside the graph, not through autograd."""
+
+    @staticmethod
+    def forward(ctx, owner: LayerGraphs, graphs: _GraphSet, index: int, context, x):
+        ctx.owner, ctx.graphs, ctx.index = owner, graphs, index
+        return owner.replay_forward(graphs, index, context, x).detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return None, None, None, None, ctx.owner.replay_backward(ctx.graphs, ctx.index, grad_output).detach()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device
+
+
+@torch.no_grad()
+def _copy_into(static: torch.Tensor, value: torch.Tensor) -> None:
+    if value.data_ptr() != static.data_ptr():
+        static.copy_(value)
