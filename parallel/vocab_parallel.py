@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.collectives import all_reduce, group_size, rank_in
+from megafp8.collectives import all_reduce, group_size, max_over, rank_in
 
+from . import cross_entropy_kernels
 from .communication import reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel
 from .initialization import InitMethod, master_slice, normal_init
 from .sharding import mark_partitioned
@@ -62,16 +63,33 @@ class VocabParallelEmbedding(nn.Module):
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
 
 
+def _shard(logits, group, vocab_size):
+    """(first column of this rank's shard, its width, the real vocabulary, how many of its
+    columns are tokens rather than padding)."""
+    vocab_local = logits.shape[-1]
+    start = rank_in(group) * vocab_local
+    vocab = vocab_local * group_size(group) if vocab_size is None else vocab_size
+    return start, vocab_local, vocab, max(0, min(vocab_local, vocab - start))
+
+
+def _loss(sums, ignored, label_smoothing, vocab):
+    """The per-token loss from the all-reduced sums: target logit, [sum of valid logits,] sum
+    of exp, each shifted by the global max."""
+    log_sum_exp = sums[-1].log()
+    loss = log_sum_exp - sums[0]
+    if label_smoothing:
+        # As F.cross_entropy: (1 - ε)·(-log p_target) + ε·mean over the vocabulary of -log p.
+        loss = (1 - label_smoothing) * loss + label_smoothing * (log_sum_exp - sums[1] / vocab)
+    return loss.masked_fill(ignored, 0.0)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocabulary-sharded logits; fp32 inside, one fp32 logits-sized buffer
     (the softmax) kept for backward, which turns it into the gradient in place."""
 
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
-        vocab_local = logits.shape[-1]
-        start = rank_in(group) * vocab_local
-        vocab = vocab_local * group_size(group) if vocab_size is None else vocab_size
-        valid = max(0, min(vocab_local, vocab - start))  # this shard's columns that are tokens
+        start, vocab_local, vocab, valid = _shard(logits, group, vocab_size)
 
         # Shift by the global max so exp cannot overflow; the shift cancels in the loss.
         logits_max = logits.amax(dim=-1).float()
@@ -90,14 +108,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp[..., valid:] = 0.0  # padding: no probability, and so no gradient
         partial.append(exp.sum(dim=-1))
         sums = all_reduce(torch.stack(partial), group)
-
-        log_sum_exp = sums[-1].log()
-        loss = log_sum_exp - sums[0]
-        if label_smoothing:
-            # As F.cross_entropy: (1 - ε)·(-log p_target) + ε·mean over the vocabulary of -log p.
-            loss = (1 - label_smoothing) * loss + label_smoothing * (log_sum_exp - sums[1] / vocab)
         ignored = target == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
+        loss = _loss(sums, ignored, label_smoothing, vocab)
 
         softmax = exp.div_(sums[-1].unsqueeze(-1))
         ctx.save_for_backward(softmax, owned, local_target, ignored)
@@ -117,6 +129,41 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same cross-entropy with the Triton kernels of cross_entropy_kernels (CUDA): keeps the
+    logits themselves, not an fp32 copy, and two fp32 numbers per token for backward, which
+    recomputes the softmax and writes the gradient in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
+        start, vocab_local, vocab, valid = _shard(logits, group, vocab_size)
+        flat_target = target.reshape(-1).contiguous()
+        local_max, local_sum_exp, target_logit, logit_sum = cross_entropy_kernels.statistics(
+            cross_entropy_kernels.as_rows(logits), flat_target, start, valid, label_smoothing > 0)
+
+        # As the torch path, shift by the global max; each rank rescales its sum of exp to it.
+        logits_max = max_over(local_max, group)
+        owned = (flat_target >= start) & (flat_target < start + vocab_local)
+        partial = [(target_logit - logits_max).masked_fill(~owned, 0.0)]
+        if label_smoothing:
+            partial.append(logit_sum - valid * logits_max)
+        partial.append(local_sum_exp * (local_max - logits_max).exp())
+        sums = all_reduce(torch.stack(partial), group)
+
+        ctx.save_for_backward(logits, flat_target, logits_max, sums[-1])
+        ctx.start, ctx.valid, ctx.vocab = start, valid, vocab
+        ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+        return _loss(sums, flat_target == ignore_index, label_smoothing, vocab).view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, flat_target, logits_max, sum_exp = ctx.saved_tensors
+        grad = cross_entropy_kernels.gradient(
+            cross_entropy_kernels.as_rows(logits), flat_target, logits_max, sum_exp, grad_loss.reshape(-1).contiguous(),
+            ctx.start, ctx.valid, ctx.vocab, ctx.ignore_index, ctx.label_smoothing)
+        return grad.view(logits.shape), None, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
                                  vocab_size: int | None = None) -> torch.Tensor:
@@ -128,7 +175,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     loss 0 and gradient 0. The full logits are never gathered: only per-token statistics travel.
     `vocab_size`: the real vocabulary when the logits carry padding columns past it (Megatron's
     padded vocabulary); those get no probability and no gradient, as if masked to -inf.
+    On CUDA with Triton installed, fused kernels compute it without an fp32 copy of the logits.
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} is not in [0, 1]")
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, label_smoothing, vocab_size)
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} without "
+                         f"their last (vocabulary) dimension")
+    fused = logits.is_cuda and cross_entropy_kernels.available()
+    function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return function.apply(logits, target, tp_group, ignore_index, label_smoothing, vocab_size)
