@@ -6,6 +6,11 @@ Each rank keeps a master copy of the parameter elements it owns: all of them, or
 `distributed=True` its 1/dp slice of every gradient bucket (`GradientBuffer(shard=True)`), so
 master weights and Adam states are spread over the data-parallel ranks. After the step the
 owners' updated elements are all-gathered into every replica's parameters.
+
+On CUDA the step is one fused pass (`adamw_kernel`): AdamW over every master, the clipping
+factor applied as gradients are read, and the new weights written in the model's dtype (into
+the parameters, or into the all-gather's input), bit for bit what torch's fused AdamW and a copy
+give. On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch.distributed as dist
 
 from megafp8.collectives import all_gather_into, rank_in
 from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.training import adamw_kernel
 
 
 def no_weight_decay(name: str, param) -> bool:
@@ -40,16 +46,30 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     return t.float().square().sum()
 
 
+def squared_norms(tensors) -> torch.Tensor:
+    """`squared_norm` of each tensor, bit for bit, as one fp32 vector."""
+    if tensors[0].is_cuda:
+        # The squares in one launch (`** 2` is x * x too). torch._foreach_norm would take the
+        # norms in a few launches, but it sums in another order than vector_norm (per chunk of
+        # 65536 elements, then the chunks' partial sums): the same accuracy, other last bits.
+        return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).square()
+    return torch.stack([squared_norm(t) for t in tensors])
+
+
 class MixedPrecisionAdamW:
     """AdamW over fp32 masters of the parameter elements this rank owns.
 
     `step()` returns (applied, grad_norm): a step whose gradients hold inf/NaN anywhere in the
     model is skipped on every rank alike and leaves parameters and states untouched.
+
+    `fused`: step with the fused pass of `adamw_kernel` (None: on CUDA when triton is there;
+    True also runs in Triton's interpreter, for tests). Its state is torch.optim.AdamW's, in
+    `self.optimizer.state`, so checkpoints do not depend on it.
     """
 
     def __init__(self, named_params, buffer: GradientBuffer, *, lr, weight_decay=0.01,
                  betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, model_parallel_group=None,
-                 tp_group=None, dp_group=None, distributed=False):
+                 tp_group=None, dp_group=None, distributed=False, fused=None):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
@@ -66,14 +86,42 @@ class MixedPrecisionAdamW:
             master.grad = param.main_grad.view(-1)[start:end]
             self.shards.append((param, start, end, master))
             groups[no_weight_decay(self.names[param], param)].append(master)
+        # Per master, for the fused pass: torch skips the decay where the group's is 0.
+        self._decayed = [weight_decay != 0 and not no_weight_decay(self.names[p], p) for p, *_ in self.shards]
         self.norm_mask = [counts_towards_norm(p, tp_rank) for p, *_ in self.shards]
         param_groups = [{"params": groups[False], "weight_decay": weight_decay},
                         {"params": groups[True], "weight_decay": 0.0}]
         param_groups = [g for g in param_groups if g["params"]]
         device = named_params[0][1].device
-        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **fused)
+        torch_kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **torch_kind)
+        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self.steps = 0
+        # Where each master's new value goes (copies or the fused pass): the parameter itself,
+        # or with the distributed optimizer this rank's slice of its bucket's all-gather input.
+        if distributed:
+            self._gather_inputs = {}
+            for bucket in buffer.buckets:
+                mine = buffer.owned_slice(bucket)
+                self._gather_inputs[bucket] = torch.zeros(mine.stop - mine.start, dtype=bucket.params[0].dtype,
+                                                          device=device)
+            self._outs = [self._gather_input_of(param, start, end) for param, start, end, _ in self.shards]
+            self._out_sources = [master for *_, master in self.shards]
+        else:
+            self._outs = [param for param, *_ in self.shards]
+            self._out_sources = [master.view_as(param) for param, _, _, master in self.shards]
+        fusable = adamw_kernel.available(device) and all(p.is_contiguous() for _, p in named_params)
+        if fused and not fusable:
+            raise ValueError("fused=True needs triton and contiguous parameters on CUDA "
+                             "(or Triton's interpreter, TRITON_INTERPRET=1)")
+        self.fused = (fusable and device.type == "cuda") if fused is None else fused
+        self._fused_pass = None  # built at the first fused step, again after the state is replaced
+
+    def _gather_input_of(self, param, start, end):
+        """The elements [start, end) of flattened `param` in its bucket's all-gather input."""
+        bucket = self.buffer.bucket_of[param]
+        offset = param.main_grad_offset - bucket.start - self.buffer.owned_slice(bucket).start
+        return self._gather_inputs[bucket][offset + start:offset + end]
 
     def set_lr(self, lr):
         for group in self.optimizer.param_groups:
@@ -84,7 +132,7 @@ class MixedPrecisionAdamW:
         pieces are summed in fp64, so the norm does not depend on how dp and pp slice them."""
         grads = [m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted]
         device = self.buffer.data.device
-        local = (torch.stack([squared_norm(g) for g in grads]).double().sum()
+        local = (squared_norms(grads).double().sum()
                  if grads else torch.zeros((), dtype=torch.float64, device=device))
         local = local.reshape(1)
         # Owners of disjoint pieces: sum over the model-parallel ranks, and over dp when sharded.
@@ -97,38 +145,59 @@ class MixedPrecisionAdamW:
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return False, norm
-        if self.clip_grad and norm > self.clip_grad:
-            coefficient = self.clip_grad / (norm + 1e-6)
-            for *_, master in self.shards:
-                master.grad.mul_(coefficient)
-        self.optimizer.step()
+        clipping = self.clip_grad and norm > self.clip_grad
+        coefficient = self.clip_grad / (norm + 1e-6) if clipping else 1.0
+        if self.fused:
+            self._fused_step(coefficient)
+            self._gather_params()
+        else:
+            if clipping:
+                torch._foreach_mul_([master.grad for *_, master in self.shards], coefficient)
+            self.optimizer.step()
+            self._copy_masters_to_params()
         self.steps += 1
-        self._copy_masters_to_params()
         return True, norm
 
     @torch.no_grad()
+    def _fused_step(self, grad_scale):
+        if self._fused_pass is None:
+            self._fused_pass = self._build_fused_pass()
+        self._fused_pass.step(self.optimizer.param_groups[0]["lr"], grad_scale)
+
+    def _build_fused_pass(self):
+        # torch.optim.AdamW's state, created as its fused step would; the step counts become
+        # elements of one tensor, so that one launch advances them all.
+        masters = [master for *_, master in self.shards]
+        steps = torch.zeros(len(masters), dtype=torch.float32, device=masters[0].device)
+        for i, master in enumerate(masters):
+            state = self.optimizer.state[master]
+            if "step" in state:
+                steps[i] = state["step"]
+            else:
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(master), torch.zeros_like(master)
+            state["step"] = steps[i]
+        states = [self.optimizer.state[m] for m in masters]
+        return adamw_kernel.MultiTensorAdamW(
+            masters, [m.grad for m in masters], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], steps, [out.detach().view(-1) for out in self._outs],
+            self._decayed, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+    @torch.no_grad()
     def _copy_masters_to_params(self):
+        torch._foreach_copy_(self._outs, self._out_sources)
+        self._gather_params()
+
+    @torch.no_grad()
+    def _gather_params(self):
+        """Distributed optimizer: each rank's slice of every bucket (its masters' new values) is
+        all-gathered, and the whole bucket copied into the parameters."""
         if not self.distributed:
-            for param, _, _, master in self.shards:
-                param.copy_(master.view_as(param))
             return
-        # Each rank fills its slice of every bucket; the all-gather assembles the whole bucket.
-        by_param = {}
-        for param, start, end, master in self.shards:
-            by_param.setdefault(param, []).append((start, end, master))
-        for bucket in self.buffer.buckets:
-            dtype = bucket.params[0].dtype
-            full = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=self.buffer.data.device)
-            mine = self.buffer.owned_slice(bucket)
-            for param in bucket.params:
-                offset = param.main_grad_offset - bucket.start
-                for start, end, master in by_param.get(param, ()):
-                    full[offset + start:offset + end] = master
-            gathered = torch.empty_like(full)
-            all_gather_into(gathered, full[mine].contiguous(), self.dp_group)
-            for param in bucket.params:
-                offset = param.main_grad_offset - bucket.start
-                param.copy_(gathered[offset:offset + param.numel()].view_as(param))
+        for bucket, mine in self._gather_inputs.items():
+            gathered = torch.empty(bucket.end - bucket.start, dtype=mine.dtype, device=mine.device)
+            all_gather_into(gathered, mine, self.dp_group)
+            pieces = [gathered[p.main_grad_offset - bucket.start:][:p.numel()].view_as(p) for p in bucket.params]
+            torch._foreach_copy_(bucket.params, pieces)
 
     # -- checkpoints: per-parameter, layout-free state ----------------------------------------
 
@@ -167,6 +236,7 @@ class MixedPrecisionAdamW:
     def reset_masters_from_params(self):
         """Start over from the current parameters (loaded weights without optimizer state)."""
         self.optimizer.state.clear()
+        self._fused_pass = None
         for param, start, end, master in self.shards:
             master.copy_(param.detach().reshape(-1)[start:end])
 
@@ -174,6 +244,7 @@ class MixedPrecisionAdamW:
     def load_checkpoint_state(self, states, step):
         """Inverse of `state_for_checkpoint`: take this rank's elements of the full tensors."""
         self.steps = step
+        self._fused_pass = None  # its state tensors are replaced below
         for param, start, end, master in self.shards:
             entry = states[self.names[param]]
             master.copy_(entry["master"].reshape(-1)[start:end])

@@ -1,0 +1,194 @@
+"""The fused AdamW pass (megafp8/training/adamw_kernel.py) of MixedPrecisionAdamW: in Triton's
+interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit against torch's fused
+AdamW followed by the copy into the parameters."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.training.optimizer import MixedPrecisionAdamW
+
+from ..multiprocess import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+# Odd sizes, tensors of one, two and three kernel chunks (16384 elements each); 1-D ones and
+# biases take no weight decay.
+SHAPES = {"a.weight": (37, 19), "a.bias": (19,), "b.weight": (131, 257), "c.weight": (3, 5, 7),
+          "norm.weight": (16385,), "d.weight": (128, 128)}
+STEPS = 4
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+def make_params(shapes, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    return [(name, torch.nn.Parameter(torch.randn(shape, generator=g).to(device, dtype)))
+            for name, shape in shapes.items()]
+
+
+def make_optimizer(params, fused, group=None, distributed=False):
+    buffer = GradientBuffer([p for _, p in params], group, bucket_size=20_000, shard=distributed)
+    optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                    dp_group=group, distributed=distributed, fused=fused)
+    return buffer, optimizer
+
+
+def train(params, buffer, optimizer, steps, rank=0):
+    """Fresh random gradients each step (drawn from the step and the rank, so that a resumed run
+    sees the same ones); every other step's are large enough to be clipped."""
+    norms = []
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        buffer.zero()
+        for _, p in params:
+            grad = torch.randn(p.shape, generator=g) * torch.rand(p.shape, generator=g) * (3.0 if step % 2 else 0.01)
+            p.main_grad.add_(grad.to(p.main_grad.device))
+        buffer.finish()
+        applied, norm = optimizer.step()
+        assert applied
+        norms.append(norm)
+    return norms
+
+
+def snapshot(params, optimizer):
+    states = {name: {k: v.clone() for k, v in entry.items()} for name, entry in optimizer.state_for_checkpoint().items()}
+    return {name: p.detach().clone() for name, p in params}, states
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# -- in Triton's interpreter, on the CPU ----------------------------------------------------------
+# The interpreter rounds fma's product and sum apart, and torch's CPU AdamW is another formula
+# (1 - beta in double, where the CUDA kernels take it from fp32 betas: 1 - 0.95f is 2.4e-7 off
+# 0.05), so the two meet to ~5e-7 relative error after four steps. The weights the kernel writes
+# must be exactly the masters' rounding, and a resumed run exactly the straight one.
+
+def check_against_torch(dtype):
+    straight = make_params(SHAPES, dtype, "cpu")
+    fused_params = make_params(SHAPES, dtype, "cpu")
+    buffer, optimizer = make_optimizer(straight, fused=False)
+    fused_buffer, fused = make_optimizer(fused_params, fused=True)
+    assert train(straight, buffer, optimizer, range(STEPS)) == train(fused_params, fused_buffer, fused, range(STEPS))
+    params, states = snapshot(straight, optimizer)
+    fused_out, fused_states = snapshot(fused_params, fused)
+    for name, entry in states.items():
+        for key, ref in entry.items():
+            assert rel_err(fused_states[name][key], ref) < 1e-6, (dtype, name, key)
+        assert torch.equal(fused_out[name], fused_states[name]["master"].to(dtype)), (dtype, name)
+    for *_, master in fused.shards:  # torch.optim.AdamW's state, so torch could go on from it
+        assert set(fused.optimizer.state[master]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert fused.optimizer.state[master]["step"].item() == STEPS
+
+
+def check_resume_is_exact():
+    params = make_params(SHAPES, torch.bfloat16, "cpu")
+    buffer, optimizer = make_optimizer(params, fused=True)
+    train(params, buffer, optimizer, range(2))
+    _, saved = snapshot(params, optimizer)
+    train(params, buffer, optimizer, range(2, STEPS))
+    resumed_params = make_params(SHAPES, torch.bfloat16, "cpu")
+    resumed_buffer, resumed = make_optimizer(resumed_params, fused=True)
+    resumed.load_checkpoint_state(saved, 2)
+    train(resumed_params, resumed_buffer, resumed, range(2, STEPS))
+    for a, b in zip(snapshot(params, optimizer), snapshot(resumed_params, resumed)):
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], dict):
+                assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+            else:
+                assert torch.equal(a[name], b[name]), name
+
+
+def distributed_body(rank, world_size, fused):
+    params = make_params(SHAPES, torch.bfloat16, "cpu")
+    buffer, optimizer = make_optimizer(params, fused, torch.distributed.group.WORLD, distributed=True)
+    train(params, buffer, optimizer, range(STEPS), rank)
+    return snapshot(params, optimizer)
+
+
+def check_distributed():
+    torch_ranks = run_on_ranks(distributed_body, 2, False)
+    fused_ranks = run_on_ranks(distributed_body, 2, True)
+    for (params, states), (ref_params, ref_states) in zip(fused_ranks, torch_ranks):
+        for name, entry in states.items():
+            for key, tensor in entry.items():
+                assert rel_err(tensor, ref_states[name][key]) < 1e-6, (name, key)
+            # Each rank wrote its slice into the all-gather's input: all of it arrived, rounded.
+            assert torch.equal(params[name], entry["master"].to(torch.bfloat16)), name
+    assert all(torch.equal(fused_ranks[0][0][name], fused_ranks[1][0][name]) for name in SHAPES)
+
+
+def interpreted_checks():
+    for dtype in (torch.bfloat16, torch.float32):
+        check_against_torch(dtype)
+    check_resume_is_exact()
+    check_distributed()
+
+
+@needs_triton
+def test_fused_pass_in_the_triton_interpreter():
+    # TRITON_INTERPRET is read when triton is imported: a fresh process.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    code = "from tests.training.test_adamw_kernel import interpreted_checks; interpreted_checks()"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    params = make_params({"w": (4, 4)}, torch.float32, "cpu")
+    assert not make_optimizer(params, fused=None)[1].fused  # the CPU's default: torch.optim.AdamW
+    with pytest.raises(ValueError, match="fused=True"):
+        make_optimizer(make_params({"w": (4, 4)}, torch.float32, "cpu"), fused=True)
+
+
+# -- on a GPU: bit for bit torch's fused AdamW ----------------------------------------------------
+
+GPU_SHAPES = {**SHAPES, "embedding.weight": (5003, 771), "e.bias": (4099,)}
+
+
+def assert_same_run(fused_run, torch_run):
+    (params, states), (ref_params, ref_states) = fused_run, torch_run
+    for name, entry in states.items():
+        for key, tensor in entry.items():
+            differ = (tensor != ref_states[name][key]).sum().item()
+            assert differ == 0, f"{name} {key}: {differ} of {tensor.numel()} elements differ"
+        assert torch.equal(params[name], ref_params[name]), name
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_pass_equals_torch_fused_adamw_on_cuda(dtype):
+    runs = []
+    for fused in (True, False):
+        params = make_params(GPU_SHAPES, dtype, "cuda")
+        buffer, optimizer = make_optimizer(params, fused=None if fused else False)
+        assert optimizer.fused == fused  # on by default on CUDA
+        norms = train(params, buffer, optimizer, range(STEPS))
+        runs.append((norms, snapshot(params, optimizer)))
+    assert runs[0][0] == runs[1][0]
+    assert_same_run(runs[0][1], runs[1][1])
+
+
+def distributed_cuda_body(rank, world_size):
+    runs = []
+    for fused in (True, False):
+        params = make_params(GPU_SHAPES, torch.bfloat16, "cuda")
+        buffer, optimizer = make_optimizer(params, fused, torch.distributed.group.WORLD, distributed=True)
+        train(params, buffer, optimizer, range(STEPS), rank)
+        runs.append(snapshot(params, optimizer))
+    assert_same_run(*runs)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_fused_pass_with_the_distributed_optimizer_on_cuda():
+    run_on_ranks(distributed_cuda_body, 1, backend="nccl")
