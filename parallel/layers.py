@@ -116,6 +116,8 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp_group)
+        if self.tp_size == 1:  # nothing to sum: the bias goes into the GEMM's epilogue
+            return self.linear(x, self.bias)
         y = self.linear(x, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
@@ -152,5 +154,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         [..., local kv heads, head_dim]."""
         queries_per_group = self.num_heads // self.num_kv_heads
         groups = rearrange(y, "... (groups heads d) -> ... groups heads d", heads=queries_per_group + 2, d=self.head_dim)
-        q = rearrange(groups[..., :queries_per_group, :], "... groups heads d -> ... (groups heads) d")
-        return q, groups[..., -2, :], groups[..., -1, :]
+        # One split, whose backward writes the three gradients into one tensor; indexing the three
+        # apart would zero-fill and copy a full-size gradient for each.
+        q, k, v = groups.split([queries_per_group, 1, 1], dim=-2)
+        return rearrange(q, "... groups heads d -> ... (groups heads) d"), k.squeeze(-2), v.squeeze(-2)

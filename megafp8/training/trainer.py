@@ -57,6 +57,8 @@ class _ExitSignal:
         self.received = signal.Signals(signum).name
 
     def any_rank(self, device) -> bool:
+        if dist.get_world_size() == 1:  # no collective, so no wait on the GPU either
+            return self.received is not None
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -214,23 +216,27 @@ class Trainer:
         if losses and self.groups.dp_size > 1:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.groups.dp_size
-        return loss.item()
+        return loss  # on the device: reading it waits for the GPU
 
     # -- one step --------------------------------------------------------------------------
 
-    def train_step(self, micro_batches, collect_saturation=False):
+    def train_step(self, micro_batches, collect_saturation=False, while_gpu_runs=None):
         """One optimizer step over this rank's micro-batches; (mean loss, applied, grad norm).
         `collect_saturation` counts saturated FP8 values in the first micro-batch of each chunk
-        (log steps): it also casts the weights, so all three roles are counted."""
+        (log steps): it also casts the weights, so all three roles are counted.
+        `while_gpu_runs`: host work (the next step's data) done once the forward and backward
+        passes are queued, before the step first waits for the GPU (the gradient norm)."""
         for chunk in self.chunks:
             chunk.train()
         self.buffer.zero()
         self.buffer.set_sync(False)
         loss = self._run_schedule(micro_batches, forward_only=False, collect_saturation=collect_saturation)
+        if while_gpu_runs is not None:
+            while_gpu_runs()
         finalize_grads(self.chunks, self.groups, self.buffer)
         self.optimizer.set_lr(self.schedule(self.iteration))
         applied, grad_norm = self.optimizer.step()
-        return loss, applied, grad_norm
+        return loss.item(), applied, grad_norm
 
     @torch.no_grad()
     def evaluate(self, dataset, consumed):
@@ -242,7 +248,7 @@ class Trainer:
             batches = [next(micro, None) for _ in range(self.args.num_micro_batches)]
             if any(b is None for b in batches):
                 break
-            losses.append(self._run_schedule(batches, forward_only=True))
+            losses.append(self._run_schedule(batches, forward_only=True).item())
         return sum(losses) / max(len(losses), 1)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -337,15 +343,23 @@ class Trainer:
         start_time = time.time()
         micro = self._micro_batches(self.train_data, self.consumed_samples)
         losses, valid_loss = [], None
+        batches, upcoming = None, []
+
+        def prefetch():  # the next step's micro-batches, read while this step's GPU work runs
+            if self.iteration + 1 < a.train_iters:
+                upcoming.extend(next(micro) for _ in range(a.num_micro_batches))
+
         try:
             while self.iteration < a.train_iters:
-                batches = [next(micro) for _ in range(a.num_micro_batches)]
+                batches = batches or [next(micro) for _ in range(a.num_micro_batches)]
                 if a.enable_cuda_graph and self.iteration - start_iteration == a.cuda_graph_warmup_steps:
                     for chunk in self.chunks:  # the next forward captures, the later ones replay
                         chunk.enable_cuda_graphs(self.buffer.mark_ready)
                 log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
                 profiler.before_step(self.iteration)
-                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step)
+                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step,
+                                                           while_gpu_runs=prefetch)
+                batches, upcoming = upcoming, []
                 self.iteration += 1
                 profiler.after_step(self.iteration)
                 logger.progress(self.iteration)
