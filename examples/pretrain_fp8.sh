@@ -21,6 +21,13 @@ PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
 SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+# CUDA graphs of the layers: on by default on GPUs (chosen by measurement, benchmarks/RESULTS.md);
+# they do not serve pipeline parallelism yet, so PP > 1 runs without them. CUDA_GRAPH=0 turns them off.
+CUDA_GRAPH=${CUDA_GRAPH:-1}
+GRAPH_ARGS=()
+if [ "$CUDA_GRAPH" = 1 ] && [ "$CUDA_GPUS" -gt 0 ] && [ "$PP" -eq 1 ]; then
+    GRAPH_ARGS=(--enable-cuda-graph)
+fi
 
 if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
     cat >&2 <<EOF
@@ -55,7 +62,7 @@ torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
     --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
-    "${PRECISION_ARGS[@]}" \
+    "${PRECISION_ARGS[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"} \
     --data-path $DATA_PATH --split 969,30,1 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
     --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10 \
