@@ -32,6 +32,11 @@ from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes
 from .linear import Fp8Linear
 
 
+# Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
+# allocating pinned memory while a step captures, which the default ("global") would fail on.
+_CAPTURE_MODE = "thread_local"
+
+
 class _GraphSet:
     """The captured graphs of every unit for one signature, and their static tensors."""
 
@@ -127,7 +132,7 @@ class LayerGraphs:
             inputs = first_input
             for index, function in enumerate(self.functions):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
                     output = function(inputs, *graphs.extras)
                 graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = graph, inputs, output
                 graphs.forward_amaxes[index], _ = recording.take()
@@ -135,7 +140,7 @@ class LayerGraphs:
             grad_output = torch.empty_like(graphs.outputs[-1])
             for index in reversed(range(len(self.functions))):
                 graph, params = torch.cuda.CUDAGraph(), self.params[index]
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
                     grads = torch.autograd.grad(graphs.outputs[index], (graphs.inputs[index], *params),
                                                 grad_outputs=grad_output, allow_unused=True)
                     for param, grad in zip(params, grads[1:]):
