@@ -57,9 +57,9 @@ class LayerGraphs:
     its parameters and FP8 linears). `graphs(x, *extras)` runs every unit in turn, replaying
     their graphs, and returns the last output; or returns None without running anything when
     the call cannot be graphed (no grad, not on CUDA, an `x` that needs no gradient, a
-    recomputed forward), so that the caller
-    runs the units eagerly. Extra tensors given at the capture are kept and, when a later call
-    passes other tensors, overwritten with their values; a None extra stays None.
+    recomputed forward), so that the caller runs the units eagerly. Extra tensors given at the
+    capture are kept and, when a later call passes other tensors, overwritten with their values;
+    a None extra stays None.
 
     Parameters must carry `main_grad` (megafp8.parallel.data_parallel.GradientBuffer).
     """
