@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ class StepProfiler:
                 f"of the wall time): compute kernels {kernels['compute_ms'] / steps:.1f} ms, NCCL kernels "
                 f"{kernels['nccl_ms'] / steps:.1f} ms, of which {kernels['nccl_exposed_ms'] / steps:.1f} ms with no "
                 "compute kernel running beside them")
+            lines.append("kernel time by category, ms per step: " + ", ".join(
+                f"{name} {ms / steps:.1f}" for name, ms in kernel_categories(json.loads(trace.read_text())).items()))
         summary = self.directory / f"{name}.txt"
         summary.write_text("\n".join(lines) + f"\n{table}\n")
         print(f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",
@@ -97,6 +100,34 @@ def kernel_time(trace: dict) -> dict:
     return {"kernels": len(kernels), "busy_ms": _length(_merged([(s, e) for s, e, _ in kernels])) / 1000,
             "compute_ms": _length(compute) / 1000, "nccl_ms": sum(e - s for s, e in nccl) / 1000,
             "nccl_exposed_ms": exposed / 1000}
+
+
+# (category, pattern of kernel names), first match wins; names as cuBLAS/cuDNN/Triton/ATen give them.
+KERNEL_CATEGORIES = (
+    ("communication", r"nccl"),
+    ("FP8 GEMMs", r"nvjet_sm\d+_q|_f8|e4m3|e5m2"),
+    ("other GEMMs", r"nvjet|gemm|cutlass|xmma|_mm_"),
+    ("attention", r"flash|fmha|sdpa|attention|dot_do_o|convert_dq"),
+    ("FP8 casts", r"_quantize_kernel"),
+    ("loss", r"_statistics_kernel|_gradient_kernel|cross_entropy|softmax|nll_loss"),
+    ("optimizer", r"adam|multi_tensor_apply|_delayed_update"),
+    ("norms/activations", r"layer_norm|rms_?norm|GammaBeta|gelu|silu|Gelu|Silu|swiglu"),
+)
+
+
+def kernel_categories(trace: dict) -> dict:
+    """From a Chrome trace: milliseconds of GPU kernel time per category (KERNEL_CATEGORIES,
+    then "other elementwise"), largest first. Kernels replayed from CUDA graphs count under
+    their own names."""
+    totals: dict = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel" or "dur" not in event:
+            continue
+        name = event.get("name", "")
+        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE)),
+                        "other elementwise")
+        totals[category] = totals.get(category, 0.0) + event["dur"] / 1000
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def _merged(intervals):

@@ -370,6 +370,21 @@ def test_kernel_time_separates_exposed_communication():
     assert times["nccl_exposed_ms"] * 1000 == 80
 
 
+def test_kernel_categories_name_what_the_step_spent_its_gpu_time_on():
+    from megafp8.training.profiling import kernel_categories
+
+    names = {"nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_bias_TNN": "FP8 GEMMs",
+             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "other GEMMs",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+             "_quantize_kernel": "FP8 casts", "_statistics_kernel": "loss", "_adamw_kernel": "optimizer",
+             "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "norms/activations",
+             "ncclDevKernel_AllGather_RING_LL": "communication",
+             "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "other elementwise"}
+    events = [{"cat": "kernel", "name": name, "ts": i, "dur": 1000 * (i + 1)} for i, name in enumerate(names)]
+    categories = kernel_categories({"traceEvents": events + [{"cat": "cpu_op", "name": "aten::mm", "dur": 5}]})
+    assert categories == {category: i + 1.0 for i, category in reversed(list(enumerate(names.values())))}
+
+
 def test_a_finished_run_frees_its_model_and_gradient_buffer():
     # Hooks on parameters live in C++, out of the garbage collector's sight: they must not keep
     # the run's buffer (and through it every parameter) alive once the trainer is dropped.
