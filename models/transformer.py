@@ -149,6 +149,16 @@ def run_recomputed(layers, x, rotary, mask):
     return out
 
 
+def run_unit(layers, recomputed, x, rotary, mask):
+    """One unit of TransformerLM.units: its layers in turn, recomputed in backward if so marked
+    (and gradients are on)."""
+    if recomputed and torch.is_grad_enabled():
+        return run_recomputed(layers, x, rotary, mask)
+    for layer in layers:
+        x = layer(x, rotary, mask)
+    return x
+
+
 def compile_layers(model: nn.Module) -> None:
     """torch.compile each transformer layer of `model` in place (torchtitan's per-block compile),
     for the glue between the linears: norms, residual adds, dropout, rotary embedding, the
@@ -294,11 +304,7 @@ class TransformerLM(nn.Module):
 
     def _run_units(self, x, rotary, mask):
         for layers, recomputed in self.units:
-            if recomputed and torch.is_grad_enabled():
-                x = run_recomputed(layers, x, rotary, mask)
-                continue
-            for layer in layers:
-                x = layer(x, rotary, mask)
+            x = run_unit(layers, recomputed, x, rotary, mask)
         return x
 
     def enable_cuda_graphs(self, grads_ready=None) -> None:
@@ -312,11 +318,7 @@ class TransformerLM(nn.Module):
         def unit(layers, recomputed):
             def run(x, rotary_cos, rotary_sin, mask):
                 rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
-                if recomputed:
-                    return run_recomputed(layers, x, rotary, mask)
-                for layer in layers:
-                    x = layer(x, rotary, mask)
-                return x
+                return run_unit(layers, recomputed, x, rotary, mask)
             return run, nn.ModuleList(layers)
 
         self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready)

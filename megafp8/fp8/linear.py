@@ -114,8 +114,11 @@ class Fp8Linear(nn.Linear):
         first micro-batch of a step), else record its reuse, as that forward would. A CUDA-graphed
         layer calls this before each replay: the captured graph reads the cast, never makes it.
         Only for a layer that has cast its weight before (its first forward is eager)."""
-        if self._weight_fp8 is not None and self._weight_fp8[0][4] == context.recipe:
-            self._quantized_weight(context, self._weight_fp8[0][3])
+        if self._weight_fp8 is None:
+            return
+        *_, fp8_dtype, recipe = self._weight_fp8[0]  # the cache key's last two fields
+        if recipe == context.recipe:
+            self._quantized_weight(context, fp8_dtype)
 
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight

@@ -66,7 +66,8 @@ class StepProfiler:
         steps = max(steps, 1)
         lines = [f"rank {self.rank}: {steps} steps in {wall:.3f} s ({1000 * wall / steps:.1f} ms per step, "
                  "profiler overhead included)"]
-        kernels = kernel_time(json.loads(trace.read_text()))
+        events = json.loads(trace.read_text())  # tens of MB for a big model: parsed once
+        kernels = kernel_time(events)
         if kernels["kernels"]:
             lines.append(
                 f"GPU busy {kernels['busy_ms'] / steps:.1f} ms per step ({100 * kernels['busy_ms'] / (1000 * wall):.0f}% "
@@ -74,7 +75,7 @@ class StepProfiler:
                 f"{kernels['nccl_ms'] / steps:.1f} ms, of which {kernels['nccl_exposed_ms'] / steps:.1f} ms with no "
                 "compute kernel running beside them")
             lines.append("kernel time by category, ms per step: " + ", ".join(
-                f"{name} {ms / steps:.1f}" for name, ms in kernel_categories(json.loads(trace.read_text())).items()))
+                f"{category} {ms / steps:.1f}" for category, ms in kernel_categories(events).items()))
         summary = self.directory / f"{name}.txt"
         summary.write_text("\n".join(lines) + f"\n{table}\n")
         print(f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",

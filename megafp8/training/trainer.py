@@ -60,8 +60,7 @@ class _ExitSignal:
         if dist.get_world_size() == 1:  # no collective, so no wait on the GPU either
             return self.received is not None
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self):
