@@ -1,11 +1,14 @@
 """--enable-cuda-graph on the GPU: a run whose layers replay CUDA graphs equals the eager run bit
 for bit (losses and every parameter), with FP8 delayed and current scaling, gradient
-accumulation, the per-step weight cast, recomputation and dropout. (Start-up refusals are in
+accumulation, the per-step weight cast, recomputation and dropout, on one GPU and under tensor
+(with sequence) and data parallelism on two. (Start-up refusals are in
 test_arguments.py.)"""
 import pytest
 import torch
 
 from megafp8.training.trainer import pretrain
+
+from ..multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -40,3 +43,27 @@ def test_graphed_training_equals_eager_bitwise(extra):
     assert graphed == eager
     for name, value in eager_params.items():
         assert torch.equal(graphed_params[name], value), name
+
+
+def two_gpu_body(rank, world_size, extra):
+    """Eager then graphed on both ranks: losses and this rank's parameters."""
+    _, eager, eager_params = run(BASE + extra)
+    trainer, graphed, graphed_params = run(BASE + extra + GRAPHED)
+    assert trainer.chunks[0].cuda_graphs.sets, "the layers were not graphed"
+    return eager, graphed, eager_params, graphed_params
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("extra", [
+    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"],
+    ["--fp8-format", "hybrid", "--use-distributed-optimizer"],  # dp 2: the buckets launched after each replay
+], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-delayed", "dp2-delayed"])
+def test_graphed_tensor_and_data_parallel_equal_eager_bitwise(extra):
+    """The sequence-parallel gathers and reduce-scatters replay inside the graphs; the amax
+    reduction over tp and the gradient buckets over dp run eagerly around them."""
+    for eager, graphed, eager_params, graphed_params in run_on_ranks(two_gpu_body, 2, extra, backend="nccl"):
+        assert graphed == eager
+        for name, value in eager_params.items():
+            assert torch.equal(graphed_params[name], value), name
