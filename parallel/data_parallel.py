@@ -3,7 +3,10 @@ data-parallel group while backward is still running.
 
 Every trainable parameter gets `param.main_grad`, a view into one fp32 buffer. After each
 backward of a parameter its (bf16) `.grad` is added into `main_grad` and freed, so gradients
-accumulate in fp32 across micro-batches. The buffer is cut into buckets of about
+accumulate in fp32 across micro-batches. A layer may instead write its weight gradient into
+`main_grad` itself, in fp32 straight from the GEMM (Megatron's gradient-accumulation fusion,
+megafp8.fp8.linear): it then gives autograd no gradient for that weight, and reads
+`param.main_grad_is_zero`, kept here, to know whether it may overwrite rather than add. The buffer is cut into buckets of about
 `bucket_size` elements, laid out in reverse parameter order (roughly the order backward
 produces them); on the micro-batch that ends a step, a bucket's collective starts as soon as its
 last parameter's gradient is in, overlapping the rest of backward.
@@ -80,6 +83,7 @@ class GradientBuffer:
             for p in bucket.params:
                 p.main_grad = self.data[layout[p]:layout[p] + p.numel()].view_as(p)
                 p.main_grad_offset = layout[p]
+                p.main_grad_is_zero = True
                 self.bucket_of[p] = bucket
         self._sync = True
         # The hooks live in C++ on the parameters, out of the garbage collector's sight: a bound
@@ -100,8 +104,10 @@ class GradientBuffer:
         self._sync = sync
 
     def _grad_ready(self, param):
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None:  # else the layer has written main_grad itself
+            param.main_grad.add_(param.grad)
+            param.main_grad_is_zero = False
+            param.grad = None
         self.mark_ready((param,))
 
     def mark_ready(self, params):
@@ -136,6 +142,8 @@ class GradientBuffer:
 
     def zero(self):
         self.data.zero_()
+        for p in self.params:
+            p.main_grad_is_zero = True
 
     def remove_hooks(self):
         for hook in self._hooks:

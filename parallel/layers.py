@@ -8,7 +8,6 @@ sliced, so every tensor-parallel size starts from the same model.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -86,7 +85,7 @@ class ColumnParallelLinear(_ShardedLinear):
         elif (context := self.fp8_context(x, gathered_ranks=self.tp_size)) is not None:
             y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group)  # gathers in FP8
         else:
-            y = F.linear(gather_from_sequence_parallel(x, self.tp_group), self.weight, self.bias)
+            y = self.high_precision_linear(gather_from_sequence_parallel(x, self.tp_group), self.bias)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
 
 

@@ -16,10 +16,14 @@ step equals an eager one bit for bit:
 - the amaxes a capture saw are recorded again into the forward pass and the backward pass now
   running, so delayed scaling's end-of-pass update (eager, one collective per pass) covers them;
 - parameter gradients are added into `param.main_grad` inside the backward graph (the fp32
-  gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction.
+  gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction. An
+  FP8 weight gradient overwrites a `main_grad` that holds zeros instead (a step's first
+  micro-batch, gradient-accumulation fusion in megafp8.fp8.linear), so which `main_grad`s hold
+  zeros is part of a graph set's signature.
 Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
 and write in place. A capture is made at the first call with a new signature (FP8 recipe and
-reduction group, saturation counting, shapes); calls a graph cannot serve return None.
+reduction group, saturation counting, which gradients are still zero, shapes); calls a graph
+cannot serve return None.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ class LayerGraphs:
             return None
         key = (None if context is None else (context.recipe, id(context.amax_reduction_group),
                                              context.collect_saturation),
-               _layout(x), tuple(None if e is None else _layout(e) for e in extras))
+               self._zero_main_grads(), _layout(x), tuple(None if e is None else _layout(e) for e in extras))
         graphs = self.sets.get(key)
         if graphs is None:
             graphs = self.sets[key] = self._capture(x, extras, context)
@@ -97,6 +101,13 @@ class LayerGraphs:
         for index in range(len(self.functions)):
             x = _ReplayUnit.apply(self, graphs, index, context, x)
         return x
+
+    def _zero_main_grads(self) -> tuple:
+        return tuple(getattr(p, "main_grad_is_zero", False) for params in self.params for p in params)
+
+    def _set_zero_main_grads(self, flags) -> None:
+        for p, flag in zip((p for params in self.params for p in params), flags):
+            p.main_grad_is_zero = flag
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -113,6 +124,8 @@ class LayerGraphs:
         _copy_into(graphs.grad_outputs[index], grad_output)
         graphs.backward_graphs[index].replay()
         replay_backward_amaxes(graphs.backward_amaxes[index])
+        for param in self.params[index]:
+            param.main_grad_is_zero = False  # written or added to by the graph
         if self.grads_ready is not None:
             self.grads_ready(self.params[index])
         return graphs.grad_inputs[index]
@@ -127,6 +140,9 @@ class LayerGraphs:
         graphs.extras = tuple(None if e is None else e.detach() for e in extras)
         first_input = torch.empty_like(x).requires_grad_()
         self._warm_up(first_input, graphs.extras, context)
+        # The backward captures claim main_grads that hold zeros, as an eager backward would; the
+        # claims are the replays' to make, the capture itself runs nothing.
+        zero_main_grads = self._zero_main_grads()
         self.stream.wait_stream(torch.cuda.current_stream())
         with record_amaxes(context) as recording:
             inputs = first_input
@@ -150,6 +166,7 @@ class LayerGraphs:
                 graphs.grad_inputs[index] = grad_output = grads[0]
                 _, graphs.backward_amaxes[index] = recording.take()
                 del grads
+        self._set_zero_main_grads(zero_main_grads)
         # The graphs' outputs hold no autograd history: the replays give them theirs.
         graphs.outputs = [output.detach() for output in graphs.outputs]
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -158,10 +175,14 @@ class LayerGraphs:
     def _warm_up(self, first_input, extras, context) -> None:
         """One forward and backward of every unit on the capture stream before capturing (cuBLAS
         and the like set up per stream, which a capture must not do), leaving no trace: the
-        scaling state it touches and the CUDA generator are restored, no gradient is kept."""
-        states = [t for linears in self.linears for m in linears for s in m.fp8_scaling.values()
-                  for t in (s.scale, s.amax, s.saturation)]
+        scaling state it touches and the CUDA generator are restored, no gradient is kept (the
+        linears do not write main_grad meanwhile)."""
+        linears = [m for linears in self.linears for m in linears]
+        states = [t for m in linears for s in m.fp8_scaling.values() for t in (s.scale, s.amax, s.saturation)]
         saved, rng = [t.clone() for t in states], torch.cuda.get_rng_state()
+        fused = [m.fuse_wgrad_accumulation for m in linears]
+        for m in linears:
+            m.fuse_wgrad_accumulation = False
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream), record_amaxes(context):
             inputs = first_input
@@ -173,6 +194,8 @@ class LayerGraphs:
         torch.cuda.current_stream().wait_stream(self.stream)
         torch._foreach_copy_(states, saved)
         torch.cuda.set_rng_state(rng)
+        for m, fuse in zip(linears, fused):
+            m.fuse_wgrad_accumulation = fuse
 
 
 class _ReplayUnit(torch.autograd.Function):

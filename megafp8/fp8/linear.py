@@ -50,6 +50,14 @@ class Fp8Linear(nn.Linear):
     `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
     Scaling state per role lives in `fp8_scaling["input" | "weight" | "grad_output"]` and in
     the state_dict.
+
+    Gradient-accumulation fusion (Megatron's, on unless `fuse_wgrad_accumulation` is False): when
+    the weight carries an fp32 `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
+    weight and bias gradients go there straight from the GEMM in fp32, with no bf16 gradient and
+    no accumulation pass: the FP8 wgrad overwrites a `main_grad` that still holds zeros (a
+    step's first micro-batch; `_scaled_mm` cannot add), and on a GPU the high-precision wgrad
+    adds into it inside the GEMM (addmm with an fp32 output). Autograd then gets no gradient
+    for them, which the GradientBuffer's hook understands.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
@@ -57,6 +65,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.fp8.graphs)
+        self.fuse_wgrad_accumulation = True
         self._warned_fallback = False
 
     def clear_fp8_weight_cache(self) -> None:
@@ -68,7 +77,16 @@ class Fp8Linear(nn.Linear):
     def linear(self, x: torch.Tensor, bias) -> torch.Tensor:
         """`x W^T + bias`, in FP8 when `fp8_context` says so (a subclass adds its bias later)."""
         context = self.fp8_context(x)
-        return F.linear(x, self.weight, bias) if context is None else self.fp8_linear(x, bias, context)
+        return self.high_precision_linear(x, bias) if context is None else self.fp8_linear(x, bias, context)
+
+    def high_precision_linear(self, x: torch.Tensor, bias) -> torch.Tensor:
+        """F.linear, with its weight gradient added into `main_grad` by the GEMM where it can be."""
+        if (self.fuse_wgrad_accumulation and x.is_cuda and _ADDMM_INTO_FP32
+                and getattr(self.weight, "main_grad", None) is not None and self.weight.requires_grad
+                and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
+                and not torch.is_autocast_enabled(x.device.type)):
+            return _LinearIntoMainGrad.apply(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def fp8_context(self, x: torch.Tensor, gathered_ranks: int = 1) -> Optional[Fp8Context]:
         """The fp8_autocast this layer's GEMMs run under for the input `x` (one of
@@ -180,6 +198,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_saved, w_scale_inv = (qw.data_t, qw.scale_inv) if dgrad_fp8 else (weight, None)
         ctx.save_for_backward(x_saved, x_scale_inv, w_saved, w_scale_inv)
         ctx.module, ctx.context, ctx.weight_dtype = module, context, weight.dtype
+        ctx.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
         ctx.fp8 = (dgrad_fp8, wgrad_fp8)
         ctx.has_bias = bias is not None
         ctx.gather, ctx.fp8_gather = gather, fp8_gather
@@ -214,10 +233,63 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if wgrad_fp8:
                 if ctx.fp8_gather:
                     x_saved = collectives.all_gather_columns(x_saved, ctx.gather)
-                dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
+                main_grad = _zeroed_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
+                dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv,
+                              ctx.weight_dtype if main_grad is None else torch.float32, out=main_grad)
+                if main_grad is not None:
+                    dw = None  # in main_grad already
             else:
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
             db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
-            db = db.to(ctx.weight_dtype)
+            main_grad = _zeroed_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
+            if main_grad is None:
+                db = db.to(ctx.weight_dtype)
+            else:
+                main_grad.copy_(db)
+                db = None
         return dx, dw, db, None, None, None
+
+
+# addmm with bf16/fp16 factors and an fp32 output (torch >= 2.8, CUDA only).
+_ADDMM_INTO_FP32 = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _zeroed_main_grad(param) -> Optional[torch.Tensor]:
+    """`param.main_grad` if it still holds zeros, to be overwritten with the gradient (claimed:
+    it counts as written from now on); else None."""
+    if not getattr(param, "main_grad_is_zero", False):
+        return None
+    param.main_grad_is_zero = False
+    return param.main_grad
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """F.linear whose weight and bias gradients are added into their fp32 `main_grad` by the
+    GEMM itself (beta = 1) and the bias reduction, instead of returned in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.weight, ctx.bias = weight, bias  # parameters (leaves): no reference cycle
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        main_grad = ctx.weight.main_grad
+        torch.ops.aten.addmm.dtype_out(main_grad, dy2.t(), x2, torch.float32, out=main_grad)
+        ctx.weight.main_grad_is_zero = False
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32)
+            if getattr(ctx.bias, "main_grad", None) is None:
+                db = db.to(ctx.bias.dtype)
+            else:
+                ctx.bias.main_grad.add_(db)
+                ctx.bias.main_grad_is_zero = False
+                db = None
+        return dx, None, db

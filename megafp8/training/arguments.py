@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--ddp-bucket-size", type=_POSITIVE, default=DEFAULT_BUCKET_SIZE,
                    help="elements per data-parallel gradient bucket (reduced as soon as it is complete)")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="the linear layers' GEMMs write their weight gradients into the fp32 gradient buffer "
+                        "(FP8: on a step's first micro-batch; bf16 on a GPU: every one) instead of returning "
+                        "bf16 gradients for a separate accumulation pass")
 
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=_POSITIVE)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megafp8.console import show_warnings_as_messages
 from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer,
                           parse_split)
-from megafp8.fp8 import fp8_autocast
+from megafp8.fp8 import Fp8Linear, fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM, compile_layers
 from megafp8.parallel import ParallelGroups, PipelineStage, finalize_grads, forward_backward, stage_layers
@@ -125,6 +125,10 @@ class Trainer:
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
                                      shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                                      own_bucket=self.model.own_buckets)
+        if not args.gradient_accumulation_fusion:
+            for module in self.model.modules():
+                if isinstance(module, Fp8Linear):
+                    module.fuse_wgrad_accumulation = False
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,

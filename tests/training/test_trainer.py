@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megafp8.fp8 import Fp8Linear
 from megafp8.parallel import check_embeddings_in_sync
 from megafp8.training import arguments, checkpointing
 from megafp8.training.checkpointing import CheckpointError
@@ -397,3 +398,14 @@ def test_a_finished_run_frees_its_model_and_gradient_buffer():
     del trainer
     gc.collect()
     assert [ref() for ref in refs] == [None] * len(refs)
+
+
+def test_gradient_accumulation_fusion_can_be_turned_off():
+    """The FP8 weight gradients of the first micro-batch skip their bf16 rounding when fused, so
+    the two runs part by that rounding only."""
+    fp8 = TINY + ["--train-iters", "3", "--fp8-format", "hybrid"]
+    fused = run_on_ranks(losses_of, 1, fp8)[0]
+    trainer = pretrain(fp8 + ["--no-gradient-accumulation-fusion"])
+    linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    assert linears and not any(m.fuse_wgrad_accumulation for m in linears)
+    assert [loss for _, loss in trainer.history] == pytest.approx([loss for _, loss in fused], rel=1e-3)

@@ -1,0 +1,100 @@
+"""Gradient-accumulation fusion: the linears write their weight and bias gradients into the fp32
+`main_grad` of a GradientBuffer themselves. The FP8 wgrad overwrites a main_grad that still holds
+zeros with the GEMM's fp32 result (CPU and GPU); the bf16 wgrad adds into it inside the GEMM
+(GPU only). Either way the accumulated gradient equals the unfused path's to bf16 rounding, with
+the step's first micro-batch not rounded to bf16 at all."""
+import pytest
+import torch
+
+from megafp8 import CurrentScaling, Fp8Linear, fp8_autocast
+from megafp8.parallel.data_parallel import GradientBuffer
+
+from .helpers import rel_err
+
+MICRO_BATCHES = 3
+
+
+def layer_pair(dtype, device="cpu", out_features=48):
+    """The same layer twice, fused and unfused, each with its gradient buffer."""
+    layers = []
+    for fused in (True, False):
+        torch.manual_seed(5)
+        layer = Fp8Linear(64, out_features, dtype=dtype, device=device)
+        layer.fuse_wgrad_accumulation = fused
+        layers.append((layer, GradientBuffer(layer.parameters())))
+    return layers
+
+
+def accumulate(layer, buffer, batches, fp8, twice=False):
+    """main_grad of weight and bias after each micro-batch."""
+    buffer.zero()
+    after = []
+    for x, dy in batches:
+        with fp8_autocast(enabled=fp8, recipe=CurrentScaling()):
+            y = layer(layer(x)) if twice else layer(x)
+        y.backward(dy)
+        assert layer.weight.grad is None and layer.bias.grad is None
+        after.append((layer.weight.main_grad.clone(), layer.bias.main_grad.clone()))
+    return after
+
+
+def batches(dtype, device="cpu", out_features=48):
+    g = torch.Generator(device=device).manual_seed(11)
+    return [(torch.randn(32, 64, generator=g, device=device).to(dtype),
+             torch.randn(32, out_features, generator=g, device=device).to(dtype)) for _ in range(MICRO_BATCHES)]
+
+
+def is_bf16_rounded(t):
+    return torch.equal(t, t.bfloat16().float())
+
+
+def test_fp8_wgrad_goes_into_a_zero_main_grad_in_fp32_then_accumulates_as_before():
+    (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16)
+    data = batches(torch.bfloat16)
+    assert fused.weight.main_grad_is_zero
+    got = accumulate(fused, fused_buffer, data, fp8=True)
+    assert not fused.weight.main_grad_is_zero and not fused.bias.main_grad_is_zero
+    want = accumulate(unfused, unfused_buffer, data, fp8=True)
+    # First micro-batch: the GEMM's fp32 result itself, where the unfused path rounds it to bf16.
+    assert not is_bf16_rounded(got[0][0]) and is_bf16_rounded(want[0][0])
+    assert not is_bf16_rounded(got[0][1]) and is_bf16_rounded(want[0][1])
+    for (w, b), (w_ref, b_ref) in zip(got, want):
+        assert rel_err(w, w_ref) < 2.0**-8 and rel_err(b, b_ref) < 2.0**-8
+    # Zeroed again, the next step overwrites again.
+    again = accumulate(fused, fused_buffer, data, fp8=True)
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(again, got) for a, b in zip(pair_a, pair_b))
+
+
+def test_a_weight_used_twice_in_one_backward_counts_both_uses():
+    (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16, out_features=64)
+    data = batches(torch.bfloat16, out_features=64)
+    got = accumulate(fused, fused_buffer, data, fp8=True, twice=True)
+    want = accumulate(unfused, unfused_buffer, data, fp8=True, twice=True)
+    for (w, b), (w_ref, b_ref) in zip(got, want):
+        assert rel_err(w, w_ref) < 2.0**-7 and rel_err(b, b_ref) < 2.0**-7
+
+
+def test_without_fusion_or_a_buffer_autograd_gets_the_gradients():
+    torch.manual_seed(5)
+    layer = Fp8Linear(64, 48, dtype=torch.bfloat16)
+    x, dy = batches(torch.bfloat16)[0]
+    with fp8_autocast(recipe=CurrentScaling()):
+        layer(x).backward(dy)
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_on_the_gpu_the_fused_gradients_equal_the_unfused_to_bf16_rounding(fp8):
+    (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16, "cuda")
+    data = batches(torch.bfloat16, "cuda")
+    got = accumulate(fused, fused_buffer, data, fp8=fp8)
+    want = accumulate(unfused, unfused_buffer, data, fp8=fp8)
+    assert not is_bf16_rounded(got[0][0]) and is_bf16_rounded(want[0][0])
+    for (w, b), (w_ref, b_ref) in zip(got, want):
+        assert rel_err(w, w_ref) < 2.0**-8 and rel_err(b, b_ref) < 2.0**-8
+    # Against fp64 over all micro-batches (the bf16 GEMM's own rounding aside), fused is closer.
+    if not fp8:
+        ref = sum(dy.double().t() @ x.double() for x, dy in data)
+        assert rel_err(got[-1][0], ref) <= rel_err(want[-1][0], ref)
