@@ -1,5 +1,6 @@
 """Command-line arguments: Megatron's flag names, presets, YAML configs, and start-up errors that
 name the flags at fault."""
+import argparse
 import json
 import os
 
@@ -417,5 +418,6 @@ def test_every_flag_dest_is_its_name_with_underscores():
     from megafp8.training.arguments import build_parser
     for action in build_parser()._actions:
         for flag in action.option_strings:
-            if flag.startswith("--") and not flag.startswith("--no-overlap") and flag != "--help":
+            negative = isinstance(action, argparse.BooleanOptionalAction) and flag.startswith("--no-")
+            if flag.startswith("--") and not negative and flag != "--help":
                 assert action.dest == flag[2:].replace("-", "_"), flag
