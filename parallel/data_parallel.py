@@ -6,10 +6,12 @@ backward of a parameter its (bf16) `.grad` is added into `main_grad` and freed, 
 accumulate in fp32 across micro-batches. A layer may instead write its weight gradient into
 `main_grad` itself, in fp32 straight from the GEMM (Megatron's gradient-accumulation fusion,
 megafp8.fp8.linear): it then gives autograd no gradient for that weight, and reads
-`param.main_grad_is_zero`, kept here, to know whether it may overwrite rather than add. The buffer is cut into buckets of about
-`bucket_size` elements, laid out in reverse parameter order (roughly the order backward
-produces them); on the micro-batch that ends a step, a bucket's collective starts as soon as its
-last parameter's gradient is in, overlapping the rest of backward.
+`param.main_grad_is_zero`, kept here, to know whether it may overwrite rather than add.
+
+The buffer is cut into buckets of about `bucket_size` elements, laid out in reverse parameter
+order (roughly the order backward produces them); on the micro-batch that ends a step, a
+bucket's collective starts as soon as its last parameter's gradient is in, overlapping the rest
+of backward.
 
 With `shard=True` (the distributed optimizer) each bucket is padded to a multiple of the group
 size and reduce-scattered: rank r ends up owning the summed gradient of the r-th equal slice of

@@ -72,8 +72,9 @@ class LayerGraphs:
                  grads_ready: Optional[Callable[[list], None]] = None):
         self.functions = [function for function, _ in units]
         self.params = [[p for p in module.parameters() if p.requires_grad] for _, module in units]
+        self.all_params = [p for params in self.params for p in params]
         self.linears = [[m for m in module.modules() if isinstance(m, Fp8Linear)] for _, module in units]
-        missing = [p for params in self.params for p in params if not hasattr(p, "main_grad")]
+        missing = [p for p in self.all_params if not hasattr(p, "main_grad")]
         if missing:
             raise ValueError("LayerGraphs adds gradients into param.main_grad: build the GradientBuffer "
                              f"before graphing ({len(missing)} parameters have none)")
@@ -103,10 +104,10 @@ class LayerGraphs:
         return x
 
     def _zero_main_grads(self) -> tuple:
-        return tuple(getattr(p, "main_grad_is_zero", False) for params in self.params for p in params)
+        return tuple(getattr(p, "main_grad_is_zero", False) for p in self.all_params)
 
     def _set_zero_main_grads(self, flags) -> None:
-        for p, flag in zip((p for params in self.params for p in params), flags):
+        for p, flag in zip(self.all_params, flags):
             p.main_grad_is_zero = flag
 
     # -- replay ---------------------------------------------------------------------------------

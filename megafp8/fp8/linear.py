@@ -234,10 +234,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if ctx.fp8_gather:
                     x_saved = collectives.all_gather_columns(x_saved, ctx.gather)
                 main_grad = _zeroed_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
-                dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv,
-                              ctx.weight_dtype if main_grad is None else torch.float32, out=main_grad)
-                if main_grad is not None:
-                    dw = None  # in main_grad already
+                if main_grad is None:
+                    dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
+                else:  # dw stays None: the gradient is in main_grad
+                    fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad)
             else:
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
