@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
 from megafp8.fp8.autocast import current_fp8_context
+from megafp8.fp8.fused import GradHandoff
 from megafp8.fp8.graphs import LayerGraphs
 from megafp8.parallel import (
     ColumnParallelLinear,
@@ -59,8 +60,9 @@ class Attention(nn.Module):
         self.dropout = config.attention_dropout
         self.recompute_core = recompute_core
 
-    def forward(self, x, rotary, mask):
-        q, k, v = self.qkv.split_heads(self.qkv(x))  # [s, b, heads, head_dim]
+    def forward(self, x, rotary, mask, norm=None):
+        """Attention over `norm(x)` (the norm fused into the QKV GEMM's FP8 cast where it can be)."""
+        q, k, v = self.qkv.split_heads(self.qkv(x, norm=norm))  # [s, b, heads, head_dim]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.recompute_core:
@@ -94,16 +96,16 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.bias,
                                      input_is_parallel=True, sequence_parallel=sp, init_method=output_init,
                                      dtype=dtype, device=device)
-        self.activation = config.activation
+        self.activation = config.activation  # one of megafp8.fp8.activation_kernels.KINDS
 
-    def forward(self, x):
-        h = self.fc1(x)
-        if self.gated:
-            gate, up = rearrange(h, "... (two ffn) -> two ... ffn", two=2)  # fc1 stacks [gate; up]
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.fc2(h)
+    def forward(self, x, norm=None):
+        """The MLP of `norm(x)`. Under delayed FP8 scaling the norm is fused into fc1's input cast,
+        the activation into fc2's, and in backward the activation's gradient into fc1's output
+        gradient cast (handed over, megafp8.fp8.fused): no high-precision copy of either is stored.
+        fc1 stacks [gate; up] for SwiGLU (`swiglu(h) = silu(gate) * up`)."""
+        handoff = GradHandoff()
+        h = self.fc1(x, norm=norm, grad_from=handoff)
+        return self.fc2(h, activation=self.activation, grad_to=(self.fc1, handoff))
 
 
 class TransformerLayer(nn.Module):
@@ -125,8 +127,8 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x, rotary, mask=None):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
-            x = x + F.dropout(self.attention(self.input_norm(x), rotary, mask), self.dropout, self.training)
-            return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+            x = x + F.dropout(self.attention(x, rotary, mask, norm=self.input_norm), self.dropout, self.training)
+            return x + F.dropout(self.mlp(x, norm=self.mlp_norm), self.dropout, self.training)
 
 
 def run_recomputed(layers, x, rotary, mask):

@@ -7,12 +7,15 @@ sliced, so every tensor-parallel size starts from the same model.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from einops import rearrange
 from torch import nn
 
 from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear
+from megafp8.fp8.fused import GradHandoff
 from megafp8.fp8.scaling import scaling_states
 
 from .communication import (
@@ -79,11 +82,21 @@ class ColumnParallelLinear(_ShardedLinear):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp > 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            y = self.linear(copy_to_tensor_parallel(x, self.tp_group), self.bias)
-        elif (context := self.fp8_context(x, gathered_ranks=self.tp_size)) is not None:
-            y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group)  # gathers in FP8
+    def forward(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None,
+                grad_from: Optional[GradHandoff] = None) -> torch.Tensor:
+        """`norm(x) A + b` with a norm module (fused into the FP8 cast where it can be), else
+        `x A + b`; `grad_from`: see Fp8Linear.forward."""
+        context = self.fp8_context(x, gathered_ranks=self.tp_size if self.sequence_parallel else 1)
+        # Without sequence parallelism the norm's input is replicated: a fused norm all-reduces
+        # its input gradient before its own backward, as copy_to_tensor_parallel would after it.
+        replicated = self.tp_group if self.tp_size > 1 and not self.sequence_parallel else None
+        fusion, x = self.fusion(context, x, norm=norm, grad_from=grad_from, input_grad_group=replicated)
+        if fusion.norm is not None and replicated is not None:
+            y = self.linear(x, self.bias, context, fusion)
+        elif not self.sequence_parallel:
+            y = self.linear(copy_to_tensor_parallel(x, self.tp_group), self.bias, context, fusion)
+        elif context is not None:
+            y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group, fusion=fusion)  # gathers in FP8
         else:
             y = self.high_precision_linear(gather_from_sequence_parallel(x, self.tp_group), self.bias)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
@@ -112,12 +125,17 @@ class RowParallelLinear(_ShardedLinear):
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, activation: Optional[str] = None,
+                grad_to: Optional[tuple] = None) -> torch.Tensor:
+        """`act(x) A + b` with an activation (fused into the FP8 cast where it can be), else
+        `x A + b`; `grad_to`: see Fp8Linear.forward."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp_group)
+        context = self.fp8_context(x)
+        fusion, x = self.fusion(context, x, activation=activation, grad_to=grad_to)
         if self.tp_size == 1:  # nothing to sum: the bias goes into the GEMM's epilogue
-            return self.linear(x, self.bias)
-        y = self.linear(x, None)
+            return self.linear(x, self.bias, context, fusion)
+        y = self.linear(x, None, context, fusion)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
         else:

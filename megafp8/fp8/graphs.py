@@ -16,13 +16,14 @@ step equals an eager one bit for bit:
 - the amaxes a capture saw are recorded again into the forward pass and the backward pass now
   running, so delayed scaling's end-of-pass update (eager, one collective per pass) covers them;
 - parameter gradients are added into `param.main_grad` inside the backward graph (the fp32
-  gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction. An
-  FP8 weight gradient overwrites a `main_grad` that holds zeros instead (a step's first
-  micro-batch, gradient-accumulation fusion in megafp8.fp8.linear), so which `main_grad`s hold
-  zeros is part of a graph set's signature.
+  gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction. A
+  `main_grad` that holds no gradient yet (`main_grad_empty`: a step's first micro-batch) is
+  overwritten instead (FP8 weight gradients straight from the GEMM: gradient-accumulation
+  fusion in megafp8.fp8.linear), so which `main_grad`s are empty is part of a graph set's
+  signature.
 Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
 and write in place. A capture is made at the first call with a new signature (FP8 recipe and
-reduction group, saturation counting, which gradients are still zero, shapes); calls a graph
+reduction group, saturation counting, which gradients are still empty, shapes); calls a graph
 cannot serve return None.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
-from .linear import Fp8Linear
+from .linear import Fp8Linear, accumulate_into_main_grad
 
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
@@ -54,6 +55,7 @@ class _GraphSet:
         self.grad_inputs: list = [None] * count
         self.forward_amaxes: list = [[] for _ in range(count)]
         self.backward_amaxes: list = [[] for _ in range(count)]
+        self.written: list = [[] for _ in range(count)]  # the parameters each backward graph writes
 
 
 class LayerGraphs:
@@ -92,7 +94,7 @@ class LayerGraphs:
             return None
         key = (None if context is None else (context.recipe, id(context.amax_reduction_group),
                                              context.collect_saturation),
-               self._zero_main_grads(), _layout(x), tuple(None if e is None else _layout(e) for e in extras))
+               self._empty_main_grads(), _layout(x), tuple(None if e is None else _layout(e) for e in extras))
         graphs = self.sets.get(key)
         if graphs is None:
             graphs = self.sets[key] = self._capture(x, extras, context)
@@ -103,12 +105,12 @@ class LayerGraphs:
             x = _ReplayUnit.apply(self, graphs, index, context, x)
         return x
 
-    def _zero_main_grads(self) -> tuple:
-        return tuple(getattr(p, "main_grad_is_zero", False) for p in self.all_params)
+    def _empty_main_grads(self) -> tuple:
+        return tuple(getattr(p, "main_grad_empty", False) for p in self.all_params)
 
-    def _set_zero_main_grads(self, flags) -> None:
+    def _set_empty_main_grads(self, flags) -> None:
         for p, flag in zip(self.all_params, flags):
-            p.main_grad_is_zero = flag
+            p.main_grad_empty = flag
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -125,8 +127,8 @@ class LayerGraphs:
         _copy_into(graphs.grad_outputs[index], grad_output)
         graphs.backward_graphs[index].replay()
         replay_backward_amaxes(graphs.backward_amaxes[index])
-        for param in self.params[index]:
-            param.main_grad_is_zero = False  # written or added to by the graph
+        for param in graphs.written[index]:
+            param.main_grad_empty = False
         if self.grads_ready is not None:
             self.grads_ready(self.params[index])
         return graphs.grad_inputs[index]
@@ -141,9 +143,9 @@ class LayerGraphs:
         graphs.extras = tuple(None if e is None else e.detach() for e in extras)
         first_input = torch.empty_like(x).requires_grad_()
         self._warm_up(first_input, graphs.extras, context)
-        # The backward captures claim main_grads that hold zeros, as an eager backward would; the
-        # claims are the replays' to make, the capture itself runs nothing.
-        zero_main_grads = self._zero_main_grads()
+        # The backward captures claim empty main_grads, as an eager backward would; the claims
+        # are the replays' to make, the capture itself runs nothing.
+        empty_main_grads = self._empty_main_grads()
         self.stream.wait_stream(torch.cuda.current_stream())
         with record_amaxes(context) as recording:
             inputs = first_input
@@ -158,16 +160,19 @@ class LayerGraphs:
             for index in reversed(range(len(self.functions))):
                 graph, params = torch.cuda.CUDAGraph(), self.params[index]
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
+                    empty = [p.main_grad_empty for p in params]
                     grads = torch.autograd.grad(graphs.outputs[index], (graphs.inputs[index], *params),
                                                 grad_outputs=grad_output, allow_unused=True)
                     for param, grad in zip(params, grads[1:]):
                         if grad is not None:
-                            param.main_grad.add_(grad)
+                            accumulate_into_main_grad(param, grad)
+                # Written: by the layers themselves (claimed), or from autograd's gradient.
+                graphs.written[index] = [p for p, was_empty in zip(params, empty) if was_empty and not p.main_grad_empty]
                 graphs.backward_graphs[index], graphs.grad_outputs[index] = graph, grad_output
                 graphs.grad_inputs[index] = grad_output = grads[0]
                 _, graphs.backward_amaxes[index] = recording.take()
                 del grads
-        self._set_zero_main_grads(zero_main_grads)
+        self._set_empty_main_grads(empty_main_grads)
         # The graphs' outputs hold no autograd history: the replays give them theirs.
         graphs.outputs = [output.detach() for output in graphs.outputs]
         torch.cuda.current_stream().wait_stream(self.stream)

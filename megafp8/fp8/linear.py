@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,7 +13,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megafp8 import collectives
 
+from . import activation_kernels, norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
+from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
 from .gemm import fp8_gemm
 from .scaling import cast, record_reuse, scaling_states
 from .tensor import Fp8Tensor
@@ -39,6 +42,30 @@ def _has_fp8_tensor_cores(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """The neighbours an FP8 linear takes into its own kernels (megafp8.fp8.fused), so that
+    their outputs are never stored in high precision. At most one of `norm` and `activation`.
+
+    - `norm`: the input is the input of this norm, whose output the cast writes in FP8 directly;
+      in backward, the norm's backward follows the dgrad GEMM (after `input_grad_group`'s
+      all-reduce: the norm's input was replicated over those tensor-parallel ranks).
+    - `activation` (activation_kernels.KINDS): the input is the input of this activation.
+      With `grad_to` = (the linear that produced that input, a GradHandoff), backward also casts
+      the activation's gradient in FP8 for that linear, in the kernel that computes it.
+    - `grad_from`: this linear takes its output gradient from this GradHandoff, already in FP8.
+    """
+
+    norm: Optional[Norm] = None
+    input_grad_group: object = None
+    activation: Optional[str] = None
+    grad_to: Optional[tuple] = None
+    grad_from: Optional[GradHandoff] = None
+
+
+NO_FUSION = Fusion()
+
+
 class Fp8Linear(nn.Linear):
     """`y = x W^T + b` like nn.Linear; under fp8_autocast its GEMMs run in FP8.
 
@@ -51,12 +78,19 @@ class Fp8Linear(nn.Linear):
     Scaling state per role lives in `fp8_scaling["input" | "weight" | "grad_output"]` and in
     the state_dict.
 
+    Neighbour fusion (Transformer Engine's LayerNormLinear / LayerNormMLP, on unless
+    `fuse_neighbours` is False): `forward(x, norm=...)` normalizes `x` and `forward(h,
+    activation=...)` applies the activation inside the input's FP8 cast, and an activation's
+    backward writes the FP8 gradient of the linear before it (see `Fusion`). Only under delayed
+    scaling with every GEMM in FP8, where the cast's scale is known before the tensor; otherwise
+    the neighbour runs on its own first, with the same result.
+
     Gradient-accumulation fusion (Megatron's, on unless `fuse_wgrad_accumulation` is False): when
     the weight carries an fp32 `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
     weight and bias gradients go there straight from the GEMM in fp32, with no bf16 gradient and
-    no accumulation pass: the FP8 wgrad overwrites a `main_grad` that still holds zeros (a
-    step's first micro-batch; `_scaled_mm` cannot add), and on a GPU the high-precision wgrad
-    adds into it inside the GEMM (addmm with an fp32 output). Autograd then gets no gradient
+    no accumulation pass: the FP8 wgrad overwrites a `main_grad` that holds no gradient yet
+    (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and on a GPU the
+    high-precision wgrad adds into it inside the GEMM (addmm with an fp32 output). Autograd then gets no gradient
     for them, which the GradientBuffer's hook understands.
     """
 
@@ -66,18 +100,46 @@ class Fp8Linear(nn.Linear):
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.fp8.graphs)
         self.fuse_wgrad_accumulation = True
+        self.fuse_neighbours = True
         self._warned_fallback = False
 
     def clear_fp8_weight_cache(self) -> None:
         self._weight_fp8 = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
-
-    def linear(self, x: torch.Tensor, bias) -> torch.Tensor:
-        """`x W^T + bias`, in FP8 when `fp8_context` says so (a subclass adds its bias later)."""
+    def forward(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None, activation: Optional[str] = None,
+                grad_to: Optional[tuple] = None, grad_from: Optional[GradHandoff] = None) -> torch.Tensor:
+        """`norm(x) W^T + b` with a norm module, `act(x) W^T + b` with an activation, else
+        `x W^T + b`; `grad_to` and `grad_from` pair an activation's linear with the linear
+        before it (`Fusion`)."""
         context = self.fp8_context(x)
-        return self.high_precision_linear(x, bias) if context is None else self.fp8_linear(x, bias, context)
+        fusion, x = self.fusion(context, x, norm=norm, activation=activation, grad_to=grad_to, grad_from=grad_from)
+        return self.linear(x, self.bias, context, fusion)
+
+    def linear(self, x: torch.Tensor, bias, context: Optional[Fp8Context], fusion: Fusion = NO_FUSION) -> torch.Tensor:
+        """`x W^T + bias` under `context` (from `fp8_context`; None: high precision), with the
+        neighbours of `fusion` (from `fusion`). A subclass may add its bias later."""
+        if context is None:
+            return self.high_precision_linear(x, bias)
+        return self.fp8_linear(x, bias, context, fusion=fusion)
+
+    def fusion(self, context: Optional[Fp8Context], x: torch.Tensor, *, norm=None, activation=None, grad_to=None,
+               grad_from=None, input_grad_group=None) -> tuple[Fusion, torch.Tensor]:
+        """(the Fusion of these neighbours this layer runs under `context`, its input): the
+        neighbours it cannot fuse are applied to `x` here, unfused."""
+        fusable = (context is not None and self.fuse_neighbours and context.recipe.delayed
+                   and not any(context.recipe.override_linear_precision)
+                   and not torch.is_autocast_enabled(x.device.type))
+        fused_norm = Norm.of(norm) if fusable and norm is not None else None
+        if norm is not None and fused_norm is None:
+            x = norm(x)
+        if activation is not None and not fusable:
+            x = ActivationSource(x, activation).materialize()
+        if not fusable:
+            return NO_FUSION, x
+        if grad_from is not None:
+            grad_from.ready = True  # this linear's FP8 backward will take the gradient
+        return Fusion(norm=fused_norm, input_grad_group=input_grad_group if fused_norm else None,
+                      activation=activation, grad_to=grad_to if activation else None, grad_from=grad_from), x
 
     def high_precision_linear(self, x: torch.Tensor, bias) -> torch.Tensor:
         """F.linear, with its weight gradient added into `main_grad` by the GEMM where it can be."""
@@ -104,21 +166,24 @@ class Fp8Linear(nn.Linear):
             warnings.warn(f"{self}: {reason}; this layer runs in {x.dtype} instead of FP8", stacklevel=3)
         return None
 
-    def fp8_linear(self, x: torch.Tensor, bias, context: Fp8Context, gather_group=None) -> torch.Tensor:
-        """`x W^T + bias` in FP8 under `context` (from `fp8_context`). With `gather_group`, `x`
-        is this rank's dim-0 shard of the input, all-gathered over that group first, in FP8 when
-        the forward GEMM is FP8 (half the bytes of bf16); its gradient comes back
-        reduce-scattered to the shard."""
+    def fp8_linear(self, x: torch.Tensor, bias, context: Fp8Context, gather_group=None,
+                   fusion: Fusion = NO_FUSION) -> torch.Tensor:
+        """`x W^T + bias` in FP8 under `context` (from `fp8_context`), with the neighbours of
+        `fusion`. With `gather_group`, `x` is this rank's dim-0 shard of the input, all-gathered
+        over that group first, in FP8 when the forward GEMM is FP8 (half the bytes of bf16); its
+        gradient comes back reduce-scattered to the shard."""
+        norm = fusion.norm.module if fusion.norm is not None else None
+        norm_params = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
             with torch.autocast(x.device.type, enabled=False):
-                return _Fp8LinearFunction.apply(x, self.weight, bias, self, context, gather_group)
-        return _Fp8LinearFunction.apply(x, self.weight, bias, self, context, gather_group)
+                return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, gather_group, fusion)
+        return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, gather_group, fusion)
 
     def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int):
         if not x.is_floating_point() or x.numel() == 0:
             return f"input of dtype {x.dtype} and {x.numel()} elements"
-        tokens = x.numel() // self.in_features * gathered_ranks
+        tokens = x.numel() // x.shape[-1] * gathered_ranks
         dims = {"in_features": self.in_features, "out_features": self.out_features, "tokens": tokens}
         odd = [f"{name}={value}" for name, value in dims.items() if value % GEMM_ALIGNMENT]
         if odd:
@@ -167,7 +232,8 @@ class Fp8Linear(nn.Linear):
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module: Fp8Linear, context: Fp8Context, gather_group):
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias, module: Fp8Linear, context: Fp8Context, gather_group,
+                fusion: Fusion):
         recipe = context.recipe
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         fmt = recipe.fp8_format
@@ -179,9 +245,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if gather is not None and not fp8_gather:
             x2 = collectives.all_gather(x2, gather)  # a high-precision forward GEMM
 
+        # What the cast reads: the input itself, or the norm or activation of it (Fusion).
+        source = x2
+        if fusion.norm is not None:
+            source = NormSource(x2, norm_weight, norm_bias, fusion.norm.eps, fusion.norm.rms)
+        elif fusion.activation is not None:
+            source = ActivationSource(x2, fusion.activation)
         qx = None
         if not fprop_hp or wgrad_fp8:
-            qx = cast(x2, module.fp8_scaling["input"], fmt.forward_dtype, context, context.forward_pass,
+            qx = cast(source, module.fp8_scaling["input"], fmt.forward_dtype, context, context.forward_pass,
                       gather_group=gather if fp8_gather else None, rowwise=not fprop_hp, columnwise=wgrad_fp8)
         qw = module._quantized_weight(context, fmt.forward_dtype) if not fprop_hp or dgrad_fp8 else None
 
@@ -193,34 +265,43 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # For backward: the input transposed in FP8 (this rank's shard of it, gathered again in
         # backward, when the forward gathered in FP8; as it is, for a high-precision wgrad), and
-        # the weight transposed in FP8 (or the parameter itself, for a high-precision dgrad).
+        # the weight transposed in FP8 (or the parameter itself, for a high-precision dgrad); a
+        # fused neighbour's input and statistics, for its backward.
         x_saved, x_scale_inv = (qx.data_t, qx.scale_inv) if wgrad_fp8 else (x2, None)
         w_saved, w_scale_inv = (qw.data_t, qw.scale_inv) if dgrad_fp8 else (weight, None)
-        ctx.save_for_backward(x_saved, x_scale_inv, w_saved, w_scale_inv)
+        neighbour = ()
+        if fusion.norm is not None:
+            neighbour = (x2, norm_weight, source.mean, source.rstd)
+        elif fusion.activation is not None:
+            neighbour = (x2,)
+        ctx.save_for_backward(x_saved, x_scale_inv, w_saved, w_scale_inv, *neighbour)
         ctx.module, ctx.context, ctx.weight_dtype = module, context, weight.dtype
         ctx.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
         ctx.fp8 = (dgrad_fp8, wgrad_fp8)
         ctx.has_bias = bias is not None
         ctx.gather, ctx.fp8_gather = gather, fp8_gather
+        ctx.fusion, ctx.input_shape = fusion, x.shape
         return y.view(-1, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, x_scale_inv, w_saved, w_scale_inv = ctx.saved_tensors
+        x_saved, x_scale_inv, w_saved, w_scale_inv, *neighbour = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dgrad_fp8, wgrad_fp8 = ctx.fp8
         dgrad_fp8 &= need_dx
         wgrad_fp8 &= need_dw
-        context = ctx.context
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        context, fusion = ctx.context, ctx.fusion
+        need_dx |= any(ctx.needs_input_grad[3:5])  # the norm's parameters need the dgrad too
 
-        qdy = None
-        if dgrad_fp8 or wgrad_fp8:
+        # The output gradient in FP8: handed over by the activation after this layer, or cast here.
+        qdy = fusion.grad_from.take(dy) if fusion.grad_from is not None else None
+        dy2 = dy.reshape(-1, dy.shape[-1]) if qdy is None else None
+        if qdy is None and (dgrad_fp8 or wgrad_fp8):
             qdy = cast(dy2, ctx.module.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype,
                        context, backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8,
                        columnwise=wgrad_fp8, col_sum=need_db and ctx.has_bias)
 
-        dx = dw = db = None
+        dx = dw = db = dnorm_weight = dnorm_bias = None
         if need_dx:
             if dgrad_fp8:
                 dx = fp8_gemm(qdy.data, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype)
@@ -228,12 +309,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dx = dy2 @ w_saved.to(dy.dtype)
             if ctx.gather is not None:
                 dx = collectives.reduce_scatter(dx, ctx.gather)
-            dx = dx.view(-1, *dy.shape[1:-1], dx.shape[-1])
+            if fusion.norm is not None:
+                if fusion.input_grad_group is not None:
+                    dx = collectives.all_reduce(dx, fusion.input_grad_group)
+                x_in, norm_weight, mean, rstd = neighbour
+                dx, dnorm_weight, dnorm_bias = norm_kernels.norm_backward(
+                    dx, x_in, norm_weight, mean, rstd, fusion.norm.rms, need_weight_grad=ctx.needs_input_grad[3],
+                    need_bias_grad=ctx.needs_input_grad[4])
+            elif fusion.activation is not None:
+                dx = _activation_backward(dx, neighbour[0], fusion, context)
+            dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         if need_dw:
             if wgrad_fp8:
                 if ctx.fp8_gather:
                     x_saved = collectives.all_gather_columns(x_saved, ctx.gather)
-                main_grad = _zeroed_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
+                main_grad = _empty_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
                 if main_grad is None:
                     dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
                 else:  # dw stays None: the gradient is in main_grad
@@ -242,31 +332,56 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
             db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
-            main_grad = _zeroed_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
+            main_grad = _empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
             if main_grad is None:
                 db = db.to(ctx.weight_dtype)
             else:
                 main_grad.copy_(db)
                 db = None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, dnorm_weight, dnorm_bias, None, None, None, None
+
+
+def _activation_backward(dout, h, fusion: Fusion, context: Fp8Context) -> torch.Tensor:
+    """The gradient of the fused activation at `h`: cast in FP8 for the linear that produced `h`
+    and handed over to it (autograd then carries a stand-in), or in high precision (also for the
+    kinds whose fused backward does not pay, see activation_kernels.FUSED_BACKWARD_KINDS)."""
+    source = ActivationGradSource(dout, h, fusion.activation)
+    producer, handoff = fusion.grad_to if fusion.grad_to is not None else (None, None)
+    if handoff is None or not handoff.ready or fusion.activation not in activation_kernels.FUSED_BACKWARD_KINDS:
+        return source.materialize()
+    weight, bias = producer.weight, producer.bias
+    q = cast(source, producer.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype, context,
+             backward_pass(context.amax_reduction_group), rowwise=True, columnwise=weight.requires_grad,
+             col_sum=bias is not None and bias.requires_grad)
+    return handoff.hand_over(q, like=h)
 
 
 # addmm with bf16/fp16 factors and an fp32 output (torch >= 2.8, CUDA only).
 _ADDMM_INTO_FP32 = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _zeroed_main_grad(param) -> Optional[torch.Tensor]:
-    """`param.main_grad` if it still holds zeros, to be overwritten with the gradient (claimed:
-    it counts as written from now on); else None."""
-    if not getattr(param, "main_grad_is_zero", False):
+def accumulate_into_main_grad(param, grad: torch.Tensor) -> None:
+    """Add `grad` into `param.main_grad`, or overwrite it if it holds no gradient of this step."""
+    if param.main_grad_empty:
+        param.main_grad.copy_(grad)
+        param.main_grad_empty = False
+    else:
+        param.main_grad.add_(grad)
+
+
+def _empty_main_grad(param) -> Optional[torch.Tensor]:
+    """`param.main_grad` if it holds no gradient of this step yet, to be overwritten with the
+    gradient (claimed: it counts as written from now on); else None."""
+    if not getattr(param, "main_grad_empty", False):
         return None
-    param.main_grad_is_zero = False
+    param.main_grad_empty = False
     return param.main_grad
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
     """F.linear whose weight and bias gradients are added into their fp32 `main_grad` by the
-    GEMM itself (beta = 1) and the bias reduction, instead of returned in bf16."""
+    GEMM itself (beta = 1; beta = 0 overwrites an empty one) and the bias reduction, instead of
+    returned in bf16."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -281,15 +396,15 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         main_grad = ctx.weight.main_grad
-        torch.ops.aten.addmm.dtype_out(main_grad, dy2.t(), x2, torch.float32, out=main_grad)
-        ctx.weight.main_grad_is_zero = False
+        beta = 0 if ctx.weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
+        torch.ops.aten.addmm.dtype_out(main_grad, dy2.t(), x2, torch.float32, beta=beta, out=main_grad)
+        ctx.weight.main_grad_empty = False
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32)
             if getattr(ctx.bias, "main_grad", None) is None:
                 db = db.to(ctx.bias.dtype)
             else:
-                ctx.bias.main_grad.add_(db)
-                ctx.bias.main_grad_is_zero = False
+                accumulate_into_main_grad(ctx.bias, db)
                 db = None
         return dx, None, db

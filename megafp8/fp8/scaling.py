@@ -92,10 +92,12 @@ def scaling_states(device=None) -> nn.ModuleDict:
     return nn.ModuleDict({role: ScalingState() for role in ROLES}).to(device=device)
 
 
-def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass: AmaxPass, *,
+def cast(tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass: AmaxPass, *,
          gather_group=None, keep_amax: bool = False, **layout) -> Fp8Tensor:
     """Cast the 2-D `tensor` to FP8 with the scale `context.recipe` chooses for the tensor role
-    whose state is `state`; `layout` is quantize's rowwise/columnwise/col_sum.
+    whose state is `state`; `layout` is quantize's rowwise/columnwise/col_sum. `tensor` may be
+    a source of megafp8.fp8.fused (a norm or activation not computed yet): it is quantized in
+    its producer's kernel when the scale is known before the cast, else materialized first.
 
     Delayed scaling casts with the scale of the history before it and records the amax it
     observes in `amax_pass` (`keep_amax`: the accumulator describes a cached cast, kept across
@@ -105,7 +107,7 @@ def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Conte
     """
     recipe = context.recipe
     if context.replay_scales is not None and id(state) in context.replay_scales:
-        return quantize(tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout)
+        return _quantize(tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout)
     agree_over = gather_group if collectives.group_size(gather_group) > 1 else None
     scale = None  # fitted to the tensor
     if recipe.delayed:
@@ -122,11 +124,13 @@ def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Conte
             # tensor itself (Transformer Engine casts with 1.0, which underflows small
             # gradients), agreed over every rank that shares the layer's scales.
             agree_over = context.amax_reduction_group
+    if scale is None and not isinstance(tensor, torch.Tensor):
+        tensor = tensor.materialize()  # the scale needs the tensor's own amax first
     if scale is None and agree_over is not None:
         amax = collectives.max_over(absmax(tensor), agree_over)
         scale = scale_from_amax(amax, fp8_dtype, recipe.margin)
         state.scale.copy_(scale)
-    q = quantize(
+    q = _quantize(
         tensor,
         fp8_dtype,
         scale,
@@ -139,6 +143,12 @@ def cast(tensor: torch.Tensor, state: ScalingState, fp8_dtype, context: Fp8Conte
     if recipe.delayed:
         amax_pass.record(state, fp8_max(fp8_dtype), recipe, keep_amax)
     return q
+
+
+def _quantize(tensor, fp8_dtype, scale, *, margin: int, scale_out=None, **options) -> Fp8Tensor:
+    if isinstance(tensor, torch.Tensor):
+        return quantize(tensor, fp8_dtype, scale, margin=margin, scale_out=scale_out, **options)
+    return tensor.quantize(fp8_dtype, scale, **options)  # a fused source: the scale is given
 
 
 def record_reuse(state: ScalingState, fp8_dtype, context: Fp8Context) -> None:

@@ -90,6 +90,19 @@ if triton is not None:
                 tl.store(scale_out_ptr, scale)
 
     @triton.jit
+    def transpose_stored_tile(q_ptr, qt_ptr, rows, cols, mask_t, M, N):
+        # The FP8 tile this program has just stored in q [M, N] (rows, cols: index tensors of the
+        # transposed tile), copied into qt [N, M] as bytes: the transposed layout of a fused
+        # producer (a norm, an activation) without computing its tile twice. Not tl.trans: see
+        # _quantize_kernel. The barrier makes the tile's stores visible to all of the program's
+        # threads first.
+        tl.debug_barrier()
+        q_bytes = q_ptr.to(tl.pointer_type(tl.uint8))
+        qt_bytes = qt_ptr.to(tl.pointer_type(tl.uint8))
+        tile = tl.load(q_bytes + rows * N + cols, mask=mask_t, other=0)
+        tl.store(qt_bytes + cols * M + rows, tile, mask=mask_t)
+
+    @triton.jit
     def _delayed_update_kernel(
         table, count, history_len, fp8_max, margin_factor,
         USE_MAX: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK: tl.constexpr,

@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-amax-history-len", type=_POSITIVE, default=1)
     g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="most_recent")
     g.add_argument("--no-fp8-wgrad", action="store_true", help="weight-gradient GEMM in high precision")
+    g.add_argument("--fp8-neighbour-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="under delayed FP8 scaling, fuse the norms before the QKV and fc1 GEMMs and the MLP "
+                        "activation into those GEMMs' FP8 input casts, and the activation's backward into fc1's "
+                        "gradient cast (Transformer Engine's LayerNormLinear / LayerNormMLP)")
     g.add_argument("--fp8-output-layer", action="store_true", help="the output layer in FP8 too")
     g.add_argument("--first-last-layers-bf16", action=_FirstLastLayers, nargs="?", type=_NON_NEGATIVE,
                    default=0, metavar="N", help="keep the first and last N layers out of FP8")

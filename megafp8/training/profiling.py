@@ -109,6 +109,9 @@ KERNEL_CATEGORIES = (
     ("FP8 GEMMs", r"nvjet_sm\d+_q|_f8|e4m3|e5m2"),
     ("other GEMMs", r"nvjet|gemm|cutlass|xmma|_mm_"),
     ("attention", r"flash|fmha|sdpa|attention|dot_do_o|convert_dq"),
+    # A norm or activation that writes FP8 itself (docs/fp8.md, Neighbour fusion): its cast's share
+    # is not separable, so the kernel counts as the norm or activation it replaces.
+    ("norms/activations", r"_norm_quantize_kernel|_activation(_backward)?_quantize_kernel"),
     ("FP8 casts", r"_quantize_kernel"),
     ("loss", r"_statistics_kernel|_gradient_kernel|cross_entropy|softmax|nll_loss"),
     ("optimizer", r"adam|multi_tensor_apply|_delayed_update"),

@@ -125,10 +125,10 @@ class Trainer:
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
                                      shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                                      own_bucket=self.model.own_buckets)
-        if not args.gradient_accumulation_fusion:
-            for module in self.model.modules():
-                if isinstance(module, Fp8Linear):
-                    module.fuse_wgrad_accumulation = False
+        for module in self.model.modules():
+            if isinstance(module, Fp8Linear):
+                module.fuse_wgrad_accumulation = args.gradient_accumulation_fusion
+                module.fuse_neighbours = args.fp8_neighbour_fusion
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
@@ -231,7 +231,7 @@ class Trainer:
         passes are queued, before the step first waits for the GPU (the gradient norm)."""
         for chunk in self.chunks:
             chunk.train()
-        self.buffer.zero()
+        self.buffer.zero(lazy=True)  # main_grads are read after finalize_grads only
         self.buffer.set_sync(False)
         loss = self._run_schedule(micro_batches, forward_only=False, collect_saturation=collect_saturation)
         if while_gpu_runs is not None:

@@ -1,8 +1,9 @@
 """Gradient-accumulation fusion: the linears write their weight and bias gradients into the fp32
-`main_grad` of a GradientBuffer themselves. The FP8 wgrad overwrites a main_grad that still holds
-zeros with the GEMM's fp32 result (CPU and GPU); the bf16 wgrad adds into it inside the GEMM
-(GPU only). Either way the accumulated gradient equals the unfused path's to bf16 rounding, with
-the step's first micro-batch not rounded to bf16 at all."""
+`main_grad` of a GradientBuffer themselves. The FP8 wgrad overwrites a main_grad that holds no
+gradient yet with the GEMM's fp32 result (CPU and GPU); the bf16 wgrad adds into it inside the
+GEMM (GPU only). Either way the accumulated gradient equals the unfused path's to bf16 rounding,
+with the step's first micro-batch not rounded to bf16 at all. A buffer zeroed lazily (its old
+values left in place) gives the same gradients as a cleared one."""
 import pytest
 import torch
 
@@ -51,9 +52,9 @@ def is_bf16_rounded(t):
 def test_fp8_wgrad_goes_into_a_zero_main_grad_in_fp32_then_accumulates_as_before():
     (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16)
     data = batches(torch.bfloat16)
-    assert fused.weight.main_grad_is_zero
+    assert fused.weight.main_grad_empty
     got = accumulate(fused, fused_buffer, data, fp8=True)
-    assert not fused.weight.main_grad_is_zero and not fused.bias.main_grad_is_zero
+    assert not fused.weight.main_grad_empty and not fused.bias.main_grad_empty
     want = accumulate(unfused, unfused_buffer, data, fp8=True)
     # First micro-batch: the GEMM's fp32 result itself, where the unfused path rounds it to bf16.
     assert not is_bf16_rounded(got[0][0]) and is_bf16_rounded(want[0][0])
@@ -81,6 +82,35 @@ def test_without_fusion_or_a_buffer_autograd_gets_the_gradients():
     with fp8_autocast(recipe=CurrentScaling()):
         layer(x).backward(dy)
     assert layer.weight.grad is not None and layer.bias.grad is not None
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_lazily_zeroed_buffer_gives_the_gradients_of_a_cleared_one(device, fp8):
+    # Its stale values (NaN here) are overwritten by each main_grad's first writer, fused GEMM
+    # (beta = 0 for bf16 on the GPU) or autograd hook alike; finish() zeroes those nobody wrote.
+    torch.manual_seed(5)
+    model = torch.nn.ModuleDict({"fused": Fp8Linear(64, 48, dtype=torch.bfloat16, device=device),
+                                 "plain": torch.nn.Linear(48, 16, dtype=torch.bfloat16, device=device),
+                                 "unused": torch.nn.Linear(4, 4, device=device)})
+    buffer = GradientBuffer(model.parameters())
+    data = [(x, dy[:, :16]) for x, dy in batches(torch.bfloat16, device)]
+    results = []
+    for lazy in (False, True):
+        buffer.data.fill_(float("nan"))
+        buffer.zero(lazy=lazy)
+        for x, dy in data:
+            with fp8_autocast(enabled=fp8, recipe=CurrentScaling()):
+                model["plain"](model["fused"](x)).backward(dy)
+        buffer.finish()
+        results.append(buffer.data.clone())
+    assert not results[1].isnan().any()
+    assert torch.equal(results[0], results[1])
+    assert not model["unused"].weight.main_grad.any()
 
 
 @pytest.mark.gpu

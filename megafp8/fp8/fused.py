@@ -1,0 +1,138 @@
+"""The neighbours of an FP8 GEMM fused into its casts (Transformer Engine's LayerNormLinear and
+LayerNormMLP): a norm or an activation whose output is written straight into FP8, and in
+backward the activation's gradient written straight into the FP8 gradient of the linear before.
+
+Each is a *source*: a tensor not computed yet, which `scaling.cast` either quantizes in the
+producer's own kernel (delayed scaling, whose scale is known before the cast) or materializes in
+high precision and casts as usual (current scaling and the first cast of a history, which need
+the tensor's amax before its scale). On CUDA the kernels are Triton (norm_kernels,
+activation_kernels); elsewhere their torch references run, so the CPU tests cover the same path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import activation_kernels, norm_kernels
+from .tensor import Fp8Tensor
+
+
+class _Source:
+    input: torch.Tensor
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.input.is_cuda
+
+
+class NormSource(_Source):
+    """LayerNorm or RMSNorm of the 2-D `x`; keeps the statistics its backward needs."""
+
+    def __init__(self, x, weight, bias, eps: float, rms: bool):
+        self.input = x
+        self.x, self.weight, self.bias, self.eps, self.rms = x, weight, bias, eps, rms
+        self.mean = self.rstd = None
+
+    def materialize(self) -> torch.Tensor:
+        y, self.mean, self.rstd = norm_kernels.norm_forward_torch(self.x, self.weight, self.bias, self.eps, self.rms)
+        return y
+
+    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
+                 col_sum=False) -> Fp8Tensor:
+        assert not col_sum, "a norm's output is no gradient: it has no bias sum to give"
+        q, self.mean, self.rstd = norm_kernels.norm_quantize(
+            self.x, self.weight, self.bias, self.eps, self.rms, fp8_dtype, scale, rowwise=rowwise,
+            columnwise=columnwise, amax_out=amax_out, saturation_out=saturation_out)
+        return q
+
+
+class ActivationSource(_Source):
+    """`kind` (activation_kernels.KINDS) applied to the 2-D pre-activation `h`."""
+
+    def __init__(self, h, kind: str):
+        self.input = h
+        self.h, self.kind = h, kind
+
+    def materialize(self) -> torch.Tensor:
+        return activation_kernels.activation_torch(self.h, self.kind)
+
+    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
+                 col_sum=False) -> Fp8Tensor:
+        assert not col_sum, "an activation is no gradient: it has no bias sum to give"
+        return activation_kernels.activation_quantize(self.h, self.kind, fp8_dtype, scale, rowwise=rowwise,
+                                                      columnwise=columnwise, amax_out=amax_out,
+                                                      saturation_out=saturation_out)
+
+
+class ActivationGradSource(_Source):
+    """The gradient of `kind` at `h`, given the gradient `dout` of its output."""
+
+    def __init__(self, dout, h, kind: str):
+        self.input = dout
+        self.dout, self.h, self.kind = dout, h, kind
+
+    def materialize(self) -> torch.Tensor:
+        # aten's backward ops themselves, as autograd would call them (tested bit for bit), not
+        # autograd over a recomputed activation: that would run the forward again.
+        return activation_kernels.activation_backward_torch(self.dout, self.h, self.kind)
+
+    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
+                 col_sum=False) -> Fp8Tensor:
+        return activation_kernels.activation_backward_quantize(
+            self.dout, self.h, self.kind, fp8_dtype, scale, rowwise=rowwise, columnwise=columnwise,
+            amax_out=amax_out, col_sum=col_sum, saturation_out=saturation_out)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm fused into the cast of the linear after it: the module (its parameters) and kind."""
+
+    module: nn.Module
+    rms: bool
+
+    @property
+    def eps(self) -> float:
+        eps = self.module.eps
+        return torch.finfo(self.module.weight.dtype).eps if eps is None else eps  # nn.RMSNorm's default
+
+    @staticmethod
+    def of(module: nn.Module) -> Optional["Norm"]:
+        """The fusable description of `module`, or None: an affine LayerNorm or RMSNorm over
+        the last dimension."""
+        if isinstance(module, nn.LayerNorm) and module.elementwise_affine and len(module.normalized_shape) == 1:
+            return Norm(module, rms=False)
+        if isinstance(module, nn.RMSNorm) and module.elementwise_affine and len(module.normalized_shape) == 1:
+            return Norm(module, rms=True)
+        return None
+
+
+@dataclass(eq=False)
+class GradHandoff:
+    """The FP8 gradient of a linear's output, cast by the layer after it (whose backward runs
+    first) in the kernel that computed it: the activation's backward. The linear's backward
+    takes it instead of casting its incoming gradient, which carries no values (`placeholder`)."""
+
+    ready: bool = False  # the linear that takes it runs in FP8 (set in its forward)
+    gradient: Optional[Fp8Tensor] = None
+    placeholder: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def hand_over(self, gradient: Fp8Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Keep `gradient`; return the stand-in that autograd passes along in its place (the
+        shape of `like`, no memory)."""
+        self.gradient = gradient
+        self.placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+        return self.placeholder
+
+    def take(self, incoming: torch.Tensor) -> Optional[Fp8Tensor]:
+        """The handed-over gradient (`incoming` is its stand-in), or None if none was."""
+        placeholder, gradient = self.placeholder, self.gradient
+        self.gradient = self.placeholder = None
+        if placeholder is None:
+            return None
+        if incoming.data_ptr() != placeholder.data_ptr() or incoming.numel() != placeholder.numel():
+            raise RuntimeError("a linear whose output gradient was handed over in FP8 got another gradient "
+                               "as well: its output must feed the fused activation alone")
+        return gradient
