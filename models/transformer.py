@@ -62,7 +62,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary, mask, norm=None):
         """Attention over `norm(x)` (the norm fused into the QKV GEMM's FP8 cast where it can be)."""
-        q, k, v = self.qkv.split_heads(self.qkv(x, norm=norm))  # [s, b, heads, head_dim]
+        q, k, v = self.qkv.heads(x, norm=norm)  # [s, b, heads, head_dim]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.recompute_core:

@@ -15,7 +15,8 @@ from torch import nn
 
 from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear
-from megafp8.fp8.fused import GradHandoff
+from megafp8.fp8.fused import GradHandoff, HeadGradsSource
+from megafp8.fp8.linear import hand_over_gradient
 from megafp8.fp8.scaling import scaling_states
 
 from .communication import (
@@ -166,12 +167,46 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp_group=tp_group, bias=bias,
                          sequence_parallel=sequence_parallel, init_method=init_method, dtype=dtype, device=device)
 
-    def split_heads(self, y: torch.Tensor):
+    def heads(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None):
+        """q, k, v (`split_heads`) of `norm(x)` with a norm module, else of `x`. Where this
+        layer's FP8 cast takes its neighbours (Fp8Linear's neighbour fusion), backward casts the
+        gradients of q, k and v into this layer's FP8 output gradient in one kernel, without
+        concatenating them in high precision first."""
+        handoff = GradHandoff()
+        return self.split_heads(self(x, norm=norm, grad_from=handoff), handoff)
+
+    def split_heads(self, y: torch.Tensor, handoff: Optional[GradHandoff] = None):
         """This rank's output [..., local features] as q [..., local heads, head_dim] and k, v
-        [..., local kv heads, head_dim]."""
-        queries_per_group = self.num_heads // self.num_kv_heads
-        groups = rearrange(y, "... (groups heads d) -> ... groups heads d", heads=queries_per_group + 2, d=self.head_dim)
-        # One split, whose backward writes the three gradients into one tensor; indexing the three
-        # apart would zero-fill and copy a full-size gradient for each.
+        [..., local kv heads, head_dim] (views of y); `handoff`: the one this layer's forward
+        took as `grad_from`, for the fused gradient cast of `heads`."""
+        return _SplitHeads.apply(y, self, handoff)
+
+
+class _SplitHeads(torch.autograd.Function):
+    """QKVParallelLinear.split_heads. Backward concatenates the gradients of q, k and v into the
+    gradient of y, or, when the layer takes its output gradient from `handoff` (ready), casts
+    them in FP8 for it straight from where attention's backward left them."""
+
+    @staticmethod
+    def forward(ctx, y, layer: QKVParallelLinear, handoff: Optional[GradHandoff]):
+        ctx.layer, ctx.handoff, ctx.y_shape, ctx.y_dtype = layer, handoff, y.shape, y.dtype
+        queries_per_group = layer.num_heads // layer.num_kv_heads
+        groups = rearrange(y, "... (groups heads d) -> ... groups heads d", heads=queries_per_group + 2,
+                           d=layer.head_dim)
         q, k, v = groups.split([queries_per_group, 1, 1], dim=-2)
         return rearrange(q, "... groups heads d -> ... (groups heads) d"), k.squeeze(-2), v.squeeze(-2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        layer, handoff = ctx.layer, ctx.handoff
+        tokens = ctx.y_shape[:-1].numel()
+        grads = []
+        for grad, heads in ((dq, layer.num_heads), (dk, layer.num_kv_heads), (dv, layer.num_kv_heads)):
+            width = heads // layer.tp_size * layer.head_dim
+            grads.append(grad.reshape(tokens, width) if grad is not None else
+                         torch.zeros(tokens, width, dtype=ctx.y_dtype, device=layer.weight.device))
+        source = HeadGradsSource(*grads, layer.head_dim)
+        if handoff is not None and handoff.ready:
+            y_like = grads[0].new_zeros(()).expand(ctx.y_shape)  # shape, dtype and device, no memory
+            return hand_over_gradient(source, layer, handoff, like=y_like), None, None
+        return source.materialize().view(ctx.y_shape), None, None

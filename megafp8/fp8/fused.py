@@ -1,6 +1,8 @@
 """The neighbours of an FP8 GEMM fused into its casts (Transformer Engine's LayerNormLinear and
 LayerNormMLP): a norm or an activation whose output is written straight into FP8, and in
-backward the activation's gradient written straight into the FP8 gradient of the linear before.
+backward the activation's gradient written straight into the FP8 gradient of the linear before,
+and attention's query, key and value gradients cast together into the QKV projection's FP8
+output gradient without being concatenated first.
 
 Each is a *source*: a tensor not computed yet, which `scaling.cast` either quantizes in the
 producer's own kernel (delayed scaling, whose scale is known before the cast) or materializes in
@@ -16,7 +18,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import activation_kernels, norm_kernels
+from . import activation_kernels, norm_kernels, triton_kernels
+from .quantize import quantize_torch
 from .tensor import Fp8Tensor
 
 
@@ -86,6 +89,31 @@ class ActivationGradSource(_Source):
             amax_out=amax_out, col_sum=col_sum, saturation_out=saturation_out)
 
 
+class HeadGradsSource(_Source):
+    """The gradient of a QKV projection's output [tokens, groups * (queries per group + 2) *
+    head_dim], laid out per key/value group as [its query heads, key, value] (parallel.layers.
+    QKVParallelLinear), given as the gradients of the queries dq [tokens, groups * queries per
+    group * head_dim] and of the keys and values dk, dv [tokens, groups * head_dim]: the three
+    tensors attention's backward returns, which the unfused path concatenates first."""
+
+    def __init__(self, dq, dk, dv, head_dim: int):
+        self.input = dq
+        self.dq, self.dk, self.dv, self.head_dim = dq, dk, dv, head_dim
+
+    def materialize(self) -> torch.Tensor:
+        tokens, groups = self.dq.shape[0], self.dk.shape[1] // self.head_dim
+        per_group = (t.reshape(tokens, groups, -1, self.head_dim) for t in (self.dq, self.dk, self.dv))
+        return torch.cat(tuple(per_group), dim=2).reshape(tokens, -1)
+
+    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
+                 col_sum=False) -> Fp8Tensor:
+        if self.is_cuda and triton_kernels.available() and all(t.stride(1) == 1 for t in (self.dq, self.dk, self.dv)):
+            return triton_kernels.quantize_heads(self.dq, self.dk, self.dv, self.head_dim, fp8_dtype, scale, rowwise,
+                                                 columnwise, amax_out, col_sum, saturation_out)
+        return quantize_torch(self.materialize(), fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out, col_sum,
+                              saturation_out)
+
+
 @dataclass(frozen=True)
 class Norm:
     """A norm fused into the cast of the linear after it: the module (its parameters) and kind."""
@@ -111,11 +139,13 @@ class Norm:
 
 @dataclass(eq=False)
 class GradHandoff:
-    """The FP8 gradient of a linear's output, cast by the layer after it (whose backward runs
-    first) in the kernel that computed it: the activation's backward. The linear's backward
-    takes it instead of casting its incoming gradient, which carries no values (`placeholder`)."""
+    """The FP8 gradient of a linear's output, cast by what follows the linear (whose backward
+    runs first) in the kernel that computed it: the activation's backward, or the cast that
+    reads the query, key and value gradients of attention. The linear's backward takes it
+    instead of casting its incoming gradient, which carries no values (`placeholder`)."""
 
-    ready: bool = False  # the linear that takes it runs in FP8 (set in its forward)
+    ready: bool = False  # the linear that takes it runs in FP8 with fusion (set in its forward)
+    context: object = None  # the fp8_autocast context of that forward, when ready
     gradient: Optional[Fp8Tensor] = None
     placeholder: Optional[torch.Tensor] = field(default=None, repr=False)
 

@@ -136,8 +136,8 @@ class Fp8Linear(nn.Linear):
             x = ActivationSource(x, activation).materialize()
         if not fusable:
             return NO_FUSION, x
-        if grad_from is not None:
-            grad_from.ready = True  # this linear's FP8 backward will take the gradient
+        if grad_from is not None:  # this linear's FP8 backward will take the gradient
+            grad_from.ready, grad_from.context = True, context
         return Fusion(norm=fused_norm, input_grad_group=input_grad_group if fused_norm else None,
                       activation=activation, grad_to=grad_to if activation else None, grad_from=grad_from), x
 
@@ -349,11 +349,20 @@ def _activation_backward(dout, h, fusion: Fusion, context: Fp8Context) -> torch.
     producer, handoff = fusion.grad_to if fusion.grad_to is not None else (None, None)
     if handoff is None or not handoff.ready or fusion.activation not in activation_kernels.FUSED_BACKWARD_KINDS:
         return source.materialize()
+    return hand_over_gradient(source, producer, handoff, like=h)
+
+
+def hand_over_gradient(source, producer: Fp8Linear, handoff: GradHandoff, like: torch.Tensor) -> torch.Tensor:
+    """Cast `source` (megafp8.fp8.fused: the output gradient of `producer`, not computed yet) in
+    FP8 for `producer`'s backward, under the fp8_autocast of its forward, in the kernel that
+    computes it, and hand it over (`handoff.ready`: `producer` takes it). Returns the stand-in
+    that autograd carries to `producer` in its place (the shape of `like`)."""
+    context = handoff.context
     weight, bias = producer.weight, producer.bias
     q = cast(source, producer.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype, context,
              backward_pass(context.amax_reduction_group), rowwise=True, columnwise=weight.requires_grad,
              col_sum=bias is not None and bias.requires_grad)
-    return handoff.hand_over(q, like=h)
+    return handoff.hand_over(q, like=like)
 
 
 # addmm with bf16/fp16 factors and an fp32 output (torch >= 2.8, CUDA only).

@@ -5,6 +5,8 @@
   sums that are a linear layer's bias gradient, or the count of saturated elements). Eager
   torch needs several passes; on a 16384 x 2048 bf16 tensor that took longer than the FP8
   GEMM it fed.
+- `quantize_heads`: the same cast of a QKV projection's output gradient, read from the
+  query, key and value gradients that attention's backward returns, never concatenated.
 - `update_delayed`: the end-of-pass delayed-scaling update of every layer at once, one launch
   through a table of history/scale addresses, instead of ~25 small torch ops per pass.
 """
@@ -36,12 +38,34 @@ NUM_WARPS = 4
 if triton is not None:
 
     @triton.jit
+    def _load_input(x_ptr, k_ptr, v_ptr, rows, cols, mask, N, stride_q, stride_kv,
+                    HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr):
+        # The input [M, N] at rows x cols (index tensors that broadcast to the tile, either way
+        # round) in fp32. HEADS: the input is a QKV projection's output gradient, laid out per
+        # key/value group as [QPG query heads, key, value] of D features each, read from the
+        # three gradients instead: queries [M, groups * QPG * D] at x_ptr (row stride stride_q),
+        # keys and values [M, groups * D] (row stride stride_kv).
+        if HEADS:
+            slot = (cols // D) % (QPG + 2)
+            group = cols // (D * (QPG + 2))
+            within = cols % D
+            is_q = slot < QPG
+            is_k = slot == QPG
+            x_q = tl.load(x_ptr + rows * stride_q + (group * QPG + slot) * D + within, mask=mask & is_q, other=0.0)
+            x_k = tl.load(k_ptr + rows * stride_kv + group * D + within, mask=mask & is_k, other=0.0)
+            x_v = tl.load(v_ptr + rows * stride_kv + group * D + within, mask=mask & (slot > QPG), other=0.0)
+            x = tl.where(is_q, x_q, tl.where(is_k, x_k, x_v))
+        else:
+            x = tl.load(x_ptr + rows * N + cols, mask=mask, other=0.0)
+        return x.to(tl.float32)
+
+    @triton.jit
     def _quantize_kernel(
-        x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr, saturation_ptr,
-        M, N, fp8_max, margin_factor, saturation_bound,
+        x_ptr, k_ptr, v_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr,
+        saturation_ptr, M, N, stride_q, stride_kv, fp8_max, margin_factor, saturation_bound,
         CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
         WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -57,7 +81,7 @@ if triton is not None:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_input(x_ptr, k_ptr, v_ptr, rows[:, None], cols[None, :], mask, N, stride_q, stride_kv, HEADS, QPG, D)
         if not CURRENT:
             # Delayed scaling observes the amax while casting; a NaN counts as +inf.
             magnitude = tl.where(x == x, tl.abs(x), float("inf"))
@@ -81,7 +105,8 @@ if triton is not None:
             # Triton 3.6 on an H100, FP8 stores of a tl.trans'ed tile scrambled some bytes,
             # whatever the formulation (benchmarks/RESULTS.md). This one is exact and as fast.
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-            x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+            x_t = _load_input(x_ptr, k_ptr, v_ptr, rows[None, :], cols[:, None], mask_t, N, stride_q, stride_kv,
+                              HEADS, QPG, D)
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], (x_t * scale).to(qt_ptr.dtype.element_ty),
                      mask=mask_t)
         if (pid_m == 0) & (pid_n == 0):
@@ -144,18 +169,45 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
             amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
         amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
+    return _launch(x, None, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise, scale_out, col_sum,
+                   saturation_out, out)
+
+
+def quantize_heads(dq, dk, dv, head_dim: int, fp8_dtype, scale, rowwise, columnwise, amax_out: Optional[torch.Tensor],
+                   col_sum: bool, saturation_out: Optional[torch.Tensor] = None):
+    """`quantize` (delayed scaling: `scale` given) of the gradient of a QKV projection's output
+    [M, groups * (queries per group + 2) * head_dim], laid out per key/value group as [its
+    query heads, key, value], read from the 2-D gradients dq [M, groups * queries per group *
+    head_dim], dk and dv [M, groups * head_dim] (each with unit column stride): the
+    concatenation is never written."""
+    M = dq.shape[0]
+    groups = dk.shape[1] // head_dim
+    queries_per_group = dq.shape[1] // (groups * head_dim)
+    amax = amax_out if amax_out is not None else torch.zeros((), device=dq.device, dtype=torch.float32)
+    return _launch(dq, (dk, dv, queries_per_group, head_dim), M, groups * (queries_per_group + 2) * head_dim,
+                   fp8_dtype, scale, margin=0, amax=amax, rowwise=rowwise, columnwise=columnwise, scale_out=None,
+                   col_sum=col_sum, saturation_out=saturation_out, out=None)
+
+
+def _launch(x, heads, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise, scale_out, col_sum, saturation_out,
+            out):
+    current = scale is None
+    device = x.device
     if out is not None:  # overwrite an earlier cast in place (see quantize.quantize)
         q, qt, scale_inv = out.data if rowwise else None, out.data_t if columnwise else None, out.scale_inv
     else:
-        q = torch.empty((M, N), device=x.device, dtype=fp8_dtype) if rowwise else None
-        qt = torch.empty((N, M), device=x.device, dtype=fp8_dtype) if columnwise else None
-        scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
+        q = torch.empty((M, N), device=device, dtype=fp8_dtype) if rowwise else None
+        qt = torch.empty((N, M), device=device, dtype=fp8_dtype) if columnwise else None
+        scale_inv = torch.empty((), device=device, dtype=torch.float32)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    partial_sums = torch.empty((grid[0], N), device=x.device, dtype=torch.float32) if col_sum else None
+    partial_sums = torch.empty((grid[0], N), device=device, dtype=torch.float32) if col_sum else None
     write_scale = current and scale_out is not None
     bound, inclusive = saturation_bound(fp8_dtype)
+    k, v, queries_per_group, head_dim = heads if heads is not None else (x, x, 1, 1)
     _quantize_kernel[grid](
         x,
+        k,
+        v,
         q if rowwise else qt,
         qt if columnwise else q,
         amax if current else scale,
@@ -166,6 +218,8 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         saturation_out if saturation_out is not None else scale_inv,
         M,
         N,
+        x.stride(0),
+        k.stride(0),
         fp8_max(fp8_dtype),
         1.0 / (2.0**margin),
         bound,
@@ -176,6 +230,9 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         COL_SUM=col_sum,
         SATURATION=saturation_out is not None,
         BOUND_INCLUSIVE=inclusive,
+        HEADS=heads is not None,
+        QPG=queries_per_group,
+        D=head_dim,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
