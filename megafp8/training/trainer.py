@@ -238,8 +238,13 @@ class Trainer:
             while_gpu_runs()
         finalize_grads(self.chunks, self.groups, self.buffer)
         self.optimizer.set_lr(self.schedule(self.iteration))
-        applied, grad_norm = self.optimizer.step()
-        return loss.item(), applied, grad_norm
+        grad_norm = self.optimizer.grad_norm()  # waits for the backward pass
+        # The loss was computed before the gradients: reading it now costs no wait. Read after the
+        # update is queued, it would wait for the update too, and the GPU would idle while the
+        # host starts the next step (0.3-0.5 ms per eager launch before the first graph replay).
+        loss = loss.item()
+        applied, grad_norm = self.optimizer.step(grad_norm)
+        return loss, applied, grad_norm
 
     @torch.no_grad()
     def evaluate(self, dataset, consumed):

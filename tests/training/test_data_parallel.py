@@ -121,6 +121,22 @@ def test_the_gradient_norm_is_accurate_whatever_the_size():
         assert abs(squared_norm(x).double() - exact) / exact < 1e-6, n
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gradient_norms_on_the_gpu_are_accurate_and_keep_non_finite_values():
+    from megafp8.training.optimizer import squared_norms
+
+    g = torch.Generator().manual_seed(5)
+    tensors = [(torch.randn(n, generator=g) * torch.rand(n, generator=g)).cuda() for n in (7, 1000, 70_000, 4_000_000)]
+    exact = torch.stack([t.double().square().sum() for t in tensors])
+    norms = squared_norms(tensors)
+    assert norms.dtype == torch.float32 and ((norms.double() - exact).abs() / exact).max() < 1e-6
+    tensors[1][3] = float("inf")
+    tensors[2][5] = float("nan")
+    norms = squared_norms(tensors)
+    assert norms[1].isinf() and norms[2].isnan() and norms[3].isfinite()
+
+
 def test_nonfinite_step_is_skipped_on_every_rank():
     results = run_on_ranks(train_tiny, 2, True, 10_000, torch.float32, 1)
     for _, norms, applied, _, _ in results:
