@@ -1,11 +1,12 @@
-"""The fused neighbour kernels (megafp8/fp8/norm_kernels.py, activation_kernels.py) against the
-unfused ops they replace, on one GPU: microseconds per call (triton's do_bench, median).
+"""The fused neighbour kernels (megafp8/fp8/norm_kernels.py, activation_kernels.py, and the QKV
+gradient cast triton_kernels.quantize_heads) against the unfused ops they replace, on one GPU: microseconds per call (triton's do_bench, median).
 
     python benchmarks/bench_fused.py            # fused vs unfused at the GPT-1.3B, 7B and Llama-7B shapes
     python benchmarks/bench_fused.py --sweep    # the kernels' tiles and warps, best per kernel last
 
 Unfused means what the layers ran before: the norm module then `quantize` (both FP8 layouts), the
-activation then `quantize`, autograd's activation backward then `quantize` with the bias sums.
+activation then `quantize`, autograd's activation backward then `quantize` with the bias sums,
+the q, k, v gradients concatenated then `quantize` with the bias sums.
 """
 import argparse
 import itertools
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from megafp8.fp8 import activation_kernels, norm_kernels
+from megafp8.fp8.fused import HeadGradsSource
 from megafp8.fp8.quantize import quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -22,6 +24,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # the models' activations (GPT: GELU's tanh form; Llama: SwiGLU) and GELU's erf form.
 SHAPES = [("1b", 16384, 2048, 8192, "gelu_tanh"), ("7b", 8192, 4096, 16384, "gelu_tanh"),
           ("1b", 16384, 2048, 8192, "gelu"), ("llama7b", 8192, 4096, 11008, "swiglu")]
+# (label, tokens, query heads, key/value heads) of head_dim 128: the QKV gradient cast.
+QKV_SHAPES = [("1b", 16384, 16, 16), ("7b", 8192, 32, 32), ("gqa", 8192, 32, 8)]
 
 
 def microseconds(fn):
@@ -58,6 +62,18 @@ def compare():
                 columnwise=True, col_sum=True)),
             (f"{kind} backward + cast, fused", lambda: activation_kernels.activation_backward_quantize(
                 dout, h, kind, E5M2, grad_scale, col_sum=True)),
+        ]
+        for name, fn in rows:
+            print(f"{label:8s} {name:36s} {microseconds(fn):8.1f} us", flush=True)
+    for label, tokens, heads, kv_heads in QKV_SHAPES:
+        dq, dk, dv = (0.01 * torch.randn(tokens, n * 128, device="cuda", dtype=torch.bfloat16)
+                      for n in (heads, kv_heads, kv_heads))
+        source = HeadGradsSource(dq, dk, dv, 128)
+        rows = [
+            ("q, k, v grads cat + cast, unfused", lambda: quantize(source.materialize(), E5M2, grad_scale, rowwise=True,
+                                                                   columnwise=True, col_sum=True)),
+            ("q, k, v grads cast, fused", lambda: source.quantize(E5M2, grad_scale, rowwise=True, columnwise=True,
+                                                                  col_sum=True)),
         ]
         for name, fn in rows:
             print(f"{label:8s} {name:36s} {microseconds(fn):8.1f} us", flush=True)
