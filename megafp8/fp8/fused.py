@@ -144,10 +144,14 @@ class GradHandoff:
     reads the query, key and value gradients of attention. The linear's backward takes it
     instead of casting its incoming gradient, which carries no values (`placeholder`)."""
 
-    ready: bool = False  # the linear that takes it runs in FP8 with fusion (set in its forward)
-    context: object = None  # the fp8_autocast context of that forward, when ready
+    context: object = None  # the fp8_autocast context of the taking linear's forward (set there)
     gradient: Optional[Fp8Tensor] = None
     placeholder: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the linear that takes it runs in FP8 with fusion (its forward set `context`)."""
+        return self.context is not None
 
     def hand_over(self, gradient: Fp8Tensor, like: torch.Tensor) -> torch.Tensor:
         """Keep `gradient`; return the stand-in that autograd passes along in its place (the
@@ -164,5 +168,6 @@ class GradHandoff:
             return None
         if incoming.data_ptr() != placeholder.data_ptr() or incoming.numel() != placeholder.numel():
             raise RuntimeError("a linear whose output gradient was handed over in FP8 got another gradient "
-                               "as well: its output must feed the fused activation alone")
+                               "as well: its output must feed the fused activation alone (for QKV, the split "
+                               "into q, k, v alone)")
         return gradient

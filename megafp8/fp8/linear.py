@@ -137,7 +137,7 @@ class Fp8Linear(nn.Linear):
         if not fusable:
             return NO_FUSION, x
         if grad_from is not None:  # this linear's FP8 backward will take the gradient
-            grad_from.ready, grad_from.context = True, context
+            grad_from.context = context
         return Fusion(norm=fused_norm, input_grad_group=input_grad_group if fused_norm else None,
                       activation=activation, grad_to=grad_to if activation else None, grad_from=grad_from), x
 
