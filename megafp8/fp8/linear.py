@@ -73,7 +73,8 @@ class Fp8Linear(nn.Linear):
     under E4M3); each falls back to high precision per `override_linear_precision`. The input
     is saved for backward in FP8 (transposed, ready for wgrad). The weight is cast once and
     reused across micro-batches until it changes: any torch.optim step, and any in-place
-    update autograd sees (`copy_`, load_state_dict), refreshes the cast; call
+    update autograd sees (`copy_`, load_state_dict, MixedPrecisionAdamW's fused pass, which
+    bumps the version counters of what it writes), refreshes the cast; call
     `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
     Scaling state per role lives in `fp8_scaling["input" | "weight" | "grad_output"]` and in
     the state_dict.

@@ -118,6 +118,7 @@ class MultiTensorAdamW:
 
     def __init__(self, masters, grads, exp_avgs, exp_avg_sqs, steps, outs, decayed, *, betas, eps, weight_decay):
         self.steps, self.count = steps, len(masters)
+        self._written = [*masters, *exp_avgs, *exp_avg_sqs, *outs]
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         device = masters[0].device
         self._betas_column = torch.tensor(betas, dtype=torch.float32, device=device)[:, None]
@@ -144,6 +145,10 @@ class MultiTensorAdamW:
                 tensors, chunks, powers, tensors.shape[1], self.count, lr, self.betas[0], self.betas[1],
                 self.eps, self.weight_decay, grad_scale, OUT_DTYPE=out_dtype, BLOCK=BLOCK, CHUNK=CHUNK,
                 num_warps=NUM_WARPS, enable_fp_fusion=False)
+        # The kernel writes through addresses, unseen by autograd's version counters: bump them,
+        # as an in-place op would, so that whatever caches a function of a weight (the FP8
+        # linears' weight casts) sees it changed.
+        torch.autograd.graph.increment_version(self._written)
 
 
 def _triton_dtype(dtype: torch.dtype):

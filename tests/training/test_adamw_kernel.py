@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megafp8.fp8.autocast import fp8_autocast
+from megafp8.fp8.linear import Fp8Linear
+from megafp8.fp8.recipe import CurrentScaling
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
@@ -124,11 +127,38 @@ def check_distributed():
     assert all(torch.equal(fused_ranks[0][0][name], fused_ranks[1][0][name]) for name in SHAPES)
 
 
+def check_fp8_weight_casts_follow_the_step(device):
+    """An FP8 linear's cached weight cast is refreshed after a fused step, which writes the
+    weight through its address: the next forward is that of a freshly cast weight (current
+    scaling: the cast depends on the weight alone). It was not, for a while: the FP8 linears
+    trained with their first weights on every GPU run."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, device=device, dtype=torch.bfloat16)
+    buffer, optimizer = make_optimizer(list(layer.named_parameters()), fused=True)
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        with fp8_autocast(recipe=CurrentScaling()):
+            y = layer(x)
+        buffer.zero()
+        y.float().square().sum().backward()
+        buffer.finish()
+        applied, _ = optimizer.step()
+        assert applied
+        with fp8_autocast(recipe=CurrentScaling()):
+            cached = layer(x)
+        layer.clear_fp8_weight_cache()
+        with fp8_autocast(recipe=CurrentScaling()):
+            fresh = layer(x)
+        assert torch.equal(cached, fresh)
+        assert not torch.equal(cached, y)
+
+
 def interpreted_checks():
     for dtype in (torch.bfloat16, torch.float32):
         check_against_torch(dtype)
     check_resume_is_exact()
     check_distributed()
+    check_fp8_weight_casts_follow_the_step("cpu")
 
 
 @needs_triton
@@ -192,3 +222,11 @@ def distributed_cuda_body(rank, world_size):
 @needs_triton
 def test_fused_pass_with_the_distributed_optimizer_on_cuda():
     run_on_ranks(distributed_cuda_body, 1, backend="nccl")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores")
+def test_fp8_weight_casts_follow_the_fused_step_on_cuda():
+    check_fp8_weight_casts_follow_the_step("cuda")
