@@ -23,7 +23,8 @@ Layout: a table of addresses (master, gradient, exp_avg, exp_avg_sq, output), le
 flags and step indices, one column per tensor; and a table of chunks, (tensor, chunk index), one
 program per chunk of CHUNK elements, so a launch covers tensors of any mix of sizes. The tables
 are built once; a step costs the step-count increment, one torch.pow and one launch per output
-dtype (one in practice).
+dtype (one in practice). Whether to step and the clipping factor are read from the device
+(`control`), so a step is queued before the gradient norm is known on the host.
 """
 from __future__ import annotations
 
@@ -53,11 +54,16 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(
-        tensors, chunks, powers, count, total, lr, beta1, beta2, eps, weight_decay, grad_scale,
+        tensors, chunks, powers, count, total, lr, beta1, beta2, eps, weight_decay, control,
         OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     ):
         # tensors rows: master, grad, exp_avg, exp_avg_sq, out addresses, numel, decayed, index
         # in the step counts; a column per tensor. chunks: (column, chunk index) per program.
+        # control: the gradients' factor (clipping) and whether to step at all. A step not taken
+        # still writes the outputs, the masters' rounding (what they hold already, or for the
+        # distributed optimizer the all-gather input, which its caller gathers either way).
+        grad_scale = tl.load(control)
+        apply = tl.load(control + 1) != 0.0
         program = tl.program_id(0)
         t = tl.load(chunks + 2 * program)
         chunk = tl.load(chunks + 2 * program + 1)
@@ -82,19 +88,20 @@ if triton is not None:
             offsets = start + i + tl.arange(0, BLOCK)
             mask = offsets < numel
             p = tl.load(master + offsets, mask=mask)
-            g = tl.load(grad + offsets, mask=mask) * grad_scale
-            m = tl.load(exp_avg + offsets, mask=mask)
-            v = tl.load(exp_avg_sq + offsets, mask=mask)
-            if decayed:  # a branch, not a multiply by 0: -0.0 stays -0.0 as in torch
-                p = tl.fma(-decay, p, p)
-            m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-            g2 = g * g
-            v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
-            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-            p = p - tl.div_rn(step_size * m, denom)
-            tl.store(master + offsets, p, mask=mask)
-            tl.store(exp_avg + offsets, m, mask=mask)
-            tl.store(exp_avg_sq + offsets, v, mask=mask)
+            if apply:
+                g = tl.load(grad + offsets, mask=mask) * grad_scale
+                m = tl.load(exp_avg + offsets, mask=mask)
+                v = tl.load(exp_avg_sq + offsets, mask=mask)
+                if decayed:  # a branch, not a multiply by 0: -0.0 stays -0.0 as in torch
+                    p = tl.fma(-decay, p, p)
+                m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+                g2 = g * g
+                v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+                denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+                p = p - tl.div_rn(step_size * m, denom)
+                tl.store(master + offsets, p, mask=mask)
+                tl.store(exp_avg + offsets, m, mask=mask)
+                tl.store(exp_avg_sq + offsets, v, mask=mask)
             if OUT_DTYPE == tl.bfloat16:
                 tl.store(out + offsets, _bfloat16_bits(p), mask=mask)
             else:
@@ -136,14 +143,18 @@ class MultiTensorAdamW:
             self.launches.append((_triton_dtype(dtype), tensors, chunks, len(column)))
 
     @torch.no_grad()
-    def step(self, lr, grad_scale=1.0):
-        """One AdamW step of every tensor at learning rate `lr`, gradients times `grad_scale`."""
-        self.steps.add_(1)
+    def step(self, lr, control):
+        """One AdamW step of every tensor at learning rate `lr`, decided on the device: `control`
+        is a float32 tensor [grad_scale, apply] beside the tensors; gradients are multiplied by
+        grad_scale, and apply = 0 leaves masters, moments and step counts as they were (the
+        outputs take the masters' rounding, as after any step). The host
+        need not know either value, so it need not wait for the gradient norm before launching."""
+        self.steps.add_(control[1])
         powers = torch.pow(self._betas_column, self.steps)  # [beta1^t; beta2^t]: the powf of torch's kernel
         for out_dtype, tensors, chunks, num_chunks in self.launches:
             _adamw_kernel[(num_chunks,)](
                 tensors, chunks, powers, tensors.shape[1], self.count, lr, self.betas[0], self.betas[1],
-                self.eps, self.weight_decay, grad_scale, OUT_DTYPE=out_dtype, BLOCK=BLOCK, CHUNK=CHUNK,
+                self.eps, self.weight_decay, control, OUT_DTYPE=out_dtype, BLOCK=BLOCK, CHUNK=CHUNK,
                 num_warps=NUM_WARPS, enable_fp_fusion=False)
         # The kernel writes through addresses, unseen by autograd's version counters: bump them,
         # as an in-place op would, so that whatever caches a function of a weight (the FP8

@@ -15,8 +15,6 @@ give. On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-ten
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -37,6 +35,10 @@ def counts_towards_norm(param, tp_rank: int) -> bool:
     if getattr(param, "shared_embedding_copy", False):
         return False
     return hasattr(param, "partition") or tp_rank == 0
+
+
+def _norm_of(squared: float) -> float:
+    return math.sqrt(squared) if math.isfinite(squared) else float("nan")
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -130,6 +132,10 @@ class MixedPrecisionAdamW:
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient (inf/NaN if any element is). Each rank's
         pieces are summed in fp64, so the norm does not depend on how dp and pp slice them."""
+        return _norm_of(self._squared_grad_norm().item())
+
+    def _squared_grad_norm(self) -> torch.Tensor:
+        """The model's squared gradient norm, fp64 [1] on the device; nothing waited for."""
         grads = [m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted]
         device = self.buffer.data.device
         local = (squared_norms(grads).double().sum()
@@ -139,32 +145,53 @@ class MixedPrecisionAdamW:
         for group in (self.model_parallel_group, self.dp_group if self.distributed else None):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(local, group=group)
-        return math.sqrt(local.item()) if math.isfinite(local.item()) else float("nan")
+        return local
 
-    def step(self, grad_norm: Optional[float] = None):
+    def step(self):
         """Clip and update, unless a gradient is not finite; (applied, the gradient norm).
-        `grad_norm`: this step's `grad_norm()`, when the caller has taken it already."""
-        norm = self.grad_norm() if grad_norm is None else grad_norm
+
+        The fused pass is queued before the norm reaches the host: the clipping factor and the
+        skip are decided on the device, and the host waits for the norm only, not for the update
+        (which it would otherwise wait for, then leave the GPU idle while it launched it). Host
+        copies queued before this call (`tensor.to("cpu", non_blocking=True)`) are complete
+        when it returns."""
+        if self.fused:
+            return self._fused_step()
+        norm = self.grad_norm()
         if not math.isfinite(norm):
             return False, norm
-        clipping = self.clip_grad and norm > self.clip_grad
-        coefficient = self.clip_grad / (norm + 1e-6) if clipping else 1.0
-        if self.fused:
-            self._fused_step(coefficient)
-            self._gather_params()
-        else:
-            if clipping:
-                torch._foreach_mul_([master.grad for *_, master in self.shards], coefficient)
-            self.optimizer.step()
-            self._copy_masters_to_params()
+        if self.clip_grad and norm > self.clip_grad:
+            torch._foreach_mul_([master.grad for *_, master in self.shards], self.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        self._copy_masters_to_params()
         self.steps += 1
         return True, norm
 
     @torch.no_grad()
-    def _fused_step(self, grad_scale):
+    def _fused_step(self):
         if self._fused_pass is None:
             self._fused_pass = self._build_fused_pass()
-        self._fused_pass.step(self.optimizer.param_groups[0]["lr"], grad_scale)
+        squared = self._squared_grad_norm()
+        norm = squared.sqrt()
+        # The host path's arithmetic in fp64 (not `clip / tensor`, which is a reciprocal times
+        # clip), rounded to fp32 as a float kernel argument would be: the same bits.
+        coefficient = norm.new_ones(1)
+        if self.clip_grad:
+            coefficient = torch.where(norm > self.clip_grad, torch.full_like(norm, self.clip_grad) / (norm + 1e-6),
+                                      coefficient)
+        control = torch.cat([coefficient, torch.isfinite(norm).double()]).float()
+        squared_on_host = squared.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event() if squared.is_cuda else None
+        if ready is not None:
+            ready.record()
+        self._fused_pass.step(self.optimizer.param_groups[0]["lr"], control)
+        self._gather_params()
+        if ready is not None:
+            ready.synchronize()  # the norm's copy (and all before it), not the update queued after
+        norm = _norm_of(squared_on_host.item())
+        applied = math.isfinite(norm)
+        self.steps += applied
+        return applied, norm
 
     def _build_fused_pass(self):
         # torch.optim.AdamW's state, created as its fused step would; the step counts become

@@ -238,13 +238,12 @@ class Trainer:
             while_gpu_runs()
         finalize_grads(self.chunks, self.groups, self.buffer)
         self.optimizer.set_lr(self.schedule(self.iteration))
-        grad_norm = self.optimizer.grad_norm()  # waits for the backward pass
-        # The loss was computed before the gradients: reading it now costs no wait. Read after the
-        # update is queued, it would wait for the update too, and the GPU would idle while the
-        # host starts the next step (0.3-0.5 ms per eager launch before the first graph replay).
-        loss = loss.item()
-        applied, grad_norm = self.optimizer.step(grad_norm)
-        return loss, applied, grad_norm
+        # Copied before the step, whose wait for the gradient norm then covers the copy: a read
+        # of its own would wait for the update too, and the GPU would idle while the host starts
+        # the next step (0.3-0.5 ms per eager launch before the first graph replay).
+        loss = loss.to("cpu", non_blocking=True)
+        applied, grad_norm = self.optimizer.step()  # waits for the backward pass, not the update
+        return loss.item(), applied, grad_norm
 
     @torch.no_grad()
     def evaluate(self, dataset, consumed):

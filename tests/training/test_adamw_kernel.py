@@ -2,6 +2,7 @@
 interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit against torch's fused
 AdamW followed by the copy into the parameters."""
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +63,16 @@ def snapshot(params, optimizer):
     return {name: p.detach().clone() for name, p in params}, states
 
 
+def assert_same_snapshot(first, second):
+    for a, b in zip(first, second):
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], dict):
+                assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+            else:
+                assert torch.equal(a[name], b[name]), name
+
+
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -99,13 +110,7 @@ def check_resume_is_exact():
     resumed_buffer, resumed = make_optimizer(resumed_params, fused=True)
     resumed.load_checkpoint_state(saved, 2)
     train(resumed_params, resumed_buffer, resumed, range(2, STEPS))
-    for a, b in zip(snapshot(params, optimizer), snapshot(resumed_params, resumed)):
-        assert a.keys() == b.keys()
-        for name in a:
-            if isinstance(a[name], dict):
-                assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
-            else:
-                assert torch.equal(a[name], b[name]), name
+    assert_same_snapshot(snapshot(params, optimizer), snapshot(resumed_params, resumed))
 
 
 def distributed_body(rank, world_size, fused):
@@ -153,12 +158,37 @@ def check_fp8_weight_casts_follow_the_step(device):
         assert not torch.equal(cached, y)
 
 
+def check_a_non_finite_step_is_skipped():
+    """The fused pass decides on the device: a step with an inf gradient leaves masters, moments,
+    step counts and weights as they were, and the run goes on as if it had not happened."""
+    runs = []
+    for bad_step in (None, 1):
+        params = make_params(SHAPES, torch.bfloat16, "cpu")
+        buffer, optimizer = make_optimizer(params, fused=True)
+        train(params, buffer, optimizer, range(1))
+        if bad_step is not None:
+            before = snapshot(params, optimizer)
+            buffer.zero()
+            for _, p in params:
+                p.main_grad.normal_()
+            params[2][1].main_grad[0, 0] = float("inf")
+            buffer.finish()
+            applied, norm = optimizer.step()
+            assert not applied and math.isnan(norm) and optimizer.step_count() == 1
+            assert all(optimizer.optimizer.state[m]["step"].item() == 1 for *_, m in optimizer.shards)
+            assert_same_snapshot(before, snapshot(params, optimizer))
+        train(params, buffer, optimizer, range(1, STEPS))
+        runs.append(snapshot(params, optimizer))
+    assert_same_snapshot(*runs)
+
+
 def interpreted_checks():
     for dtype in (torch.bfloat16, torch.float32):
         check_against_torch(dtype)
     check_resume_is_exact()
     check_distributed()
     check_fp8_weight_casts_follow_the_step("cpu")
+    check_a_non_finite_step_is_skipped()
 
 
 @needs_triton
