@@ -9,11 +9,15 @@ bias gradient); dh is never stored in high precision.
 
 The kernels follow aten's CUDA arithmetic step by step (libdevice's erf, tanh and exp, IEEE
 division, every rounding to the storage dtype that the unfused autograd graph makes), so their
-bytes are those of the unfused ops followed by `quantize_torch`. Off CUDA the unfused torch ops
-run: `activation_torch`, `activation_backward_torch`, then `quantize_torch`.
+bytes are those of the unfused ops followed by `quantize_torch`; all but the gradient of GELU's
+tanh form, which is computed as its sigmoid form (`_gelu_tanh_grad`), the same function with
+fewer instructions and no cancellation: a value one rounding away from aten's, now and then.
+Off CUDA the unfused torch ops run: `activation_torch`, `activation_backward_torch`, then
+`quantize_torch`.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -32,11 +36,6 @@ except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
 KINDS = ("gelu", "gelu_tanh", "swiglu")
-# The kinds whose fused backward beats aten's backward followed by `quantize` on an H100
-# (benchmarks/RESULTS.md, "Neighbour fusion"; 16384 x 8192): GELU 435 against 510 us, SwiGLU 540
-# against 1,552. Not GELU's tanh form (567 against 509): its gradient's arithmetic outweighs the
-# bytes saved. The linears take the others' gradients unfused.
-FUSED_BACKWARD_KINDS = ("gelu", "swiglu")
 
 # Tiles of the output (for SwiGLU's forward, [BLOCK_M, BLOCK_N] of gate and of up; backward, of
 # dout, gate and up), swept on an H100 (benchmarks/RESULTS.md, "Neighbour fusion").
@@ -62,6 +61,7 @@ _PDF_SCALE_F32 = _f32(_M_2_SQRTPI * _M_SQRT1_2 * 0.5)  # 1 / sqrt(2 pi)
 _TANH_BETA_F32 = _f32(_M_SQRT2 * _M_2_SQRTPI * 0.5)  # sqrt(2 / pi)
 _KAPPA_F32 = _f32(0.044715)
 _KAPPA_3_F32 = (torch.tensor(3.0) * _KAPPA_F32).item()  # `opmath_t(3) * kKappa`, folded in fp32
+_MINUS_2_LOG2E_F32 = _f32(-2.0 / math.log(2.0))  # exp(-2u) = exp2(u * -2 log2(e))
 
 if triton is not None:
     SQRT1_2 = tl.constexpr(_SQRT1_2_F32)
@@ -69,6 +69,7 @@ if triton is not None:
     TANH_BETA = tl.constexpr(_TANH_BETA_F32)
     KAPPA = tl.constexpr(_KAPPA_F32)
     KAPPA_3 = tl.constexpr(_KAPPA_3_F32)
+    MINUS_2_LOG2E = tl.constexpr(_MINUS_2_LOG2E_F32)
 
     if not _INTERPRETING:
 
@@ -152,23 +153,28 @@ if triton is not None:
 
     @triton.jit
     def _gelu_grad(dy, x, TANH: tl.constexpr):
-        # aten's GeluBackwardCUDAKernelImpl, its order of operations.
         if TANH:
-            x_sq = x * x
-            inner = TANH_BETA * (x + KAPPA * (x_sq * x))
-            t = _tanh(inner)
-            left = 0.5 * x
-            right = 1.0 + t
-            left_derivative = 0.5 * right
-            tanh_derivative = 1.0 - t * t
-            inner_derivative = TANH_BETA * (1.0 + KAPPA_3 * x_sq)
-            right_derivative = left * tanh_derivative * inner_derivative
-            g = dy * (left_derivative + right_derivative)
-        else:
+            g = _gelu_tanh_grad(dy, x)
+        else:  # aten's GeluBackwardCUDAKernelImpl, its order of operations
             cdf = 0.5 * (1.0 + _erf(x * SQRT1_2))
             pdf = _exp(-0.5 * x * x) * PDF_SCALE
             g = dy * (cdf + x * pdf)
         return g
+
+    @triton.jit
+    def _gelu_tanh_grad(dy, x):
+        # 0.5 x (1 + tanh(u)) is x s with s = sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), and
+        # its derivative s + 2 x s (1 - s) u'. aten's form, 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u)
+        # u', cancels where tanh u is near -1 or 1 (both ends of GELU's input), and libdevice's
+        # tanh costs dozens of instructions: with it the fused kernel was slower than aten's
+        # backward and a separate cast (567 against 509 us at 16384 x 8192 on an H100). Here:
+        # one ex2.approx and one approximate division, each within 2 ulp. Past x = -44,
+        # exp2 overflows to inf and s to 0: the gradient's limit. At +-inf, NaN as in aten.
+        x_sq = x * x
+        inner = TANH_BETA * (x + KAPPA * (x_sq * x))
+        s = 1.0 / (1.0 + tl.exp2(inner * MINUS_2_LOG2E))
+        inner_derivative = TANH_BETA * (1.0 + KAPPA_3 * x_sq)
+        return dy * (s + 2.0 * x * s * (1.0 - s) * inner_derivative)
 
     @triton.jit
     def _activation(h_ptr, r, c, mask, F, K, KIND: tl.constexpr):

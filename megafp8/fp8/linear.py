@@ -344,11 +344,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 def _activation_backward(dout, h, fusion: Fusion, context: Fp8Context) -> torch.Tensor:
     """The gradient of the fused activation at `h`: cast in FP8 for the linear that produced `h`
-    and handed over to it (autograd then carries a stand-in), or in high precision (also for the
-    kinds whose fused backward does not pay, see activation_kernels.FUSED_BACKWARD_KINDS)."""
+    and handed over to it (autograd then carries a stand-in), or in high precision."""
     source = ActivationGradSource(dout, h, fusion.activation)
     producer, handoff = fusion.grad_to if fusion.grad_to is not None else (None, None)
-    if handoff is None or not handoff.ready or fusion.activation not in activation_kernels.FUSED_BACKWARD_KINDS:
+    if handoff is None or not handoff.ready:
         return source.materialize()
     return hand_over_gradient(source, producer, handoff, like=h)
 

@@ -2,7 +2,8 @@
 torch path gives the bytes of the unfused ops (the MLP's activation, or its autograd gradient)
 followed by `quantize_torch`; the Triton kernels meet that reference in Triton's interpreter, and
 on a GPU match torch's CUDA ops byte for byte but where the last ulp of a transcendental function
-differs: there one FP8 step apart."""
+differs: there one FP8 step apart. GELU-tanh's gradient, computed in another form, is held to
+the exact gradient (fp64) instead, no less accurately than aten's."""
 import importlib.util
 import os
 import subprocess
@@ -252,6 +253,24 @@ def check_non_finite(kind, device):
     assert torch.equal(torch.isnan(dq.col_sum), torch.isnan(dref.col_sum)), kind
 
 
+def check_gelu_tanh_gradient_accuracy(M, F_, device):
+    """The kernel computes GELU-tanh's gradient in its sigmoid form, not aten's: against the
+    exact gradient (fp64, rounded once to the dtype, then cast), its FP8 bytes are off no more
+    often than aten's, and by one step of the grid where they are."""
+    for dtype in DTYPES:
+        h, dout = make_inputs("gelu_tanh", dtype, M, F_, seed=3, device=device)
+        _, grad_scale = scales(h, dout, "gelu_tanh")
+        exact = activation_backward_torch(dout.double(), h.double(), "gelu_tanh").to(dtype)
+        truth = quantize_torch(exact, E5M2, grad_scale, 0, True, False).data.float()
+        ours = activation_backward_quantize(dout, h, "gelu_tanh", E5M2, grad_scale, columnwise=False).data.float()
+        atens = quantize_torch(activation_backward_torch(dout, h, "gelu_tanh"), E5M2, grad_scale, 0, True,
+                               False).data.float()
+        ours_off, atens_off = (ours != truth).sum().item(), (atens != truth).sum().item()
+        assert ours_off <= atens_off + 1e-4 * h.numel(), (dtype, ours_off, atens_off)
+        off = (ours - truth).abs()
+        assert (off <= fp8_step(torch.maximum(ours.abs(), truth.abs()), E5M2)).all(), (dtype, off.max().item())
+
+
 def interpreted_checks():
     assert os.environ.get("TRITON_INTERPRET") == "1"  # else the public functions run torch on the CPU
     for kind in KINDS:
@@ -259,6 +278,7 @@ def interpreted_checks():
             check_kernels(kind, dtype, 37, 200, LAYOUTS, "cpu", exact_fraction=0.999)
         check_kernels(kind, torch.bfloat16, 70, 130, LAYOUTS[:1], "cpu", exact_fraction=0.999, seed=1)
         check_non_finite(kind, "cpu")
+    check_gelu_tanh_gradient_accuracy(300, 256, "cpu")
 
 
 @needs_triton
@@ -288,6 +308,12 @@ def test_gpu_kernels_match_torchs_cuda_ops(kind, dtype):
     for M, F_, seed in ((37, 200, 0), (4096, 1376, 1), (1000, 64, 2)):
         check_kernels(kind, dtype, M, F_, LAYOUTS, "cuda", exact_fraction=0.995, seed=seed)
     check_non_finite(kind, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_gpu_gelu_tanh_gradient_is_as_accurate_as_atens():
+    check_gelu_tanh_gradient_accuracy(4096, 2048, "cuda")
 
 
 @pytest.mark.gpu

@@ -61,7 +61,7 @@ def model_pair(name, device, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-# LayerNorm + GELU's tanh form (its backward unfused: activation_kernels.FUSED_BACKWARD_KINDS),
+# LayerNorm + GELU's tanh form (its gradient in the sigmoid form),
 # LayerNorm + GELU, RMSNorm + SwiGLU.
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-tiny:gelu", "llama-tiny"])
 def test_a_model_trains_alike_with_and_without_neighbour_fusion(name, device):
