@@ -256,7 +256,9 @@ def check_non_finite(kind, device):
 def check_gelu_tanh_gradient_accuracy(M, F_, device):
     """The kernel computes GELU-tanh's gradient in its sigmoid form, not aten's: against the
     exact gradient (fp64, rounded once to the dtype, then cast), its FP8 bytes are off no more
-    often than aten's, and by one step of the grid where they are."""
+    often than aten's (on an H100 in fp32: 15 against 241,607 of 8.4M), and by one step of the
+    grid where they are; but where GELU's gradient crosses zero (x = -0.75), a cancellation in
+    fp32 in either form: there by 1e-6 of the largest value (seen: 4e-9)."""
     for dtype in DTYPES:
         h, dout = make_inputs("gelu_tanh", dtype, M, F_, seed=3, device=device)
         _, grad_scale = scales(h, dout, "gelu_tanh")
@@ -268,7 +270,8 @@ def check_gelu_tanh_gradient_accuracy(M, F_, device):
         ours_off, atens_off = (ours != truth).sum().item(), (atens != truth).sum().item()
         assert ours_off <= atens_off + 1e-4 * h.numel(), (dtype, ours_off, atens_off)
         off = (ours - truth).abs()
-        assert (off <= fp8_step(torch.maximum(ours.abs(), truth.abs()), E5M2)).all(), (dtype, off.max().item())
+        bound = torch.maximum(fp8_step(torch.maximum(ours.abs(), truth.abs()), E5M2), 1e-6 * truth.abs().max())
+        assert (off <= bound).all(), (dtype, (off - bound).max().item())
 
 
 def interpreted_checks():
