@@ -15,6 +15,7 @@ give. On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-ten
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 
@@ -173,8 +174,8 @@ class MixedPrecisionAdamW:
             self._fused_pass = self._build_fused_pass()
         squared = self._squared_grad_norm()
         norm = squared.sqrt()
-        # The host path's arithmetic in fp64 (not `clip / tensor`, which is a reciprocal times
-        # clip), rounded to fp32 as a float kernel argument would be: the same bits.
+        # The unfused path's factor, in its fp64 arithmetic (not `clip / tensor`, a reciprocal
+        # times clip), rounded to fp32 as its scalar multiply rounds it: the same bits (GPU test).
         coefficient = norm.new_ones(1)
         if self.clip_grad:
             coefficient = torch.where(norm > self.clip_grad, torch.full_like(norm, self.clip_grad) / (norm + 1e-6),
