@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megafp8 import collectives
 
-from . import activation_kernels, norm_kernels
+from . import norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
 from .gemm import fp8_gemm
