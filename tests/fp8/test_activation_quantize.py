@@ -6,9 +6,6 @@ differs: there one FP8 step apart. GELU-tanh's gradient, computed in another for
 the exact gradient (fp64) instead, no less accurately than aten's."""
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +21,8 @@ from megafp8.fp8.activation_kernels import (
 )
 from megafp8.fp8.quantize import quantize_torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..interpreter import run_interpreted_checks
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = [torch.bfloat16, torch.float32]
 LAYOUTS = [(True, True), (True, False), (False, True)]  # (rowwise, columnwise)
@@ -286,12 +284,7 @@ def interpreted_checks():
 
 @needs_triton
 def test_kernels_in_the_triton_interpreter():
-    # TRITON_INTERPRET is read when triton is imported: a fresh process.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from tests.fp8.test_activation_quantize import interpreted_checks; interpreted_checks()"
-    result = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", "-c", code], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreted_checks(__name__, "-W", "ignore::RuntimeWarning")
 
 
 needs_cuda_triton = pytest.mark.skipif(

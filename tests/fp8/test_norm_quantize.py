@@ -4,10 +4,6 @@ The torch path against torch.nn.functional (in fp64), aten's statistics and quan
 Triton kernels in Triton's interpreter (a fresh process) and on a GPU against the torch path.
 """
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,9 @@ from megafp8.fp8.norm_kernels import norm_backward, norm_backward_torch, norm_fo
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.tensor import saturates
 
+from ..interpreter import run_interpreted_checks
 from .helpers import rel_err
 
-ROOT = Path(__file__).resolve().parents[2]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-5
 # Relative error of a rounding to each dtype (its unit roundoff), and fp32's after a few operations.
@@ -293,12 +289,7 @@ def check_non_finite():
 
 @needs_triton
 def test_kernels_in_the_triton_interpreter():
-    # TRITON_INTERPRET is read when triton is imported: a fresh process.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from tests.fp8.test_norm_quantize import interpreted_checks; interpreted_checks()"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreted_checks(__name__)
 
 
 # -- on a GPU: the real kernels against the torch path ------------------------------------------------------

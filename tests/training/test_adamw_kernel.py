@@ -3,10 +3,6 @@ interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit again
 AdamW followed by the copy into the parameters."""
 import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +13,9 @@ from megafp8.fp8.recipe import CurrentScaling
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
+from ..interpreter import run_interpreted_checks
 from ..multiprocess import run_on_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 # Odd sizes, tensors of one, two and three kernel chunks (16384 elements each); 1-D ones and
 # biases take no weight decay.
 SHAPES = {"a.weight": (37, 19), "a.bias": (19,), "b.weight": (131, 257), "c.weight": (3, 5, 7),
@@ -193,12 +189,7 @@ def interpreted_checks():
 
 @needs_triton
 def test_fused_pass_in_the_triton_interpreter():
-    # TRITON_INTERPRET is read when triton is imported: a fresh process.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from tests.training.test_adamw_kernel import interpreted_checks; interpreted_checks()"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreted_checks(__name__)
 
 
 def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
