@@ -18,20 +18,20 @@ Off CUDA the unfused torch ops run: `activation_torch`, `activation_backward_tor
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from .quantize import quantize_torch
 from .tensor import Fp8Tensor, saturation_bound
+from .triton_kernels import INTERPRETING as _INTERPRETING
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .triton_kernels import transpose_stored_tile
+    from .triton_kernels import round_to as _round_to, to_fp8 as _to_fp8, transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -44,10 +44,6 @@ FWD_BLOCK_N = 128
 BWD_BLOCK_M = 64
 BWD_BLOCK_N = 64
 NUM_WARPS = 4
-
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice, truncates casts to
-# bf16 and does not round or saturate casts to FP8 correctly: it gets stand-ins for those below.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def _f32(value: float) -> float:
@@ -71,6 +67,7 @@ if triton is not None:
     KAPPA_3 = tl.constexpr(_KAPPA_3_F32)
     MINUS_2_LOG2E = tl.constexpr(_MINUS_2_LOG2E_F32)
 
+    # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice: stand-ins below.
     if not _INTERPRETING:
 
         @triton.jit
@@ -84,19 +81,6 @@ if triton is not None:
         @triton.jit
         def _tanh(x):
             return libdevice.tanh(x)
-
-        @triton.jit
-        def _round_to(y, dtype: tl.constexpr):
-            # y rounded to nearest even in `dtype` and back to fp32: where aten stores a tensor.
-            if dtype != tl.float32:
-                y = y.to(dtype).to(tl.float32)
-            return y
-
-        @triton.jit
-        def _to_fp8(v, dtype: tl.constexpr):
-            # cvt.rn.satfinite (sm_89+) saturates to ±fp8_max and keeps NaN: the torch path's
-            # clamp-then-cast, without the clamp.
-            return v.to(dtype)
 
     else:
 
@@ -114,32 +98,6 @@ if triton is not None:
             e = tl.exp(-2.0 * tl.abs(x.to(tl.float64)))
             t = (1.0 - e) / (1.0 + e)
             return tl.where(x < 0, -t, t).to(tl.float32)
-
-        @triton.jit
-        def _round_to(y, dtype: tl.constexpr):
-            if dtype == tl.bfloat16:  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
-                bits = y.to(tl.uint32, bitcast=True)
-                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
-            elif dtype == tl.float16:
-                y = y.to(tl.float16).to(tl.float32)
-            return y
-
-        @triton.jit
-        def _to_fp8(v, dtype: tl.constexpr):
-            # Saturate, then round to the FP8 grid in fp32 (adding 1.5 * 2^23 quanta rounds to a
-            # whole quantum, to nearest even), so that the interpreter's cast is exact.
-            if dtype == tl.float8e4nv:
-                v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
-            else:
-                v = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
-                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
-            magic = ((quantum_exponent + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
-            r = (v + magic) - magic
-            r = tl.where(r == 0.0, v * 0.0, r)  # the sign of an underflow to zero
-            nan = tl.full(v.shape, 0x7F, tl.uint8).to(dtype, bitcast=True)
-            return tl.where(v == v, r.to(dtype), nan)
 
     @triton.jit
     def _gelu(x, TANH: tl.constexpr):

@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .formats import fp8_max
 from .quantize import quantize_torch
 from .tensor import Fp8Tensor, saturation_bound
 from .triton_kernels import available
@@ -29,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_kernels import transpose_stored_tile
+    from .triton_kernels import round_to, to_fp8, transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -134,19 +133,6 @@ def norm_backward(dy, x, weight, mean, rstd, rms: bool, *, need_weight_grad=True
 if triton is not None:
 
     @triton.jit
-    def _round_to(y, dtype: tl.constexpr):
-        # y rounded to nearest even in `dtype`, kept in fp32. bf16 on the bits: the interpreter's
-        # cast truncates, and this is the cvt.rn a GPU does (NaN, whose bits would carry, kept).
-        if dtype == tl.bfloat16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-            return tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
-        elif dtype == tl.float16:
-            return y.to(tl.float16).to(tl.float32)
-        else:
-            return y
-
-    @triton.jit
     def _normalise(x, mean, rstd, w, b, RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
         # The torch reference's order of operations, so that y rounds the same.
         if RMS:
@@ -156,14 +142,6 @@ if triton is not None:
         if HAS_BIAS:
             y = y + b
         return y
-
-    @triton.jit
-    def _to_fp8(y, scale, fp8_max, dtype: tl.constexpr):
-        # Saturate explicitly, NaN passing through (its comparisons are false): cvt.rn.satfinite
-        # on sm_89+ would too, but Triton's interpreter does not.
-        v = y * scale
-        v = tl.where(v > fp8_max, fp8_max, tl.where(v < -fp8_max, -fp8_max, v))
-        return v.to(dtype)
 
     @triton.jit
     def _observe(y, amax, saturated, scale, saturation_bound, SATURATION: tl.constexpr,
@@ -219,7 +197,7 @@ if triton is not None:
     @triton.jit
     def _norm_quantize_kernel(
         x_ptr, w_ptr, b_ptr, q_ptr, qt_ptr, mean_ptr, rstd_ptr, scale_ptr, scale_inv_ptr, amax_ptr, saturation_ptr,
-        M, eps, fp8_max, saturation_bound,
+        M, eps, saturation_bound,
         N: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -247,11 +225,11 @@ if triton is not None:
             if ROWWISE:
                 x, mask = _load_tile(x_ptr, rows, cols, M, N)
                 y = _normalise(x, mean[:, None], rstd[:, None], w[None, :], b[None, :], RMS, HAS_BIAS)
-                y = tl.where(mask, _round_to(y, dtype), 0.0)
+                y = tl.where(mask, round_to(y, dtype), 0.0)
                 amax, saturated = _observe(y, amax, saturated, scale, saturation_bound, SATURATION,
                                            BOUND_INCLUSIVE)
                 tl.store(q_ptr + rows[:, None] * N + cols[None, :],
-                         _to_fp8(y, scale, fp8_max, q_ptr.dtype.element_ty), mask=mask)
+                         to_fp8(y * scale, q_ptr.dtype.element_ty), mask=mask)
             if COLUMNWISE:
                 mask_t = col_mask[:, None] & row_mask[None, :]
                 if ROWWISE:
@@ -260,11 +238,11 @@ if triton is not None:
                     x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0
                                   ).to(tl.float32)
                     y_t = _normalise(x_t, mean[None, :], rstd[None, :], w[:, None], b[:, None], RMS, HAS_BIAS)
-                    y_t = tl.where(mask_t, _round_to(y_t, dtype), 0.0)
+                    y_t = tl.where(mask_t, round_to(y_t, dtype), 0.0)
                     amax, saturated = _observe(y_t, amax, saturated, scale, saturation_bound, SATURATION,
                                                BOUND_INCLUSIVE)
                     tl.store(qt_ptr + cols[:, None] * M + rows[None, :],
-                             _to_fp8(y_t, scale, fp8_max, qt_ptr.dtype.element_ty), mask=mask_t)
+                             to_fp8(y_t * scale, qt_ptr.dtype.element_ty), mask=mask_t)
         tl.atomic_max(amax_ptr, amax)
         if SATURATION:
             tl.atomic_add(saturation_ptr, saturated.to(tl.int64))
@@ -302,7 +280,6 @@ def norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, c
         saturation_out if saturation_out is not None else rstd,
         M,
         eps,
-        fp8_max(fp8_dtype),
         bound,
         N=N,
         RMS=rms,

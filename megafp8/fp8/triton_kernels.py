@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -30,12 +31,61 @@ def available() -> bool:
     return triton is not None
 
 
+# Triton's interpreter (TRITON_INTERPRET=1: the CPU tests run the kernels in it) truncates casts to
+# bf16 and neither rounds nor saturates casts to FP8 correctly: `round_to` and `to_fp8` below are
+# exact there too.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
 # Tile shape chosen by `bench_fp8_linear.py --sweep-tiles` on an H100 (benchmarks/RESULTS.md).
 BLOCK_M = 64
 BLOCK_N = 128
 NUM_WARPS = 4
 
 if triton is not None:
+
+    if not INTERPRETING:
+
+        @triton.jit
+        def round_to(y, dtype: tl.constexpr):
+            # y rounded to nearest even in `dtype` and back to fp32: where aten stores a tensor.
+            if dtype != tl.float32:
+                y = y.to(dtype).to(tl.float32)
+            return y
+
+        @triton.jit
+        def to_fp8(v, dtype: tl.constexpr):
+            # cvt.rn.satfinite (sm_89+) saturates to ±fp8_max and keeps NaN: the torch path's
+            # clamp-then-cast, without the clamp.
+            return v.to(dtype)
+
+    else:
+
+        @triton.jit
+        def round_to(y, dtype: tl.constexpr):
+            if dtype == tl.bfloat16:  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
+                bits = y.to(tl.uint32, bitcast=True)
+                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
+            elif dtype == tl.float16:
+                y = y.to(tl.float16).to(tl.float32)
+            return y
+
+        @triton.jit
+        def to_fp8(v, dtype: tl.constexpr):
+            # Saturate, then round to the FP8 grid in fp32 (adding 1.5 * 2^23 quanta rounds to a
+            # whole quantum, to nearest even), so that the interpreter's cast is exact.
+            if dtype == tl.float8e4nv:
+                v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+            else:
+                v = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
+                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+            magic = ((quantum_exponent + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+            r = (v + magic) - magic
+            r = tl.where(r == 0.0, v * 0.0, r)  # the sign of an underflow to zero
+            nan = tl.full(v.shape, 0x7F, tl.uint8).to(dtype, bitcast=True)
+            return tl.where(v == v, r.to(dtype), nan)
 
     @triton.jit
     def _load_input(x_ptr, k_ptr, v_ptr, rows, cols, mask, N, stride_q, stride_kv,
