@@ -18,7 +18,7 @@ from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
 from .gemm import fp8_gemm
 from .scaling import cast, record_reuse, scaling_states
-from .tensor import Fp8Tensor
+from .tensor import Fp8Tensor, WeightCast
 
 # torch._scaled_mm needs every GEMM dimension (tokens, in and out features) divisible by 16.
 GEMM_ALIGNMENT = 16
@@ -76,6 +76,8 @@ class Fp8Linear(nn.Linear):
     update autograd sees (`copy_`, load_state_dict, MixedPrecisionAdamW's fused pass, which
     bumps the version counters of what it writes), refreshes the cast; call
     `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
+    An optimizer that writes the weight may write that cast too (`weight_cast_target`, as
+    MixedPrecisionAdamW's fused pass does under delayed scaling).
     Scaling state per role lives in `fp8_scaling["input" | "weight" | "grad_output"]` and in
     the state_dict.
 
@@ -99,6 +101,7 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
+        self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.fp8.graphs)
         self.fuse_wgrad_accumulation = True
         self.fuse_neighbours = True
@@ -204,11 +207,17 @@ class Fp8Linear(nn.Linear):
         if recipe == context.recipe:
             self._quantized_weight(context, fp8_dtype)
 
+    def _weight_cast_key(self, fp8_dtype, recipe) -> tuple:
+        weight = self.weight
+        return (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, recipe)
+
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
         state = self.fp8_scaling["weight"]
-        key = (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, context.recipe)
-        if self._weight_fp8 is None or self._weight_fp8[0] != key:
+        key = self._weight_cast_key(fp8_dtype, context.recipe)
+        # A cast the optimizer made counted no saturation: a forward that counts makes its own.
+        uncounted = context.collect_saturation and self._weight_cast_by_optimizer
+        if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
             if weight.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
                                    "call refresh_weight_cast before capturing")
@@ -217,9 +226,33 @@ class Fp8Linear(nn.Linear):
             q = cast(weight.detach(), state, fp8_dtype, context, context.forward_pass, keep_amax=True,
                      rowwise=True, columnwise=True, out=self._reusable_weight_cast(fp8_dtype))
             self._weight_fp8 = (key, q)
+            self._weight_cast_by_optimizer = False
             return q
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
+
+    def weight_cast_target(self) -> Optional[WeightCast]:
+        """Where an optimizer that writes this layer's weight may write, in the same pass, the
+        FP8 cast the next forward would make of it (megafp8.training.adamw_kernel): the cached
+        cast's buffers and the weight's scale and amax accumulator. None when that cast is not
+        known ahead: no forward has cast the weight yet, or not under delayed scaling with a
+        scale history (current scaling fits the scale to the new weight), or the cast's buffers
+        are not kept from step to step (`keep_weight_cast_addresses`). After writing it, call
+        `weight_cast_written`."""
+        if self._weight_fp8 is None or not self.keep_weight_cast_addresses:
+            return None
+        (*_, recipe), q = self._weight_fp8
+        state = self.fp8_scaling["weight"]
+        if not recipe.delayed or state.update_count == 0 or q.data is None or q.data_t is None:
+            return None
+        return WeightCast(q.data, q.data_t, state.scale, state.amax, q.scale_inv)
+
+    def weight_cast_written(self) -> None:
+        """The optimizer has just written the weight and, where `weight_cast_target` said, its
+        cast: the next forward uses that cast, as if it had made it."""
+        (*_, fp8_dtype, recipe), q = self._weight_fp8
+        self._weight_fp8 = (self._weight_cast_key(fp8_dtype, recipe), q)
+        self._weight_cast_by_optimizer = True
 
     def _reusable_weight_cast(self, fp8_dtype) -> Optional[Fp8Tensor]:
         """The cached cast's buffers, to cast into again, when the layer is CUDA-graphed (its

@@ -25,6 +25,19 @@ class Fp8Tensor(NamedTuple):
     col_sum: Optional[torch.Tensor] = None
 
 
+class WeightCast(NamedTuple):
+    """Where an optimizer's pass writes the FP8 cast of a 2-D weight [rows, cols] that it has
+    just updated (Fp8Linear.weight_cast_target, megafp8.training.adamw_kernel): `data` [rows,
+    cols] and `data_t` [cols, rows] in one FP8 dtype, cast with the fp32 `scale` it reads; the
+    largest magnitude is maxed into `amax` (zeroed first) and 1 / scale written to `scale_inv`."""
+
+    data: torch.Tensor
+    data_t: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+
+
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
     """`fp8_max / amax / 2**margin`, or 1 where amax is 0, inf or NaN."""
     # A tensor numerator: `float / tensor` would compute float * (1 / tensor), rounding twice.

@@ -10,7 +10,8 @@ owners' updated elements are all-gathered into every replica's parameters.
 On CUDA the step is one fused pass (`adamw_kernel`): AdamW over every master, the clipping
 factor applied as gradients are read, and the new weights written in the model's dtype (into
 the parameters, or into the all-gather's input), bit for bit what torch's fused AdamW and a copy
-give. On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
+give; and, for the FP8 linears it is given whose weights it updates whole, the FP8 cast of the
+new weight that their next forward would otherwise make (delayed scaling: the scale is known). On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 """
 from __future__ import annotations
 
@@ -68,11 +69,16 @@ class MixedPrecisionAdamW:
     `fused`: step with the fused pass of `adamw_kernel` (None: on CUDA when triton is there;
     True also runs in Triton's interpreter, for tests). Its state is torch.optim.AdamW's, in
     `self.optimizer.state`, so checkpoints do not depend on it.
+
+    `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
+    writes their weights' FP8 casts too, where `Fp8Linear.weight_cast_target` allows (not with
+    the distributed optimizer, whose ranks update slices). Their cast buffers are then kept
+    from step to step (`keep_weight_cast_addresses`).
     """
 
     def __init__(self, named_params, buffer: GradientBuffer, *, lr, weight_decay=0.01,
                  betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, model_parallel_group=None,
-                 tp_group=None, dp_group=None, distributed=False, fused=None):
+                 tp_group=None, dp_group=None, distributed=False, fused=None, fp8_linears=()):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
@@ -119,6 +125,12 @@ class MixedPrecisionAdamW:
                              "(or Triton's interpreter, TRITON_INTERPRET=1)")
         self.fused = (fusable and device.type == "cuda") if fused is None else fused
         self._fused_pass = None  # built at the first fused step, again after the state is replaced
+        # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it.
+        linear_of = {id(linear.weight): linear for linear in fp8_linears} if self.fused and not distributed else {}
+        self._cast_linears = [linear_of.get(id(param)) for param, *_ in self.shards]
+        for linear in filter(None, self._cast_linears):
+            linear.keep_weight_cast_addresses = True
+        self._fused_casts = None  # the addresses of the casts the fused pass was built with
 
     def _gather_input_of(self, param, start, end):
         """The elements [start, end) of flattened `param` in its bucket's all-gather input."""
@@ -170,8 +182,10 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def _fused_step(self):
-        if self._fused_pass is None:
-            self._fused_pass = self._build_fused_pass()
+        casts = [linear.weight_cast_target() if linear is not None else None for linear in self._cast_linears]
+        addresses = [None if cast is None else [t.data_ptr() for t in cast] for cast in casts]
+        if self._fused_pass is None or addresses != self._fused_casts:  # a layer's cast came or went
+            self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
         squared = self._squared_grad_norm()
         norm = squared.sqrt()
         # The unfused path's factor, in its fp64 arithmetic (not `clip / tensor`, a reciprocal
@@ -186,6 +200,9 @@ class MixedPrecisionAdamW:
         if ready is not None:
             ready.record()
         self._fused_pass.step(self.optimizer.param_groups[0]["lr"], control)
+        for linear, cast in zip(self._cast_linears, casts):
+            if cast is not None:
+                linear.weight_cast_written()
         self._gather_params()
         if ready is not None:
             ready.synchronize()  # the norm's copy (and all before it), not the update queued after
@@ -194,7 +211,7 @@ class MixedPrecisionAdamW:
         self.steps += applied
         return applied, norm
 
-    def _build_fused_pass(self):
+    def _build_fused_pass(self, casts):
         # torch.optim.AdamW's state, created as its fused step would; the step counts become
         # elements of one tensor, so that one launch advances them all.
         masters = [master for *_, master in self.shards]
@@ -210,7 +227,7 @@ class MixedPrecisionAdamW:
         return adamw_kernel.MultiTensorAdamW(
             masters, [m.grad for m in masters], [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], steps, [out.detach().view(-1) for out in self._outs],
-            self._decayed, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+            self._decayed, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, casts=casts)
 
     @torch.no_grad()
     def _copy_masters_to_params(self):

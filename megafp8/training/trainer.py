@@ -125,15 +125,16 @@ class Trainer:
         self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
                                      shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                                      own_bucket=self.model.own_buckets)
-        for module in self.model.modules():
-            if isinstance(module, Fp8Linear):
-                module.fuse_wgrad_accumulation = args.gradient_accumulation_fusion
-                module.fuse_neighbours = args.fp8_neighbour_fusion
+        fp8_linears = [module for module in self.model.modules() if isinstance(module, Fp8Linear)]
+        for module in fp8_linears:
+            module.fuse_wgrad_accumulation = args.gradient_accumulation_fusion
+            module.fuse_neighbours = args.fp8_neighbour_fusion
         self.optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
             model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
-            dp_group=groups.dp_group, distributed=args.use_distributed_optimizer)
+            dp_group=groups.dp_group, distributed=args.use_distributed_optimizer,
+            fp8_linears=fp8_linears if self.recipe is not None else ())
         self.schedule = _lr_schedule(args)
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
         self.history = []  # (iteration, loss) of every step this process ran

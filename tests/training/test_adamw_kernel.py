@@ -9,7 +9,8 @@ import torch
 
 from megafp8.fp8.autocast import fp8_autocast
 from megafp8.fp8.linear import Fp8Linear
-from megafp8.fp8.recipe import CurrentScaling
+from megafp8.fp8.quantize import quantize_torch
+from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
@@ -154,6 +155,52 @@ def check_fp8_weight_casts_follow_the_step(device):
         assert not torch.equal(cached, y)
 
 
+def check_the_pass_casts_fp8_weights(device, dtype):
+    """Given the FP8 linears, the fused pass also writes their weights' casts (delayed scaling),
+    and their forwards take them: a run equals, bit for bit, one whose forwards cast the weights
+    themselves (outputs, weights, scales and histories, and a log step's saturation counts),
+    and after each step the cached casts are those of the new weights."""
+    runs = []
+    for pass_casts in (False, True):
+        torch.manual_seed(0)
+        # [144, 80] and [48, 144]: partial kernel tiles (64 x 128) both ways.
+        layers = torch.nn.ModuleList([Fp8Linear(80, 144, device=device, dtype=dtype),
+                                      Fp8Linear(144, 48, device=device, dtype=dtype)])
+        for layer in layers:  # the fused pass sets this for its own; both runs alike
+            layer.keep_weight_cast_addresses = True
+        params = list(layers.named_parameters())
+        buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
+        optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, clip_grad=1.0, fused=True,
+                                        fp8_linears=list(layers) if pass_casts else ())
+        x = torch.randn(32, 80, device=device, dtype=dtype)
+        outputs = []
+        for step in range(4):
+            with fp8_autocast(recipe=DelayedScaling(amax_history_len=4), collect_saturation=step == 2):
+                y = layers[1](layers[0](x))
+            buffer.zero()
+            y.float().square().sum().backward()
+            buffer.finish()
+            assert optimizer.step()[0]
+            outputs.append(y.detach())
+            for layer in layers:
+                assert layer._weight_cast_by_optimizer == pass_casts
+                if pass_casts:
+                    q = layer._weight_fp8[1]
+                    ref = quantize_torch(layer.weight.detach(), q.data.dtype, layer.fp8_scaling["weight"].scale, 0,
+                                         True, True)
+                    for got, want in ((q.data, ref.data), (q.data_t, ref.data_t), (q.scale_inv, ref.scale_inv),
+                                      (layer.fp8_scaling["weight"].amax, ref.amax)):
+                        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                                           want.view(torch.uint8) if want.element_size() == 1 else want), step
+        state = {k: v.clone() for k, v in layers.state_dict().items() if isinstance(v, torch.Tensor)}
+        saturation = [s.saturation.clone() for layer in layers for s in layer.fp8_scaling.values()]
+        runs.append((outputs, state, saturation))
+    (outputs, state, saturation), (ref_outputs, ref_state, ref_saturation) = runs
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
+    assert all(torch.equal(a, b) for a, b in zip(saturation, ref_saturation)) and saturation[1][1] > 0
+
+
 def check_a_non_finite_step_is_skipped():
     """The fused pass decides on the device: a step with an inf gradient leaves masters, moments,
     step counts and weights as they were, and the run goes on as if it had not happened."""
@@ -184,6 +231,8 @@ def interpreted_checks():
     check_resume_is_exact()
     check_distributed()
     check_fp8_weight_casts_follow_the_step("cpu")
+    for dtype in (torch.bfloat16, torch.float32):
+        check_the_pass_casts_fp8_weights("cpu", dtype)
     check_a_non_finite_step_is_skipped()
 
 
@@ -251,3 +300,12 @@ def test_fused_pass_with_the_distributed_optimizer_on_cuda():
                     reason="needs a GPU with FP8 tensor cores")
 def test_fp8_weight_casts_follow_the_fused_step_on_cuda():
     check_fp8_weight_casts_follow_the_step("cuda")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_pass_casts_fp8_weights_on_cuda(dtype):
+    check_the_pass_casts_fp8_weights("cuda", dtype)
