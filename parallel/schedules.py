@@ -37,6 +37,11 @@ Schedules (`forward_backward`'s first argument, or None to pick by the layout):
 Each schedule also runs forward only (`forward_only=True`, for evaluation): no backward,
 no activations kept, under torch.no_grad.
 
+Memory: once a stage's output has been sent to the next stage, only its autograd node is needed
+until its backward, not its values: the tensor's storage is replaced by one element (Megatron's
+`deallocate_output_tensor`) and its backward started from its gradient edge. That frees one
+micro-batch's hidden states per micro-batch in flight (pp of them on the first stage of 1F1B).
+
 FP8: delayed scaling reduces amaxes at the end of every forward pass (each forward_step's
 fp8_autocast) and every backward pass (each backward call here), over the amax-reduction
 group: tensor x data parallel, every rank of one pipeline stage. Those collectives match up
@@ -121,6 +126,14 @@ class _Step:
         self.losses.append(loss.detach() if report is None else report)
         return loss
 
+    def communicate(self, *, send_next=None, **transfers):
+        """`P2PCommunicator.communicate`; an output sent to the next stage is then freed (only
+        its autograd node stays, for its backward)."""
+        received = self.p2p.communicate(send_next=send_next, **transfers)
+        if send_next is not None and not self.forward_only:
+            _free_values(send_next)
+        return received
+
     def backward(self, chunk: int, index: int, input_tensor, output, output_grad):
         """Backward of one micro-batch through one chunk; the gradient of its input (None on
         the first virtual stage)."""
@@ -132,6 +145,10 @@ class _Step:
         self.order.append(("B", chunk, index))
         if self.is_last(chunk):
             torch.autograd.backward(output)  # the loss
+        elif getattr(output, "values_freed", False):
+            # From the output's gradient edge: its shape is the one autograd recorded, not the
+            # one-element stand-in's.
+            torch.autograd.backward(torch.autograd.graph.get_gradient_edge(output), grad_tensors=output_grad)
         else:
             torch.autograd.backward(output, grad_tensors=output_grad)
         self.live -= 1
@@ -150,6 +167,16 @@ class _Step:
         return self.losses
 
 
+def _free_values(output: torch.Tensor) -> None:
+    """Replace the storage of `output`, already sent, by one element: its backward needs its
+    autograd node only. Not for a view (its base would keep the values) or a tensor outside any
+    graph (an input passed through a stage without layers: the received buffer itself)."""
+    if output.grad_fn is None or output._base is not None:
+        return
+    output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+    output.values_freed = True
+
+
 def no_pipelining(step: _Step) -> list:
     """pp = 1: forward and backward of each micro-batch in turn, gradients accumulating."""
     for index in range(step.num_micro_batches):
@@ -161,18 +188,18 @@ def no_pipelining(step: _Step) -> list:
 
 def one_f_one_b(step: _Step) -> list:
     """1F1B (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, cool-down."""
-    p2p, num, forward_only = step.p2p, step.num_micro_batches, step.forward_only
+    num, forward_only = step.num_micro_batches, step.forward_only
     first, last = step.is_first(0), step.is_last(0)
     warmup = num if forward_only else min(step.pp - step.pp_rank - 1, num)
     inputs, outputs = [], []  # of the micro-batches in flight, oldest first
     forward_index = backward_index = 0
 
     def recv_forward():
-        return p2p.communicate(recv_prev=True, requires_grad=not forward_only)[0]
+        return step.communicate(recv_prev=True, requires_grad=not forward_only)[0]
 
     def send_forward(output):
         if not last:
-            p2p.communicate(send_next=output)
+            step.communicate(send_next=output)
 
     def run_forward(input_tensor):
         nonlocal forward_index
@@ -201,24 +228,24 @@ def one_f_one_b(step: _Step) -> list:
         inputs.append(input_tensor)
         outputs.append(output)
         # Send this output and receive the gradient of the oldest micro-batch in flight.
-        _, output_grad = p2p.communicate(send_next=None if last else output, recv_next=not last)
+        _, output_grad = step.communicate(send_next=None if last else output, recv_next=not last)
         input_grad = run_backward(output_grad)
         # Send its input gradient back and receive the input of the next micro-batch.
-        input_tensor, _ = p2p.communicate(send_prev=None if first else input_grad,
+        input_tensor, _ = step.communicate(send_prev=None if first else input_grad,
                                           recv_prev=not first and i < remaining - 1)
 
     if not forward_only:
         for _ in range(warmup):
-            _, output_grad = p2p.communicate(recv_next=not last)
+            _, output_grad = step.communicate(recv_next=not last)
             input_grad = run_backward(output_grad)
             if not first:
-                p2p.communicate(send_prev=input_grad)
+                step.communicate(send_prev=input_grad)
     return step.finish()
 
 
 def interleaved_one_f_one_b(step: _Step) -> list:
     """Interleaved 1F1B over vpp model chunks per rank (Megatron's virtual pipeline)."""
-    p2p, pp, rank, forward_only = step.p2p, step.pp, step.pp_rank, step.forward_only
+    pp, rank, forward_only = step.pp, step.pp_rank, step.forward_only
     chunks, num = len(step.chunks), step.num_micro_batches
     total = num * chunks
     first_rank, last_rank = rank == 0, rank == pp - 1
@@ -265,7 +292,7 @@ def interleaved_one_f_one_b(step: _Step) -> list:
 
     # Warm-up: forwards only. Each iteration sends its output and receives the next input.
     if not first_rank:
-        inputs[0].append(p2p.communicate(recv_prev=True, requires_grad=not forward_only)[0])
+        inputs[0].append(step.communicate(recv_prev=True, requires_grad=not forward_only)[0])
     for k in range(warmup):
         output = run_forward(k)
         next_chunk = chunk_of(k + 1, True)
@@ -273,12 +300,12 @@ def interleaved_one_f_one_b(step: _Step) -> list:
         send = None if step.is_last(chunk_of(k, True)) else output
         if k == warmup - 1 and not all_warmup:
             # The last warm-up forward also receives the first gradient.
-            input_tensor, output_grad = p2p.communicate(send_next=send, recv_prev=recv_prev,
+            input_tensor, output_grad = step.communicate(send_next=send, recv_prev=recv_prev,
                                                         recv_next=not last_rank)
             if not last_rank:
                 output_grads[chunks - 1].append(output_grad)
         else:
-            input_tensor, _ = p2p.communicate(send_next=send, recv_prev=recv_prev,
+            input_tensor, _ = step.communicate(send_next=send, recv_prev=recv_prev,
                                               requires_grad=not forward_only)
         if recv_prev:
             inputs[next_chunk].append(input_tensor)
@@ -308,7 +335,7 @@ def interleaved_one_f_one_b(step: _Step) -> list:
             next_backward_chunk = chunk_of(backward_k + 1, False)
         if i == remaining - 1:
             recv_prev = False
-        input_tensor, output_grad = p2p.communicate(send_next=send_next, send_prev=send_prev,
+        input_tensor, output_grad = step.communicate(send_next=send_next, send_prev=send_prev,
                                                     recv_prev=recv_prev, recv_next=recv_next)
         if recv_prev:
             inputs[next_forward_chunk].append(input_tensor)
@@ -318,13 +345,13 @@ def interleaved_one_f_one_b(step: _Step) -> list:
     # Cool-down: the remaining backwards.
     if not forward_only:
         if all_warmup and not last_rank:
-            output_grads[chunks - 1].append(p2p.communicate(recv_next=True)[1])
+            output_grads[chunks - 1].append(step.communicate(recv_next=True)[1])
         for k in range(remaining, total):
             input_grad = run_backward(k)
             next_chunk = chunk_of(k + 1, False)
             recv_next = not (last_rank and next_chunk == chunks - 1) and k < total - 1
             send_prev = None if step.is_first(chunk_of(k, False)) else input_grad
-            _, output_grad = p2p.communicate(send_prev=send_prev, recv_next=recv_next)
+            _, output_grad = step.communicate(send_prev=send_prev, recv_next=recv_next)
             if recv_next:
                 output_grads[next_chunk].append(output_grad)
     return step.finish()

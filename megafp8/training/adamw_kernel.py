@@ -37,7 +37,6 @@ from typing import Optional
 
 import torch
 
-from megafp8.fp8.tensor import WeightCast
 from megafp8.fp8.triton_kernels import INTERPRETING
 
 try:
@@ -213,7 +212,7 @@ class MultiTensorAdamW:
     exp_avg_sqs[i], its step count steps[i] (one fp32 tensor holds them all) and outs[i], a
     contiguous tensor as long as masters[i] that receives the new master in its own dtype.
     `decayed[i]` says whether `weight_decay` applies to it. `casts[i]`, when given and not None,
-    is a WeightCast of outs[i] viewed as its `data`'s [rows, cols] (outs in bf16 or fp32).
+    is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in bf16 or fp32).
     Addresses are read once, here: the tensors must stay where they are (build another after
     replacing any)."""
 
@@ -258,7 +257,7 @@ class MultiTensorAdamW:
             shapes = [casts[i].data.shape for i in members]
             tiles = [-(-rows // TILE_ROWS) * -(-cols // TILE_COLS) for rows, cols in shapes]
             chunks, programs = chunk_table([-(-n // TILES) for n in tiles])
-            addresses = [[getattr(casts[i], field).data_ptr() for i in members] for field in WeightCast._fields]
+            addresses = zip(*([t.data_ptr() for t in casts[i]] for i in members))  # a row per WeightCast field
             self.launches.append((
                 _adamw_cast_kernel,
                 dict(OUT_DTYPE=_triton_dtype(dtypes[0]), FP8_DTYPE=_triton_dtype(dtypes[1]), TILE_ROWS=TILE_ROWS,

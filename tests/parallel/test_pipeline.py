@@ -266,21 +266,25 @@ def pp4_body(rank, world_size):
     groups = ParallelGroups(1, 4)
     config = config_of("gpt-tiny").replace(num_layers=8)
     # In flight: 1F1B with more micro-batches than stages, and interleaved with 2 chunks.
-    live = {}
+    live, sizes = {}, {}
     for vpp, num in ((1, 8), (1, 2), (2, 8), (2, 4)):
         chunks = [TransformerLM(config, layers=span, seed=SEED)
                   for span in stage_layers(config.num_layers, 4, groups.pp_rank, vpp)]
         batches = [(torch.randint(0, 1000, (1, SEQ)),) * 2 for _ in range(num)]
+        sent = []  # the outputs handed to the next stage
 
         def forward_step(chunk_index, chunk, input_tensor, batch):
             out = chunk(batch[0] if input_tensor is None else input_tensor, batch[1] if chunk.post_process else None)
+            if not chunk.post_process:
+                sent.append(out)
             return out.mean() / num if chunk.post_process else out
 
         stats = {}
         forward_backward(None, chunks, iter(batches), forward_step, num, groups, SEQ, 1, config.hidden_size,
                          torch.float32, stats=stats)
         live[(vpp, num)] = stats["max_live_forwards"]
-    out["live"] = live
+        sizes[(vpp, num)] = sorted({t.numel() for t in sent})
+    out["live"], out["sent_sizes"] = live, sizes
     return out
 
 
@@ -307,6 +311,15 @@ def test_1f1b_keeps_at_most_pp_micro_batches_in_flight(pp4_results):
         # of them when num_micro_batches == pp.
         assert live[(2, 8)] == (pp - rank - 1) * 2 + pp + 1
         assert live[(2, 4)] == 2 * 4
+
+
+def test_sent_outputs_keep_no_values(pp4_results):
+    """Megatron's deallocate_output_tensor: an output sent to the next stage keeps one element
+    until its backward (which the equality tests above run from its gradient edge)."""
+    for rank, result in enumerate(pp4_results):
+        for (vpp, num), sizes in result["sent_sizes"].items():
+            # The last rank sends nothing without virtual stages; every other output was freed.
+            assert sizes == ([] if vpp == 1 and rank == 3 else [1]), (rank, vpp, num, sizes)
 
 
 # -- tp2 x pp2 x dp2, sequence parallel, FP8 on and off: 8 processes ------------------------------
