@@ -1,0 +1,76 @@
+"""tools/plot_runs.py: a PNG from two runs' metrics.jsonl, and clear errors on bad input."""
+import json
+
+import pytest
+
+from .load import load_tool
+
+plot_runs = load_tool("plot_runs")
+pytest.importorskip("matplotlib")  # the dev extra installs it
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(folder, records):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return folder
+
+
+def training_records(offset, fp8=True):
+    records = []
+    for it in range(10, 110, 10):
+        record = {"iteration": it, "time": 0.0, "loss": 8.0 - it / 50 + offset, "lr": 1e-3, "grad_norm": 1.0}
+        if fp8:
+            record.update(fp8_scale_min=50.0 + it, fp8_scale_max=1e10, fp8_saturation=1e-6)
+        records.append(record)
+        if it % 50 == 0:
+            records.append({"iteration": it, "time": 0.0, "valid_loss": 8.1 - it / 50 + offset, "valid_ppl": 1.0})
+    return records
+
+
+def test_two_runs_make_a_png(tmp_path, capsys):
+    bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    fp8 = write_run(tmp_path / "fp8", training_records(0.02))
+    # A resumed run logs iteration 100 again: the later record counts.
+    with open(fp8 / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": 100, "time": 1.0, "loss": "nan"}) + "\n")
+    output = tmp_path / "out" / "curves.png"
+    assert plot_runs.main([str(bf16), str(fp8 / "metrics.jsonl"), "--output", str(output), "--fields",
+                           "fp8_saturation", "fp8_scale_min", "--log-y", "fp8_scale_min", "--smooth", "3"]) == 0
+    assert output.read_bytes().startswith(PNG) and output.stat().st_size > 10_000
+    assert f"wrote {output}" in capsys.readouterr().out
+    run = plot_runs.read_run(fp8 / "metrics.jsonl")
+    iterations, losses = run["loss"]
+    assert iterations == list(range(10, 110, 10)) and losses[-1] != losses[-1]  # NaN, the later record
+    assert run["valid_loss"][0] == [50, 100]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no metrics.jsonl there"),
+    ("", "no logged iteration"),
+    ("{not json\n", "line 1: not JSON"),
+    ('{"loss": 3.0}\n', 'without an integer "iteration"'),
+])
+def test_bad_input_is_refused_clearly(tmp_path, capsys, content, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    if content is not None:
+        (run / "metrics.jsonl").write_text(content)
+    assert plot_runs.main([str(run), "--output", str(tmp_path / "c.png")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_an_unknown_field_names_the_known_ones(tmp_path, capsys):
+    run = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    assert plot_runs.main([str(run), "--output", str(tmp_path / "c.png"), "--fields", "fp8_saturation"]) == 2
+    err = capsys.readouterr().err
+    assert "--fields fp8_saturation: no run logged it" in err and "grad_norm" in err
+
+
+def test_label_count_must_match(tmp_path):
+    with pytest.raises(SystemExit):
+        plot_runs.parse_args(["a", "b", "--output", "c.png", "--labels", "one"])

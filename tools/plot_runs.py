@@ -1,0 +1,161 @@
+"""Draw the loss curves of training runs side by side, from their metrics.jsonl files.
+
+    python tools/plot_runs.py runs/bf16 runs/fp8_delayed runs/fp8_current --output curves.png \
+        [--labels bf16 "FP8 delayed" "FP8 current"] [--fields fp8_saturation fp8_scale_min] \
+        [--smooth 5] [--log-y fp8_scale_min] [--title "GPT-125M"]
+
+Each RUN is a run folder (the trainer's --save or --tensorboard-dir, which holds metrics.jsonl)
+or a metrics.jsonl file. The figure has one panel per quantity, every run on shared axes over
+the iteration: the training loss (the trainer logs its mean over each --log-interval window),
+the validation loss when any run has one, then each field of --fields (any numeric
+metrics.jsonl field: fp8_scale_min/max, fp8_saturation, grad_norm, lr, tokens_per_sec, ...).
+`--smooth N` averages the training loss over N logged points. A record logged twice at one
+iteration (a run resumed from an earlier checkpoint) counts once, the later one.
+
+matplotlib is an optional dependency (`pip install matplotlib`, or megafp8's `plot` extra);
+the figure is drawn off-screen (Agg) and written as PNG (or any format matplotlib infers from
+the output's suffix).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TRAIN, VALID = "loss", "valid_loss"
+
+
+class PlotError(Exception):
+    """Bad input: said in one line, exit status 2."""
+
+
+def metrics_path(run: str) -> Path:
+    path = Path(run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save or "
+                        f"--tensorboard-dir, or the metrics.jsonl file itself)")
+    return path
+
+
+def _number(value):
+    # The trainer writes inf and NaN as strings (JSON has neither); other non-numbers are skipped.
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def read_run(path: Path) -> dict:
+    """{field: ([iterations], [values])} of every numeric field, by iteration, one value per
+    iteration (the last logged)."""
+    latest: dict = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise PlotError(f"{path}, line {number}: not JSON ({error.msg})") from None
+            iteration = record.get("iteration") if isinstance(record, dict) else None
+            if not isinstance(iteration, int):
+                raise PlotError(f"{path}, line {number}: a record without an integer \"iteration\"")
+            for field, value in record.items():
+                value = _number(value)
+                if field not in ("iteration", "time") and value is not None:
+                    latest.setdefault(field, {})[iteration] = value
+    if not latest:
+        raise PlotError(f"{path}: no logged iteration in it (is the run still before its first --log-interval?)")
+    return {field: (sorted(points), [points[i] for i in sorted(points)]) for field, points in latest.items()}
+
+
+def moving_average(values: list, window: int) -> list:
+    """The mean of each value with the up to `window - 1` before it (NaN where any of them is)."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1):i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, log_y=(), title=None) -> Path:
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("matplotlib is not installed: pip install matplotlib (or megafp8's plot extra)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [TRAIN] + ([VALID] if any(VALID in run for run in runs) else []) + list(fields)
+    if not any(TRAIN in run for run in runs):
+        raise PlotError("no run logged a training loss (\"loss\")")
+    for field in fields:
+        if not any(field in run for run in runs):
+            known = sorted({f for run in runs for f in run})
+            raise PlotError(f"--fields {field}: no run logged it; the runs have {', '.join(known)}")
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
+    for axis, field in zip(axes[:, 0], panels):
+        for run, label in zip(runs, labels):
+            if field not in run:
+                continue
+            iterations, values = run[field]
+            if field == TRAIN and smooth > 1:
+                values = moving_average(values, smooth)
+            axis.plot(iterations, values, label=label, marker="o" if len(iterations) == 1 else None)
+        name = {TRAIN: "training loss" + (f" (mean of {smooth} points)" if smooth > 1 else ""),
+                VALID: "validation loss"}.get(field, field)
+        axis.set_ylabel(name)
+        if field in log_y:
+            axis.set_yscale("log")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    axes[-1, 0].set_xlabel("iteration")
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=120)
+    plt.close(figure)
+    return output
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Draw training and validation loss (and any other "
+                                                 "metrics.jsonl field) of several runs on shared axes.")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder holding metrics.jsonl, or the file")
+    parser.add_argument("--output", required=True, help="the picture to write (PNG by its suffix)")
+    parser.add_argument("--labels", nargs="+", help="one legend label per run (default: the run folders' names)")
+    parser.add_argument("--fields", nargs="*", default=[], help="more metrics.jsonl fields, a panel each")
+    parser.add_argument("--smooth", type=int, default=1, help="average the training loss over N logged points")
+    parser.add_argument("--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
+    if args.smooth < 1:
+        parser.error(f"--smooth {args.smooth}: give 1 (none) or more points")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        paths = [metrics_path(run) for run in args.runs]
+        runs = [read_run(path) for path in paths]
+        labels = args.labels or [p.parent.name if p.name == "metrics.jsonl" else p.stem for p in paths]
+        output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title)
+    except PlotError as error:
+        print(f"plot_runs.py: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
