@@ -15,15 +15,29 @@ install has them and the output is deterministic for a given Python build):
   topics in ``pydoc_data/topics.py`` (text of the Language Reference; always installed, since
   ``help()`` needs it), the Zen of Python (``this.s``, rot13) and ``LICENSE.txt`` where present.
 
+``--packages [ROOT ...]`` builds a larger corpus, for studies, from the Python packages under
+those folders (with no ROOT: this interpreter's site-packages and standard library): every
+top-level package or module is one *package*, whose ``.py`` files are GitHub documents, whose
+docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files Wikipedia-like
+ones. Whole packages are held out for validation (``--validation-fraction``, chosen by a hash of
+their names), so nothing of a validation package is trained on; the output has SlimPajama's
+split layout, ``train/chunk1/example_train_{k}.jsonl.zst`` and
+``validation/chunk1/example_holdout_{k}.jsonl.zst``, each line's meta also naming its package.
+Still a stand-in, NOT SlimPajama: point the same commands at SlimPajama's ``train`` and
+``validation`` folders for the real thing.
+
 The corpus is built in a temporary folder beside ``--output`` and moved there when complete,
 README.txt last, so an interrupted run leaves no half corpus under that name. A folder that
 already holds files is refused; ``--overwrite`` replaces the corpus files in it (other files stay).
 
 Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4] [--overwrite]``
+       ``python tools/make_sample_corpus.py --output ./packages_corpus --packages [ROOT ...]
+       --max-mb 800 [--validation-fraction 0.02]``
 """
 import argparse
 import ast
 import codecs
+import hashlib
 import json
 import os
 import shutil
@@ -43,8 +57,12 @@ ZSTD_LEVEL = 3  # fixed: same input + same level gives identical bytes
 MIN_BOOK_CHARS = 1000  # a module's docstrings must make at least this much prose
 # Test suites, third-party packages and caches are not "the standard library's code".
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-SKIP_FILES = {"pydoc_data/topics.py"}  # a data file; its text goes to WIKI instead
+SKIP_FILES = ("pydoc_data/topics.py",)  # a data file; its text goes to WIKI instead
 CHUNKS = "chunk1/example_train_*.jsonl.zst"  # what --overwrite replaces, with README.txt
+# --packages: SlimPajama's split layout, and what --overwrite replaces there.
+TRAIN_CHUNKS, VALIDATION_CHUNKS = "train/chunk1/example_train_*.jsonl.zst", "validation/chunk1/example_holdout_*.jsonl.zst"
+DOC_SUFFIXES = (".md", ".rst", ".txt")  # a package's documentation files
+MIN_DOC_CHARS = 200
 
 DESCRIPTION = (
     "Write a small corpus with SlimPajama's format (chunk1/example_train_{k}.jsonl.zst, lines "
@@ -53,15 +71,23 @@ DESCRIPTION = (
 )
 
 
-def _stdlib_modules(stdlib: Path):
-    """Yield (relative path, source, ast tree) for every parseable stdlib .py file, sorted."""
+def _files(root: Path, suffixes) -> list[Path]:
+    """The files under `root` (a folder, or one file) ending in `suffixes`, in a fixed order."""
+    if root.is_file():
+        return [root] if root.name.endswith(suffixes) else []
     paths = []
-    for folder, dirs, files in os.walk(stdlib):
+    for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS]  # prune: site-packages can be huge
-        paths += [Path(folder, f) for f in files if f.endswith(".py")]
-    for path in sorted(paths, key=lambda p: p.relative_to(stdlib).as_posix()):
-        rel = path.relative_to(stdlib)
-        if rel.as_posix() in SKIP_FILES:
+        paths += [Path(folder, f) for f in files if f.endswith(suffixes)]
+    return sorted(paths, key=lambda p: p.relative_to(root).as_posix() if p != root else "")
+
+
+def _stdlib_modules(stdlib: Path):
+    """Yield (relative path, source, ast tree) for every parseable .py file under `stdlib` (a
+    folder, or one file), sorted."""
+    for path in _files(stdlib, (".py",)):
+        rel = path.relative_to(stdlib) if path != stdlib else Path(path.name)
+        if path.as_posix().endswith(SKIP_FILES):
             continue
         try:
             source = path.read_text(encoding="utf-8")
@@ -120,31 +146,91 @@ def collect(stdlib: Path) -> dict[str, list[str]]:
     return subsets
 
 
-def select(subsets: dict[str, list[str]], max_bytes: int) -> list[tuple[str, str]]:
-    """Round-robin across subsets so each is represented; skip documents that would pass the cap."""
+def packages(roots: list[Path]) -> list[tuple[str, Path]]:
+    """(name, path) of every top-level package (a folder holding .py files) or module (a .py
+    file) under `roots`, by name; where two roots hold one name, the first root's, as imports
+    would find it. Metadata folders (*.dist-info, *.egg-info), caches and tests are no packages."""
+    found = {}
+    for root in roots:
+        for child in sorted(root.iterdir(), key=lambda p: p.name):
+            name = child.name.removesuffix(".py") if child.is_file() else child.name
+            if (name in found or name in SKIP_DIRS or name.startswith(".") or "." in name
+                    or (child.is_file() and not child.name.endswith(".py"))):
+                continue
+            if child.is_file() or _files(child, (".py",)):
+                found[name] = child
+    return sorted(found.items())
+
+
+def collect_packages(roots: list[Path], stdlib: Path) -> list[tuple[str, str, str]]:
+    """(subset, package, text) of every document of every package under `roots`, package by
+    package in name order; with the standard library among the roots, its reference prose too
+    (as the package "python-docs")."""
+    docs = []
+    for name, path in packages(roots):
+        for _, source, tree in _stdlib_modules(path):
+            if source.strip():
+                docs.append((GITHUB, name, source))
+            prose = _docstrings(tree)
+            if len(prose) >= MIN_BOOK_CHARS:
+                docs.append((BOOK, name, prose))
+        for doc in _files(path, DOC_SUFFIXES) if path.is_dir() else []:
+            try:
+                text = doc.read_text(encoding="utf-8").strip()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if len(text) >= MIN_DOC_CHARS:
+                docs.append((WIKI, name, text))
+    if any(root.resolve() == stdlib.resolve() for root in roots):
+        docs += [(WIKI, "python-docs", text) for text in _wiki_documents(stdlib)]
+    return docs
+
+
+def validation_packages(names: list[str], fraction: float) -> set[str]:
+    """The packages held out whole: those whose name hashes under `fraction` (stable across
+    runs, machines and package sets), and at least one when `fraction` > 0 and there are two."""
+    def position(name):
+        return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2**64
+
+    held = {name for name in names if position(name) < fraction}
+    if fraction > 0 and not held and len(names) > 1:
+        held = {min(names, key=position)}
+    if len(held) == len(names) and names:
+        held.discard(max(names, key=position))  # something is left to train on
+    return held
+
+
+def select(subsets: dict[str, list], max_bytes: int) -> list[tuple[str, object]]:
+    """Round-robin across subsets so each is represented; skip documents that would pass the cap.
+    A document is its text, or a (package, text) pair."""
     chosen, total = [], 0
     longest = max(len(docs) for docs in subsets.values())
     for i in range(longest):
         for name in SUBSETS:
             if i < len(subsets[name]):
-                size = len(subsets[name][i].encode("utf-8"))
+                doc = subsets[name][i]
+                size = len((doc if isinstance(doc, str) else doc[1]).encode("utf-8"))
                 if total + size <= max_bytes:
-                    chosen.append((name, subsets[name][i]))
+                    chosen.append((name, doc))
                     total += size
     return chosen
 
 
-def write(docs: list[tuple[str, str]], output: Path, docs_per_chunk: int) -> list[Path]:
-    """Write the chunk files, streaming through zstd so memory stays small."""
-    chunk_dir = output / "chunk1"
-    chunk_dir.mkdir(parents=True, exist_ok=True)
+def write(docs: list[tuple[str, object]], output: Path, docs_per_chunk: int,
+          pattern: str = "chunk1/example_train_{k}.jsonl.zst") -> list[Path]:
+    """Write the chunk files, streaming through zstd so memory stays small. A (package, text)
+    document's meta also names its package."""
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     files = []
     for k, start in enumerate(range(0, len(docs), docs_per_chunk)):
-        path = chunk_dir / f"example_train_{k}.jsonl.zst"
+        path = output / pattern.format(k=k)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as raw, compressor.stream_writer(raw) as out:
-            for name, text in docs[start : start + docs_per_chunk]:
-                line = json.dumps({"text": text, "meta": {"redpajama_set_name": name}}, ensure_ascii=False)
+            for name, doc in docs[start : start + docs_per_chunk]:
+                meta = {"redpajama_set_name": name}
+                if not isinstance(doc, str):
+                    meta["package"], doc = doc
+                line = json.dumps({"text": doc, "meta": meta}, ensure_ascii=False)
                 out.write(line.encode("utf-8") + b"\n")
         files.append(path)
     return files
@@ -172,12 +258,32 @@ def move_into(built: Path, output: Path) -> None:
     if not output.exists():
         os.rename(built, output)
         return
-    for stale in [*output.glob(CHUNKS), output / "README.txt"]:
+    patterns = (CHUNKS, TRAIN_CHUNKS, VALIDATION_CHUNKS)
+    for stale in [*(p for pattern in patterns for p in output.glob(pattern)), output / "README.txt"]:
         stale.unlink(missing_ok=True)  # a new corpus may have fewer chunks than the old one
-    (output / "chunk1").mkdir(exist_ok=True)
-    for path in [*sorted(built.glob(CHUNKS)), built / "README.txt"]:
-        os.replace(path, output / path.relative_to(built))
+    for path in [*sorted(p for pattern in patterns for p in built.glob(pattern)), built / "README.txt"]:
+        target = output / path.relative_to(built)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
     shutil.rmtree(built)
+
+
+def packages_readme(roots: int, train, validation, held: set, mb: float, n_files: int) -> str:
+    def counts(docs):
+        return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
+
+    return (
+        "Corpus in SlimPajama's layout built from Python packages: a stand-in, NOT SlimPajama.\n\n"
+        f"Built by tools/make_sample_corpus.py --packages from {len({d[0] for _, d in train + validation})} "
+        f"packages under {roots} folders (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
+        "Files: train/chunk1/example_train_{k}.jsonl.zst and validation/chunk1/example_holdout_{k}.jsonl.zst, "
+        'one JSON object per line: {"text": ..., "meta": {"redpajama_set_name": ..., "package": ...}}.\n'
+        f"Subsets: {GITHUB} (a package's .py files), {BOOK} (its docstrings, per module), {WIKI} "
+        "(its .md/.rst/.txt files; the interpreter's reference prose as python-docs).\n\n"
+        f"train: {counts(train)} documents\nvalidation: {counts(validation)} documents\n"
+        f"Validation packages (held out whole): {', '.join(sorted(held)) or 'none'}\n\n"
+        f"Total: {len(train) + len(validation)} documents, {mb:.2f} MB of text, {n_files} files.\n"
+    )
 
 
 def main(argv=None) -> int:
@@ -190,11 +296,19 @@ def main(argv=None) -> int:
     parser.add_argument("--docs-per-chunk", type=int, default=1000,
                         help="documents per .jsonl.zst file (default 1000)")
     parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace the corpus files ({CHUNKS}, README.txt) in an --output "
-                             "folder that holds files; other files there are kept")
+                        help=f"replace the corpus files ({CHUNKS} or the --packages splits, README.txt) "
+                             "in an --output folder that holds files; other files there are kept")
+    parser.add_argument("--packages", nargs="*", type=Path, metavar="ROOT",
+                        help="build from the Python packages under these folders instead (none given: "
+                             "this interpreter's site-packages and standard library), with whole "
+                             "packages held out in validation/ (SlimPajama's train/validation layout)")
+    parser.add_argument("--validation-fraction", type=float, default=0.02,
+                        help="--packages: the share of packages held out for validation (default 0.02)")
     args = parser.parse_args(argv)
     if args.docs_per_chunk < 1:
         parser.error("--docs-per-chunk must be at least 1")
+    if not 0 <= args.validation_fraction < 1:
+        parser.error(f"--validation-fraction {args.validation_fraction}: give a share in [0, 1)")
     output = args.output
     if output.exists() and not output.is_dir():
         parser.error(f"--output {output} is a file; give a folder")
@@ -207,23 +321,50 @@ def main(argv=None) -> int:
                        "other files are kept), or give a new or empty folder\n")
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = select(collect(stdlib), int(args.max_mb * 1_000_000))
-    counts = {name: sum(1 for n, _ in docs if n == name) for name in SUBSETS}
-    mb = sum(len(text.encode("utf-8")) for _, text in docs) / 1_000_000
+    if args.packages is not None:
+        roots = list(dict.fromkeys(r.resolve() for r in args.packages or
+                                   [Path(sysconfig.get_paths()["purelib"]), stdlib]))
+        missing = [str(r) for r in roots if not r.is_dir()]
+        if missing:
+            parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
+        found = collect_packages(roots, stdlib)
+        if not found:
+            parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
+                           f"{', '.join(map(str, roots))}\n")
+        docs = select({name: [(p, text) for n, p, text in found if n == name] for name in SUBSETS},
+                      int(args.max_mb * 1_000_000))
+        held = validation_packages(sorted({package for _, (package, _) in docs}), args.validation_fraction)
+        train = [doc for doc in docs if doc[1][0] not in held]
+        validation = [doc for doc in docs if doc[1][0] in held]
+        mb = sum(len(text.encode("utf-8")) for _, (_, text) in docs) / 1_000_000
+    else:
+        docs = select(collect(stdlib), int(args.max_mb * 1_000_000))
+        counts = {name: sum(1 for n, _ in docs if n == name) for name in SUBSETS}
+        mb = sum(len(text.encode("utf-8")) for _, text in docs) / 1_000_000
     # Built beside --output, never in it (where a reader would take it for part of the corpus):
     # hidden, on the same file system so that a rename moves it, and removed if anything fails.
     where = output.resolve()  # `--output .` has no name to sit beside
     built = where.parent / f".{where.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         built.mkdir(parents=True)
-        files = write(docs, built, args.docs_per_chunk)
-        (built / "README.txt").write_text(readme(counts, mb, len(files)), encoding="utf-8")
+        if args.packages is not None:
+            files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
+            files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
+            text = packages_readme(len(roots), train, validation, held, mb, len(files))
+        else:
+            files = write(docs, built, args.docs_per_chunk)
+            text = readme(counts, mb, len(files))
+        (built / "README.txt").write_text(text, encoding="utf-8")
         move_into(built, output)
     except OSError as error:  # a full disk, a folder we may not write: what and where, no traceback
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     finally:
         shutil.rmtree(built, ignore_errors=True)
 
+    if args.packages is not None:
+        print(f"packages corpus: {len(train)} training documents, {len(validation)} validation documents "
+              f"({len(held)} packages held out); {mb:.2f} MB of text in {len(files)} files under {output}")
+        return 0
     summary = ", ".join(f"{name} {counts[name]}" for name in SUBSETS)
     print(f"sample corpus: {summary} documents; {mb:.2f} MB of text in {len(files)} files under {output}")
     return 0

@@ -120,3 +120,83 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         tool.main(["--output", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []
+
+
+# -- --packages: a corpus from installed packages, validation packages held out whole --------------
+
+DOCSTRING = '"""' + "Prose about this module. " * 60 + '"""\n'
+
+
+def _package_tree(root: Path) -> Path:
+    """Two folders of packages: a package with a module, docstrings and a README, a bare module,
+    a folder without Python, metadata and caches (no packages), and in the second folder a
+    package of the same name as one in the first (shadowed) beside a new one."""
+    files = {
+        "first/alpha/__init__.py": DOCSTRING + "def f():\n    " + DOCSTRING + "    return 1\n",
+        "first/alpha/core.py": "x = 1\n",
+        "first/alpha/README.md": "# alpha\n\n" + "How to use alpha. " * 20,
+        "first/beta.py": DOCSTRING + "y = 2\n",
+        "first/gamma/__init__.py": "z = 3\n",
+        "first/data_only/table.txt": "numbers " * 100,
+        "first/alpha-1.0.dist-info/METADATA": "Name: alpha\n",
+        "first/__pycache__/beta.cpython-311.py": "cached = True\n",
+        "second/alpha/other.py": "shadowed = True\n",
+        "second/delta/__init__.py": DOCSTRING + "w = 4\n",
+        "second/epsilon.py": "v = 5\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def _build_packages(tree: Path, out: Path, *extra) -> Path:
+    assert tool.main(["--output", str(out), "--packages", str(tree / "first"), str(tree / "second"),
+                      "--docs-per-chunk", "3", "--validation-fraction", "0.4", *extra]) == 0
+    return out
+
+
+def _documents(folder: Path):
+    return [doc for path in sorted(folder.rglob("*.jsonl.zst")) for doc in _read_lines(path)]
+
+
+def test_packages_corpus_holds_out_whole_packages(tmp_path):
+    tree = _package_tree(tmp_path / "tree")
+    out = _build_packages(tree, tmp_path / "out")
+    train, validation = _documents(out / "train"), _documents(out / "validation")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.jsonl.zst"))[0].startswith("train/chunk1/")
+    assert (out / "validation" / "chunk1" / "example_holdout_0.jsonl.zst").is_file()
+    train_packages = {d["meta"]["package"] for d in train}
+    validation_packages = {d["meta"]["package"] for d in validation}
+    assert train_packages and validation_packages and not train_packages & validation_packages
+    assert train_packages | validation_packages == {"alpha", "beta", "gamma", "delta", "epsilon"}
+    texts = [d["text"] for d in train + validation]
+    assert not any("shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts)
+    sets = {(d["meta"]["package"], d["meta"]["redpajama_set_name"]) for d in train + validation}
+    assert {("alpha", tool.GITHUB), ("alpha", tool.BOOK), ("alpha", tool.WIKI)} <= sets
+    readme = (out / "README.txt").read_text()
+    assert "NOT SlimPajama" in readme and f"held out whole): {', '.join(sorted(validation_packages))}" in readme
+    # The same input gives the same bytes, and the split depends on the package names only.
+    again = _build_packages(tree, tmp_path / "again")
+    assert _files(again) == _files(out)
+    assert tool.validation_packages(["alpha", "beta", "gamma", "delta", "epsilon"], 0.4) == validation_packages
+
+
+def test_packages_mode_refuses_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        tool.main(["--output", str(tmp_path / "out"), "--packages", str(tmp_path / "nowhere")])
+    assert exit.value.code == 2 and "--packages: no folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        tool.main(["--output", str(tmp_path / "out"), "--packages", str(tmp_path / "empty")])
+    assert exit.value.code == 2 and "no Python package or module under" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--output", str(tmp_path / "out"), "--packages", "--validation-fraction", "1.5"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_validation_packages_always_leave_some_to_train():
+    assert tool.validation_packages(["a"], 0.5) == set()
+    assert len(tool.validation_packages(["a", "b"], 0.0001)) == 1  # at least one held out
+    assert len(tool.validation_packages(["a", "b"], 0.9999)) == 1  # and one left
+    assert tool.validation_packages(["a", "b"], 0.0) == set()
