@@ -108,22 +108,38 @@ def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=No
             warnings.warn(f"the {name} split of {', '.join(empty)} has no documents under --split {split}; "
                           f"no {name} dataset")
             count = 0
-        if not count:
+        result.append(_dataset(blend, indexed, [r[s] for r in ranges], name, count, seq_length, seed, cache_dir)
+                      if count else None)
+    return result
+
+
+def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=None):
+    """Train / valid / test datasets from one data path each (Megatron's --train-data-path,
+    --valid-data-path, --test-data-path): every document of a split's prefixes is in that split.
+    None where a split has no path or is asked no samples."""
+    result = []
+    for name, data_path, count in zip(SPLIT_NAMES, data_paths, num_samples):
+        if not data_path or not count:
             result.append(None)
             continue
-        if len(blend) == 1:
-            start, end = ranges[0][s]
-            result.append(GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed,
-                                     name, cache_dir))
-            continue
-        components, weights = [], []
-        for (weight, _), ds, split_range in zip(blend, indexed, ranges):
-            start, end = split_range[s]
-            if weight == 0:
-                continue
-            share = int(np.ceil(weight * count * 1.005)) + 1
-            components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name,
-                                         cache_dir))
-            weights.append(weight)
-        result.append(BlendedDataset(components, weights, count))
+        blend = parse_data_path(data_path)
+        indexed = [IndexedDataset(prefix) for _, prefix in blend]
+        result.append(_dataset(blend, indexed, [(0, len(ds)) for ds in indexed], name, count, seq_length, seed,
+                               cache_dir))
     return result
+
+
+def _dataset(blend, indexed, document_ranges, name, count, seq_length, seed, cache_dir):
+    """The `name` split's dataset of `count` samples: one prefix's documents in its range, or a
+    blend of each prefix's."""
+    if len(blend) == 1:
+        start, end = document_ranges[0]
+        return GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed, name, cache_dir)
+    components, weights = [], []
+    for (weight, _), ds, (start, end) in zip(blend, indexed, document_ranges):
+        if weight == 0:
+            continue
+        share = int(np.ceil(weight * count * 1.005)) + 1
+        components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name, cache_dir))
+        weights.append(weight)
+    return BlendedDataset(components, weights, count)

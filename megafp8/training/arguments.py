@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*",
+                       help=f"the {split} split's own PREFIX (or W1 PREFIX1 ...), all of its documents: with "
+                            "--train/valid/test-data-path instead of --data-path and --split")
     g.add_argument("--data-cache-path")
     g.add_argument("--mock-data", action="store_true", help="synthetic random tokens, no files")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
@@ -607,11 +611,18 @@ def _check_precision(args, given) -> None:
 
 
 def _check_data(args, saved: TransformerConfig | None) -> None:
-    if args.mock_data and args.data_path:
-        raise ArgumentsError("--mock-data and --data-path are both given; drop one")
-    if not args.mock_data and not args.data_path:
-        raise ArgumentsError("no training data: give --data-path PREFIX (preprocessed .bin/.idx), "
-                             "or --mock-data for synthetic tokens")
+    per_split = [f"--{split}-data-path" for split in ("train", "valid", "test") if getattr(args, f"{split}_data_path")]
+    if per_split and args.data_path:
+        raise ArgumentsError(f"--data-path and {', '.join(per_split)} are both given: give --data-path (cut into "
+                             "splits by --split) or a data path per split, not both")
+    if per_split and not args.train_data_path:
+        raise ArgumentsError(f"{', '.join(per_split)} without --train-data-path: give the training data too")
+    if args.mock_data and (args.data_path or per_split):
+        raise ArgumentsError(f"--mock-data and {'--data-path' if args.data_path else per_split[0]} are both "
+                             "given; drop one")
+    if not args.mock_data and not args.data_path and not per_split:
+        raise ArgumentsError("no training data: give --data-path PREFIX (preprocessed .bin/.idx; or "
+                             "--train-data-path with --valid-data-path), or --mock-data for synthetic tokens")
     try:
         parse_split(args.split)
     except ValueError as error:
@@ -623,9 +634,10 @@ def _check_data(args, saved: TransformerConfig | None) -> None:
         raise ArgumentsError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if kind == "NullTokenizer" and args.vocab_size is None:
         raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.data_path and kind is None:
-        raise ArgumentsError("--data-path needs --tokenizer-type (and its files): the vocabulary size "
-                             f"and end-of-document token come from it; one of {', '.join(TOKENIZER_TYPES)}")
+    if (args.data_path or per_split) and kind is None:
+        raise ArgumentsError(f"{'--data-path' if args.data_path else per_split[0]} needs --tokenizer-type (and its "
+                             "files): the vocabulary size and end-of-document token come from it; one of "
+                             f"{', '.join(TOKENIZER_TYPES)}")
     if args.mock_data and kind is None and args.vocab_size is None:
         # Mock tokens are drawn from [0, vocab_size); the last id is the end-of-document token.
         if saved is not None:
@@ -665,14 +677,16 @@ def _absolute_paths(args) -> None:
     for dest in ("tokenizer_model", "vocab_file", "merge_file", "data_cache_path"):
         if getattr(args, dest):
             setattr(args, dest, absolute(getattr(args, dest)))
-    if args.data_path:  # Megatron's list: weights (numbers) and prefixes
-        def is_number(text):
-            try:
-                float(text)
-                return True
-            except ValueError:
-                return False
-        args.data_path = [item if is_number(item) else absolute(item) for item in args.data_path]
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest):  # Megatron's list: weights (numbers) and prefixes
+            setattr(args, dest, [item if is_number(item) else absolute(item) for item in getattr(args, dest)])
 
 
 def _check_profile(args, given) -> None:

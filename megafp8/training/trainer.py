@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megafp8.console import show_warnings_as_messages
-from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets, build_tokenizer,
-                          parse_split)
+from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets,
+                          build_split_datasets, build_tokenizer, parse_split)
 from megafp8.fp8 import Fp8Linear, fp8_autocast
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM, compile_layers
@@ -151,11 +151,14 @@ class Trainer:
         a = self.args
         evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_interval and a.eval_iters else 0
         counts = (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
-        if not a.mock_data:  # a split given no share in --split is not asked for samples
-            counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
         if a.mock_data:
             return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.seed + k, eod=self.eod)
                     if n else None for k, n in enumerate(counts)]
+        if a.train_data_path:  # a path per split
+            return build_split_datasets((a.train_data_path, a.valid_data_path, a.test_data_path), a.seq_length,
+                                        counts, a.seed, a.data_cache_path)
+        # A split given no share in --split is not asked for samples.
+        counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
         return build_datasets(a.data_path, a.split, a.seq_length, counts, a.seed, a.data_cache_path)
 
     def _micro_batches(self, dataset, consumed):

@@ -12,6 +12,7 @@ from megafp8.data import (
     IndexedDatasetBuilder,
     PretrainingSampler,
     build_datasets,
+    build_split_datasets,
     parse_data_path,
     split_ranges,
 )
@@ -248,3 +249,24 @@ def test_blend_proportions_within_one_percent(tmp_path):
     # Prefixes without weights blend in their natural (token count) proportions.
     tokens = [IndexedDataset(p).num_tokens for p in prefixes]
     assert parse_data_path(prefixes) == [(t / sum(tokens), p) for t, p in zip(tokens, prefixes)]
+
+
+def test_a_data_path_per_split_keeps_each_split_to_its_own_documents(tmp_path):
+    """--train-data-path / --valid-data-path (Megatron's): each split takes every document of its
+    own prefixes and none of another's; a split without a path, or asked nothing, is None."""
+    rng = np.random.default_rng(3)
+    for name, first in (("train", 0), ("valid", 100_000), ("more", 200_000)):
+        unique_token_corpus(str(tmp_path / name), rng, n_docs=30, first_token=first)
+    train, valid, test = build_split_datasets(([str(tmp_path / "train")], [str(tmp_path / "valid")], None),
+                                              8, (200, 40, 10), seed=4)
+    assert test is None and len(train) == 200 and len(valid) == 40
+    assert all(int(train[i]["tokens"].max()) < 100_000 for i in range(len(train)))
+    assert all(100_000 <= int(valid[i]["tokens"].min()) < 200_000 for i in range(len(valid)))
+    # Every training document is in: the first epoch covers all of the prefix's tokens.
+    tokens = IndexedDataset(str(tmp_path / "train")).num_tokens
+    seen = np.unique(np.concatenate([train[i]["tokens"] for i in range(len(train))]))
+    assert len(seen) >= min(tokens, 200 * 8)
+    # A blend per split, as for --data-path.
+    blended, none, _ = build_split_datasets(([str(tmp_path / "train"), str(tmp_path / "more")], ["x"], None),
+                                            8, (100, 0, 0), seed=4)
+    assert isinstance(blended, BlendedDataset) and none is None

@@ -321,6 +321,15 @@ def test_data_contradictions():
     # Prefixes and tokenizer files become absolute, so a checkpoint's record finds them from elsewhere.
     assert args.data_path == ["0.7", os.path.abspath("a_text_document"), "0.3", os.path.abspath("b_text_document")]
     assert not args.mock_data
+    # A data path per split (Megatron's --train/valid/test-data-path) instead of --data-path and --split.
+    tok = "--tokenizer-type NullTokenizer --vocab-size 512"
+    fails(f"--data-path a --train-data-path b {tok}", "--data-path", "--train-data-path", base=base)
+    fails(f"--valid-data-path v {tok}", "--valid-data-path", "--train-data-path", base=base)
+    fails("--mock-data --train-data-path t", "--mock-data", "--train-data-path", base=base)
+    fails("--train-data-path t", "--train-data-path", "--tokenizer-type", base=base)
+    args = parse(f"--train-data-path t --valid-data-path 1 v {tok}", base)
+    assert args.train_data_path == [os.path.abspath("t")] and args.valid_data_path == ["1", os.path.abspath("v")]
+    assert args.test_data_path is None and args.data_path is None
 
 
 @pytest.mark.parametrize("tokenizer, needs", [

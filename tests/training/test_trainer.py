@@ -425,3 +425,27 @@ def test_neighbour_fusion_can_be_turned_off():
     linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
     assert linears and not any(m.fuse_neighbours for m in linears)
     assert [loss for _, loss in trainer.history] == pytest.approx([loss for _, loss in fused.history], rel=1e-3)
+
+
+def test_a_data_path_per_split_trains_and_evaluates_on_its_own_documents(tmp_path):
+    """--train-data-path / --valid-data-path: validation on the held-out prefix only."""
+    import numpy as np
+
+    from megafp8.data import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    for name, low in (("train", 0), ("valid", 256)):  # disjoint token ranges tell the splits apart
+        with IndexedDatasetBuilder(str(tmp_path / name), np.int32) as builder:
+            for _ in range(40):
+                builder.add_item(rng.integers(low, low + 255, size=int(rng.integers(20, 80))))
+                builder.end_document()
+    trainer = pretrain(["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                        "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--log-interval", "2",
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+                        "--train-data-path", str(tmp_path / "train"), "--valid-data-path", str(tmp_path / "valid"),
+                        "--eval-interval", "2", "--eval-iters", "2", "--save", str(tmp_path / "run")])
+    assert trainer.test_data is None
+    assert all(int(trainer.train_data[i]["tokens"].max()) < 256 for i in range(len(trainer.train_data)))
+    assert all(int(trainer.valid_data[i]["tokens"].min()) >= 256 for i in range(len(trainer.valid_data)))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "valid_loss" in r] == [2, 4]
