@@ -110,6 +110,15 @@ class Fp8Linear(nn.Linear):
     def clear_fp8_weight_cache(self) -> None:
         self._weight_fp8 = None
 
+    def reseed_fp8_scaling(self) -> None:
+        """Start the scales over (ScalingState.reseed of every role) and recast the weight at
+        the next forward, into the buffers it has (a CUDA graph reads them)."""
+        for state in self.fp8_scaling.values():
+            state.reseed()
+        if self._weight_fp8 is not None:
+            (_, *rest), q = self._weight_fp8
+            self._weight_fp8 = ((None, *rest), q)  # a key no forward makes: stale
+
     def forward(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None, activation: Optional[str] = None,
                 grad_to: Optional[tuple] = None, grad_from: Optional[GradHandoff] = None) -> torch.Tensor:
         """`norm(x) W^T + b` with a norm module, `act(x) W^T + b` with an activation, else

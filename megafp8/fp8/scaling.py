@@ -44,6 +44,15 @@ class ScalingState(nn.Module):
         self.register_buffer("saturation", torch.zeros(2, dtype=torch.int64), persistent=False)
         self.update_count = 0  # host-side, so `interval` needs no device sync
 
+    @torch.no_grad()
+    def reseed(self) -> None:
+        """Forget the scale and its history, as a fresh state: the next cast fits its scale to
+        the tensor (delayed scaling with no history yet)."""
+        self.scale.fill_(1.0)
+        self.amax_history.zero_()
+        self.amax.zero_()
+        self.update_count = 0
+
     def fit_history(self, length: int) -> None:
         history = self.amax_history
         if history.numel() != length:

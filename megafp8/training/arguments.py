@@ -179,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
                    default=0, metavar="N", help="keep the first and last N layers out of FP8")
     g.add_argument("--num-layers-at-start-in-bf16", type=_NON_NEGATIVE)
     g.add_argument("--num-layers-at-end-in-bf16", type=_NON_NEGATIVE)
+    g.add_argument("--fp8-check-interval", type=_NON_NEGATIVE, default=0, metavar="N",
+                   help="the bf16 sentinel: every N iterations evaluate held-out micro-batches with FP8 on and "
+                        "off, and train in bf16 for a while when FP8's loss strays (0: off)")
+    g.add_argument("--fp8-check-iters", type=_POSITIVE, default=1,
+                   help="global batches of validation data per check (the same ones every time)")
+    g.add_argument("--fp8-check-tolerance", type=_number(float, above=0.0), default=0.02,
+                   help="how far FP8's check loss may exceed bf16's, relative, before the run falls back")
+    g.add_argument("--fp8-fallback-iters", type=_POSITIVE, default=100,
+                   help="iterations trained in bf16 after a failed check, before FP8 returns (scales re-seeded)")
+    g.add_argument("--fp8-max-fallbacks", type=_POSITIVE, default=3,
+                   help="fallbacks in a row (FP8 failing again within an interval of its return) after which "
+                        "the run stays in bf16")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
@@ -567,7 +579,8 @@ def _check_schedule(args, given) -> None:
 
 _FP8_KNOBS = ("fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
               "no_fp8_wgrad", "fp8_output_layer", "first_last_layers_bf16",
-              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_check_interval")
+_SENTINEL = ("fp8_check_iters", "fp8_check_tolerance", "fp8_fallback_iters", "fp8_max_fallbacks")
 _DELAYED_ONLY = ("fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad")
 
 
@@ -576,13 +589,17 @@ def _check_precision(args, given) -> None:
     if args.fp8_recipe == "tensorwise":
         args.fp8_recipe = "current"
     if args.fp8_format is None:
-        stray = [d for d in _FP8_KNOBS if d in given]
+        stray = [d for d in _FP8_KNOBS + _SENTINEL if d in given]
         if stray:
             raise ArgumentsError(f"{', '.join(_flags(d) for d in stray)} given without --fp8-format; "
                                  "add --fp8-format hybrid (or e4m3) to train in FP8, or drop them")
         args.first_last_layers_bf16 = 0
         args.num_layers_at_start_in_bf16 = args.num_layers_at_end_in_bf16 = 0
         return
+    stray = [d for d in _SENTINEL if d in given]
+    if stray and not args.fp8_check_interval:
+        raise ArgumentsError(f"{', '.join(_flags(d) for d in stray)} {_apply(stray)} only to the bf16 sentinel: "
+                             "add --fp8-check-interval N (a check every N iterations), or drop them")
     if args.fp8_recipe == "current":
         stray = [d for d in _DELAYED_ONLY if d in given]
         if stray:

@@ -29,6 +29,7 @@ from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.profiling import StepProfiler
 from megafp8.training.lr_schedule import LRSchedule
+from megafp8.training.fp8_sentinel import Fp8Sentinel
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
 
@@ -142,6 +143,17 @@ class Trainer:
         self.last_checkpoint = None  # the checkpoint loaded or saved last, for the run summary
         self._logger = None  # while training: messages go through it, above its progress bar
         self.train_data, self.valid_data, self.test_data = self._datasets()
+        # The bf16 sentinel (fp8_sentinel.py): FP8 checked against bf16, with a fallback.
+        self.fp8_active = self.recipe is not None  # whether this iteration trains in FP8
+        self.sentinel = None
+        if self.recipe is not None and args.fp8_check_interval:
+            if self.valid_data is None:
+                raise arguments.ArgumentsError(
+                    "--fp8-check-interval evaluates held-out micro-batches: give validation data (a --split with "
+                    "a validation share, or --valid-data-path)")
+            self.sentinel = Fp8Sentinel(args.fp8_check_interval, args.fp8_check_tolerance, args.fp8_fallback_iters,
+                                        args.fp8_max_fallbacks)
+        self._fp8_check_batches = None
         self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
         self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
 
@@ -150,6 +162,8 @@ class Trainer:
     def _datasets(self):
         a = self.args
         evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_interval and a.eval_iters else 0
+        if a.fp8_check_interval and a.fp8_format:  # the sentinel's held-out batches: the first ones
+            evals = max(evals, a.fp8_check_iters)
         counts = (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
         if a.mock_data:
             return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.seed + k, eod=self.eod)
@@ -189,7 +203,7 @@ class Trainer:
 
     def _forward_step(self, collect_saturation_on):
         """The schedule's forward_step: one chunk on one micro-batch, in FP8 per the recipe."""
-        fp8, n = self.recipe is not None, self.args.num_micro_batches
+        fp8, n = self.fp8_active, self.args.num_micro_batches
 
         def forward_step(chunk_index, chunk, input_tensor, tokens):
             inputs, labels, mask, extra = self._prepare(tokens)
@@ -262,11 +276,57 @@ class Trainer:
             losses.append(self._run_schedule(batches, forward_only=True).item())
         return sum(losses) / max(len(losses), 1)
 
+    # -- the bf16 sentinel ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def fp8_check(self) -> dict:
+        """The sentinel's check: the held-out micro-batches' loss with FP8 on and off from the
+        current weights, the last stage's figures on every rank (so all decide alike); the
+        sentinel's record for metrics.jsonl."""
+        a = self.args
+        if self._fp8_check_batches is None:  # the same batches at every check
+            micro = self._micro_batches(self.valid_data, 0)
+            self._fp8_check_batches = [[next(micro) for _ in range(a.num_micro_batches)]
+                                       for _ in range(a.fp8_check_iters)]
+        for chunk in self.chunks:
+            chunk.eval()
+        losses = []
+        for fp8 in (True, False):
+            self.fp8_active = fp8
+            losses.append(torch.stack([self._run_schedule(batches, forward_only=True)
+                                       for batches in self._fp8_check_batches]).double().mean().reshape(1))
+        self.fp8_active = True
+        figures = torch.cat(losses)
+        if dist.get_world_size() > 1:
+            dist.broadcast(figures, src=dist.get_world_size() - 1)  # a rank of the last stage
+        fp8_loss, bf16_loss = figures.tolist()
+        record = self.sentinel.judge(self.iteration, fp8_loss, bf16_loss)
+        verdict = record["fp8_check"]
+        if verdict == "fallback":
+            self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
+                        f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} (tolerance "
+                        f"{a.fp8_check_tolerance:.2%}): training in bf16 until iteration {record['fp8_fallback_until']}")
+        elif verdict == "disabled":
+            self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
+                        f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} again, {a.fp8_max_fallbacks} "
+                        "fallbacks in a row: the run stays in bf16 from here on")
+        return record
+
+    def return_to_fp8(self) -> None:
+        """End a fallback: every FP8 scale starts over, fitted to the first tensors again."""
+        for module in self.model.modules():
+            if isinstance(module, Fp8Linear):
+                module.reseed_fp8_scaling()
+        self._print(f"iteration {self.iteration}: back to FP8 after the fallback, scales re-seeded")
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def train_state(self):
-        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                "skipped_steps": self.skipped_steps}
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                 "skipped_steps": self.skipped_steps}
+        if self.sentinel is not None:
+            state["fp8_sentinel"] = self.sentinel.state_dict()
+        return state
 
     def save(self):
         a = self.args
@@ -301,6 +361,8 @@ class Trainer:
             self.iteration = state.get("iteration", 0)
             self.consumed_samples = state.get("consumed_samples", 0)
             self.skipped_steps = state.get("skipped_steps", 0)
+            if self.sentinel is not None and "fp8_sentinel" in state:
+                self.sentinel.load_state_dict(state["fp8_sentinel"])
         self.last_checkpoint = checkpoint
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
         if not a.finetune:
@@ -367,8 +429,13 @@ class Trainer:
                     for chunk in self.chunks:  # the next forward captures, the later ones replay
                         chunk.enable_cuda_graphs(self.buffer.mark_ready)
                 log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
+                if self.sentinel is not None:
+                    if self.sentinel.returns_at(self.iteration):
+                        self.return_to_fp8()
+                        logger.log(self.iteration, {"fp8_check": "return"})
+                    self.fp8_active = self.sentinel.fp8_on(self.iteration)
                 profiler.before_step(self.iteration)
-                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step,
+                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step and self.fp8_active,
                                                            while_gpu_runs=prefetch)
                 batches, upcoming = upcoming, []
                 self.iteration += 1
@@ -403,6 +470,8 @@ class Trainer:
                     logger.log(self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
                     valid_loss = valid
                     throughput.restart()
+                if self.sentinel is not None and self.sentinel.due(self.iteration):
+                    logger.log(self.iteration, self.fp8_check())
                 stop = exit_signal.any_rank(self.device)
                 if a.exit_duration_in_mins and time.time() - start_time > 60 * a.exit_duration_in_mins:
                     stop = True
