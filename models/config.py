@@ -219,6 +219,9 @@ PRESETS: dict[str, TransformerConfig] = {
     "llama2-13b": llama_config(40, 5120, 40, 40, 13824, **_LLAMA2),
     "llama3-8b": llama_config(32, 4096, 32, 8, 14336, **_LLAMA3),
     "llama3-70b": llama_config(80, 8192, 64, 8, 28672, **_LLAMA3),
+    # A Llama the size of GPT-125M for convergence studies (GQA 12:4, RoPE, SwiGLU, a 32k vocabulary).
+    "llama-120m": llama_config(12, 768, 12, 4, 2048, vocab_size=32000, max_position_embeddings=2048,
+                               rope_theta=10000.0),
     # For tests: sizes are multiples of 16 (FP8 GEMMs) and split over tp = 2.
     "gpt-tiny": gpt_config(2, 64, 4, vocab_size=1000, max_position_embeddings=128),
     "llama-tiny": llama_config(2, 64, 4, 2, 128, vocab_size=1000, max_position_embeddings=128),

@@ -18,6 +18,7 @@ LLAMA_SHAPES = {  # name: (layers, hidden, heads, kv heads, ffn, vocab, max posi
     "llama2-13b": (40, 5120, 40, 40, 13824, 32000, 4096, 10000.0),
     "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
     "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
+    "llama-120m": (12, 768, 12, 4, 2048, 32000, 2048, 10000.0),
 }
 
 
@@ -72,6 +73,7 @@ def test_parameter_counts():
     assert preset("llama2-7b").num_parameters() == 6_738_415_616
     assert preset("llama3-8b").num_parameters() == 8_030_261_248
     assert preset("gpt-125m").num_parameters() == pytest.approx(125e6, rel=0.01)
+    assert preset("llama-120m").num_parameters() == pytest.approx(125e6, rel=0.05)  # GPT-125M's size
     assert preset("gpt-1.3b").num_parameters() == pytest.approx(1.3e9, rel=0.02)
     # tp only pads the (tied) vocabulary: 50304 -> 50688 rows of 768.
     assert preset("gpt-125m").num_parameters(4) - preset("gpt-125m").num_parameters() == (50688 - 50304) * 768
