@@ -38,8 +38,10 @@ class Fp8Sentinel:
         return True
 
     def due(self, iterations_done: int) -> bool:
-        """Whether to check after `iterations_done` iterations: at the interval, while in FP8."""
-        return bool(self.interval) and iterations_done % self.interval == 0 and self.fp8_on(iterations_done)
+        """Whether to check after `iterations_done` iterations: at the interval, while in FP8 (not
+        in a fallback, even one whose return is the next iteration: its scales are not re-seeded yet)."""
+        return (bool(self.interval) and iterations_done % self.interval == 0 and not self.disabled
+                and self.fallback_until is None)
 
     def judge(self, iterations_done: int, fp8_loss: float, bf16_loss: float) -> dict:
         """Decide from one check's losses; the record for metrics.jsonl, its "fp8_check" says

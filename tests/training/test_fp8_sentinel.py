@@ -36,6 +36,10 @@ def test_decisions():
     resumed = Fp8Sentinel(2, 0.05, 3, 2)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state and resumed.fp8_on(8)
+    # No check at the end of a fallback, before its return has re-seeded the scales.
+    ending = Fp8Sentinel(interval=2, tolerance=0.05, fallback_iters=4, max_fallbacks=2)
+    assert ending.judge(4, math.nan, 5.0)["fp8_fallback_until"] == 8
+    assert ending.fp8_on(8) and not ending.due(8) and ending.returns_at(8) and ending.due(10)
     # A pass more than one interval after a return forgives the earlier fallback.
     assert resumed.judge(10, 5.0, 5.0)["fp8_check"] == "ok" and resumed.fallbacks_in_a_row == 0
 
