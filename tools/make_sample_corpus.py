@@ -60,7 +60,8 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__
 SKIP_FILES = ("pydoc_data/topics.py",)  # a data file; its text goes to WIKI instead
 CHUNKS = "chunk1/example_train_*.jsonl.zst"  # what --overwrite replaces, with README.txt
 # --packages: SlimPajama's split layout, and what --overwrite replaces there.
-TRAIN_CHUNKS, VALIDATION_CHUNKS = "train/chunk1/example_train_*.jsonl.zst", "validation/chunk1/example_holdout_*.jsonl.zst"
+TRAIN_CHUNKS = "train/chunk1/example_train_*.jsonl.zst"
+VALIDATION_CHUNKS = "validation/chunk1/example_holdout_*.jsonl.zst"
 DOC_SUFFIXES = (".md", ".rst", ".txt")  # a package's documentation files
 MIN_DOC_CHARS = 200
 

@@ -23,8 +23,9 @@ Layout: a table of addresses (master, gradient, exp_avg, exp_avg_sq, output), de
 step indices and lengths, one column per tensor; and a table of chunks, (tensor, chunk index), one
 program per chunk of CHUNK elements, so a launch covers tensors of any mix of sizes. The tables
 are built once; a step costs the step-count increment, one torch.pow and one launch per output
-dtype (one in practice; one more for the weights it casts, after zeroing their amaxes). Whether to step and the clipping factor are read from the device
-(`control`), so a step is queued before the gradient norm is known on the host.
+dtype (one in practice; one more for the weights it casts, after zeroing their amaxes). Whether
+to step and the clipping factor are read from the device (`control`), so a step is queued
+before the gradient norm is known on the host.
 
 Weights of FP8 linears may be given a `WeightCast`: their tensors are then stepped by a second
 kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts, with its amax

@@ -11,7 +11,8 @@ On CUDA the step is one fused pass (`adamw_kernel`): AdamW over every master, th
 factor applied as gradients are read, and the new weights written in the model's dtype (into
 the parameters, or into the all-gather's input), bit for bit what torch's fused AdamW and a copy
 give; and, for the FP8 linears it is given whose weights it updates whole, the FP8 cast of the
-new weight that their next forward would otherwise make (delayed scaling: the scale is known). On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
+new weight that their next forward would otherwise make (delayed scaling: the scale is known).
+On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 """
 from __future__ import annotations
 

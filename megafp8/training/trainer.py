@@ -305,7 +305,8 @@ class Trainer:
         if verdict == "fallback":
             self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
                         f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} (tolerance "
-                        f"{a.fp8_check_tolerance:.2%}): training in bf16 until iteration {record['fp8_fallback_until']}")
+                        f"{a.fp8_check_tolerance:.2%}): training in bf16 until iteration "
+                        f"{record['fp8_fallback_until']}")
         elif verdict == "disabled":
             self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
                         f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} again, {a.fp8_max_fallbacks} "
