@@ -46,3 +46,43 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
     assert done.returncode == 1
     assert f"{model} needs NVIDIA GPUs" in done.stderr and "quickstart.sh" in done.stderr and "CPU=1" in done.stderr
     assert not (tmp_path / "run").exists()  # before preparing any data
+
+
+def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
+    """examples/convergence_study.sh shrunk for a CPU: a corpus of this repository's packages, its
+    tokenizer, the GPT group (bf16, FP8 delayed, FP8 current) and the 2x-LR Llama group; run again,
+    it keeps what is done; with too little time left it starts nothing and says so."""
+    repo = EXAMPLES.parent
+    tiny = dict(CPU="1", ITERS="4", SENS_ITERS="2", SEQ="64", MBS="2", GBS="4", EVAL_INTERVAL="2",
+                EVAL_ITERS="1", LOG_INTERVAL="1", VOCAB="512", CORPUS_ROOTS=f"{repo / 'megafp8'} {repo / 'tools'}",
+                MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+                           "--ffn-hidden-size 128")
+
+    def study(*groups, **env):
+        return subprocess.run(["bash", str(EXAMPLES / "convergence_study.sh"), str(tmp_path), *groups],
+                              env={**os.environ, **tiny, **env, "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(
+                                  sys.executable) + os.pathsep + os.environ["PATH"]}, capture_output=True, text=True)
+
+    done = study("gpt", "lr2x")
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {"lr2x/bf16": 2, "lr2x/fp8_delayed": 2}
+    for name, iterations in runs.items():
+        records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records if "valid_loss" in r] == list(range(2, iterations + 1, 2))
+        assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
+    assert "peak LR 0.0012, 2 iterations" in done.stdout  # twice the default peak, the shorter schedule
+    table = (tmp_path / "report" / "gpt.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| fp8_current"]
+    assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
+
+    again = study("gpt", "lr2x")
+    assert again.returncode == 0 and "starting from scratch" not in again.stdout
+    assert again.stdout.count("(finished)") == 5 and "kept" in again.stdout and "tokenizer" in again.stdout
+
+    short = study("lr4x", MINUTES="1")  # less than the two minutes a run is given at least
+    assert short.returncode == 3 and "run the same command again to go on" in short.stdout
+    assert not (tmp_path / "runs" / "lr4x").exists()
+
+    unknown = study("gtp")
+    assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr

@@ -17,10 +17,11 @@ install has them and the output is deterministic for a given Python build):
 
 ``--packages [ROOT ...]`` builds a larger corpus, for studies, from the Python packages under
 those folders (with no ROOT: this interpreter's site-packages and standard library): every
-top-level package or module is one *package*, whose ``.py`` files are GitHub documents, whose
-docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files Wikipedia-like
-ones. Whole packages are held out for validation (``--validation-fraction``, chosen by a hash of
-their names), so nothing of a validation package is trained on; the output has SlimPajama's
+top-level package or module is one *package*, whose ``.py`` files and sources in other languages
+(C/C++/CUDA, stubs, Cython, ...; generated, minified and data-like files left out) are GitHub
+documents, whose docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files
+Wikipedia-like ones; a text met twice is kept once. Whole packages are held out for validation
+(``--validation-fraction``, chosen by a hash of their names), so nothing of a validation package is trained on; the output has SlimPajama's
 split layout, ``train/chunk1/example_train_{k}.jsonl.zst`` and
 ``validation/chunk1/example_holdout_{k}.jsonl.zst``, each line's meta also naming its package.
 Still a stand-in, NOT SlimPajama: point the same commands at SlimPajama's ``train`` and
@@ -64,6 +65,13 @@ TRAIN_CHUNKS = "train/chunk1/example_train_*.jsonl.zst"
 VALIDATION_CHUNKS = "validation/chunk1/example_holdout_*.jsonl.zst"
 DOC_SUFFIXES = (".md", ".rst", ".txt")  # a package's documentation files
 MIN_DOC_CHARS = 200
+# The sources a package ships in other languages (C/C++/CUDA headers and extensions, type stubs,
+# Cython, scripts) are GitHub documents too: SlimPajama's GitHub subset holds many languages.
+SOURCE_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".pyi", ".pyx", ".pxd",
+                   ".js", ".ts", ".java", ".rs", ".go", ".sh", ".f90", ".jl", ".lua")
+# RedPajama's GitHub filters, in spirit: generated, minified or data files are not code someone wrote.
+MAX_CODE_BYTES = 1_000_000
+MAX_LINE_CHARS, MAX_MEAN_LINE_CHARS, MIN_ALNUM_FRACTION = 1000, 100, 0.25
 
 DESCRIPTION = (
     "Write a small corpus with SlimPajama's format (chunk1/example_train_{k}.jsonl.zst, lines "
@@ -163,28 +171,65 @@ def packages(roots: list[Path]) -> list[tuple[str, Path]]:
     return sorted(found.items())
 
 
-def collect_packages(roots: list[Path], stdlib: Path) -> list[tuple[str, str, str]]:
+def written_code(text: str) -> bool:
+    """Whether a source file reads as code someone wrote: not over MAX_CODE_BYTES, no line over
+    MAX_LINE_CHARS nor lines of MAX_MEAN_LINE_CHARS on average (generated or minified), at least
+    MIN_ALNUM_FRACTION letters and digits (not a data table)."""
+    if len(text.encode("utf-8")) > MAX_CODE_BYTES:
+        return False
+    lines = text.splitlines() or [""]
+    if max(map(len, lines)) > MAX_LINE_CHARS or len(text) / len(lines) > MAX_MEAN_LINE_CHARS:
+        return False
+    return sum(c.isalnum() for c in text) >= MIN_ALNUM_FRACTION * len(text)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def collect_packages(roots: list[Path], stdlib: Path) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
     package in name order; with the standard library among the roots, its reference prose too
-    (as the package "python-docs")."""
-    docs = []
+    (as the package "python-docs"). A text met before (a header vendored by two packages) is
+    kept once, where first met, as SlimPajama deduplicates; source files that fail
+    `written_code` are left out. Also returns how many documents either rule left out."""
+    docs, seen = [], set()
+    left_out = {"duplicates": 0, "generated or data-like sources": 0}
+
+    def add(subset, name, text):
+        digest = hashlib.sha256(text.encode("utf-8")).digest()
+        if digest in seen:
+            left_out["duplicates"] += 1
+        elif subset == GITHUB and not written_code(text):
+            left_out["generated or data-like sources"] += 1
+        else:
+            seen.add(digest)
+            docs.append((subset, name, text))
+
     for name, path in packages(roots):
         for _, source, tree in _stdlib_modules(path):
             if source.strip():
-                docs.append((GITHUB, name, source))
+                add(GITHUB, name, source)
             prose = _docstrings(tree)
             if len(prose) >= MIN_BOOK_CHARS:
-                docs.append((BOOK, name, prose))
-        for doc in _files(path, DOC_SUFFIXES) if path.is_dir() else []:
-            try:
-                text = doc.read_text(encoding="utf-8").strip()
-            except (UnicodeDecodeError, OSError):
-                continue
+                add(BOOK, name, prose)
+        if not path.is_dir():
+            continue
+        for source in _files(path, SOURCE_SUFFIXES):
+            text = _read_text(source)
+            if text and text.strip():
+                add(GITHUB, name, text)
+        for doc in _files(path, DOC_SUFFIXES):
+            text = (_read_text(doc) or "").strip()
             if len(text) >= MIN_DOC_CHARS:
-                docs.append((WIKI, name, text))
+                add(WIKI, name, text)
     if any(root.resolve() == stdlib.resolve() for root in roots):
-        docs += [(WIKI, "python-docs", text) for text in _wiki_documents(stdlib)]
-    return docs
+        for text in _wiki_documents(stdlib):
+            add(WIKI, "python-docs", text)
+    return docs, left_out
 
 
 def validation_packages(names: list[str], fraction: float) -> set[str]:
@@ -269,7 +314,7 @@ def move_into(built: Path, output: Path) -> None:
     shutil.rmtree(built)
 
 
-def packages_readme(roots: int, train, validation, held: set, mb: float, n_files: int) -> str:
+def packages_readme(roots: int, train, validation, held: set, left_out: dict, mb: float, n_files: int) -> str:
     def counts(docs):
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
 
@@ -279,8 +324,10 @@ def packages_readme(roots: int, train, validation, held: set, mb: float, n_files
         f"packages under {roots} folders (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
         "Files: train/chunk1/example_train_{k}.jsonl.zst and validation/chunk1/example_holdout_{k}.jsonl.zst, "
         'one JSON object per line: {"text": ..., "meta": {"redpajama_set_name": ..., "package": ...}}.\n'
-        f"Subsets: {GITHUB} (a package's .py files), {BOOK} (its docstrings, per module), {WIKI} "
-        "(its .md/.rst/.txt files; the interpreter's reference prose as python-docs).\n\n"
+        f"Subsets: {GITHUB} (a package's .py files and its sources in other languages: "
+        f"{' '.join(SOURCE_SUFFIXES)}), {BOOK} (its docstrings, per module), {WIKI} "
+        "(its .md/.rst/.txt files; the interpreter's reference prose as python-docs).\n"
+        f"Left out: {', '.join(f'{n} {what}' for what, n in left_out.items())}.\n\n"
         f"train: {counts(train)} documents\nvalidation: {counts(validation)} documents\n"
         f"Validation packages (held out whole): {', '.join(sorted(held)) or 'none'}\n\n"
         f"Total: {len(train) + len(validation)} documents, {mb:.2f} MB of text, {n_files} files.\n"
@@ -324,11 +371,12 @@ def main(argv=None) -> int:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if args.packages is not None:
         roots = list(dict.fromkeys(r.resolve() for r in args.packages or
-                                   [Path(sysconfig.get_paths()["purelib"]), stdlib]))
+                                   [Path(sysconfig.get_paths()["purelib"]),
+                                    Path(sysconfig.get_paths()["platlib"]), stdlib]))
         missing = [str(r) for r in roots if not r.is_dir()]
         if missing:
             parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
-        found = collect_packages(roots, stdlib)
+        found, left_out = collect_packages(roots, stdlib)
         if not found:
             parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
                            f"{', '.join(map(str, roots))}\n")
@@ -351,7 +399,7 @@ def main(argv=None) -> int:
         if args.packages is not None:
             files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
             files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
-            text = packages_readme(len(roots), train, validation, held, mb, len(files))
+            text = packages_readme(len(roots), train, validation, held, left_out, mb, len(files))
         else:
             files = write(docs, built, args.docs_per_chunk)
             text = readme(counts, mb, len(files))

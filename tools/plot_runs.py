@@ -2,7 +2,7 @@
 
     python tools/plot_runs.py runs/bf16 runs/fp8_delayed runs/fp8_current --output curves.png \
         [--labels bf16 "FP8 delayed" "FP8 current"] [--fields fp8_saturation fp8_scale_min] \
-        [--smooth 5] [--log-y fp8_scale_min] [--title "GPT-125M"]
+        [--smooth 5] [--log-y fp8_scale_min] [--title "GPT-125M"] [--table final_losses.md]
 
 Each RUN is a run folder (the trainer's --save or --tensorboard-dir, which holds metrics.jsonl)
 or a metrics.jsonl file. The figure has one panel per quantity, every run on shared axes over
@@ -12,6 +12,11 @@ metrics.jsonl field: fp8_scale_min/max, fp8_saturation, grad_norm, lr, tokens_pe
 `--smooth N` averages the training loss over N logged points. A record logged twice at one
 iteration (a run resumed from an earlier checkpoint) counts once, the later one.
 
+`--table FILE` also writes the runs' final losses as a Markdown table, each compared with the
+first run (the baseline): the last validation loss, the training loss averaged over the last
+`--final-points` logged points, and the largest spike, the training loss's biggest rise above
+its lowest value so far (after the first tenth of the run, once warm-up noise is past).
+
 matplotlib is an optional dependency (`pip install matplotlib`, or megafp8's `plot` extra);
 the figure is drawn off-screen (Agg) and written as PNG (or any format matplotlib infers from
 the output's suffix).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -84,6 +90,51 @@ def moving_average(values: list, window: int) -> list:
     return out
 
 
+def final_losses(run: dict, points: int) -> dict:
+    """A run's last iteration, final validation loss, final training loss (mean of the last
+    `points` logged values) and largest spike (relative rise of the training loss over its
+    lowest value so far, after the first tenth of the run)."""
+    iterations, losses = run[TRAIN]
+    tail = losses[-points:]
+    spike, lowest = 0.0, math.inf
+    start = iterations[-1] / 10
+    for iteration, loss in zip(iterations, losses):
+        if iteration > start and lowest < math.inf:
+            spike = max(spike, loss / lowest - 1)
+        lowest = min(lowest, loss)
+    return {"iteration": iterations[-1], "train": sum(tail) / len(tail), "spike": spike,
+            "valid": run[VALID][1][-1] if VALID in run else None,
+            "valid_iteration": run[VALID][0][-1] if VALID in run else None}
+
+
+def table(runs: list, labels: list, points: int = 10) -> str:
+    """The final losses of the runs as Markdown, each against the first run's."""
+    missing = [label for run, label in zip(runs, labels) if TRAIN not in run]
+    if missing:
+        raise PlotError(f"--table: {', '.join(missing)} logged no training loss (\"loss\")")
+    rows = [final_losses(run, points) for run in runs]
+    base = rows[0]
+
+    def versus(value, reference):
+        if value is None or reference is None:
+            return "–"
+        return f"{100 * (value / reference - 1):+.2f}%"
+
+    def number(value):
+        return "–" if value is None else f"{value:.4f}"
+
+    lines = ["| run | iterations | final validation loss | vs " + labels[0]
+             + f" | final training loss (mean of last {points} logged) | vs {labels[0]} | largest spike |",
+             "|---|---|---|---|---|---|---|"]
+    for label, row in zip(labels, rows):
+        early = row["valid_iteration"] not in (None, row["iteration"])  # no evaluation at the last iteration
+        lines.append(f"| {label} | {row['iteration']} | {number(row['valid'])}"
+                     + (f" (at {row['valid_iteration']})" if early else "")
+                     + f" | {versus(row['valid'], base['valid'])} | {number(row['train'])}"
+                     + f" | {versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, log_y=(), title=None) -> Path:
     try:
         import matplotlib
@@ -135,11 +186,16 @@ def parse_args(argv=None):
     parser.add_argument("--smooth", type=int, default=1, help="average the training loss over N logged points")
     parser.add_argument("--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale")
     parser.add_argument("--title")
+    parser.add_argument("--table", help="also write the final losses, against the first run's, as Markdown here")
+    parser.add_argument("--final-points", type=int, default=10,
+                        help="the final training loss is the mean of this many last logged points")
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: give 1 (none) or more points")
+    if args.final_points < 1:
+        parser.error(f"--final-points {args.final_points}: give 1 or more points")
     return args
 
 
@@ -150,10 +206,13 @@ def main(argv=None) -> int:
         runs = [read_run(path) for path in paths]
         labels = args.labels or [p.parent.name if p.name == "metrics.jsonl" else p.stem for p in paths]
         output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title)
+        if args.table:
+            Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.table).write_text(table(runs, labels, args.final_points))
     except PlotError as error:
         print(f"plot_runs.py: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {output}")
+    print(f"wrote {output}" + (f" and {args.table}" if args.table else ""))
     return 0
 
 

@@ -124,27 +124,36 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
 
 # -- --packages: a corpus from installed packages, validation packages held out whole --------------
 
-DOCSTRING = '"""' + "Prose about this module. " * 60 + '"""\n'
+DOCSTRING = '"""' + ("Prose about this module. " * 3 + "\n") * 20 + '"""\n'
+
+
+# Two folders of packages: a package with a module, docstrings and a README, a bare module,
+# a folder without Python, metadata and caches (no packages), and in the second folder a
+# package of the same name as one in the first (shadowed) beside a new one.
+PACKAGE_FILES = {
+    "first/alpha/__init__.py": DOCSTRING + "def f():\n    " + DOCSTRING + "    return 1\n",
+    "first/alpha/core.py": "x = 1\n",
+    "first/alpha/README.md": "# alpha\n\n" + "How to use alpha. " * 20,
+    "first/beta.py": DOCSTRING + "y = 2\n",
+    "first/gamma/__init__.py": "z = 3\n",
+    "first/data_only/table.txt": "numbers " * 100,
+    "first/alpha-1.0.dist-info/METADATA": "Name: alpha\n",
+    "first/__pycache__/beta.cpython-311.py": "cached = True\n",
+    "second/alpha/other.py": "shadowed = True\n",
+    "second/delta/__init__.py": DOCSTRING + "w = 4\n",
+    "second/epsilon.py": "v = 5\n",
+    # Sources in other languages are code too; a vendored copy counts once; generated,
+    # minified and data files do not count.
+    "first/alpha/include/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
+    "second/delta/include/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
+    "first/gamma/kernel.cu": "__global__ void gamma_kernel(float *x) { x[threadIdx.x] *= 2; }\n",
+    "first/gamma/generated.h": "static const int table[][3] = {\n" + "{ -1, -1, -1 },\n" * 300 + "};\n",
+    "first/gamma/bundle.js": "var a=1;" * 200 + "\n",
+}
 
 
 def _package_tree(root: Path) -> Path:
-    """Two folders of packages: a package with a module, docstrings and a README, a bare module,
-    a folder without Python, metadata and caches (no packages), and in the second folder a
-    package of the same name as one in the first (shadowed) beside a new one."""
-    files = {
-        "first/alpha/__init__.py": DOCSTRING + "def f():\n    " + DOCSTRING + "    return 1\n",
-        "first/alpha/core.py": "x = 1\n",
-        "first/alpha/README.md": "# alpha\n\n" + "How to use alpha. " * 20,
-        "first/beta.py": DOCSTRING + "y = 2\n",
-        "first/gamma/__init__.py": "z = 3\n",
-        "first/data_only/table.txt": "numbers " * 100,
-        "first/alpha-1.0.dist-info/METADATA": "Name: alpha\n",
-        "first/__pycache__/beta.cpython-311.py": "cached = True\n",
-        "second/alpha/other.py": "shadowed = True\n",
-        "second/delta/__init__.py": DOCSTRING + "w = 4\n",
-        "second/epsilon.py": "v = 5\n",
-    }
-    for name, text in files.items():
+    for name, text in PACKAGE_FILES.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return root
@@ -172,9 +181,16 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     assert train_packages | validation_packages == {"alpha", "beta", "gamma", "delta", "epsilon"}
     texts = [d["text"] for d in train + validation]
     assert not any("shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts)
+    by_text = {d["text"]: d["meta"] for d in train + validation}
+    header = PACKAGE_FILES["first/alpha/include/alpha.h"]
+    assert texts.count(header) == 1 and by_text[header] == {"redpajama_set_name": tool.GITHUB, "package": "alpha"}
+    assert by_text[PACKAGE_FILES["first/gamma/kernel.cu"]]["package"] == "gamma"
+    assert not any("{ -1, -1, -1 }" in t or "var a=1" in t for t in texts)  # data-like and minified
     sets = {(d["meta"]["package"], d["meta"]["redpajama_set_name"]) for d in train + validation}
     assert {("alpha", tool.GITHUB), ("alpha", tool.BOOK), ("alpha", tool.WIKI)} <= sets
     readme = (out / "README.txt").read_text()
+    # Duplicates: delta's copy of the header, and delta's docstrings (beta's, word for word).
+    assert "Left out: 2 duplicates, 2 generated or data-like sources." in readme
     assert "NOT SlimPajama" in readme and f"held out whole): {', '.join(sorted(validation_packages))}" in readme
     # The same input gives the same bytes, and the split depends on the package names only.
     again = _build_packages(tree, tmp_path / "again")

@@ -74,3 +74,32 @@ def test_an_unknown_field_names_the_known_ones(tmp_path, capsys):
 def test_label_count_must_match(tmp_path):
     with pytest.raises(SystemExit):
         plot_runs.parse_args(["a", "b", "--output", "c.png", "--labels", "one"])
+
+
+def test_table_of_final_losses_against_the_first_run(tmp_path, capsys):
+    bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    spiky = training_records(0.02)
+    for record in spiky:  # one spike, 1.0 above the best loss so far, at iteration 60
+        if record["iteration"] == 60 and "loss" in record:
+            record["loss"] = 8.0 - 50 / 50 + 0.02 + 1.0
+    fp8 = write_run(tmp_path / "fp8", spiky)
+    table = tmp_path / "final.md"
+    assert plot_runs.main([str(bf16), str(fp8), "--output", str(tmp_path / "c.png"), "--labels", "bf16", "FP8",
+                           "--table", str(table), "--final-points", "2"]) == 0
+    assert f"and {table}" in capsys.readouterr().out
+    header, rule, base, other = table.read_text().splitlines()
+    assert "vs bf16" in header and "mean of last 2 logged" in header
+    # bf16: valid 8.1 - 2 = 6.1 at 100; training loss mean of iterations 90 and 100: 6.1; no spike.
+    assert base == "| bf16 | 100 | 6.1000 | +0.00% | 6.1000 | +0.00% | 0.0% |"
+    # FP8: 0.02 higher everywhere; its spike rises 1.0 over the lowest loss before it, 7.02.
+    assert other == (f"| FP8 | 100 | 6.1200 | {100 * (6.12 / 6.1 - 1):+.2f}% | 6.1200 | "
+                     f"{100 * (6.12 / 6.1 - 1):+.2f}% | {100 * (8.02 / 7.02 - 1):.1f}% |")
+
+
+def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
+    bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    only_valid = write_run(tmp_path / "v", [{"iteration": 100, "valid_loss": 6.0}])
+    assert plot_runs.main([str(bf16), str(only_valid), "--output", str(tmp_path / "c.png"),
+                           "--table", str(tmp_path / "t.md")]) == 2
+    assert "--table: v logged no training loss" in capsys.readouterr().err
+    assert not (tmp_path / "t.md").exists()

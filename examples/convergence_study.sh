@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# FP8 against bf16 on real text (docs/convergence.md): GPT-125M and Llama-120M, each in bf16, FP8
+# delayed scaling (HYBRID, amax history 1024, max) and FP8 current scaling, with the same seed,
+# data order and schedule; then the Llama at 2x and 4x the peak learning rate, bf16 against FP8
+# delayed. Curves (PNG) and a table of final losses land in WORKDIR/report/.
+#   Usage: bash examples/convergence_study.sh WORKDIR [GROUP ...]
+#   GROUP: gpt, llama, lr2x, lr4x (default: all four, in that order); data (prepare the data
+#   only) or report (curves only).
+# Resumable: MINUTES=N stops the runs after about N minutes, each with a checkpoint; the same
+# command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
+# Data: by default a corpus of the Python packages installed here (a stand-in for SlimPajama's
+# GitHub subset, NOT SlimPajama; tools/make_sample_corpus.py --packages), validation packages held
+# out whole, a VOCAB-token BPE trained on its training split. For SlimPajama (or any corpus in its
+# layout) set CORPUS to its folder (holding train/ and validation/); for data already tokenized,
+# set TRAIN_DATA, VALID_DATA (indexed-dataset prefixes) and TOKENIZER_MODEL.
+# Sizes (defaults: the study's): ITERS steps of GBS x SEQ tokens (1500 x 64 x 1024, 98M tokens),
+# SENS_ITERS for the learning-rate groups, validation every EVAL_INTERVAL steps over EVAL_ITERS
+# batches; MODEL_ARGS is added to every run's flags (e.g. a shrunk model for a CPU try, with CPU=1).
+set -euo pipefail
+WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|data|report ...]}
+shift
+GROUPS_TO_RUN=("$@")
+[ ${#GROUPS_TO_RUN[@]} -gt 0 ] || GROUPS_TO_RUN=(gpt llama lr2x lr4x)
+mkdir -p "$WORKDIR"
+WORKDIR=$(CDPATH= cd -- "$WORKDIR" && pwd)
+cd "$(dirname "$0")/.."
+
+ITERS=${ITERS:-1500}; SENS_ITERS=${SENS_ITERS:-500}
+SEQ=${SEQ:-1024}; MBS=${MBS:-32}; GBS=${GBS:-64}
+LR=${LR:-6e-4}; WARMUP_FRACTION=${WARMUP_FRACTION:-0.1}  # min LR: a tenth of the peak
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}; EVAL_ITERS=${EVAL_ITERS:-10}; LOG_INTERVAL=${LOG_INTERVAL:-10}
+SEED=${SEED:-1234}; VOCAB=${VOCAB:-32768}; CORPUS_MB=${CORPUS_MB:-800}
+MODEL_ARGS=${MODEL_ARGS:-}
+CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
+if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
+    echo "convergence_study.sh: the study needs an NVIDIA GPU (torch sees none); for a tiny CPU try set" \
+         "CPU=1 and shrink it (ITERS, GBS, SEQ, MODEL_ARGS: see tests/examples/test_convergence_study.py)" >&2
+    exit 1
+fi
+GRAPH_ARGS=()
+[ "$CUDA_GPUS" -gt 0 ] && GRAPH_ARGS=(--enable-cuda-graph)
+STOP_AT=$(( $(date +%s) + ${MINUTES:-100000} * 60 ))
+
+kept() { echo "convergence_study: kept $1 from an earlier run (delete it to redo that step)"; }
+
+prepare_data() {
+    if [ -n "${TRAIN_DATA:-}" ]; then
+        : "${VALID_DATA:?set VALID_DATA with TRAIN_DATA}" "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with TRAIN_DATA}"
+        return
+    fi
+    local corpus=${CORPUS:-$WORKDIR/corpus}
+    if [ -z "${CORPUS:-}" ]; then
+        if [ -f "$corpus/README.txt" ]; then kept "$corpus"
+        # shellcheck disable=SC2086  # CORPUS_ROOTS is a list of folders
+        else python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} \
+                 --max-mb "$CORPUS_MB"; fi
+    fi
+    TOKENIZER_MODEL=${TOKENIZER_MODEL:-$WORKDIR/tokenizer}
+    if [ -f "$TOKENIZER_MODEL/tokenizer.json" ] || [ -f "$TOKENIZER_MODEL" ]; then kept "$TOKENIZER_MODEL"
+    else python tools/train_tokenizer.py --input "$corpus/train" --type bpe --vocab-size "$VOCAB" \
+             --output "$TOKENIZER_MODEL"; fi
+    local split
+    for split in train validation; do
+        if [ -f "$WORKDIR/data/${split}_text_document.idx" ]; then kept "$WORKDIR/data/${split}_text_document"
+        else python tools/preprocess_data.py --input "$corpus/$split" --output-prefix "$WORKDIR/data/$split" \
+                 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" --append-eod \
+                 --workers "$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0)) - 1))')"; fi
+    done
+    TRAIN_DATA=$WORKDIR/data/train_text_document; VALID_DATA=$WORKDIR/data/validation_text_document
+}
+
+finished() {  # the run's checkpoints reached its last iteration
+    [ -f "$1/latest_checkpointed_iteration.txt" ] && [ "$(cat "$1/latest_checkpointed_iteration.txt")" = "$2" ]
+}
+
+# train NAME MODEL PRECISION PEAK_LR ITERATIONS: one run, from its checkpoint if it has one.
+# Returns 1 when the time is up (the run stopped with a checkpoint, or did not start); a failed run
+# ends the study with its status.
+train() {
+    local name=$1 model=$2 precision=$3 lr=$4 iters=$5 dir=$WORKDIR/runs/$1
+    if finished "$dir" "$iters"; then kept "run $name (finished)"; return 0; fi
+    local left=$(( STOP_AT - $(date +%s) ))
+    if [ "$left" -lt 120 ]; then return 1; fi
+    local precision_args=(--bf16)
+    case $precision in
+        bf16) ;;
+        fp8_delayed) precision_args+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                                      --fp8-amax-compute-algo max) ;;
+        fp8_current) precision_args+=(--fp8-format hybrid --fp8-recipe current) ;;
+    esac
+    local min_lr warmup
+    min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
+    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations) in $dir"
+    # Stopping leaves a minute for the checkpoint; the trainer counts from its own start.
+    local status=0
+    # shellcheck disable=SC2086  # MODEL_ARGS is a word list on purpose
+    torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
+        --model "$model" --seq-length "$SEQ" $MODEL_ARGS \
+        --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$iters" \
+        --lr "$lr" --min-lr "$min_lr" --lr-warmup-iters "$warmup" --lr-decay-style cosine \
+        --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$SEED" \
+        "${precision_args[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"} \
+        --train-data-path "$TRAIN_DATA" --valid-data-path "$VALID_DATA" \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
+        --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" \
+        --save "$dir" --load "$dir" --exit-duration-in-mins "$(python -c "print(($left - 60) / 60)")" \
+    || status=$?
+    if [ "$status" != 0 ]; then echo "convergence_study: run $name failed (status $status)" >&2; exit "$status"; fi
+    finished "$dir" "$iters" || return 1
+}
+
+# report GROUP TITLE RUN...: the group's curves and final losses, from what its runs logged so far.
+report() {
+    local group=$1 title=$2 runs=() labels=() name
+    shift 2
+    for name in "$@"; do
+        [ -f "$WORKDIR/runs/$name/metrics.jsonl" ] || continue
+        runs+=("$WORKDIR/runs/$name"); labels+=("${name#*/}")
+    done
+    [ ${#runs[@]} -gt 0 ] || return 0
+    local fields=()  # FP8's saturated fraction, once an FP8 run has logged it
+    if cat "${runs[@]/%//metrics.jsonl}" | grep -qE '"fp8_saturation": [-0-9]'; then
+        fields=(--fields fp8_saturation)
+    fi
+    python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
+        --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${fields[@]+"${fields[@]}"}
+}
+
+runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS per line
+    local double quadruple
+    double=$(python -c "print(2 * $LR)"); quadruple=$(python -c "print(4 * $LR)")
+    case $1 in
+        gpt|llama)
+            local model=gpt-125m; [ "$1" = llama ] && model=llama-120m
+            for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS"; done ;;
+        lr2x|lr4x)
+            local peak=$double; [ "$1" = lr4x ] && peak=$quadruple
+            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS"; done ;;
+        data|report) ;;
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, data or report)" >&2
+           return 2 ;;
+    esac
+}
+
+declare -A TITLES=([gpt]="GPT-125M" [llama]="Llama-120M" [lr2x]="Llama-120M, 2x peak LR"
+                   [lr4x]="Llama-120M, 4x peak LR")
+for group in "${GROUPS_TO_RUN[@]}"; do runs_of "$group" > /dev/null; done
+
+prepare_data
+[ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }
+time_up=0
+for group in "${GROUPS_TO_RUN[@]}"; do
+    while read -r name model precision lr iters; do
+        [ "$time_up" = 0 ] || break
+        train "$name" "$model" "$precision" "$lr" "$iters" || time_up=1
+    done < <(runs_of "$group")
+done
+for group in gpt llama lr2x lr4x; do
+    mapfile -t names < <(runs_of "$group" | cut -d' ' -f1)
+    report "$group" "${TITLES[$group]}" "${names[@]}"
+done
+if [ "$time_up" = 1 ]; then
+    echo "convergence_study: MINUTES=${MINUTES:-} is up; run the same command again to go on"
+    exit 3
+fi
+echo "convergence_study: done; curves and final losses in $WORKDIR/report/"
