@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from . import rope_kernel
 from .config import RopeScaling
 
 
@@ -37,7 +38,15 @@ def rotary_tables(positions: int, head_dim: int, theta: float, scaling: RopeScal
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [seq, batch, heads, head_dim] (computed in fp32) by the tables' first `seq`
     rows, or by tables already gathered per token ([seq, batch, head_dim], for positions that
-    restart at document boundaries)."""
+    restart at document boundaries). On CUDA one Triton kernel each way (rope_kernel), else
+    `apply_rotary_torch`."""
+    if x.is_cuda and rope_kernel.available():
+        return rope_kernel.rotary_triton(x, cos, sin)
+    return apply_rotary_torch(x, cos, sin)
+
+
+def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in torch operations: the reference, and the path off CUDA."""
     if cos.dim() == 3:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     else:
