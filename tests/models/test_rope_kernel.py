@@ -98,3 +98,28 @@ def test_off_cuda_apply_rotary_is_the_torch_form():
 @pytest.mark.parametrize("per_token", [False, True])
 def test_the_kernel_on_a_gpu(shape, per_token):
     check(apply_rotary, *shape, torch.bfloat16, "cuda", per_token=per_token)  # dispatches to the kernel
+
+
+@needs_triton
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_kernel_compiles_for_an_h100(transposed):
+    """The interpreter does not compile: build the cubin for sm_90, as a GPU's first call would."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megafp8.models import rope_kernel
+
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                 **{name: "i32" for name in ("batch", "heads", "stride_xs", "stride_xb", "stride_xh", "stride_cs",
+                                             "stride_cb")},
+                 **{name: "constexpr" for name in ("HALF", "BLOCK_D", "BLOCK_H", "TRANSPOSED", "OUT_DTYPE")}}
+    constants = {"HALF": 40, "BLOCK_D": 64, "BLOCK_H": rope_kernel.BLOCK_HEADS, "TRANSPOSED": transposed,
+                 "OUT_DTYPE": tl.bfloat16}
+    try:
+        compiled = triton.compile(ASTSource(rope_kernel._rotary_kernel, signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32))
+    except (TypeError, ImportError, AttributeError) as error:  # another Triton's compile interface
+        pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
+    assert compiled.asm["cubin"]
