@@ -49,12 +49,13 @@ prepare_data() {
         : "${VALID_DATA:?set VALID_DATA with TRAIN_DATA}" "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with TRAIN_DATA}"
         return
     fi
-    local corpus=${CORPUS:-$WORKDIR/corpus}
+    local corpus=${CORPUS:-$WORKDIR/corpus} workers
+    workers=$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0)) - 1))')
     if [ -z "${CORPUS:-}" ]; then
         if [ -f "$corpus/README.txt" ]; then kept "$corpus"
         # shellcheck disable=SC2086  # CORPUS_ROOTS is a list of folders
         else python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} \
-                 --max-mb "$CORPUS_MB"; fi
+                 --max-mb "$CORPUS_MB" --workers "$workers"; fi
     fi
     TOKENIZER_MODEL=${TOKENIZER_MODEL:-$WORKDIR/tokenizer}
     if [ -f "$TOKENIZER_MODEL/tokenizer.json" ] || [ -f "$TOKENIZER_MODEL" ]; then kept "$TOKENIZER_MODEL"
@@ -65,7 +66,7 @@ prepare_data() {
         if [ -f "$WORKDIR/data/${split}_text_document.idx" ]; then kept "$WORKDIR/data/${split}_text_document"
         else python tools/preprocess_data.py --input "$corpus/$split" --output-prefix "$WORKDIR/data/$split" \
                  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" --append-eod \
-                 --workers "$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0)) - 1))')"; fi
+                 --workers "$workers"; fi
     done
     TRAIN_DATA=$WORKDIR/data/train_text_document; VALID_DATA=$WORKDIR/data/validation_text_document
 }

@@ -33,7 +33,7 @@ already holds files is refused; ``--overwrite`` replaces the corpus files in it 
 
 Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4] [--overwrite]``
        ``python tools/make_sample_corpus.py --output ./packages_corpus --packages [ROOT ...]
-       --max-mb 800 [--validation-fraction 0.02]``
+       --max-mb 800 [--validation-fraction 0.02] [--workers 8]``
 """
 import argparse
 import ast
@@ -190,45 +190,68 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def collect_packages(roots: list[Path], stdlib: Path) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
+def package_documents(name: str, path: Path) -> list[tuple[str, str]]:
+    """(subset, text) of every document of one package, in a fixed order: its .py files and
+    their docstrings, its sources in other languages, its documentation files. Source files that
+    fail `written_code` are dropped here (None in their place, to be counted)."""
+    docs = []
+    for _, source, tree in _stdlib_modules(path):
+        if source.strip():
+            docs.append((GITHUB, source if written_code(source) else None))
+        prose = _docstrings(tree)
+        if len(prose) >= MIN_BOOK_CHARS:
+            docs.append((BOOK, prose))
+    if path.is_dir():
+        for source in _files(path, SOURCE_SUFFIXES):
+            text = _read_text(source)
+            if text and text.strip():
+                docs.append((GITHUB, text if written_code(text) else None))
+        for doc in _files(path, DOC_SUFFIXES):
+            text = (_read_text(doc) or "").strip()
+            if len(text) >= MIN_DOC_CHARS:
+                docs.append((WIKI, text))
+    return docs
+
+
+def _package_documents(item):
+    return package_documents(*item)
+
+
+def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1) -> tuple[list[tuple[str, str, str]],
+                                                                                dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
     package in name order; with the standard library among the roots, its reference prose too
     (as the package "python-docs"). A text met before (a header vendored by two packages) is
     kept once, where first met, as SlimPajama deduplicates; source files that fail
-    `written_code` are left out. Also returns how many documents either rule left out."""
+    `written_code` are left out. Also returns how many documents either rule left out.
+    `workers` processes read the packages; the result does not depend on their number."""
+    found = packages(roots)
+    if workers > 1 and len(found) > 1:
+        import multiprocessing
+
+        # fork where there is one: the workers need nothing but this module, already loaded
+        # (also when it was loaded from its path, which a spawned worker could not import).
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        with multiprocessing.get_context(method).Pool(workers) as pool:
+            per_package = pool.map(_package_documents, found, chunksize=1)
+    else:
+        per_package = [package_documents(name, path) for name, path in found]
+    if any(root.resolve() == stdlib.resolve() for root in roots):
+        found.append(("python-docs", None))
+        per_package.append([(WIKI, text) for text in _wiki_documents(stdlib)])
     docs, seen = [], set()
     left_out = {"duplicates": 0, "generated or data-like sources": 0}
-
-    def add(subset, name, text):
-        digest = hashlib.sha256(text.encode("utf-8")).digest()
-        if digest in seen:
-            left_out["duplicates"] += 1
-        elif subset == GITHUB and not written_code(text):
-            left_out["generated or data-like sources"] += 1
-        else:
-            seen.add(digest)
-            docs.append((subset, name, text))
-
-    for name, path in packages(roots):
-        for _, source, tree in _stdlib_modules(path):
-            if source.strip():
-                add(GITHUB, name, source)
-            prose = _docstrings(tree)
-            if len(prose) >= MIN_BOOK_CHARS:
-                add(BOOK, name, prose)
-        if not path.is_dir():
-            continue
-        for source in _files(path, SOURCE_SUFFIXES):
-            text = _read_text(source)
-            if text and text.strip():
-                add(GITHUB, name, text)
-        for doc in _files(path, DOC_SUFFIXES):
-            text = (_read_text(doc) or "").strip()
-            if len(text) >= MIN_DOC_CHARS:
-                add(WIKI, name, text)
-    if any(root.resolve() == stdlib.resolve() for root in roots):
-        for text in _wiki_documents(stdlib):
-            add(WIKI, "python-docs", text)
+    for (name, _), package_docs in zip(found, per_package):
+        for subset, text in package_docs:
+            if text is None:
+                left_out["generated or data-like sources"] += 1
+                continue
+            digest = hashlib.sha256(text.encode("utf-8")).digest()
+            if digest in seen:
+                left_out["duplicates"] += 1
+            else:
+                seen.add(digest)
+                docs.append((subset, name, text))
     return docs, left_out
 
 
@@ -350,11 +373,15 @@ def main(argv=None) -> int:
                         help="build from the Python packages under these folders instead (none given: "
                              "this interpreter's site-packages and standard library), with whole "
                              "packages held out in validation/ (SlimPajama's train/validation layout)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="with --packages: processes reading the packages (the output is the same for any number)")
     parser.add_argument("--validation-fraction", type=float, default=0.02,
                         help="--packages: the share of packages held out for validation (default 0.02)")
     args = parser.parse_args(argv)
     if args.docs_per_chunk < 1:
         parser.error("--docs-per-chunk must be at least 1")
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give 1 or more processes")
     if not 0 <= args.validation_fraction < 1:
         parser.error(f"--validation-fraction {args.validation_fraction}: give a share in [0, 1)")
     output = args.output
@@ -376,7 +403,7 @@ def main(argv=None) -> int:
         missing = [str(r) for r in roots if not r.is_dir()]
         if missing:
             parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
-        found, left_out = collect_packages(roots, stdlib)
+        found, left_out = collect_packages(roots, stdlib, args.workers)
         if not found:
             parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
                            f"{', '.join(map(str, roots))}\n")

@@ -1,5 +1,4 @@
 """tools/make_sample_corpus.py: SlimPajama-format stand-in corpus from the Python stdlib."""
-import importlib.util
 import io
 import json
 from pathlib import Path
@@ -8,19 +7,11 @@ import pytest
 
 import zstandard  # a dependency of megafp8: its absence is a failure, not a skip
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_sample_corpus.py"
+from .load import load_tool
+
 MAX_MB = 0.3
 
-
-def _load_tool():
-    # tools/ is not a package: load the script from its path.
-    spec = importlib.util.spec_from_file_location("make_sample_corpus", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("make_sample_corpus")
 
 
 def _build(out: Path, *extra) -> Path:
@@ -193,7 +184,7 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     assert "Left out: 2 duplicates, 2 generated or data-like sources." in readme
     assert "NOT SlimPajama" in readme and f"held out whole): {', '.join(sorted(validation_packages))}" in readme
     # The same input gives the same bytes, and the split depends on the package names only.
-    again = _build_packages(tree, tmp_path / "again")
+    again = _build_packages(tree, tmp_path / "again", "--workers", "3")  # read in 3 processes
     assert _files(again) == _files(out)
     assert tool.validation_packages(["alpha", "beta", "gamma", "delta", "epsilon"], 0.4) == validation_packages
 
