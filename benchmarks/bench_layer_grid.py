@@ -1,0 +1,241 @@
+"""Where FP8 pays: one transformer layer's forward + backward in bf16, FP8 delayed and FP8 current
+scaling over model width x sequence length x micro-batch, as the FP8-maturity seed article shows
+for Transformer Engine (a GPT-3 layer's FP8/bf16 speed-up as a coloured grid).
+
+    python benchmarks/bench_layer_grid.py --output grid.json [--archs gpt llama]
+        [--hidden-sizes 768 ... 12288] [--seq-lengths 1024 2048 4096 8192] [--micro-batches 1 2 4 8]
+    torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py --output grid_tp2.json   # tp 2, SP
+    python benchmarks/bench_layer_grid.py --plot grid.json [grid_tp2.json] --plot-dir docs/img
+
+The layer is megafp8's own (models.transformer.TransformerLayer, FP8 linears with the fused
+norm and activation casts), one per point, in bf16 parameters; with several processes it is
+tensor parallel over all of them with sequence parallelism. Each step (forward, backward, the
+weights' FP8 cast included, as a step with one micro-batch pays it) is captured in a CUDA graph
+and replayed, so the times are the GPU's, not the host's; the median of CUDA-event timings
+(triton.testing.do_bench). Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU;
+Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
+8 KV heads from 8192). A point that does not fit is recorded as such.
+
+`--plot` draws, per architecture and tensor-parallel size, heat maps of the FP8/bf16 speed-up
+(delayed and current) with hidden size down and (sequence, micro-batch) across, in the seed's
+colours: red below 1x, blue 1-1.3x, green above 1.3x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
+RECIPES = ("bf16", "delayed", "current")
+BANDS = ((1.0, "below 1x", "#d73027"), (1.3, "1-1.3x", "#4575b4"), (float("inf"), "above 1.3x", "#1a9850"))
+
+
+def layer_config(arch: str, hidden: int, seq_length: int):
+    """The TransformerConfig of one layer of width `hidden` in the GPT-3 family's proportions."""
+    from megafp8.models.config import gpt_config, llama_config
+
+    head_dim = 64 if hidden < 2048 else 128
+    heads = hidden // head_dim
+    if arch == "gpt":
+        return gpt_config(1, hidden, heads, max_position_embeddings=seq_length)
+    if arch == "llama":
+        ffn = 256 * ((8 * hidden // 3 + 255) // 256)  # Llama's SwiGLU width, a multiple of 256
+        kv_heads = 8 if hidden >= 8192 else heads
+        return llama_config(1, hidden, heads, kv_heads, ffn, vocab_size=32000, max_position_embeddings=seq_length)
+    raise ValueError(f"unknown architecture {arch!r}: give gpt or llama")
+
+
+def layer_flops(config, tokens: int, seq_length: int) -> float:
+    """Forward + backward FLOPs of one layer over `tokens` in sequences of `seq_length` (linears
+    and causal attention; backward twice forward)."""
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.kv_heads, config.head_dim
+    ffn = config.ffn_size * (3 if config.activation == "swiglu" else 2)
+    linear = 2 * tokens * h * ((heads + 2 * kv) * d + heads * d + ffn)
+    attention = 2 * tokens * seq_length * heads * d  # QK^T and PV, half of each under the causal mask
+    return 3 * (linear + attention)
+
+
+def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
+    """{recipe: ms} for one grid point (None where it did not fit), on this process's GPU."""
+    from triton.testing import do_bench
+
+    from megafp8.collectives import group_size
+    from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+    from megafp8.models.rope import rotary_tables
+    from megafp8.models.transformer import TransformerLayer
+
+    config = layer_config(arch, hidden, seq)
+    tp = group_size(tp_group)
+    times = {}
+    layer = x = None
+    try:
+        torch.manual_seed(0)
+        layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
+        x = torch.randn(seq // tp, micro_batch, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
+                  if config.position_embedding == "rope" else None)
+        fp8_linears = [m for m in layer.modules() if isinstance(m, Fp8Linear)]
+        for name in recipes:
+            recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+
+            def step():
+                for p in layer.parameters():
+                    p.grad = None
+                x.grad = None
+                for linear in fp8_linears:
+                    linear.clear_fp8_weight_cache()  # the weight cast, as a one-micro-batch step pays
+                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+                    y = layer(x, rotary)
+                y.backward(dy)
+
+            try:
+                times[name] = do_bench(_graphed(step), warmup=25, rep=100, return_mode="median")
+            except torch.cuda.OutOfMemoryError:
+                times[name] = None
+            torch.cuda.empty_cache()
+    except torch.cuda.OutOfMemoryError:
+        times = {name: None for name in recipes}
+    finally:
+        del layer, x
+        torch.cuda.empty_cache()
+    return config, times
+
+
+def _graphed(step):
+    """`step` captured in a CUDA graph (after warm-up runs on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def run_grid(args) -> dict:
+    import torch.distributed as dist
+    import triton
+
+    tp_group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        tp_group = dist.group.WORLD
+    tp = dist.get_world_size() if tp_group is not None else 1
+    rank = dist.get_rank() if tp_group is not None else 0
+    points = []
+    for arch in args.archs:
+        for hidden in args.hidden_sizes:
+            for seq in args.seq_lengths:
+                for micro_batch in args.micro_batches:
+                    config, times = time_point(arch, hidden, seq, micro_batch, RECIPES, tp_group)
+                    flops = layer_flops(config, seq * micro_batch, seq) / tp
+                    point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
+                             "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
+                             "micro_batch": micro_batch, "tp": tp,
+                             **{f"{name}_ms": t for name, t in times.items()},
+                             **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
+                    for name in ("delayed", "current"):
+                        point[f"speedup_{name}"] = (times["bf16"] / times[name]
+                                                    if times["bf16"] and times[name] else None)
+                    points.append(point)
+                    if rank == 0:
+                        print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
+                              + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
+                              + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
+                                        if point[f"speedup_{n}"]), flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "tp": tp, "points": points}
+    if tp_group is not None:
+        dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def plot(paths, plot_dir: Path) -> list[Path]:
+    """Heat maps of the FP8/bf16 speed-up from grid JSON files: one PNG per architecture and
+    tensor-parallel size, delayed and current side by side."""
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("bench_layer_grid.py --plot needs matplotlib (pip install matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    points = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not data.get("points"):
+            sys.exit(f"bench_layer_grid.py --plot: {path} holds no grid points")
+        points += data["points"]
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    colours = ListedColormap([colour for *_, colour in BANDS])
+    norm = BoundaryNorm([0.0, 1.0, 1.3, 10.0], colours.N)
+    written = []
+    for arch, tp in sorted({(p["arch"], p["tp"]) for p in points}):
+        mine = [p for p in points if p["arch"] == arch and p["tp"] == tp]
+        hiddens = sorted({p["hidden"] for p in mine})
+        columns = sorted({(p["seq"], p["micro_batch"]) for p in mine})
+        figure, axes = plt.subplots(1, 2, figsize=(max(8, 0.55 * len(columns) * 2 + 3), 0.5 * len(hiddens) + 2.5))
+        for axis, recipe in zip(axes, ("delayed", "current")):
+            grid = [[float("nan")] * len(columns) for _ in hiddens]
+            for p in mine:
+                value = p.get(f"speedup_{recipe}")
+                grid[hiddens.index(p["hidden"])][columns.index((p["seq"], p["micro_batch"]))] = (
+                    value if value is not None else float("nan"))
+            axis.imshow(grid, cmap=colours, norm=norm, aspect="auto")
+            for i, row in enumerate(grid):
+                for j, value in enumerate(row):
+                    axis.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
+                              color="white")
+            axis.set_xticks(range(len(columns)), [f"{s // 1024}k x{b}" for s, b in columns], rotation=90, fontsize=7)
+            axis.set_yticks(range(len(hiddens)), [str(h) for h in hiddens], fontsize=8)
+            axis.set_xlabel("sequence x micro-batch")
+            axis.set_ylabel("hidden size")
+            axis.set_title(f"FP8 {recipe} / bf16")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for *_, colour in BANDS]
+        figure.legend(handles, [label for _, label, _ in BANDS], loc="lower center", ncol=3, fontsize=8)
+        figure.suptitle(f"{arch.upper()} layer, forward + backward, tp {tp}")
+        figure.tight_layout(rect=(0, 0.06, 1, 1))
+        out = plot_dir / f"layer_grid_{arch}_tp{tp}.png"
+        figure.savefig(out, dpi=110)
+        plt.close(figure)
+        written.append(out)
+    return written
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", help="write the grid here (JSON)")
+    parser.add_argument("--archs", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    parser.add_argument("--hidden-sizes", nargs="+", type=int, default=list(GPT3_HIDDEN_SIZES))
+    parser.add_argument("--seq-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--plot", nargs="+", metavar="GRID_JSON", help="draw heat maps from grid files instead")
+    parser.add_argument("--plot-dir", default=".", help="where --plot writes its PNGs")
+    args = parser.parse_args(argv)
+    if args.plot:
+        for path in plot(args.plot, Path(args.plot_dir)):
+            print(f"wrote {path}")
+        return
+    if not args.output:
+        parser.error("give --output GRID.json (or --plot GRID.json ...)")
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer_grid.py times layers on a CUDA GPU and this machine has none (--plot works anywhere)")
+    result = run_grid(args)
+    if result is not None:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""benchmarks/bench_layer_grid.py: the GPT-3 family's layer shapes, the heat maps from grid files
+(on the CPU), and a small grid timed on a GPU."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_layer_grid", REPO / "benchmarks" / "bench_layer_grid.py")
+grid = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grid)
+
+
+@pytest.mark.parametrize("arch, hidden, heads, kv_heads, ffn", [
+    ("gpt", 768, 12, 12, 3072),        # GPT-3 125M (GPT-2 small)
+    ("gpt", 2048, 16, 16, 8192),       # GPT-3 1.3B widths, head dim 128
+    ("llama", 4096, 32, 32, 11008),    # Llama-2-7B
+    ("llama", 8192, 64, 8, 22016),     # 70B-wide, GQA 8 (Llama-2-70B's SwiGLU is wider, 28672)
+])
+def test_layer_shapes_follow_the_family(arch, hidden, heads, kv_heads, ffn):
+    config = grid.layer_config(arch, hidden, 4096)
+    assert (config.num_layers, config.num_attention_heads, config.kv_heads, config.ffn_size) == (1, heads, kv_heads, ffn)
+    assert config.max_position_embeddings == 4096
+    assert (config.activation == "swiglu") == (arch == "llama")
+
+
+def test_layer_flops_count_linears_and_causal_attention():
+    config = grid.layer_config("gpt", 768, 1024)
+    tokens, h = 2048, 768
+    linears = 2 * tokens * (h * 3 * h + h * h + 2 * h * 4 * h)  # QKV, proj, fc1, fc2
+    attention = 2 * tokens * 1024 * h
+    assert grid.layer_flops(config, tokens, 1024) == 3 * (linears + attention)
+
+
+def point(arch, tp, hidden, seq, micro_batch, delayed, current):
+    return {"arch": arch, "hidden": hidden, "seq": seq, "micro_batch": micro_batch, "tp": tp,
+            "speedup_delayed": delayed, "speedup_current": current}
+
+
+def test_heat_maps_from_grid_files(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    one = {"tp": 1, "points": [point("gpt", 1, h, s, b, 0.9 + h / 4096 + b / 20, 0.8 + h / 4096)
+                               for h in (768, 2048, 4096) for s in (1024, 2048) for b in (1, 4)]}
+    one["points"][0]["speedup_current"] = None  # a point that did not fit
+    two = {"tp": 2, "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)]}
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    (tmp_path / "two.json").write_text(json.dumps(two))
+    grid.main(["--plot", str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--plot-dir", str(tmp_path / "img")])
+    written = sorted(p.name for p in (tmp_path / "img").iterdir())
+    assert written == ["layer_grid_gpt_tp1.png", "layer_grid_llama_tp2.png"]
+    assert all((tmp_path / "img" / name).read_bytes().startswith(b"\x89PNG") for name in written)
+    assert "layer_grid_gpt_tp1.png" in capsys.readouterr().out
+
+
+def test_a_grid_file_without_points_is_refused(tmp_path):
+    (tmp_path / "empty.json").write_text(json.dumps({"tp": 1, "points": []}))
+    with pytest.raises(SystemExit, match="holds no grid points"):
+        grid.main(["--plot", str(tmp_path / "empty.json")])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_timing_needs_a_gpu(tmp_path):
+    with pytest.raises(SystemExit, match="has none"):
+        grid.main(["--output", str(tmp_path / "g.json")])
+    assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.gpu
+def test_a_small_grid_on_a_gpu(tmp_path):
+    out = tmp_path / "grid.json"
+    grid.main(["--output", str(out), "--hidden-sizes", "256", "--seq-lengths", "512", "--micro-batches", "1", "2"])
+    result = json.loads(out.read_text())
+    assert result["tp"] == 1 and len(result["points"]) == 4  # 2 architectures x 2 micro-batches
+    for p in result["points"]:
+        assert all(p[f"{name}_ms"] > 0 and p[f"{name}_tflops"] > 0 for name in ("bf16", "delayed", "current"))
+        assert p["speedup_delayed"] == p["bf16_ms"] / p["delayed_ms"]
