@@ -17,11 +17,12 @@ spec.loader.exec_module(grid)
     ("gpt", 768, 12, 12, 3072),        # GPT-3 125M (GPT-2 small)
     ("gpt", 2048, 16, 16, 8192),       # GPT-3 1.3B widths, head dim 128
     ("llama", 4096, 32, 32, 11008),    # Llama-2-7B
-    ("llama", 8192, 64, 8, 22016),     # 70B-wide, GQA 8 (Llama-2-70B's SwiGLU is wider, 28672)
+    ("llama", 8192, 64, 8, 22016),     # 70B-wide, GQA 8 (Llama-2-70B has a wider SwiGLU, 28672)
 ])
 def test_layer_shapes_follow_the_family(arch, hidden, heads, kv_heads, ffn):
     config = grid.layer_config(arch, hidden, 4096)
-    assert (config.num_layers, config.num_attention_heads, config.kv_heads, config.ffn_size) == (1, heads, kv_heads, ffn)
+    shape = (config.num_layers, config.num_attention_heads, config.kv_heads, config.ffn_size)
+    assert shape == (1, heads, kv_heads, ffn)
     assert config.max_position_embeddings == 4096
     assert (config.activation == "swiglu") == (arch == "llama")
 

@@ -1,0 +1,214 @@
+"""Memory per rank of a training layout, predicted from the model's shape (the planner's memory
+model, tools/plan_parallel.py).
+
+What megafp8 keeps, and so what is counted:
+- the parameters, in their dtype (bf16: 2 bytes), of the rank's pipeline stage and tensor shard;
+- the fp32 gradient buffer (`main_grad`, 4 bytes a parameter element; with the distributed
+  optimizer each bucket padded to a multiple of dp, not modelled: under dp elements a bucket);
+- the optimizer: fp32 master, exp_avg and exp_avg_sq of the elements the rank updates (12 bytes;
+  all of its parameters, or a dp-th with the distributed optimizer, which also keeps a bf16
+  slice of each bucket to all-gather from: 2 bytes an owned element);
+- under FP8, every FP8 linear's cached weight cast in both layouts (2 bytes a weight element);
+- activations saved for backward: per layer and micro-batch what this code saves (below), times
+  the micro-batches a pipeline schedule holds in flight, plus the logits on the last stage.
+
+Activations, per token of a micro-batch (h hidden; q, kv, f this rank's query, key/value and MLP
+widths; G = 2 for SwiGLU's stacked gate and up, else 1), as `layer_activation_bytes` counts them:
+norms keep their input (2h) and statistics; a linear keeps its input in bf16 (2 a column), or
+under FP8 only the transposed FP8 copy for the weight gradient (1 a column); attention keeps the
+packed q, k, v (2(q + 2kv)), RoPE's rotated q and k (2(q + kv)), its output (2q) and log-sum-exp
+(4 per head); the MLP keeps its activation's input (2Gf) and, unfused, SwiGLU's silu(gate) (2f).
+Under delayed scaling with neighbour fusion the norms and the activation are fused into the FP8
+casts, so no high-precision norm output or activation output is kept. Selective recomputation
+keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
+With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
+QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megafp8.models.config import TransformerConfig
+from megafp8.parallel.stages import stage_layers
+
+RECOMPUTE = ("none", "selective", "full")
+FP8_RECIPES = (None, "delayed", "current")
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """A training layout as the memory model sees it (the trainer's flags of the same names)."""
+    seq_length: int
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1  # per step and data-parallel rank: global batch / (dp x micro-batch)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
+    fp8: Optional[str] = None  # None (bf16) | delayed | current
+    fp8_neighbour_fusion: bool = True
+    fp8_output_layer: bool = False
+    first_last_layers_bf16: int = 0
+    norm_on_cuda: bool = True  # RMSNorm: CUDA's fused kernel, else torch's fp32 composite (CPU)
+
+    def __post_init__(self):
+        for name in ("seq_length", "micro_batch_size", "num_micro_batches", "tp", "pp", "dp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+
+def _norm_parameters(config: TransformerConfig) -> int:
+    return 2 * config.hidden_size if config.normalization == "layernorm" else config.hidden_size
+
+
+def layer_parameters(config: TransformerConfig, tp: int) -> dict:
+    """Elements of one layer on a tensor-parallel rank: {"fp8_weights": the four linears'
+    weights (what FP8 casts), "other": norms and biases}."""
+    h, d = config.hidden_size, config.head_dim
+    qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d // tp
+    query = config.num_attention_heads * d // tp
+    up_out = config.ffn_size * (2 if config.activation == "swiglu" else 1) // tp
+    ffn = config.ffn_size // tp
+    weights = h * qkv_out + query * h + h * up_out + ffn * h
+    biases = (qkv_out + h + up_out + h) if config.bias else 0  # row-parallel biases are whole on each rank
+    return {"fp8_weights": weights, "other": 2 * _norm_parameters(config) + biases}
+
+
+def rank_parameters(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> dict:
+    """Parameter elements of pipeline rank `pp_rank` (any tensor-parallel rank: all hold as many):
+    {"layers", "fp8_weights" (of those, cast to FP8), "embedding", "output"}."""
+    tp, h = layout.tp, config.hidden_size
+    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
+    per_layer = layer_parameters(config, tp)
+    edge = layout.first_last_layers_bf16
+    layers = [i for first, last in spans for i in range(first, last)]
+    fp8_layers = [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []
+    vocab = config.padded_vocab_size(tp)
+    first, last = spans[0][0] == 0, spans[-1][1] == config.num_layers
+    embedding = 0
+    if first or (last and config.tie_embeddings and layout.pp > 1):
+        embedding += vocab // tp * h
+    if first and config.position_embedding == "learned":
+        embedding += config.max_position_embeddings * h
+    output = 0
+    if last:
+        output = _norm_parameters(config) + (0 if config.tie_embeddings else vocab // tp * h)
+    output_fp8 = vocab // tp * h if last and layout.fp8 and layout.fp8_output_layer and not config.tie_embeddings else 0
+    return {"layers": len(layers) * (per_layer["fp8_weights"] + per_layer["other"]),
+            "fp8_weights": len(fp8_layers) * per_layer["fp8_weights"] + output_fp8,
+            "embedding": embedding, "output": output}
+
+
+def static_bytes(config: TransformerConfig, layout: MemoryLayout, pp_rank: int, param_bytes: int = 2) -> dict:
+    """Bytes of what lives for the whole run on a rank of pipeline stage `pp_rank`: parameters,
+    gradient buffer, optimizer states and FP8 weight casts."""
+    counts = rank_parameters(config, layout, pp_rank)
+    elements = counts["layers"] + counts["embedding"] + counts["output"]
+    owned = elements / layout.dp if layout.distributed_optimizer else elements
+    optimizer = 12 * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
+    return {"parameters": param_bytes * elements, "gradients": 4 * elements, "optimizer": optimizer,
+            "fp8_weight_casts": 2 * counts["fp8_weights"]}
+
+
+def layer_activation_bytes(config: TransformerConfig, layout: MemoryLayout, fp8: Optional[str] = "layout") -> float:
+    """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank (see the
+    module's docstring); `fp8` overrides the layout's recipe (None for a layer kept in bf16)."""
+    fp8 = layout.fp8 if fp8 == "layout" else fp8
+    tp = layout.tp
+    tokens = layout.seq_length * layout.micro_batch_size
+    local = tokens / tp if layout.sp else tokens  # the norms' and the residual stream's tokens
+    h, heads = config.hidden_size, config.num_attention_heads
+    query = heads * config.head_dim / tp
+    kv = config.kv_heads * config.head_dim / tp
+    ffn = config.ffn_size / tp
+    gated = config.activation == "swiglu"
+    if layout.recompute == "full":
+        return 2 * local * h  # the layer's input; everything else is recomputed in backward
+    fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
+    linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
+    per_token = 2 * _norm_bytes(config, layout, fused) * local / tokens  # the two norms
+    # QKV's and fc1's inputs (the norms' outputs), fc2's (the activation's output); proj's in FP8
+    # (in bf16 it is the attention output itself, counted below).
+    # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
+    # (gathered again in backward), in bf16 the gathered input.
+    gathered = local / tokens if fp8 else 1.0
+    per_token += linear_input * (2 * h * gathered + ffn) + (query if fp8 else 0)
+    per_token += 2 * (query + 2 * kv)  # the packed q, k, v
+    if config.position_embedding == "rope":
+        per_token += 2 * (query + kv)  # the rotated q and k
+    if layout.recompute != "selective":
+        per_token += 4 * heads / tp  # the attention's log-sum-exp
+    if layout.recompute != "selective" or not fp8:
+        per_token += 2 * query  # its output (kept by proj in bf16 even when the core is recomputed)
+    per_token += 2 * (2 if gated else 1) * ffn  # the activation's input
+    if gated and not fused:
+        per_token += 2 * ffn  # silu(gate), kept by the unfused SwiGLU for its product's backward
+    return per_token * tokens
+
+
+def _norm_bytes(config: TransformerConfig, layout: MemoryLayout, fused: bool) -> float:
+    """Bytes a token a norm keeps: its input and statistics (fp32 mean and rstd; RMSNorm's rstd
+    only), or with torch's RMSNorm composite (off CUDA, unfused) two fp32 copies and the rstd."""
+    h, layernorm = config.hidden_size, config.normalization == "layernorm"
+    if fused or layernorm or layout.norm_on_cuda:
+        return 2 * h + (8 if layernorm else 4)
+    return 8 * h + 4
+
+
+def micro_batches_in_flight(layout: MemoryLayout, pp_rank: int) -> float:
+    """The most micro-batches (in layer-chunks' worth of a whole stage) whose activations pipeline
+    rank `pp_rank` holds at once (parallel.schedules): 1 without pipelining; 1F1B, pp - rank (at
+    most all of them); interleaved, Megatron's warm-up of 2(pp - rank - 1) + (vpp - 1)pp chunk
+    forwards plus one, each a vpp-th of the stage (all of them when there are pp micro-batches)."""
+    num = layout.num_micro_batches
+    if layout.pp == 1:
+        return 1
+    if layout.vpp == 1:
+        return min(layout.pp - pp_rank, num)
+    total = num * layout.vpp
+    if num == layout.pp:  # the schedule runs every forward first
+        return total / layout.vpp
+    warmup = min(2 * (layout.pp - pp_rank - 1) + (layout.vpp - 1) * layout.pp, total)
+    return min(warmup + 1, total) / layout.vpp
+
+
+def logits_bytes(config: TransformerConfig, layout: MemoryLayout) -> float:
+    """The last stage's output layer and loss: the final norm's input and output, and the
+    vocabulary-parallel logits in fp32 (kept by the cross-entropy for its backward)."""
+    tokens = layout.seq_length * layout.micro_batch_size
+    local = tokens / layout.tp if layout.sp else tokens
+    fused = layout.fp8 == "delayed" and layout.fp8_neighbour_fusion and layout.fp8_output_layer
+    vocab = config.padded_vocab_size(layout.tp) / layout.tp
+    return _norm_bytes(config, layout, fused) * local + 2 * config.hidden_size * tokens + 4 * vocab * tokens
+
+
+def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int = 2) -> list[dict]:
+    """Per pipeline stage, the bytes of each kind and their total, for a rank of that stage."""
+    stages = []
+    edge = layout.first_last_layers_bf16
+    for pp_rank in range(layout.pp):
+        spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
+        layers = [i for first, last in spans for i in range(first, last)]
+        per_micro_batch = sum(layer_activation_bytes(
+            config, layout, layout.fp8 if edge <= i < config.num_layers - edge else None) for i in layers)
+        activations = per_micro_batch * micro_batches_in_flight(layout, pp_rank)
+        if spans[-1][1] == config.num_layers:
+            activations += logits_bytes(config, layout)
+        stage = {"pp_rank": pp_rank, **static_bytes(config, layout, pp_rank, param_bytes), "activations": activations}
+        stage["total"] = sum(v for k, v in stage.items() if k != "pp_rank")
+        stages.append(stage)
+    return stages
+
