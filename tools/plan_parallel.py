@@ -1,0 +1,180 @@
+"""Which parallel layouts of a model fit a cluster, and how much memory each needs per GPU.
+
+    python tools/plan_parallel.py --model llama2-7b --gpus 64 --gpu-memory 80 --seq-length 4096 \
+        --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4]
+        [--memory-margin 0.1] [--top 20] [--json plan.json]
+
+Every tp x pp x dp layout (tp within a node, sequence parallelism with it), with or without
+virtual pipeline stages (2 or 4 per rank), each micro-batch size, no / selective / full
+recomputation and, where dp > 1, with and without the distributed optimizer, is checked by the
+trainer's own argument rules (what does not divide the heads, layers, GPUs or batch is rejected
+with the trainer's message) and by the memory model (megafp8.training.memory_model: parameters,
+gradients, optimizer states, FP8 weight casts and activations of the fullest pipeline stage),
+against the GPU's memory less `--memory-margin` for what the model leaves out (allocator
+fragmentation, a backward pass's transient buffers). The layouts that fit are listed with their
+memory, least memory first among equals of the simplest parallelism.
+
+Not yet ranked by throughput: that needs each layer's measured time (benchmarks/bench_layer_grid.py,
+for tp 1 and 2) and the collectives' measured bandwidths, which have not been measured on the
+GPUs this project is lent. The memory model is checked against the trainer on the CPU and against
+eight-GPU peaks measured on H200s (within 4.2%: docs/tuning.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megafp8.training import arguments
+from megafp8.training.memory_model import MemoryLayout, estimate
+
+RECOMPUTE = ("none", "selective", "full")
+VIRTUAL_STAGES = (1, 2, 4)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(args) -> list[dict]:
+    """Every layout to check, in a fixed order: the simplest parallelism first."""
+    out = []
+    for tp in [t for t in divisors(min(args.gpus_per_node, args.gpus)) if args.gpus % t == 0]:
+        for pp in divisors(args.gpus // tp):
+            dp = args.gpus // (tp * pp)
+            for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
+                for mbs in args.micro_batch_sizes:
+                    for recompute in RECOMPUTE:
+                        for distributed in ((False, True) if dp > 1 else (False,)):
+                            out.append(dict(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
+                                            recompute=recompute, distributed_optimizer=distributed))
+    return out
+
+
+def trainer_flags(args, layout: dict) -> list[str]:
+    """The trainer's flags for `layout` (what `python -m megafp8.train` would be given)."""
+    flags = ["--model", args.model, "--seq-length", str(args.seq_length), "--global-batch-size",
+             str(args.global_batch_size), "--micro-batch-size", str(layout["micro_batch_size"]),
+             "--tensor-model-parallel-size", str(layout["tp"]),
+             "--pipeline-model-parallel-size", str(layout["pp"]), "--train-iters", "1", "--mock-data",
+             "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "0"]
+    if args.vocab_size:
+        flags += ["--vocab-size", str(args.vocab_size)]
+    if layout["tp"] > 1:
+        flags.append("--sequence-parallel")
+    if layout["vpp"] > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(args.num_layers // (layout["pp"] * layout["vpp"]))]
+    if layout["recompute"] != "none":
+        flags += ["--recompute-granularity", layout["recompute"]]
+    if layout["distributed_optimizer"]:
+        flags.append("--use-distributed-optimizer")
+    if args.fp8:
+        flags += ["--fp8-format", "hybrid", "--fp8-recipe", args.fp8]
+    return flags
+
+
+def check(args, layout: dict):
+    """(config, None) if the trainer accepts `layout`, else (None, its reason)."""
+    stages = layout["pp"] * layout["vpp"]
+    if layout["vpp"] > 1 and args.num_layers % stages:
+        return None, (f"{args.num_layers} layers do not split into {layout['pp']} pipeline stages x {layout['vpp']} "
+                      "virtual stages")
+    try:
+        parsed = arguments.validate_args(arguments.parse_args(trainer_flags(args, layout)), args.gpus)
+    except (arguments.ArgumentsError, SystemExit) as error:
+        return None, str(error).split("\n")[0]
+    return arguments.model_config(parsed, parsed.vocab_size), None
+
+
+def plan(args) -> dict:
+    budget = args.gpu_memory * (1 - args.memory_margin) * 2**30
+    fits, rejected = [], []
+    for layout in candidates(args):
+        config, reason = check(args, layout)
+        if config is None:
+            rejected.append({**layout, "reason": reason})
+            continue
+        memory = MemoryLayout(
+            seq_length=args.seq_length, micro_batch_size=layout["micro_batch_size"],
+            num_micro_batches=args.global_batch_size // (layout["dp"] * layout["micro_batch_size"]),
+            tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], vpp=layout["vpp"], sequence_parallel=layout["tp"] > 1,
+            distributed_optimizer=layout["distributed_optimizer"], recompute=layout["recompute"], fp8=args.fp8)
+        stages = estimate(config, memory)
+        fullest = max(stages, key=lambda s: s["total"])
+        entry = {**layout, "memory_gib": fullest["total"] / 2**30,
+                 "memory_by_kind_gib": {k: v / 2**30 for k, v in fullest.items() if k not in ("pp_rank", "total")}}
+        if fullest["total"] > budget:
+            rejected.append({**entry, "reason": f"needs {entry['memory_gib']:.1f} GiB per GPU (pipeline stage "
+                                                f"{fullest['pp_rank']}), over {budget / 2**30:.1f} GiB"})
+        else:
+            fits.append(entry)
+    return {"model": args.model, "gpus": args.gpus, "fp8": args.fp8, "budget_gib": budget / 2**30,
+            "fits": fits, "rejected": rejected}
+
+
+def layout_name(entry: dict) -> str:
+    parts = [f"tp{entry['tp']} pp{entry['pp']} dp{entry['dp']}"]
+    if entry["vpp"] > 1:
+        parts.append(f"vpp{entry['vpp']}")
+    parts.append(f"mbs{entry['micro_batch_size']}")
+    if entry["recompute"] != "none":
+        parts.append(f"recompute {entry['recompute']}")
+    if entry["distributed_optimizer"]:
+        parts.append("distributed optimizer")
+    return ", ".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a preset (megafp8.models.config.PRESETS)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
+    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--fp8", choices=("delayed", "current"), help="FP8 HYBRID with this scaling (absent: bf16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="tensor parallelism stays within a node")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary (default: the preset's)")
+    parser.add_argument("--memory-margin", type=float, default=0.1,
+                        help="the share of GPU memory kept free for what the memory model leaves out (default 0.1)")
+    parser.add_argument("--top", type=int, default=20, help="layouts to print (default 20)")
+    parser.add_argument("--json", help="write the whole plan here")
+    args = parser.parse_args(argv)
+    for name in ("gpus", "gpus_per_node", "seq_length", "global_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.gpu_memory <= 0 or not 0 <= args.memory_margin < 1:
+        parser.error("--gpu-memory must be positive and --memory-margin in [0, 1)")
+    try:
+        from megafp8.models.config import PRESETS
+        args.num_layers = PRESETS[args.model].num_layers
+    except KeyError:
+        parser.error(f"--model {args.model!r} is not a preset; give one of {', '.join(PRESETS)}")
+    result = plan(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    fits = sorted(result["fits"], key=lambda e: (e["tp"] * e["pp"], e["vpp"], e["recompute"] != "none",
+                                                 e["recompute"] == "full", -e["micro_batch_size"], e["memory_gib"]))
+    print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GiB ({'FP8 ' + args.fp8 if args.fp8 else 'bf16'}), "
+          f"sequence {args.seq_length}, global batch {args.global_batch_size}: {len(fits)} layouts fit in "
+          f"{result['budget_gib']:.1f} GiB per GPU, {len(result['rejected'])} do not")
+    print("(listed, not ranked by throughput: that needs measured layer times and collective bandwidths)")
+    for entry in fits[:args.top]:
+        kinds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in entry["memory_by_kind_gib"].items() if v)
+        print(f"  {layout_name(entry):<60} {entry['memory_gib']:6.1f} GiB  ({kinds})")
+    reasons = {}
+    for entry in result["rejected"]:
+        reasons.setdefault(entry["reason"].split(":")[0] if "GiB" not in entry["reason"] else "out of memory",
+                           []).append(entry)
+    print("rejected:")
+    for reason, entries in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {len(entries):4d} x {entries[0]['reason']}  (e.g. {layout_name(entries[0])})")
+    if not fits:
+        print("no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
