@@ -64,6 +64,9 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
     """{recipe: ms} for one grid point (None where it did not fit), on this process's GPU."""
     from triton.testing import do_bench
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
+    from bench_fp8_linear import graphed
+
     from megafp8.collectives import group_size
     from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
     from megafp8.models.rope import rotary_tables
@@ -95,27 +98,13 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
                 y.backward(dy)
 
             try:
-                times[name] = do_bench(_graphed(step), warmup=25, rep=100, return_mode="median")
+                times[name] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
             except torch.cuda.OutOfMemoryError:
                 times[name] = None
             torch.cuda.empty_cache()
     except torch.cuda.OutOfMemoryError:
         times = {name: None for name in recipes}
     return config, times
-
-
-def _graphed(step):
-    """`step` captured in a CUDA graph (after warm-up runs on a side stream); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def run_grid(args) -> dict:
