@@ -39,8 +39,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate `x` [seq, batch, heads, head_dim] (computed in fp32) by the tables' first `seq`
     rows, or by tables already gathered per token ([seq, batch, head_dim], for positions that
     restart at document boundaries). On CUDA one Triton kernel each way (rope_kernel), else
-    `apply_rotary_torch`."""
-    if x.is_cuda and rope_kernel.available():
+    `apply_rotary_torch`, which torch.compile fuses by itself (so compiled layers take it too)."""
+    if x.is_cuda and rope_kernel.available() and not torch.compiler.is_compiling():
         return rope_kernel.rotary_triton(x, cos, sin)
     return apply_rotary_torch(x, cos, sin)
 
