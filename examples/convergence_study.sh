@@ -6,7 +6,7 @@
 #   Usage: bash examples/convergence_study.sh WORKDIR [GROUP ...]
 #   GROUP: gpt, llama, lr2x, lr4x (default: all four, in that order); data (prepare the data
 #   only) or report (curves only).
-# Resumable: MINUTES=N stops the runs after about N minutes, each with a checkpoint; the same
+# Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here (a stand-in for SlimPajama's
 # GitHub subset, NOT SlimPajama; tools/make_sample_corpus.py --packages), validation packages held
@@ -21,6 +21,11 @@ WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|l
 shift
 GROUPS_TO_RUN=("$@")
 [ ${#GROUPS_TO_RUN[@]} -gt 0 ] || GROUPS_TO_RUN=(gpt llama lr2x lr4x)
+if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
+                "${MINUTES:-100000}" 2> /dev/null); then
+    echo "convergence_study.sh: MINUTES=${MINUTES} is not a positive number of minutes" >&2
+    exit 2
+fi
 mkdir -p "$WORKDIR"
 WORKDIR=$(CDPATH= cd -- "$WORKDIR" && pwd)
 cd "$(dirname "$0")/.."
@@ -40,7 +45,6 @@ if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
 fi
 GRAPH_ARGS=()
 [ "$CUDA_GPUS" -gt 0 ] && GRAPH_ARGS=(--enable-cuda-graph)
-STOP_AT=$(( $(date +%s) + ${MINUTES:-100000} * 60 ))
 
 kept() { echo "convergence_study: kept $1 from an earlier run (delete it to redo that step)"; }
 

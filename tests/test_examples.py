@@ -86,3 +86,5 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
 
     unknown = study("gtp")
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr
+    not_minutes = study("gpt", MINUTES="soon")
+    assert not_minutes.returncode == 2 and "MINUTES=soon is not a positive number" in not_minutes.stderr
