@@ -109,7 +109,8 @@ train() {
         --train-data-path "$TRAIN_DATA" --valid-data-path "$VALID_DATA" \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
         --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" \
-        --save "$dir" --load "$dir" --exit-duration-in-mins "$(python -c "print(($left - 60) / 60)")" \
+        --save "$dir" --load "$dir" --keep-last-checkpoints 1 \
+        --exit-duration-in-mins "$(python -c "print(($left - 60) / 60)")" \
     || status=$?
     if [ "$status" != 0 ]; then echo "convergence_study: run $name failed (status $status)" >&2; exit "$status"; fi
     finished "$dir" "$iters" || return 1

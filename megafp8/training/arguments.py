@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let this new run replace the checkpoints already in --save (they are deleted once "
                         "its first checkpoint is written)")
     g.add_argument("--save-interval", type=_POSITIVE)
+    g.add_argument("--keep-last-checkpoints", type=_POSITIVE, metavar="N",
+                   help="after each save, delete this run's older checkpoints in --save but the newest N "
+                        "(torchtitan's keep_latest_k; default: keep all)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; iteration starts at 0")
@@ -668,6 +671,8 @@ def _check_data(args, saved: TransformerConfig | None) -> None:
 def _check_run(args, given) -> None:
     if args.save_interval is not None and args.save is None:
         raise ArgumentsError("--save-interval needs --save (the checkpoint directory)")
+    if args.keep_last_checkpoints is not None and args.save is None:
+        raise ArgumentsError("--keep-last-checkpoints needs --save (the checkpoint directory)")
     if args.recompute_granularity != "full":
         stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
         if stray:

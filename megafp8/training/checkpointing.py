@@ -219,6 +219,23 @@ def remove_checkpoints(save_dir, iterations, keep: int) -> None:
                               stacklevel=2)
 
 
+def keep_last_checkpoints(save_dir, keep: int) -> list[int]:
+    """Delete the complete checkpoints in `save_dir` but the newest `keep` (--keep-last-checkpoints),
+    oldest first; call it once the newest is published, so a crash leaves one loadable. Writing
+    rank only; a failure is a warning. Returns the iterations deleted."""
+    if not _is_writer():
+        return []
+    deleted = []
+    for iteration in saved_iterations(save_dir)[:-keep]:
+        path = iteration_dir(save_dir, iteration)
+        try:
+            shutil.rmtree(path)
+            deleted.append(iteration)
+        except OSError as error:
+            warnings.warn(f"--keep-last-checkpoints: could not delete {path} ({error})", stacklevel=2)
+    return deleted
+
+
 TOKENIZER_DIR = "tokenizer"
 # Each tokenizer type's files, {build_tokenizer argument: file name}, named as Hugging Face
 # folders name them (so such a folder loads as one), in the order Tokenizer.files lists them.

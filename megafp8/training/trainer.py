@@ -342,6 +342,11 @@ class Trainer:
             self.replaced_run = []
         self.last_checkpoint = path
         self._print(f"saved checkpoint {path}")
+        if a.keep_last_checkpoints:
+            deleted = checkpointing.keep_last_checkpoints(a.save, a.keep_last_checkpoints)
+            if deleted:
+                self._print(f"--keep-last-checkpoints {a.keep_last_checkpoints}: deleted the checkpoints of "
+                            f"iterations {', '.join(map(str, deleted))}")
 
     def load(self):
         a = self.args

@@ -354,6 +354,8 @@ def test_checkpoint_and_recompute_flags():
     args = parse("--recompute-granularity full")  # Megatron asks for both: one layer at a time
     assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
     fails("--overwrite-save", "--overwrite-save needs --save")
+    fails("--keep-last-checkpoints 2", "--keep-last-checkpoints needs --save")
+    assert parse("--save ckpt --keep-last-checkpoints 2").keep_last_checkpoints == 2
     fails("--wandb-exp-name run1", "--wandb-exp-name", "only with --wandb-project")
     assert parse().recompute_granularity is None and parse().skip_nonfinite_steps_max == 10
 

@@ -171,6 +171,16 @@ def test_resuming_says_what_changed_and_when_there_is_nothing_to_do(tmp_path, ca
     assert "run summary:" in out and "iterations: 1 (4 to 4)" in out
 
 
+def test_keep_last_checkpoints_deletes_the_older_ones_once_the_newest_is_saved(tmp_path):
+    argv = TINY + ["--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "1",
+                   "--keep-last-checkpoints", "2"]
+    pretrain(argv + ["--train-iters", "4"])
+    assert checkpointing.saved_iterations(tmp_path) == [3, 4]
+    resumed = pretrain(argv + ["--train-iters", "5", "--lr-decay-iters", "4", "--lr-warmup-iters", "2"])
+    assert resumed.history[0][0] == 5  # resumed from iteration 4, which was kept
+    assert checkpointing.saved_iterations(tmp_path) == [4, 5]
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
