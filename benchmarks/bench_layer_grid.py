@@ -9,10 +9,11 @@ for Transformer Engine (a GPT-3 layer's FP8/bf16 speed-up as a coloured grid).
 
 The layer is megafp8's own (models.transformer.TransformerLayer, FP8 linears with the fused
 norm and activation casts), one per point, in bf16 parameters; with several processes it is
-tensor parallel over all of them with sequence parallelism. Each step (forward, backward, the
-weights' FP8 cast included, as a step with one micro-batch pays it) is captured in a CUDA graph
-and replayed, so the times are the GPU's, not the host's; the median of CUDA-event timings
-(triton.testing.do_bench). Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU;
+tensor parallel over all of them with sequence parallelism. Each step (forward and backward) is
+captured in a CUDA graph and replayed, so the times are the GPU's, not the host's; the median of
+CUDA-event timings (triton.testing.do_bench). The weights' FP8 casts stay out of the step, as in
+the trainer's graphs (made once per optimizer step, before the first replay, or by the optimizer's
+own pass under delayed scaling): a graph capture may not make them. Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU;
 Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
 8 KV heads from 8192). A point that does not fit is recorded as such.
 
@@ -68,7 +69,7 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
     from bench_fp8_linear import graphed
 
     from megafp8.collectives import group_size
-    from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+    from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
     from megafp8.models.rope import rotary_tables
     from megafp8.models.transformer import TransformerLayer
 
@@ -83,7 +84,6 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
         dy = torch.randn_like(x)
         rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
                   if config.position_embedding == "rope" else None)
-        fp8_linears = [m for m in layer.modules() if isinstance(m, Fp8Linear)]
         for name in recipes:
             recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
 
@@ -91,8 +91,6 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
                 for p in layer.parameters():
                     p.grad = None
                 x.grad = None
-                for linear in fp8_linears:
-                    linear.clear_fp8_weight_cache()  # the weight cast, as a one-micro-batch step pays
                 with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
                     y = layer(x, rotary)
                 y.backward(dy)
