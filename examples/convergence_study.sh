@@ -40,7 +40,7 @@ CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
 if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
     echo "convergence_study.sh: the study needs an NVIDIA GPU (torch sees none); for a tiny CPU try set" \
-         "CPU=1 and shrink it (ITERS, GBS, SEQ, MODEL_ARGS: see tests/examples/test_convergence_study.py)" >&2
+         "CPU=1 and shrink it (ITERS, GBS, SEQ, MODEL_ARGS: see tests/test_examples.py)" >&2
     exit 1
 fi
 GRAPH_ARGS=()

@@ -21,8 +21,8 @@ top-level package or module is one *package*, whose ``.py`` files and sources in
 (C/C++/CUDA, stubs, Cython, ...; generated, minified and data-like files left out) are GitHub
 documents, whose docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files
 Wikipedia-like ones; a text met twice is kept once. Whole packages are held out for validation
-(``--validation-fraction``, chosen by a hash of their names), so nothing of a validation package is trained on; the output has SlimPajama's
-split layout, ``train/chunk1/example_train_{k}.jsonl.zst`` and
+(``--validation-fraction``, chosen by a hash of their names), so nothing of a validation package
+is trained on; the output has SlimPajama's split layout, ``train/chunk1/example_train_{k}.jsonl.zst`` and
 ``validation/chunk1/example_holdout_{k}.jsonl.zst``, each line's meta also naming its package.
 Still a stand-in, NOT SlimPajama: point the same commands at SlimPajama's ``train`` and
 ``validation`` folders for the real thing.

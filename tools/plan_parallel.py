@@ -75,31 +75,26 @@ def trainer_flags(args, layout: dict) -> list[str]:
 
 
 def check(args, layout: dict):
-    """(config, None) if the trainer accepts `layout`, else (None, its reason)."""
+    """(config, memory layout, None) if the trainer accepts `layout`, else (None, None, its reason)."""
     stages = layout["pp"] * layout["vpp"]
     if layout["vpp"] > 1 and args.num_layers % stages:
-        return None, (f"{args.num_layers} layers do not split into {layout['pp']} pipeline stages x {layout['vpp']} "
-                      "virtual stages")
+        return None, None, (f"{args.num_layers} layers do not split into {layout['pp']} pipeline stages x "
+                            f"{layout['vpp']} virtual stages")
     try:
         parsed = arguments.validate_args(arguments.parse_args(trainer_flags(args, layout)), args.gpus)
     except (arguments.ArgumentsError, SystemExit) as error:
-        return None, str(error).split("\n")[0]
-    return arguments.model_config(parsed, parsed.vocab_size), None
+        return None, None, str(error).split("\n")[0]
+    return arguments.model_config(parsed, parsed.vocab_size), MemoryLayout.from_args(parsed), None
 
 
 def plan(args) -> dict:
     budget = args.gpu_memory * (1 - args.memory_margin) * 2**30
     fits, rejected = [], []
     for layout in candidates(args):
-        config, reason = check(args, layout)
+        config, memory, reason = check(args, layout)
         if config is None:
             rejected.append({**layout, "reason": reason})
             continue
-        memory = MemoryLayout(
-            seq_length=args.seq_length, micro_batch_size=layout["micro_batch_size"],
-            num_micro_batches=args.global_batch_size // (layout["dp"] * layout["micro_batch_size"]),
-            tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], vpp=layout["vpp"], sequence_parallel=layout["tp"] > 1,
-            distributed_optimizer=layout["distributed_optimizer"], recompute=layout["recompute"], fp8=args.fp8)
         stages = estimate(config, memory)
         fullest = max(stages, key=lambda s: s["total"])
         entry = {**layout, "memory_gib": fullest["total"] / 2**30,

@@ -204,36 +204,36 @@ def check_run_folders(save, load, *, finetune=False, overwrite=False) -> list[in
         f"add --load {save}; to keep it, give another --save folder; to replace it, add --overwrite-save")
 
 
-def remove_checkpoints(save_dir, iterations, keep: int) -> None:
-    """Delete the checkpoints of `iterations` in `save_dir` but `keep` (--overwrite-save, once the
-    new run's first checkpoint is in place). Writing rank only; a failure is a warning."""
-    if not _is_writer():
-        return
-    for iteration in iterations:
-        if iteration != keep:
-            path = iteration_dir(save_dir, iteration)
-            try:
-                shutil.rmtree(path)
-            except OSError as error:
-                warnings.warn(f"--overwrite-save: could not delete {path} of the earlier run ({error})",
-                              stacklevel=2)
-
-
-def keep_last_checkpoints(save_dir, keep: int) -> list[int]:
-    """Delete the complete checkpoints in `save_dir` but the newest `keep` (--keep-last-checkpoints),
-    oldest first; call it once the newest is published, so a crash leaves one loadable. Writing
-    rank only; a failure is a warning. Returns the iterations deleted."""
+def _delete_checkpoints(save_dir, iterations, flag: str, whose: str = "") -> list[int]:
+    """Delete the checkpoints of `iterations` in `save_dir` on the writing rank (a failure is a
+    warning naming `flag`); the iterations deleted."""
     if not _is_writer():
         return []
     deleted = []
-    for iteration in saved_iterations(save_dir)[:-keep]:
+    for iteration in iterations:
         path = iteration_dir(save_dir, iteration)
         try:
             shutil.rmtree(path)
             deleted.append(iteration)
         except OSError as error:
-            warnings.warn(f"--keep-last-checkpoints: could not delete {path} ({error})", stacklevel=2)
+            warnings.warn(f"{flag}: could not delete {path}{whose} ({error})", stacklevel=3)
     return deleted
+
+
+def remove_checkpoints(save_dir, iterations, keep: int) -> None:
+    """Delete the checkpoints of `iterations` in `save_dir` but `keep` (--overwrite-save, once the
+    new run's first checkpoint is in place). Writing rank only; a failure is a warning."""
+    _delete_checkpoints(save_dir, [i for i in iterations if i != keep], "--overwrite-save", " of the earlier run")
+
+
+def keep_last_checkpoints(save_dir, keep: int) -> list[int]:
+    """Delete the complete checkpoints in `save_dir` but the newest `keep` (--keep-last-checkpoints),
+    oldest first; call it once the newest is published, so a crash leaves one loadable. Writing
+    rank only (the others do not list the folder); a failure is a warning. Returns the
+    iterations deleted."""
+    if not _is_writer():
+        return []
+    return _delete_checkpoints(save_dir, saved_iterations(save_dir)[:-keep], "--keep-last-checkpoints")
 
 
 TOKENIZER_DIR = "tokenizer"

@@ -69,6 +69,27 @@ class MemoryLayout:
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
+    @classmethod
+    def from_args(cls, args, norm_on_cuda: bool = True) -> "MemoryLayout":
+        """The layout of the trainer's arguments, as `arguments.validate_args` leaves them."""
+        return cls(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                   num_micro_batches=args.num_micro_batches, tp=args.tensor_model_parallel_size,
+                   pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
+                   vpp=args.virtual_pipeline_model_parallel_size or 1, sequence_parallel=args.sequence_parallel,
+                   distributed_optimizer=args.use_distributed_optimizer,
+                   recompute=args.recompute_granularity or "none",
+                   fp8=args.fp8_recipe if args.fp8_format else None, fp8_neighbour_fusion=args.fp8_neighbour_fusion,
+                   fp8_output_layer=args.fp8_output_layer, first_last_layers_bf16=args.first_last_layers_bf16,
+                   norm_on_cuda=norm_on_cuda)
+
+
+def stage_layer_indices(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> tuple[list, list]:
+    """(the global indices of pipeline rank `pp_rank`'s layers, those of them that run in FP8)."""
+    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
+    layers = [i for first, last in spans for i in range(first, last)]
+    edge = layout.first_last_layers_bf16
+    return layers, [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []
+
 
 def _norm_parameters(config: TransformerConfig) -> int:
     return 2 * config.hidden_size if config.normalization == "layernorm" else config.hidden_size
@@ -91,13 +112,10 @@ def rank_parameters(config: TransformerConfig, layout: MemoryLayout, pp_rank: in
     """Parameter elements of pipeline rank `pp_rank` (any tensor-parallel rank: all hold as many):
     {"layers", "fp8_weights" (of those, cast to FP8), "embedding", "output"}."""
     tp, h = layout.tp, config.hidden_size
-    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
     per_layer = layer_parameters(config, tp)
-    edge = layout.first_last_layers_bf16
-    layers = [i for first, last in spans for i in range(first, last)]
-    fp8_layers = [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []
+    layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
     vocab = config.padded_vocab_size(tp)
-    first, last = spans[0][0] == 0, spans[-1][1] == config.num_layers
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
     embedding = 0
     if first or (last and config.tie_embeddings and layout.pp > 1):
         embedding += vocab // tp * h
@@ -123,10 +141,10 @@ def static_bytes(config: TransformerConfig, layout: MemoryLayout, pp_rank: int, 
             "fp8_weight_casts": 2 * counts["fp8_weights"]}
 
 
-def layer_activation_bytes(config: TransformerConfig, layout: MemoryLayout, fp8: Optional[str] = "layout") -> float:
+def layer_activation_bytes(config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True) -> float:
     """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank (see the
-    module's docstring); `fp8` overrides the layout's recipe (None for a layer kept in bf16)."""
-    fp8 = layout.fp8 if fp8 == "layout" else fp8
+    module's docstring); `in_fp8=False` for a layer the layout keeps in bf16."""
+    fp8 = layout.fp8 if in_fp8 else None
     tp = layout.tp
     tokens = layout.seq_length * layout.micro_batch_size
     local = tokens / tp if layout.sp else tokens  # the norms' and the residual stream's tokens
@@ -198,14 +216,11 @@ def logits_bytes(config: TransformerConfig, layout: MemoryLayout) -> float:
 def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int = 2) -> list[dict]:
     """Per pipeline stage, the bytes of each kind and their total, for a rank of that stage."""
     stages = []
-    edge = layout.first_last_layers_bf16
     for pp_rank in range(layout.pp):
-        spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
-        layers = [i for first, last in spans for i in range(first, last)]
-        per_micro_batch = sum(layer_activation_bytes(
-            config, layout, layout.fp8 if edge <= i < config.num_layers - edge else None) for i in layers)
+        layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
+        per_micro_batch = sum(layer_activation_bytes(config, layout, in_fp8=i in fp8_layers) for i in layers)
         activations = per_micro_batch * micro_batches_in_flight(layout, pp_rank)
-        if spans[-1][1] == config.num_layers:
+        if pp_rank == layout.pp - 1:
             activations += logits_bytes(config, layout)
         stage = {"pp_rank": pp_rank, **static_bytes(config, layout, pp_rank, param_bytes), "activations": activations}
         stage["total"] = sum(v for k, v in stage.items() if k != "pp_rank")
