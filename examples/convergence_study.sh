@@ -8,9 +8,9 @@
 #   only) or report (curves only).
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
-# Data: by default a corpus of the Python packages installed here (a stand-in for SlimPajama's
-# GitHub subset, NOT SlimPajama; tools/make_sample_corpus.py --packages), validation packages held
-# out whole, a VOCAB-token BPE trained on its training split. For SlimPajama (or any corpus in its
+# Data: by default a corpus of the Python packages installed here, test suites included (a
+# stand-in for SlimPajama's GitHub subset, NOT SlimPajama; tools/make_sample_corpus.py --packages
+# --test-suites), validation packages held out whole, a VOCAB-token BPE trained on its training split. For SlimPajama (or any corpus in its
 # layout) set CORPUS to its folder (holding train/ and validation/); for data already tokenized,
 # set TRAIN_DATA, VALID_DATA (indexed-dataset prefixes) and TOKENIZER_MODEL.
 # Sizes (defaults: the study's): ITERS steps of GBS x SEQ tokens (1500 x 64 x 1024, 98M tokens),
@@ -58,7 +58,7 @@ prepare_data() {
     if [ -z "${CORPUS:-}" ]; then
         if [ -f "$corpus/README.txt" ]; then kept "$corpus"
         # shellcheck disable=SC2086  # CORPUS_ROOTS is a list of folders
-        else python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} \
+        else python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} --test-suites \
                  --max-mb "$CORPUS_MB" --workers "$workers"; fi
     fi
     TOKENIZER_MODEL=${TOKENIZER_MODEL:-$WORKDIR/tokenizer}
@@ -125,12 +125,14 @@ report() {
         runs+=("$WORKDIR/runs/$name"); labels+=("${name#*/}")
     done
     [ ${#runs[@]} -gt 0 ] || return 0
-    local fields=()  # FP8's saturated fraction, once an FP8 run has logged it
+    local options=()  # FP8's saturated fraction, once an FP8 run has logged it
     if cat "${runs[@]/%//metrics.jsonl}" | grep -qE '"fp8_saturation": [-0-9]'; then
-        fields=(--fields fp8_saturation)
+        options=(--fields fp8_saturation)
     fi
+    # Validation losses against the first run's, once it has evaluated.
+    grep -q '"valid_loss"' "${runs[0]}/metrics.jsonl" && options+=(--relative)
     python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
-        --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${fields[@]+"${fields[@]}"}
+        --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
 
 runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS per line

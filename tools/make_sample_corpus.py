@@ -20,7 +20,9 @@ those folders (with no ROOT: this interpreter's site-packages and standard libra
 top-level package or module is one *package*, whose ``.py`` files and sources in other languages
 (C/C++/CUDA, stubs, Cython, ...; generated, minified and data-like files left out) are GitHub
 documents, whose docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files
-Wikipedia-like ones; a text met twice is kept once. Whole packages are held out for validation
+Wikipedia-like ones; a text met twice is kept once. ``--test-suites`` adds the packages' test
+suites (left out by default), which SlimPajama's GitHub subset also holds: more tokens where the
+packages alone fall short. Whole packages are held out for validation
 (``--validation-fraction``, chosen by a hash of their names), so nothing of a validation package
 is trained on; the output has SlimPajama's split layout, ``train/chunk1/example_train_{k}.jsonl.zst`` and
 ``validation/chunk1/example_holdout_{k}.jsonl.zst``, each line's meta also naming its package.
@@ -33,7 +35,7 @@ already holds files is refused; ``--overwrite`` replaces the corpus files in it 
 
 Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4] [--overwrite]``
        ``python tools/make_sample_corpus.py --output ./packages_corpus --packages [ROOT ...]
-       --max-mb 800 [--validation-fraction 0.02] [--workers 8]``
+       --max-mb 800 [--test-suites] [--validation-fraction 0.02] [--workers 8]``
 """
 import argparse
 import ast
@@ -56,8 +58,10 @@ GITHUB, BOOK, WIKI = "RedPajamaGitHub", "RedPajamaBook", "RedPajamaWikipedia"
 SUBSETS = (GITHUB, BOOK, WIKI)
 ZSTD_LEVEL = 3  # fixed: same input + same level gives identical bytes
 MIN_BOOK_CHARS = 1000  # a module's docstrings must make at least this much prose
-# Test suites, third-party packages and caches are not "the standard library's code".
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+# Third-party packages and caches are not "the standard library's code"; test suites are left out
+# too unless --packages --test-suites asks for them.
+TEST_DIRS = {"test", "tests", "idle_test"}
+SKIP_DIRS = TEST_DIRS | {"site-packages", "dist-packages", "__pycache__"}
 SKIP_FILES = ("pydoc_data/topics.py",)  # a data file; its text goes to WIKI instead
 CHUNKS = "chunk1/example_train_*.jsonl.zst"  # what --overwrite replaces, with README.txt
 # --packages: SlimPajama's split layout, and what --overwrite replaces there.
@@ -80,21 +84,22 @@ DESCRIPTION = (
 )
 
 
-def _files(root: Path, suffixes) -> list[Path]:
-    """The files under `root` (a folder, or one file) ending in `suffixes`, in a fixed order."""
+def _files(root: Path, suffixes, skip=SKIP_DIRS) -> list[Path]:
+    """The files under `root` (a folder, or one file) ending in `suffixes`, in a fixed order,
+    outside folders named in `skip`."""
     if root.is_file():
         return [root] if root.name.endswith(suffixes) else []
     paths = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]  # prune: site-packages can be huge
+        dirs[:] = [d for d in dirs if d not in skip]  # prune: site-packages can be huge
         paths += [Path(folder, f) for f in files if f.endswith(suffixes)]
     return sorted(paths, key=lambda p: p.relative_to(root).as_posix() if p != root else "")
 
 
-def _stdlib_modules(stdlib: Path):
+def _stdlib_modules(stdlib: Path, skip=SKIP_DIRS):
     """Yield (relative path, source, ast tree) for every parseable .py file under `stdlib` (a
-    folder, or one file), sorted."""
-    for path in _files(stdlib, (".py",)):
+    folder, or one file) outside folders named in `skip`, sorted."""
+    for path in _files(stdlib, (".py",), skip):
         rel = path.relative_to(stdlib) if path != stdlib else Path(path.name)
         if path.as_posix().endswith(SKIP_FILES):
             continue
@@ -155,18 +160,20 @@ def collect(stdlib: Path) -> dict[str, list[str]]:
     return subsets
 
 
-def packages(roots: list[Path]) -> list[tuple[str, Path]]:
+def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Path]]:
     """(name, path) of every top-level package (a folder holding .py files) or module (a .py
     file) under `roots`, by name; where two roots hold one name, the first root's, as imports
-    would find it. Metadata folders (*.dist-info, *.egg-info), caches and tests are no packages."""
+    would find it. Metadata folders (*.dist-info, *.egg-info) and caches are no packages, nor are
+    test suites (the standard library's `test`) unless `test_suites`."""
+    skip = SKIP_DIRS - TEST_DIRS if test_suites else SKIP_DIRS
     found = {}
     for root in roots:
         for child in sorted(root.iterdir(), key=lambda p: p.name):
             name = child.name.removesuffix(".py") if child.is_file() else child.name
-            if (name in found or name in SKIP_DIRS or name.startswith(".") or "." in name
+            if (name in found or name in skip or name.startswith(".") or "." in name
                     or (child.is_file() and not child.name.endswith(".py"))):
                 continue
-            if child.is_file() or _files(child, (".py",)):
+            if child.is_file() or _files(child, (".py",), skip):
                 found[name] = child
     return sorted(found.items())
 
@@ -190,23 +197,25 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def package_documents(name: str, path: Path) -> list[tuple[str, str]]:
+def package_documents(name: str, path: Path, test_suites: bool = False) -> list[tuple[str, str]]:
     """(subset, text) of every document of one package, in a fixed order: its .py files and
-    their docstrings, its sources in other languages, its documentation files. Source files that
-    fail `written_code` are dropped here (None in their place, to be counted)."""
+    their docstrings, its sources in other languages, its documentation files; those of its test
+    suites (folders named test/tests) only if `test_suites`. Source files that fail
+    `written_code` are dropped here (None in their place, to be counted)."""
+    skip = SKIP_DIRS - TEST_DIRS if test_suites else SKIP_DIRS
     docs = []
-    for _, source, tree in _stdlib_modules(path):
+    for _, source, tree in _stdlib_modules(path, skip):
         if source.strip():
             docs.append((GITHUB, source if written_code(source) else None))
         prose = _docstrings(tree)
         if len(prose) >= MIN_BOOK_CHARS:
             docs.append((BOOK, prose))
     if path.is_dir():
-        for source in _files(path, SOURCE_SUFFIXES):
+        for source in _files(path, SOURCE_SUFFIXES, skip):
             text = _read_text(source)
             if text and text.strip():
                 docs.append((GITHUB, text if written_code(text) else None))
-        for doc in _files(path, DOC_SUFFIXES):
+        for doc in _files(path, DOC_SUFFIXES, skip):
             text = (_read_text(doc) or "").strip()
             if len(text) >= MIN_DOC_CHARS:
                 docs.append((WIKI, text))
@@ -217,15 +226,17 @@ def _package_documents(item):
     return package_documents(*item)
 
 
-def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1) -> tuple[list[tuple[str, str, str]],
-                                                                                dict[str, int]]:
+def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1,
+                     test_suites: bool = False) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
     package in name order; with the standard library among the roots, its reference prose too
     (as the package "python-docs"). A text met before (a header vendored by two packages) is
     kept once, where first met, as SlimPajama deduplicates; source files that fail
     `written_code` are left out. Also returns how many documents either rule left out.
-    `workers` processes read the packages; the result does not depend on their number."""
-    found = packages(roots)
+    `workers` processes read the packages; the result does not depend on their number.
+    `test_suites`: the packages' test suites too."""
+    found = packages(roots, test_suites)
+    items = [(name, path, test_suites) for name, path in found]
     if workers > 1 and len(found) > 1:
         import multiprocessing
 
@@ -233,9 +244,9 @@ def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1) -> tuple
         # (also when it was loaded from its path, which a spawned worker could not import).
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         with multiprocessing.get_context(method).Pool(workers) as pool:
-            per_package = pool.map(_package_documents, found, chunksize=1)
+            per_package = pool.map(_package_documents, items, chunksize=1)
     else:
-        per_package = [package_documents(name, path) for name, path in found]
+        per_package = [package_documents(*item) for item in items]
     if any(root.resolve() == stdlib.resolve() for root in roots):
         found.append(("python-docs", None))
         per_package.append([(WIKI, text) for text in _wiki_documents(stdlib)])
@@ -337,19 +348,22 @@ def move_into(built: Path, output: Path) -> None:
     shutil.rmtree(built)
 
 
-def packages_readme(roots: int, train, validation, held: set, left_out: dict, mb: float, n_files: int) -> str:
+def packages_readme(roots: int, train, validation, held: set, left_out: dict, mb: float, n_files: int,
+                    test_suites: bool = False) -> str:
     def counts(docs):
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
 
     return (
         "Corpus in SlimPajama's layout built from Python packages: a stand-in, NOT SlimPajama.\n\n"
-        f"Built by tools/make_sample_corpus.py --packages from {len({d[0] for _, d in train + validation})} "
+        f"Built by tools/make_sample_corpus.py --packages{' --test-suites' * test_suites} from "
+        f"{len({d[0] for _, d in train + validation})} "
         f"packages under {roots} folders (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
         "Files: train/chunk1/example_train_{k}.jsonl.zst and validation/chunk1/example_holdout_{k}.jsonl.zst, "
         'one JSON object per line: {"text": ..., "meta": {"redpajama_set_name": ..., "package": ...}}.\n'
         f"Subsets: {GITHUB} (a package's .py files and its sources in other languages: "
         f"{' '.join(SOURCE_SUFFIXES)}), {BOOK} (its docstrings, per module), {WIKI} "
-        "(its .md/.rst/.txt files; the interpreter's reference prose as python-docs).\n"
+        "(its .md/.rst/.txt files; the interpreter's reference prose as python-docs); "
+        f"test suites {'included' if test_suites else 'left out'}.\n"
         f"Left out: {', '.join(f'{n} {what}' for what, n in left_out.items())}.\n\n"
         f"train: {counts(train)} documents\nvalidation: {counts(validation)} documents\n"
         f"Validation packages (held out whole): {', '.join(sorted(held)) or 'none'}\n\n"
@@ -375,6 +389,9 @@ def main(argv=None) -> int:
                              "packages held out in validation/ (SlimPajama's train/validation layout)")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --packages: processes reading the packages (the output is the same for any number)")
+    parser.add_argument("--test-suites", action="store_true",
+                        help="with --packages: the packages' test suites (test/, tests/) too: more code, "
+                             "as SlimPajama's GitHub subset has")
     parser.add_argument("--validation-fraction", type=float, default=0.02,
                         help="--packages: the share of packages held out for validation (default 0.02)")
     args = parser.parse_args(argv)
@@ -384,6 +401,8 @@ def main(argv=None) -> int:
         parser.error(f"--workers {args.workers}: give 1 or more processes")
     if not 0 <= args.validation_fraction < 1:
         parser.error(f"--validation-fraction {args.validation_fraction}: give a share in [0, 1)")
+    if args.test_suites and args.packages is None:
+        parser.error("--test-suites goes with --packages (the standard-library sample has no test suites)")
     output = args.output
     if output.exists() and not output.is_dir():
         parser.error(f"--output {output} is a file; give a folder")
@@ -403,7 +422,7 @@ def main(argv=None) -> int:
         missing = [str(r) for r in roots if not r.is_dir()]
         if missing:
             parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
-        found, left_out = collect_packages(roots, stdlib, args.workers)
+        found, left_out = collect_packages(roots, stdlib, args.workers, args.test_suites)
         if not found:
             parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
                            f"{', '.join(map(str, roots))}\n")
@@ -426,7 +445,8 @@ def main(argv=None) -> int:
         if args.packages is not None:
             files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
             files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
-            text = packages_readme(len(roots), train, validation, held, left_out, mb, len(files))
+            text = packages_readme(len(roots), train, validation, held, left_out, mb, len(files),
+                                   args.test_suites)
         else:
             files = write(docs, built, args.docs_per_chunk)
             text = readme(counts, mb, len(files))

@@ -2,15 +2,18 @@
 
     python tools/plot_runs.py runs/bf16 runs/fp8_delayed runs/fp8_current --output curves.png \
         [--labels bf16 "FP8 delayed" "FP8 current"] [--fields fp8_saturation fp8_scale_min] \
-        [--smooth 5] [--log-y fp8_scale_min] [--title "GPT-125M"] [--table final_losses.md]
+        [--smooth 5] [--log-y fp8_scale_min] [--relative] [--title "GPT-125M"] [--table final_losses.md]
 
 Each RUN is a run folder (the trainer's --save or --tensorboard-dir, which holds metrics.jsonl)
 or a metrics.jsonl file. The figure has one panel per quantity, every run on shared axes over
 the iteration: the training loss (the trainer logs its mean over each --log-interval window),
 the validation loss when any run has one, then each field of --fields (any numeric
 metrics.jsonl field: fp8_scale_min/max, fp8_saturation, grad_norm, lr, tokens_per_sec, ...).
-`--smooth N` averages the training loss over N logged points. A record logged twice at one
-iteration (a run resumed from an earlier checkpoint) counts once, the later one.
+`--smooth N` averages the training loss over N logged points. `--relative` adds a panel of each
+run's validation loss against the first run's (in percent, at the iterations both evaluated),
+where differences too small to see on the loss curves show. A run keeps its colour in every
+panel. A record logged twice at one iteration (a run resumed from an earlier checkpoint) counts
+once, the later one.
 
 `--table FILE` also writes the runs' final losses as a Markdown table, each compared with the
 first run (the baseline): the last validation loss, the training loss averaged over the last
@@ -30,6 +33,7 @@ import sys
 from pathlib import Path
 
 TRAIN, VALID = "loss", "valid_loss"
+RELATIVE = "valid_loss vs first run"  # --relative's panel (no metrics.jsonl field has a space)
 
 
 class PlotError(Exception):
@@ -135,7 +139,21 @@ def table(runs: list, labels: list, points: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, log_y=(), title=None) -> Path:
+def relative_to_first(runs: list, field: str = VALID) -> list:
+    """Each run's `field` against the first run's, in percent, at the iterations both logged:
+    [(iterations, percents) or None per run]."""
+    if field not in runs[0]:
+        raise PlotError(f"--relative: the first run (the baseline) logged no {field}")
+    base = dict(zip(*runs[0][field]))
+    curves = []
+    for run in runs:
+        shared = [(i, v) for i, v in zip(*run[field]) if i in base] if field in run else []
+        curves.append(([i for i, _ in shared], [100 * (v / base[i] - 1) for i, v in shared]) if shared else None)
+    return curves
+
+
+def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, log_y=(), title=None,
+         relative: bool = False) -> Path:
     try:
         import matplotlib
     except ImportError:
@@ -143,24 +161,28 @@ def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [TRAIN] + ([VALID] if any(VALID in run for run in runs) else []) + list(fields)
     if not any(TRAIN in run for run in runs):
         raise PlotError("no run logged a training loss (\"loss\")")
+    curves = {RELATIVE: relative_to_first(runs)} if relative else {}
+    panels = ([TRAIN] + ([VALID] if any(VALID in run for run in runs) else []) + ([RELATIVE] if relative else [])
+              + list(fields))
     for field in fields:
         if not any(field in run for run in runs):
             known = sorted({f for run in runs for f in run})
             raise PlotError(f"--fields {field}: no run logged it; the runs have {', '.join(known)}")
     figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
     for axis, field in zip(axes[:, 0], panels):
-        for run, label in zip(runs, labels):
-            if field not in run:
+        for index, (run, label) in enumerate(zip(runs, labels)):
+            curve = curves[field][index] if field in curves else run.get(field)
+            if curve is None:
                 continue
-            iterations, values = run[field]
+            iterations, values = curve
             if field == TRAIN and smooth > 1:
                 values = moving_average(values, smooth)
-            axis.plot(iterations, values, label=label, marker="o" if len(iterations) == 1 else None)
+            axis.plot(iterations, values, label=label, color=f"C{index % 10}",
+                      marker="o" if len(iterations) == 1 else None)
         name = {TRAIN: "training loss" + (f" (mean of {smooth} points)" if smooth > 1 else ""),
-                VALID: "validation loss"}.get(field, field)
+                VALID: "validation loss", RELATIVE: f"validation loss vs {labels[0]} (%)"}.get(field, field)
         axis.set_ylabel(name)
         if field in log_y:
             axis.set_yscale("log")
@@ -185,6 +207,8 @@ def parse_args(argv=None):
     parser.add_argument("--fields", nargs="*", default=[], help="more metrics.jsonl fields, a panel each")
     parser.add_argument("--smooth", type=int, default=1, help="average the training loss over N logged points")
     parser.add_argument("--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale")
+    parser.add_argument("--relative", action="store_true",
+                        help="add a panel of each run's validation loss against the first run's, in percent")
     parser.add_argument("--title")
     parser.add_argument("--table", help="also write the final losses, against the first run's, as Markdown here")
     parser.add_argument("--final-points", type=int, default=10,
@@ -205,7 +229,8 @@ def main(argv=None) -> int:
         paths = [metrics_path(run) for run in args.runs]
         runs = [read_run(path) for path in paths]
         labels = args.labels or [p.parent.name if p.name == "metrics.jsonl" else p.stem for p in paths]
-        output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title)
+        output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title,
+                      args.relative)
         if args.table:
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
             Path(args.table).write_text(table(runs, labels, args.final_points))

@@ -140,6 +140,9 @@ PACKAGE_FILES = {
     "first/gamma/kernel.cu": "__global__ void gamma_kernel(float *x) { x[threadIdx.x] *= 2; }\n",
     "first/gamma/generated.h": "static const int table[][3] = {\n" + "{ -1, -1, -1 },\n" * 300 + "};\n",
     "first/gamma/bundle.js": "var a=1;" * 200 + "\n",
+    # Test suites: a package's own, and a top-level one (the standard library's `test`).
+    "first/alpha/tests/test_core.py": "def test_core():\n    assert 1 + 1 == 2  # alpha's own test\n",
+    "second/test/__init__.py": "suite = 'the regression tests'\n",
 }
 
 
@@ -172,6 +175,7 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     assert train_packages | validation_packages == {"alpha", "beta", "gamma", "delta", "epsilon"}
     texts = [d["text"] for d in train + validation]
     assert not any("shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts)
+    assert not any("alpha's own test" in t or "regression tests" in t for t in texts)  # no test suites
     by_text = {d["text"]: d["meta"] for d in train + validation}
     header = PACKAGE_FILES["first/alpha/include/alpha.h"]
     assert texts.count(header) == 1 and by_text[header] == {"redpajama_set_name": tool.GITHUB, "package": "alpha"}
@@ -187,6 +191,19 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     again = _build_packages(tree, tmp_path / "again", "--workers", "3")  # read in 3 processes
     assert _files(again) == _files(out)
     assert tool.validation_packages(["alpha", "beta", "gamma", "delta", "epsilon"], 0.4) == validation_packages
+
+
+def test_test_suites_are_added_on_request(tmp_path, capsys):
+    tree = _package_tree(tmp_path / "tree")
+    out = _build_packages(tree, tmp_path / "out", "--test-suites")
+    docs = _documents(out / "train") + _documents(out / "validation")
+    by_text = {d["text"]: d["meta"]["package"] for d in docs}
+    assert by_text[PACKAGE_FILES["first/alpha/tests/test_core.py"]] == "alpha"
+    assert by_text[PACKAGE_FILES["second/test/__init__.py"]] == "test"
+    assert "--packages --test-suites from 6 packages" in (out / "README.txt").read_text()
+    with pytest.raises(SystemExit) as exit:  # the standard-library sample has none to add
+        tool.main(["--output", str(tmp_path / "sample"), "--test-suites"])
+    assert exit.value.code == 2 and "--test-suites goes with --packages" in capsys.readouterr().err
 
 
 def test_packages_mode_refuses_bad_input(tmp_path, capsys):

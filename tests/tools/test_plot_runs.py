@@ -103,3 +103,19 @@ def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
                            "--table", str(tmp_path / "t.md")]) == 2
     assert "--table: v logged no training loss" in capsys.readouterr().err
     assert not (tmp_path / "t.md").exists()
+
+
+def test_relative_panel_compares_validation_losses_with_the_first_run(tmp_path, capsys):
+    bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    fp8 = write_run(tmp_path / "fp8", training_records(0.02))
+    untested = write_run(tmp_path / "untested", [r for r in training_records(0.0) if "valid_loss" not in r])
+    runs = [plot_runs.read_run(path / "metrics.jsonl") for path in (bf16, fp8, untested)]
+    base, other, none = plot_runs.relative_to_first(runs)
+    assert base == ([50, 100], [0.0, 0.0]) and none is None
+    assert other[0] == [50, 100] and other[1] == pytest.approx([100 * 0.02 / 7.1, 100 * 0.02 / 6.1])
+    output = tmp_path / "c.png"
+    assert plot_runs.main([str(bf16), str(fp8), str(untested), "--output", str(output), "--relative"]) == 0
+    assert output.read_bytes().startswith(PNG)
+    capsys.readouterr()
+    assert plot_runs.main([str(untested), str(bf16), "--output", str(output), "--relative"]) == 2
+    assert "--relative: the first run (the baseline) logged no valid_loss" in capsys.readouterr().err
