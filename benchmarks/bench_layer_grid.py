@@ -6,6 +6,8 @@ for Transformer Engine (a GPT-3 layer's FP8/bf16 speed-up as a coloured grid).
         [--hidden-sizes 768 ... 12288] [--seq-lengths 1024 2048 4096 8192] [--micro-batches 1 2 4 8]
     torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py --output grid_tp2.json   # tp 2, SP
     python benchmarks/bench_layer_grid.py --plot grid.json [grid_tp2.json] --plot-dir docs/img
+    python benchmarks/bench_layer_grid.py --model llama2-7b --seq-lengths 4096 --micro-batches 1 2 \
+        --output llama2-7b.json   # one preset's layer and output layer: the planner's input
 
 The layer is megafp8's own (models.transformer.TransformerLayer, FP8 linears with the fused
 norm and activation casts), one per point, in bf16 parameters; with several processes it is
@@ -15,7 +17,14 @@ CUDA-event timings (triton.testing.do_bench). The weights' FP8 casts stay out of
 the trainer's graphs (made once per optimizer step, before the first replay, or by the optimizer's
 own pass under delayed scaling): a graph capture may not make them. Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU;
 Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
-8 KV heads from 8192). A point that does not fit is recorded as such.
+8 KV heads from 8192). A point that does not fit is recorded as such. Each point also holds the
+forward alone (`{recipe}_fwd_ms`: what full recomputation repeats).
+
+`--model PRESET` times that preset's own layer instead (its hidden size, heads, KV heads and
+MLP width) and, per point, its output end (`head_{recipe}_ms`: embedding, final norm, output
+layer and loss, forward + backward, as the trainer runs them: a one-layer model's step less the
+layer's), and once the device's copy bandwidth (`copy_gbs`, bytes read and written per second,
+for the optimizer's memory-bound pass): what tools/plan_parallel.py's throughput model reads.
 
 `--plot` draws, per architecture and tensor-parallel size, heat maps of the FP8/bf16 speed-up
 (delayed and current) with hidden size down and (sequence, micro-batch) across, in the seed's
@@ -30,6 +39,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from megafp8.models.config import PRESETS, preset
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
@@ -51,6 +62,15 @@ def layer_config(arch: str, hidden: int, seq_length: int):
     raise ValueError(f"unknown architecture {arch!r}: give gpt or llama")
 
 
+def shapes(args) -> list[tuple[str, int]]:
+    """(architecture, hidden size) of the layers to time: the preset's with --model, else each of
+    --archs at each of --hidden-sizes."""
+    if args.model:
+        config = preset(args.model)
+        return [("llama" if config.activation == "swiglu" else "gpt", config.hidden_size)]
+    return [(arch, hidden) for arch in args.archs for hidden in args.hidden_sizes]
+
+
 def layer_flops(config, tokens: int, seq_length: int) -> float:
     """Forward + backward FLOPs of one layer over `tokens` in sequences of `seq_length` (linears
     and causal attention; backward twice forward)."""
@@ -61,8 +81,9 @@ def layer_flops(config, tokens: int, seq_length: int) -> float:
     return 3 * (linear + attention)
 
 
-def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
-    """{recipe: ms} for one grid point (None where it did not fit), on this process's GPU."""
+def time_point(config, seq, micro_batch, recipes, tp_group, with_head=False):
+    """{recipe: ms}, {recipe: forward ms} and (with_head) {recipe: output-end ms} for one grid
+    point of layer `config` (None where it did not fit), on this process's GPU."""
     from triton.testing import do_bench
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
@@ -73,36 +94,88 @@ def time_point(arch, hidden, seq, micro_batch, recipes, tp_group):
     from megafp8.models.rope import rotary_tables
     from megafp8.models.transformer import TransformerLayer
 
-    config = layer_config(arch, hidden, seq)
     tp = group_size(tp_group)
-    times = {}
+    times, forward_times, head_times = {}, {}, {}
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:
         torch.manual_seed(0)
         layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
-        x = torch.randn(seq // tp, micro_batch, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(seq // tp, micro_batch, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
         rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
                   if config.position_embedding == "rope" else None)
         for name in recipes:
             recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
 
+            def forward():
+                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+                    return layer(x, rotary)
+
             def step():
                 for p in layer.parameters():
                     p.grad = None
                 x.grad = None
-                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
-                    y = layer(x, rotary)
-                y.backward(dy)
+                forward().backward(dy)
 
             try:
                 times[name] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
+                forward_times[name] = do_bench(graphed(forward), warmup=25, rep=100, return_mode="median")
             except torch.cuda.OutOfMemoryError:
-                times[name] = None
+                times[name] = forward_times[name] = None
             torch.cuda.empty_cache()
+        if with_head:
+            head_times = time_head(config, seq, micro_batch, recipes, tp_group, times)
     except torch.cuda.OutOfMemoryError:
-        times = {name: None for name in recipes}
-    return config, times
+        times = forward_times = {name: None for name in recipes}
+        head_times = {name: None for name in recipes} if with_head else {}
+    return times, forward_times, head_times
+
+
+def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
+    """{recipe: ms} of the model's output end (embedding, final norm, output layer, loss; forward
+    + backward): a one-layer model's training step less its layer's time (`layer_times`)."""
+    from triton.testing import do_bench
+
+    from bench_fp8_linear import graphed
+
+    from megafp8.collectives import group_size
+    from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
+    from megafp8.models.transformer import TransformerLM
+
+    tp = group_size(tp_group)
+    torch.manual_seed(0)
+    model = TransformerLM(config.replace(num_layers=1), tp_group=tp_group, sequence_parallel=tp > 1,
+                          dtype=torch.bfloat16, device="cuda")
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device="cuda")
+    head_times = {}
+    for name in recipes:
+        recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+
+        def step():
+            for p in model.parameters():
+                p.grad = None
+            with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+                loss = model(tokens, tokens).mean()
+            loss.backward()
+
+        try:
+            whole = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
+            head_times[name] = whole - layer_times[name] if layer_times[name] else None
+        except torch.cuda.OutOfMemoryError:
+            head_times[name] = None
+        torch.cuda.empty_cache()
+    return head_times
+
+
+def copy_bandwidth() -> float:
+    """The device's copy rate, bytes read and written per second (GB/s) over a 1 GiB copy: the
+    optimizer's fused pass is bound by it."""
+    from triton.testing import do_bench
+
+    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = do_bench(lambda: target.copy_(source), warmup=10, rep=50, return_mode="median")
+    return 2 * source.numel() / ms / 1e6
 
 
 def run_grid(args) -> dict:
@@ -117,28 +190,36 @@ def run_grid(args) -> dict:
     tp = dist.get_world_size() if tp_group is not None else 1
     rank = dist.get_rank() if tp_group is not None else 0
     points = []
-    for arch in args.archs:
-        for hidden in args.hidden_sizes:
-            for seq in args.seq_lengths:
-                for micro_batch in args.micro_batches:
-                    config, times = time_point(arch, hidden, seq, micro_batch, RECIPES, tp_group)
-                    flops = layer_flops(config, seq * micro_batch, seq) / tp
-                    point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
-                             "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
-                             "micro_batch": micro_batch, "tp": tp,
-                             **{f"{name}_ms": t for name, t in times.items()},
-                             **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
-                    for name in ("delayed", "current"):
-                        point[f"speedup_{name}"] = (times["bf16"] / times[name]
-                                                    if times["bf16"] and times[name] else None)
-                    points.append(point)
-                    if rank == 0:
-                        print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
-                              + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
-                              + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
-                                        if point[f"speedup_{n}"]), flush=True)
+    for arch, hidden in shapes(args):
+        for seq in args.seq_lengths:
+            for micro_batch in args.micro_batches:
+                config = (preset(args.model, max_position_embeddings=max(seq, preset(args.model).max_position_embeddings))
+                          if args.model else layer_config(arch, hidden, seq))
+                times, forward_times, head_times = time_point(config, seq, micro_batch, RECIPES, tp_group,
+                                                              with_head=args.model is not None)
+                flops = layer_flops(config, seq * micro_batch, seq) / tp
+                point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
+                         "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
+                         "micro_batch": micro_batch, "tp": tp,
+                         **{f"{name}_ms": t for name, t in times.items()},
+                         **{f"{name}_fwd_ms": t for name, t in forward_times.items()},
+                         **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
+                if args.model:
+                    point.update(model=args.model, vocab=config.vocab_size,
+                                 **{f"head_{name}_ms": t for name, t in head_times.items()})
+                for name in ("delayed", "current"):
+                    point[f"speedup_{name}"] = (times["bf16"] / times[name]
+                                                if times["bf16"] and times[name] else None)
+                points.append(point)
+                if rank == 0:
+                    print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
+                          + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
+                          + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
+                                    if point[f"speedup_{n}"]), flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "tp": tp, "points": points}
+    if args.model:
+        result["copy_gbs"] = copy_bandwidth()
     if tp_group is not None:
         dist.destroy_process_group()
     return result if rank == 0 else None
@@ -201,6 +282,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", help="write the grid here (JSON)")
     parser.add_argument("--archs", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    parser.add_argument("--model", choices=sorted(PRESETS),
+                        help="time this preset's layer and output end instead of the GPT-3 family's widths")
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=list(GPT3_HIDDEN_SIZES))
     parser.add_argument("--seq-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])

@@ -3,6 +3,7 @@
     python tools/plan_parallel.py --model llama2-7b --gpus 64 --gpu-memory 80 --seq-length 4096 \
         --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4]
         [--memory-margin 0.1] [--top 20] [--json plan.json]
+        [--layer-maps llama2-7b_tp1.json llama2-7b_tp2.json --collectives collectives.json]
 
 Every tp x pp x dp layout (tp within a node, sequence parallelism with it), with or without
 virtual pipeline stages (2 or 4 per rank), each micro-batch size, no / selective / full
@@ -11,13 +12,17 @@ trainer's own argument rules (what does not divide the heads, layers, GPUs or ba
 with the trainer's message) and by the memory model (megafp8.training.memory_model: parameters,
 gradients, optimizer states, FP8 weight casts and activations of the fullest pipeline stage),
 against the GPU's memory less `--memory-margin` for what the model leaves out (allocator
-fragmentation, a backward pass's transient buffers). The layouts that fit are listed with their
-memory, least memory first among equals of the simplest parallelism.
+fragmentation, a backward pass's transient buffers). The memory model is checked against the
+trainer on the CPU and against eight-GPU peaks measured on H200s (within 4.2%: docs/tuning.md).
 
-Not yet ranked by throughput: that needs each layer's measured time (benchmarks/bench_layer_grid.py,
-for tp 1 and 2) and the collectives' measured bandwidths, which have not been measured on the
-GPUs this project is lent. The memory model is checked against the trainer on the CPU and against
-eight-GPU peaks measured on H200s (within 4.2%: docs/tuning.md).
+With measurements of the GPUs (`--layer-maps`: benchmarks/bench_layer_grid.py --model MODEL, on
+1 GPU for tp 1 and under torchrun on tp GPUs for each tp > 1; `--collectives`:
+benchmarks/bench_collectives.py on a node) the layouts that fit are ranked by predicted tokens/s
+per GPU (megafp8.training.throughput_model: the measured layer times, the 1F1B bubble, the
+collectives' measured bandwidths, the optimizer's pass), each saying where the prediction
+stretches a measurement; a layout the measurements do not cover is listed apart with what to
+measure. Without them the layouts that fit are only listed, least memory first among equals of
+the simplest parallelism.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from pathlib import Path
 
 from megafp8.training import arguments
 from megafp8.training.memory_model import MemoryLayout, estimate
+from megafp8.training.throughput_model import Calibration, NotPredicted, predict
 
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (1, 2, 4)
@@ -87,9 +93,9 @@ def check(args, layout: dict):
     return arguments.model_config(parsed, parsed.vocab_size), MemoryLayout.from_args(parsed), None
 
 
-def plan(args) -> dict:
+def plan(args, calibration: Calibration | None = None) -> dict:
     budget = args.gpu_memory * (1 - args.memory_margin) * 2**30
-    fits, rejected = [], []
+    fits, rejected, unpredicted = [], [], []
     for layout in candidates(args):
         config, memory, reason = check(args, layout)
         if config is None:
@@ -102,10 +108,27 @@ def plan(args) -> dict:
         if fullest["total"] > budget:
             rejected.append({**entry, "reason": f"needs {entry['memory_gib']:.1f} GiB per GPU (pipeline stage "
                                                 f"{fullest['pp_rank']}), over {budget / 2**30:.1f} GiB"})
-        else:
+        elif calibration is None:
             fits.append(entry)
+        else:
+            try:
+                fits.append({**entry, **predict(config, memory, calibration, args.global_batch_size,
+                                                args.gpus_per_node)})
+            except NotPredicted as why:
+                unpredicted.append({**entry, "reason": str(why)})
+    if calibration is not None:  # fastest first; equals in the simplicity order
+        fits.sort(key=lambda e: (-round(e["tokens_per_s_per_gpu"], 6), *simplicity(e)))
+    else:
+        fits.sort(key=simplicity)
     return {"model": args.model, "gpus": args.gpus, "fp8": args.fp8, "budget_gib": budget / 2**30,
-            "fits": fits, "rejected": rejected}
+            "calibration": calibration.sources if calibration else None,
+            "fits": fits, "not_predicted": unpredicted, "rejected": rejected}
+
+
+def simplicity(entry: dict) -> tuple:
+    """Least parallelism, no virtual stages or recomputation, the largest micro-batch, least memory."""
+    return (entry["tp"] * entry["pp"], entry["vpp"], entry["recompute"] != "none", entry["recompute"] == "full",
+            -entry["micro_batch_size"], entry["memory_gib"])
 
 
 def layout_name(entry: dict) -> str:
@@ -135,6 +158,10 @@ def main(argv=None) -> int:
                         help="the share of GPU memory kept free for what the memory model leaves out (default 0.1)")
     parser.add_argument("--top", type=int, default=20, help="layouts to print (default 20)")
     parser.add_argument("--json", help="write the whole plan here")
+    parser.add_argument("--layer-maps", nargs="+", default=[], metavar="JSON",
+                        help="measured layer maps (benchmarks/bench_layer_grid.py --model MODEL): rank by throughput")
+    parser.add_argument("--collectives", metavar="JSON",
+                        help="measured collective bandwidths (benchmarks/bench_collectives.py)")
     args = parser.parse_args(argv)
     for name in ("gpus", "gpus_per_node", "seq_length", "global_batch_size"):
         if getattr(args, name) < 1:
@@ -146,18 +173,39 @@ def main(argv=None) -> int:
         args.num_layers = PRESETS[args.model].num_layers
     except KeyError:
         parser.error(f"--model {args.model!r} is not a preset; give one of {', '.join(PRESETS)}")
-    result = plan(args)
+    if args.collectives and not args.layer_maps:
+        parser.error("--collectives goes with --layer-maps (the layer times the ranking needs)")
+    try:
+        calibration = Calibration.load(args.layer_maps, args.collectives) if args.layer_maps else None
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    result = plan(args, calibration)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    fits = sorted(result["fits"], key=lambda e: (e["tp"] * e["pp"], e["vpp"], e["recompute"] != "none",
-                                                 e["recompute"] == "full", -e["micro_batch_size"], e["memory_gib"]))
+    fits = result["fits"]
     print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GiB ({'FP8 ' + args.fp8 if args.fp8 else 'bf16'}), "
-          f"sequence {args.seq_length}, global batch {args.global_batch_size}: {len(fits)} layouts fit in "
-          f"{result['budget_gib']:.1f} GiB per GPU, {len(result['rejected'])} do not")
-    print("(listed, not ranked by throughput: that needs measured layer times and collective bandwidths)")
+          f"sequence {args.seq_length}, global batch {args.global_batch_size}: "
+          f"{len(fits) + len(result['not_predicted'])} layouts fit in {result['budget_gib']:.1f} GiB per GPU, "
+          f"{len(result['rejected'])} do not")
+    if calibration is None:
+        print("(listed, not ranked by throughput: give --layer-maps and --collectives measured on these GPUs)")
+    else:
+        print(f"ranked by predicted tokens/s per GPU from {'; '.join(calibration.sources)}; "
+              f"{len(result['not_predicted'])} fitting layouts not covered by the measurements")
     for entry in fits[:args.top]:
         kinds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in entry["memory_by_kind_gib"].items() if v)
-        print(f"  {layout_name(entry):<60} {entry['memory_gib']:6.1f} GiB  ({kinds})")
+        speed = ""
+        if calibration is not None:
+            stretched = f", {len(entry['extrapolated'])} extrapolated" if entry["extrapolated"] else ""
+            speed = f"{entry['tokens_per_s_per_gpu']:9,.0f} tokens/s/GPU  {entry['step_ms']:8.1f} ms/step{stretched}  "
+        print(f"  {layout_name(entry):<60} {speed}{entry['memory_gib']:6.1f} GiB  ({kinds})")
+    if result["not_predicted"]:
+        reasons = {}
+        for entry in result["not_predicted"]:
+            reasons.setdefault(entry["reason"], []).append(entry)
+        print("fit, not predicted:")
+        for reason, entries in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+            print(f"  {len(entries):4d} x {reason}  (e.g. {layout_name(entries[0])})")
     reasons = {}
     for entry in result["rejected"]:
         reasons.setdefault(entry["reason"].split(":")[0] if "GiB" not in entry["reason"] else "out of memory",
@@ -165,7 +213,7 @@ def main(argv=None) -> int:
     print("rejected:")
     for reason, entries in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
         print(f"  {len(entries):4d} x {entries[0]['reason']}  (e.g. {layout_name(entries[0])})")
-    if not fits:
+    if not fits and not result["not_predicted"]:
         print("no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may", file=sys.stderr)
         return 1
     return 0

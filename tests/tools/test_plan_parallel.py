@@ -54,3 +54,69 @@ def test_the_plan_is_deterministic(tmp_path):
 def test_nothing_fits_says_so(capsys):
     assert plan_parallel.main(LLAMA_7B[:5] + ["1"] + LLAMA_7B[6:]) == 1  # 1 GiB GPUs
     assert "no layout fits" in capsys.readouterr().err
+
+
+def _layer_map(path, tp, times):
+    """A gpt-1.3b layer map at sequence 2048, micro-batch 4, tensor-parallel size `tp`:
+    times = {recipe: (layer ms, its forward ms, output end ms)}."""
+    from megafp8.models.config import preset
+
+    point = {"arch": "gpt", "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "seq": 2048, "tp": tp,
+             "micro_batch": 4, "model": "gpt-1.3b", "vocab": preset("gpt-1.3b").vocab_size}
+    for recipe, (layer, forward, head) in times.items():
+        point.update({f"{recipe}_ms": layer, f"{recipe}_fwd_ms": forward, f"head_{recipe}_ms": head})
+    path.write_text(json.dumps({"device": "NVIDIA H200", "tp": tp, "copy_gbs": 4000.0, "points": [point]}))
+    return str(path)
+
+
+def test_pipeline_beats_tensor_parallelism_under_fp8(tmp_path, capsys):
+    """GPT-1.3B on two GPUs with layer times shaped after the 2 x H200 runs of benchmarks/RESULTS.md
+    (FP8 delayed 1.25x bf16 on whole layers; at tp 2 each rank's FP8 layer slower than its bf16
+    one): the planner ranks pipeline parallelism over tensor parallelism for FP8, both for a
+    quarter over it, and data parallelism first."""
+    maps = [_layer_map(tmp_path / "tp1.json", 1, {"bf16": (5.0, 1.6, 8.0), "delayed": (4.0, 1.3, 8.0)}),
+            _layer_map(tmp_path / "tp2.json", 2, {"bf16": (3.4, 1.1, 5.0), "delayed": (4.3, 1.4, 5.0)})]
+    coll = tmp_path / "collectives.json"
+    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 2, "results": [
+        {"op": op, "group_size": 2, "bytes": 2**b, "ms": 1.0, "algbw_gbs": 300.0, "busbw_gbs": 300.0}
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for b in (20, 30)]}))
+    out = tmp_path / "plan.json"
+    assert plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+                               "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "delayed",
+                               "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ranked by predicted tokens/s per GPU" in text and "tokens/s/GPU" in text
+    plan = json.loads(out.read_text())
+    plain = [e for e in plan["fits"] if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]]
+    order = [(e["tp"], e["pp"], e["dp"]) for e in plain]
+    assert order == [(1, 1, 2), (1, 2, 1), (2, 1, 1)], order  # data, then pipeline, then tensor parallelism
+    speeds = {(e["tp"], e["pp"]): e["tokens_per_s_per_gpu"] for e in plain}
+    assert speeds[(1, 2)] > 1.25 * speeds[(2, 1)]
+    speeds = [e["tokens_per_s_per_gpu"] for e in plan["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    # Virtual stages of 24 layers over 2 ranks divide; full recomputation is predicted slower.
+    full = next(e for e in plan["fits"] if (e["tp"], e["pp"], e["recompute"]) == (1, 1, "full"))
+    assert full["tokens_per_s_per_gpu"] < speeds[0]
+    # Without a map of the recipe the layouts that fit are listed apart, with what to measure.
+    assert plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+                               "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "current",
+                               "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert not plan["fits"] and plan["not_predicted"]
+    assert "no measured current layer" in capsys.readouterr().out
+
+
+def test_calibration_files_are_checked(tmp_path, capsys):
+    (tmp_path / "empty.json").write_text("{}")
+    args = ["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+            "--global-batch-size", "32"]
+    try:
+        plan_parallel.main(args + ["--layer-maps", str(tmp_path / "empty.json")])
+    except SystemExit as exit:
+        assert exit.code == 2
+    assert "no layer-map points" in capsys.readouterr().err
+    try:
+        plan_parallel.main(args + ["--collectives", str(tmp_path / "empty.json")])
+    except SystemExit as exit:
+        assert exit.code == 2
+    assert "--collectives goes with --layer-maps" in capsys.readouterr().err

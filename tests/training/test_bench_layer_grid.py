@@ -76,4 +76,17 @@ def test_a_small_grid_on_a_gpu(tmp_path):
     assert result["tp"] == 1 and len(result["points"]) == 4  # 2 architectures x 2 micro-batches
     for p in result["points"]:
         assert all(p[f"{name}_ms"] > 0 and p[f"{name}_tflops"] > 0 for name in ("bf16", "delayed", "current"))
+        assert all(0 < p[f"{name}_fwd_ms"] < p[f"{name}_ms"] for name in ("bf16", "delayed", "current"))
         assert p["speedup_delayed"] == p["bf16_ms"] / p["delayed_ms"]
+
+
+@pytest.mark.gpu
+def test_a_presets_layer_and_output_end_on_a_gpu(tmp_path):
+    out = tmp_path / "model.json"
+    grid.main(["--output", str(out), "--model", "llama-120m", "--seq-lengths", "512", "--micro-batches", "2"])
+    result = json.loads(out.read_text())
+    (point,) = result["points"]
+    assert (point["model"], point["arch"], point["hidden"], point["kv_heads"], point["ffn"], point["vocab"]) == (
+        "llama-120m", "llama", 768, 4, 2048, 32000)
+    assert all(point[f"head_{name}_ms"] > 0 for name in ("bf16", "delayed", "current"))
+    assert result["copy_gbs"] > 100

@@ -1,0 +1,207 @@
+"""Step time and tokens/s per GPU of a training layout, predicted from measurements only (the
+planner's throughput model, tools/plan_parallel.py).
+
+Inputs, each measured on the GPUs the plan is for:
+- layer maps from `benchmarks/bench_layer_grid.py --model PRESET`: one layer's forward +
+  backward and forward alone, and the model's output end (embedding, final norm, output layer,
+  loss), per sequence length, micro-batch, tensor-parallel size and precision; a tp > 1 point is
+  measured on that many GPUs, so its collectives (sequence-parallel gathers and scatters, FP8's
+  amax reductions) are in it; and the device's copy bandwidth;
+- collective bandwidths from `benchmarks/bench_collectives.py` (all-reduce, all-gather,
+  reduce-scatter, point-to-point; per group size and message size).
+
+The model, per rank of the slowest pipeline stage (micro-batch time t = its layers' time, each
+layer's forward once more under full recomputation, plus the output end on the last stage, plus
+its point-to-point sends):
+- the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
+  interleaved schedule leaves;
+- data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
+  reduce-scatter, then an all-gather of the bf16 parameters), overlapped with the last
+  micro-batch's backward as the trainer's buckets are: only what outlasts it counts;
+- the optimizer: its fused pass reads and writes OPTIMIZER_BYTES_PER_PARAMETER per element it
+  updates (and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per FP8 weight), at the measured copy bandwidth.
+What is not measured is not guessed: a layout whose layer time (its tp, sequence length, a
+micro-batch within the measured range) or whose collectives have no measurement is not predicted,
+and says what to measure. Where the model stretches a measurement it says so in `extrapolated`:
+a micro-batch between two measured ones (time linear in it), a message size or group size
+outside the measured ones (the nearest one's bus bandwidth), a group spanning nodes (a node's
+NVLink bandwidth, not the network's).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megafp8.models.config import TransformerConfig
+from megafp8.training.memory_model import MemoryLayout, rank_parameters, stage_layer_indices
+
+# The fused AdamW pass per element it updates: fp32 master, exp_avg and exp_avg_sq read and
+# written (24), the fp32 gradient read (4), the bf16 parameter written (2); under FP8 it also
+# writes each FP8 weight's casts, both orientations (2).
+OPTIMIZER_BYTES_PER_PARAMETER = 30
+OPTIMIZER_BYTES_PER_FP8_WEIGHT = 2
+# nccl-tests' bus-bandwidth factors: bytes moved per byte of the message, per rank.
+BUS_FACTOR = {"all_reduce": lambda k: 2 * (k - 1) / k, "all_gather": lambda k: (k - 1) / k,
+              "reduce_scatter": lambda k: (k - 1) / k, "send_recv": lambda k: 1.0}
+
+
+class NotPredicted(Exception):
+    """A layout the measurements do not cover; the message says what to measure."""
+
+
+def _arch(config: TransformerConfig) -> str:
+    return "llama" if config.activation == "swiglu" else "gpt"
+
+
+@dataclass
+class Calibration:
+    """The measurements the model reads: layer-map points and collective results."""
+    points: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    copy_gbs: float | None = None
+    sources: list = field(default_factory=list)
+
+    @classmethod
+    def load(cls, layer_maps=(), collectives=None) -> "Calibration":
+        calibration = cls()
+        for path in layer_maps:
+            data = _read(path)
+            if not data.get("points"):
+                raise ValueError(f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)")
+            calibration.points += data["points"]
+            calibration.copy_gbs = data.get("copy_gbs", calibration.copy_gbs)
+            calibration.sources.append(f"{path} ({data.get('device', 'unknown device')})")
+        if collectives is not None:
+            data = _read(collectives)
+            if not data.get("results"):
+                raise ValueError(f"{collectives}: no collective results in it "
+                                 f"(write one with benchmarks/bench_collectives.py)")
+            calibration.collectives = data["results"]
+            calibration.sources.append(f"{collectives} ({data.get('device', 'unknown device')}, "
+                                       f"{data.get('gpus', '?')} GPUs)")
+        return calibration
+
+    def _points_for(self, config: TransformerConfig, seq: int, tp: int) -> list:
+        return sorted((p for p in self.points
+                       if (p["arch"], p["hidden"], p["heads"], p["kv_heads"], p["ffn"], p["seq"], p["tp"])
+                       == (_arch(config), config.hidden_size, config.num_attention_heads, config.kv_heads,
+                           config.ffn_size, seq, tp)), key=lambda p: p["micro_batch"])
+
+    def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
+              extrapolated: list) -> dict:
+        """{"step": forward + backward ms, "forward": ms, "head": output-end ms or None} of one
+        layer at this point, between measured micro-batches if need be."""
+        points = [p for p in self._points_for(config, seq, tp) if p.get(f"{recipe}_ms") is not None]
+        if not points:
+            raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
+                               f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
+                               f"benchmarks/bench_layer_grid.py --model PRESET --seq-lengths {seq} "
+                               f"--micro-batches {micro_batch})")
+        below = [p for p in points if p["micro_batch"] <= micro_batch]
+        above = [p for p in points if p["micro_batch"] >= micro_batch]
+        if not below or not above:
+            measured = ", ".join(str(p["micro_batch"]) for p in points)
+            raise NotPredicted(f"micro-batch {micro_batch} is outside the measured ones ({measured}) of the "
+                               f"{recipe} layer at sequence {seq}, tp {tp}")
+        low, high = below[-1], above[0]
+        share = 0.0 if high is low else (micro_batch - low["micro_batch"]) / (high["micro_batch"] - low["micro_batch"])
+        if high is not low:
+            extrapolated.append(f"micro-batch {micro_batch}: between the measured {low['micro_batch']} and "
+                                f"{high['micro_batch']}")
+
+        def between(key):
+            if low.get(key) is None or high.get(key) is None:
+                return None
+            return low[key] + share * (high[key] - low[key])
+
+        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
+                "head": between(f"head_{recipe}_ms")}
+
+    def collective_ms(self, op: str, group_size: int, nbytes: float, gpus_per_node: int,
+                      extrapolated: list) -> float:
+        """Time of one collective of `nbytes` over `group_size` ranks, from the measured bus
+        bandwidth at that group size and the nearest message size (log scale)."""
+        if group_size == 1 or nbytes == 0:
+            return 0.0
+        results = [r for r in self.collectives if r["op"] == op]
+        if not results:
+            raise NotPredicted(f"no measured {op} (measure the collectives: torchrun --nproc-per-node N "
+                               f"benchmarks/bench_collectives.py --output collectives.json, then --collectives)")
+        sizes = sorted({r["group_size"] for r in results})
+        size = group_size if group_size in sizes else max(sizes)
+        if size != group_size:
+            extrapolated.append(f"{op} over {group_size} ranks: the bandwidth measured over {size}")
+        if group_size > gpus_per_node and op != "send_recv":
+            extrapolated.append(f"{op} over {group_size} ranks spans nodes: a node's bandwidth, the network's not measured")
+        at_size = [r for r in results if r["group_size"] == size]
+        nearest = min(at_size, key=lambda r: abs(math.log(r["bytes"] / nbytes)))
+        if not min(r["bytes"] for r in at_size) <= nbytes <= max(r["bytes"] for r in at_size):
+            extrapolated.append(f"{op} of {nbytes / 2**20:.0f} MiB: the bandwidth measured at "
+                                f"{nearest['bytes'] / 2**20:.0f} MiB")
+        return nbytes * BUS_FACTOR[op](group_size) / (nearest["busbw_gbs"] * 1e6)
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+
+
+def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibration, global_batch_size: int,
+            gpus_per_node: int = 8) -> dict:
+    """The predicted step of `layout`: {"step_ms", "tokens_per_s_per_gpu", "breakdown_ms",
+    "extrapolated"}; raises NotPredicted where the measurements do not cover it."""
+    recipe = layout.fp8 or "bf16"
+    extrapolated: list = []
+    seq, mbs, tp, pp, dp, vpp = (layout.seq_length, layout.micro_batch_size, layout.tp, layout.pp, layout.dp,
+                                 layout.vpp)
+    layer = calibration.layer(config, seq, mbs, tp, recipe, extrapolated)
+    if layer["forward"] is None or layer["head"] is None:
+        raise NotPredicted(f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
+                           f"(measure with benchmarks/bench_layer_grid.py --model PRESET)")
+    per_layer = layer["step"] + (layer["forward"] if layout.recompute == "full" else 0.0)
+    if layout.recompute == "selective":
+        extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
+    # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
+    p2p = 0.0
+    if pp > 1:
+        activation = (seq // tp if layout.sp else seq) * mbs * config.hidden_size * 2
+        p2p = 2 * vpp * calibration.collective_ms("send_recv", 2, activation, gpus_per_node, extrapolated)
+    stage_ms = []
+    for pp_rank in range(pp):
+        layers, _ = stage_layer_indices(config, layout, pp_rank)
+        stage_ms.append(len(layers) * per_layer + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
+    slowest = max(range(pp), key=lambda r: stage_ms[r])
+    micro_batch_ms = stage_ms[slowest]
+    slowest_layers = len(stage_layer_indices(config, layout, slowest)[0])
+    m = layout.num_micro_batches
+    pipeline = (m + (pp - 1) / vpp) * micro_batch_ms
+    bubble = (pp - 1) / vpp * micro_batch_ms
+
+    counts = rank_parameters(config, layout, slowest)
+    parameters = counts["layers"] + counts["embedding"] + counts["output"]
+    gradient_sync = 0.0
+    if dp > 1:
+        if layout.distributed_optimizer:
+            gradient_sync = (calibration.collective_ms("reduce_scatter", dp, 4 * parameters, gpus_per_node, extrapolated)
+                             + calibration.collective_ms("all_gather", dp, 2 * parameters, gpus_per_node,
+                                                         extrapolated))
+        else:
+            gradient_sync = calibration.collective_ms("all_reduce", dp, 4 * parameters, gpus_per_node, extrapolated)
+    # The buckets' reductions start as the last micro-batch's backward produces their gradients.
+    exposed_sync = max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"]))
+    if calibration.copy_gbs is None:
+        raise NotPredicted("no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)")
+    share = 1 / dp if layout.distributed_optimizer else 1
+    optimizer = share * (parameters * OPTIMIZER_BYTES_PER_PARAMETER
+                         + counts["fp8_weights"] * OPTIMIZER_BYTES_PER_FP8_WEIGHT) / (calibration.copy_gbs * 1e6)
+    step = pipeline + exposed_sync + optimizer
+    gpus = tp * pp * dp
+    return {"step_ms": step, "tokens_per_s_per_gpu": global_batch_size * seq / (step / 1e3) / gpus,
+            "breakdown_ms": {"compute": m * (micro_batch_ms - p2p), "pipeline_bubble": bubble,
+                             "point_to_point": m * p2p, "gradient_sync_exposed": exposed_sync,
+                             "optimizer": optimizer},
+            "extrapolated": extrapolated}

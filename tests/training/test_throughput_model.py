@@ -1,0 +1,131 @@
+"""megafp8.training.throughput_model: the planner's step-time prediction from measured layer maps
+and collective bandwidths; exact arithmetic on small inputs, refusals where nothing was measured,
+and the stretches it reports."""
+import json
+
+import pytest
+
+from megafp8.models.config import preset
+from megafp8.training.memory_model import MemoryLayout, rank_parameters
+from megafp8.training.throughput_model import (OPTIMIZER_BYTES_PER_FP8_WEIGHT, OPTIMIZER_BYTES_PER_PARAMETER,
+                                                Calibration, NotPredicted, predict)
+
+GPT = preset("gpt-1.3b")
+COPY_GBS = 2500.0
+
+
+def point(tp=1, micro_batch=4, seq=2048, scale=1.0):
+    """A gpt-1.3b layer-map point (as bench_layer_grid.py --model writes it), times x `scale`."""
+    return {"arch": "gpt", "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "seq": seq, "tp": tp,
+            "micro_batch": micro_batch, "model": "gpt-1.3b", "vocab": GPT.vocab_size,
+            **{f"{recipe}_{kind}": value * scale for recipe, values in
+               {"bf16": (5.0, 1.6, 8.0), "delayed": (4.0, 1.3, 8.0)}.items()
+               for kind, value in zip(("ms", "fwd_ms"), values[:2])},
+            **{f"head_{recipe}_ms": 8.0 * scale for recipe in ("bf16", "delayed")}}
+
+
+def collectives(busbw=100.0):
+    return [{"op": op, "group_size": 2, "bytes": size, "ms": 1.0, "algbw_gbs": busbw, "busbw_gbs": busbw}
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for size in (2**20, 2**30)]
+
+
+def calibration(points, results=()):
+    return Calibration(points=points, collectives=list(results), copy_gbs=COPY_GBS)
+
+
+def optimizer_ms(layout, pp_rank=0, share=1):
+    counts = rank_parameters(GPT, layout, pp_rank)
+    elements = counts["layers"] + counts["embedding"] + counts["output"]
+    fp8 = counts["fp8_weights"] * OPTIMIZER_BYTES_PER_FP8_WEIGHT
+    return share * (elements * OPTIMIZER_BYTES_PER_PARAMETER + fp8) / (COPY_GBS * 1e6)
+
+
+def test_one_gpu_is_layers_output_end_and_optimizer():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, fp8="delayed")
+    result = predict(GPT, layout, calibration([point()]), global_batch_size=32)
+    expected = 8 * (24 * 4.0 + 8.0) + optimizer_ms(layout)
+    assert result["step_ms"] == pytest.approx(expected)
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(32 * 2048 / (expected / 1e3))
+    assert result["extrapolated"] == [] and result["breakdown_ms"]["pipeline_bubble"] == 0
+
+
+def test_full_recomputation_repeats_the_forward_and_micro_batches_interpolate():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=2, num_micro_batches=16, recompute="full")
+    result = predict(GPT, layout, calibration([point(micro_batch=1, scale=0.5), point(micro_batch=4)]), 32)
+    layer = 5.0 * (0.5 + (2 - 1) / 3 * 0.5)  # a third of the way from micro-batch 1 to 4
+    forward, head = 1.6 * (0.5 + 0.5 / 3), 8.0 * (0.5 + 0.5 / 3)
+    assert result["step_ms"] == pytest.approx(16 * (24 * (layer + forward) + head) + optimizer_ms(layout))
+    assert result["extrapolated"] == ["micro-batch 2: between the measured 1 and 4"]
+
+
+def test_the_pipeline_pays_its_bubble_and_its_sends():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed")
+    result = predict(GPT, layout, calibration([point()], collectives()), 32)
+    send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)  # one activation at 100 GB/s
+    per_micro_batch = 12 * 4.0 + 8.0 + 2 * send  # the last stage: its layers, the output end, two sends
+    expected = (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
+    assert result["step_ms"] == pytest.approx(expected)
+    assert result["breakdown_ms"]["pipeline_bubble"] == pytest.approx(per_micro_batch)
+    # Interleaving shrinks the bubble by the virtual stages, and sends once per chunk.
+    interleaved = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed")
+    per_micro_batch = 12 * 4.0 + 8.0 + 4 * send
+    assert predict(GPT, interleaved, calibration([point()], collectives()), 32)["step_ms"] == pytest.approx(
+        (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
+
+
+def test_data_parallel_sync_counts_only_what_outlasts_the_last_backward():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2)
+    counts = rank_parameters(GPT, layout, 0)
+    gradients = 4 * (counts["layers"] + counts["embedding"] + counts["output"])
+    backward = 24 * (5.0 - 1.6)
+    for busbw in (1.0, 1e4):  # a slow link shows; a fast one hides behind the backward
+        result = predict(GPT, layout, calibration([point()], collectives(busbw)), 32)
+        all_reduce = gradients * 2 * (2 - 1) / 2 / (busbw * 1e6)
+        assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(max(0.0, all_reduce - backward))
+    distributed = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2,
+                               distributed_optimizer=True)
+    result = predict(GPT, distributed, calibration([point()], collectives(1.0)), 32)
+    sync = (gradients + gradients / 2) / 2 / 1e6  # reduce-scatter of fp32 gradients, all-gather of bf16 parameters
+    assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(sync - backward)
+    assert result["breakdown_ms"]["optimizer"] == pytest.approx(optimizer_ms(distributed, share=1 / 2))
+
+
+def test_what_was_not_measured_is_not_predicted():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, tp=2, sequence_parallel=True,
+                          fp8="delayed")
+    with pytest.raises(NotPredicted, match="no measured delayed layer of this model at sequence 2048, tp 2 "
+                                           r"\(measure it: torchrun --nproc-per-node 2"):
+        predict(GPT, layout, calibration([point()]), 32)
+    with pytest.raises(NotPredicted, match=r"micro-batch 8 is outside the measured ones \(4\)"):
+        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=8, num_micro_batches=4), calibration([point()]), 32)
+    with pytest.raises(NotPredicted, match="no measured send_recv .*bench_collectives.py"):
+        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2),
+                calibration([point()]), 32)
+    with pytest.raises(NotPredicted, match="lacks the forward or output-end times"):
+        bare = {k: v for k, v in point().items() if not k.startswith("head_")}
+        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8), calibration([bare]), 32)
+
+
+def test_stretched_collectives_say_so():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=1, dp=16)
+    result = predict(GPT, layout, calibration([point()], collectives()), 64, gpus_per_node=8)
+    assert "all_reduce over 16 ranks: the bandwidth measured over 2" in result["extrapolated"]
+    assert any("spans nodes" in note for note in result["extrapolated"])
+    assert any("all_reduce of" in note and "measured at 1024 MiB" in note for note in result["extrapolated"])
+
+
+def test_calibration_files_are_read_and_bad_ones_refused(tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"device": "NVIDIA H200", "points": [point()], "copy_gbs": 4000.0}))
+    coll = tmp_path / "coll.json"
+    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 8, "results": collectives()}))
+    loaded = Calibration.load([grid], coll)
+    assert loaded.copy_gbs == 4000.0 and len(loaded.points) == 1 and len(loaded.collectives) == 8
+    assert loaded.sources == [f"{grid} (NVIDIA H200)", f"{coll} (NVIDIA H200, 8 GPUs)"]
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ValueError, match="no layer-map points"):
+        Calibration.load([tmp_path / "empty.json"])
+    with pytest.raises(ValueError, match="no collective results"):
+        Calibration.load([grid], tmp_path / "empty.json")
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        Calibration.load([tmp_path / "missing.json"])
