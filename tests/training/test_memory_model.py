@@ -153,13 +153,13 @@ def test_tensor_parallel_activations_within_ten_percent():
 
 
 def test_against_the_peaks_measured_on_eight_gpus(capsys):
-    """benchmarks/validate_memory_model.py over the records of RESULTS.md's eight-GPU layouts
+    """benchmarks/validate_planner.py over the records of RESULTS.md's eight-GPU layouts
     (8 x H200, 2026-11-22): every run within 10% of its measured peak."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_memory_model.py"
-    spec = importlib.util.spec_from_file_location("validate_memory_model", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_planner.py"
+    spec = importlib.util.spec_from_file_location("validate_planner", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.main([]) == 0

@@ -129,3 +129,48 @@ def test_calibration_files_are_read_and_bad_ones_refused(tmp_path):
         Calibration.load([grid], tmp_path / "empty.json")
     with pytest.raises(ValueError, match="not a readable JSON file"):
         Calibration.load([tmp_path / "missing.json"])
+
+
+def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, capsys):
+    """benchmarks/validate_planner.py with maps: each record's predicted tokens/s against the
+    measured, and whether the predicted order of the layouts is the measured one."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_planner.py"
+    spec = importlib.util.spec_from_file_location("validate_planner", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    config = tool.MODELS["gpt"][0]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"device": "NVIDIA H200", "copy_gbs": COPY_GBS,
+                                "points": [{**point(), "vocab": config.vocab_size}]}))
+    coll = tmp_path / "coll.json"
+    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 8, "results": collectives(300.0)}))
+    calibration = Calibration.load([grid], coll)
+    records = tmp_path / "records"
+    records.mkdir()
+
+    def record(label, dp, pp, tokens):
+        return {"label": label, "precision": "delayed", "tp": 1, "pp": pp, "dp": dp, "vpp": None,
+                "micro_batch_size": 4, "global_batch_size": 64, "seq_length": 2048,
+                "tokens_per_sec_per_gpu": tokens, "peak_memory_gib": 30.0}
+
+    runs = {"gpt_dp8": (8, 1), "gpt_pp4": (2, 4)}
+    predicted = {label: predict(config, tool.layout_of(record(label, dp, pp, 1))[1], calibration, 64)
+                 ["tokens_per_s_per_gpu"] for label, (dp, pp) in runs.items()}
+    for label, (dp, pp) in runs.items():  # measured 5% under the prediction: within the bar, same order
+        (records / f"{label}.jsonl").write_text(json.dumps(record(label, dp, pp, predicted[label] / 1.05)) + "\n")
+    assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
+    out = capsys.readouterr().out
+    assert "| gpt_dp8 | delayed | 1 x 1 x 8 |" in out and "+5.0% |" in out
+    assert "predicted the same" in out and "in the measured order: yes" in out
+    # The pipeline layout measured faster than data parallelism: the order is wrong, and said so.
+    (records / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, 2 * predicted["gpt_dp8"])) + "\n")
+    assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
+    out = capsys.readouterr().out
+    assert "measured order gpt_pp4, gpt_dp8; predicted gpt_dp8, gpt_pp4" in out and "measured order: no" in out
+    # A record of a tp the maps do not hold is listed as not covered.
+    (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
+    tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
+    assert "not covered: no measured delayed layer of this model at sequence 2048, tp 2" in capsys.readouterr().out

@@ -1,0 +1,138 @@
+"""The planner's models against what GPUs measured: the memory model's peak per GPU, and, given
+layer maps and collective bandwidths measured on the same GPUs and code, the throughput model's
+tokens/s per GPU and its ranking of the layouts.
+
+    python benchmarks/validate_planner.py [RESULTS_DIR ...] \
+        [--layer-maps gpt-1.3b_tp1.json gpt-1.3b_tp2.json ... --collectives collectives.json]
+
+Reads the JSON lines `bench_layouts.py` wrote (default: benchmarks/results/2026-11-22_8xH200,
+the eight-GPU layouts of RESULTS.md). Memory: per record, the peak predicted for the fullest
+pipeline stage against `peak_memory_gib` (torch.cuda.max_memory_allocated); only the first
+precision of each launch is compared, as the later ones in the same process carried memory the
+runs before them leaked (RESULTS.md, "Memory"). Throughput (with --layer-maps): every record's
+predicted against measured `tokens_per_sec_per_gpu`, and per model and precision whether the
+predicted order of the layouts is the measured one (the issue's bar: rank order right, each
+within 15%). Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran
+them. Maps and records must come from the same code: a map of today's code says nothing about
+layouts measured before its speed-ups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megafp8.models.config import preset
+from megafp8.training.memory_model import MemoryLayout, estimate
+from megafp8.training.throughput_model import Calibration, NotPredicted, predict
+
+DEFAULT = Path(__file__).resolve().parent / "results" / "2026-11-22_8xH200"
+# What layouts_8gpu.sh gave each model (the sample corpus's 32768-token vocabulary).
+MODELS = {
+    "gpt": (preset("gpt-1.3b", vocab_size=32768), dict(distributed_optimizer=False, recompute="none")),
+    "llama": (preset("llama2-7b", vocab_size=32768), dict(distributed_optimizer=True, recompute="selective")),
+}
+THROUGHPUT_BAR = 0.15
+
+
+def layout_of(record: dict) -> tuple:
+    """(model config, MemoryLayout) of a bench_layouts.py record."""
+    config, flags = MODELS[record["label"].split("_")[0]]
+    dp = record["dp"]
+    return config, MemoryLayout(
+        seq_length=record["seq_length"], micro_batch_size=record["micro_batch_size"],
+        num_micro_batches=record["global_batch_size"] // (dp * record["micro_batch_size"]),
+        tp=record["tp"], pp=record["pp"], dp=dp, vpp=record.get("vpp") or 1, sequence_parallel=record["tp"] > 1,
+        fp8=None if record["precision"] == "bf16" else record["precision"], **flags)
+
+
+def predicted_gib(record: dict) -> float:
+    config, layout = layout_of(record)
+    return max(stage["total"] for stage in estimate(config, layout)) / 2**30
+
+
+def read_records(folders) -> list[list[dict]]:
+    """The records of each launch (one JSON-lines file), in file order."""
+    launches = []
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.jsonl")):
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            lines = [r for r in lines if r.get("tokens_per_sec_per_gpu") and r["label"].split("_")[0] in MODELS]
+            if lines:
+                launches.append(lines)
+    return launches
+
+
+def memory_table(launches) -> None:
+    print("| run | precision | tp x pp x dp | measured GiB | predicted GiB | error |")
+    print("|---|---|---|---|---|---|")
+    worst, firsts = 0.0, [launch[0] for launch in launches if launch[0].get("peak_memory_gib")]
+    for record in firsts:
+        measured, predicted = record["peak_memory_gib"], predicted_gib(record)
+        error = predicted / measured - 1
+        worst = max(worst, abs(error))
+        print(f"| {record['label']} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} | "
+              f"{measured:.1f} | {predicted:.1f} | {100 * error:+.1f}% |")
+    print(f"\nlargest error {100 * worst:.1f}% over {len(firsts)} runs")
+
+
+def throughput_table(launches, calibration: Calibration) -> bool:
+    """Predicted against measured tokens/s per GPU; True if every covered record is within the
+    bar and every group's order is the measured one."""
+    print("\n| run | precision | tp x pp x dp | measured tokens/s/GPU | predicted | error | stretched |")
+    print("|---|---|---|---|---|---|---|")
+    groups, passed = {}, True
+    for record in (r for launch in launches for r in launch):
+        config, layout = layout_of(record)
+        name = f"| {record['label']} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} |"
+        measured = record["tokens_per_sec_per_gpu"]
+        try:
+            result = predict(config, layout, calibration, record["global_batch_size"])
+        except NotPredicted as why:
+            print(f"{name} {measured:,.0f} | not covered: {why} | | |")
+            continue
+        error = result["tokens_per_s_per_gpu"] / measured - 1
+        passed &= abs(error) <= THROUGHPUT_BAR
+        groups.setdefault((record["label"].split("_")[0], record["precision"]), []).append(
+            (record["label"], measured, result["tokens_per_s_per_gpu"]))
+        print(f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
+              f"{'; '.join(result['extrapolated']) or '–'} |")
+    for (model, precision), runs in sorted(groups.items()):
+        measured_order = [label for label, *_ in sorted(runs, key=lambda r: -r[1])]
+        predicted_order = [label for label, *_ in sorted(runs, key=lambda r: -r[2])]
+        same = measured_order == predicted_order
+        passed &= same
+        print(f"\n{model} {precision}: measured order {', '.join(measured_order)}"
+              + ("; predicted the same" if same else f"; predicted {', '.join(predicted_order)}"))
+    return passed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="*", default=[DEFAULT], help="folders of bench_layouts.py JSON lines")
+    parser.add_argument("--layer-maps", nargs="+", default=[], metavar="JSON",
+                        help="layer maps of the GPUs the records ran on (benchmarks/bench_layer_grid.py --model)")
+    parser.add_argument("--collectives", metavar="JSON", help="their collective bandwidths (bench_collectives.py)")
+    args = parser.parse_args(argv)
+    launches = read_records(args.folders)
+    if not launches:
+        print(f"validate_planner.py: no bench_layouts.py records in {', '.join(map(str, args.folders))}",
+              file=sys.stderr)
+        return 2
+    memory_table(launches)
+    if not args.layer_maps:
+        print("\n(throughput not checked: give --layer-maps and --collectives measured on the same GPUs and code)")
+        return 0
+    try:
+        calibration = Calibration.load(args.layer_maps, args.collectives)
+    except ValueError as error:
+        print(f"validate_planner.py: {error}", file=sys.stderr)
+        return 2
+    passed = throughput_table(launches, calibration)
+    print(f"\nthroughput within {100 * THROUGHPUT_BAR:.0f}% and in the measured order: {'yes' if passed else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
