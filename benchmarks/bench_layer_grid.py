@@ -190,6 +190,8 @@ def run_grid(args) -> dict:
     tp = dist.get_world_size() if tp_group is not None else 1
     rank = dist.get_rank() if tp_group is not None else 0
     points = []
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "tp": tp, "points": points}
     for arch, hidden in shapes(args):
         for seq in args.seq_lengths:
             for micro_batch in args.micro_batches:
@@ -212,17 +214,23 @@ def run_grid(args) -> dict:
                                                 if times["bf16"] and times[name] else None)
                 points.append(point)
                 if rank == 0:
+                    write(result, args.output)  # after every point: a grid cut short keeps what it measured
                     print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
                           + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
                           + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
                                     if point[f"speedup_{n}"]), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "tp": tp, "points": points}
     if args.model:
         result["copy_gbs"] = copy_bandwidth()
     if tp_group is not None:
         dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def write(result: dict, output: str) -> None:
+    """`result` as JSON at `output`, whole or not at all (written beside it, then renamed)."""
+    partial = Path(f"{output}.partial")
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, output)
 
 
 def plot(paths, plot_dir: Path) -> list[Path]:
@@ -300,7 +308,7 @@ def main(argv=None):
         sys.exit("bench_layer_grid.py times layers on a CUDA GPU and this machine has none (--plot works anywhere)")
     result = run_grid(args)
     if result is not None:
-        Path(args.output).write_text(json.dumps(result, indent=1))
+        write(result, args.output)
         print(f"wrote {args.output}")
 
 

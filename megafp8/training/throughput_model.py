@@ -116,8 +116,12 @@ class Calibration:
                 return None
             return low[key] + share * (high[key] - low[key])
 
-        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
-                "head": between(f"head_{recipe}_ms")}
+        head = between(f"head_{recipe}_ms")
+        vocab = low.get("vocab", config.vocab_size)
+        if head is not None and vocab != config.vocab_size:  # the output layer and loss scale with it
+            head *= config.vocab_size / vocab
+            extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
+        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"), "head": head}
 
     def collective_ms(self, op: str, group_size: int, nbytes: float, gpus_per_node: int,
                       extrapolated: list) -> float:

@@ -56,6 +56,14 @@ def test_full_recomputation_repeats_the_forward_and_micro_batches_interpolate():
     forward, head = 1.6 * (0.5 + 0.5 / 3), 8.0 * (0.5 + 0.5 / 3)
     assert result["step_ms"] == pytest.approx(16 * (24 * (layer + forward) + head) + optimizer_ms(layout))
     assert result["extrapolated"] == ["micro-batch 2: between the measured 1 and 4"]
+    # An output end measured with another vocabulary is scaled to this one's, and says so.
+    other = [{**point(micro_batch=4), "vocab": GPT.vocab_size // 2}]
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8)
+    result = predict(GPT, layout, calibration(other), 32)
+    head = 8.0 * GPT.vocab_size / (GPT.vocab_size // 2)
+    assert result["step_ms"] == pytest.approx(8 * (24 * 5.0 + head) + optimizer_ms(layout))
+    assert result["extrapolated"] == [f"output end: measured with a {GPT.vocab_size // 2}-token vocabulary, "
+                                      f"scaled to {GPT.vocab_size}"]
 
 
 def test_the_pipeline_pays_its_bubble_and_its_sends():
