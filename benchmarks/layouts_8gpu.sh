@@ -6,6 +6,7 @@
 #   MODEL=gpt bash benchmarks/layouts_8gpu.sh                      # the four 8-GPU layouts
 #   MODEL=gpt GPUS=1 LAYOUTS=1:1 bash benchmarks/layouts_8gpu.sh   # the one-GPU reference
 #   MODEL=llama LAYOUTS="2:2 1:4" PRECISIONS="bf16 delayed" bash benchmarks/layouts_8gpu.sh
+#   EXTRA="--enable-cuda-graph" MODEL=gpt GPUS=1 LAYOUTS=1:1 bash benchmarks/layouts_8gpu.sh   # more trainer flags
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-gpt}; GPUS=${GPUS:-8}; LAYOUTS=${LAYOUTS:-"2:2 1:4 4:1 1:1"}
@@ -37,7 +38,7 @@ for layout in $LAYOUTS; do
     torchrun --standalone --nproc-per-node "$GPUS" benchmarks/bench_layouts.py --label "$label" \
         --output "$RESULTS/$label.jsonl" --precisions $PRECISIONS -- "${ARGS[@]}" "${COMMON[@]}" \
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" \
-        $([ "$tp" -gt 1 ] && echo --sequence-parallel)
+        $([ "$tp" -gt 1 ] && echo --sequence-parallel) ${EXTRA:-}
     labels+=("$RESULTS/$label.jsonl")
 done
 python benchmarks/layout_tables.py "${labels[@]}" $(ls "$RESULTS/${MODEL}_1gpu.jsonl" 2>/dev/null) \
