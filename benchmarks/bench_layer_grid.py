@@ -21,7 +21,9 @@ Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 204
 forward alone (`{recipe}_fwd_ms`: what full recomputation repeats).
 
 `--model PRESET` times that preset's own layer instead (its hidden size, heads, KV heads and
-MLP width) and, per point, its output end (`head_{recipe}_ms`: embedding, final norm, output
+MLP width) and, per point, the host's time for an eager step (`{recipe}_host_ms`, Python and
+launches with the GPU kept busy: what a layout that cannot be graphed, such as a
+pipeline-parallel one, waits on where it exceeds the GPU's time), its output end (`head_{recipe}_ms`: embedding, final norm, output
 layer and loss, forward + backward, as the trainer runs them: a one-layer model's step less the
 layer's), and once the device's copy bandwidth (`copy_gbs`, bytes read and written per second,
 for the optimizer's memory-bound pass): what tools/plan_parallel.py's throughput model reads.
@@ -81,13 +83,14 @@ def layer_flops(config, tokens: int, seq_length: int) -> float:
     return 3 * (linear + attention)
 
 
-def time_point(config, seq, micro_batch, recipes, tp_group, with_head=False):
-    """{recipe: ms}, {recipe: forward ms} and (with_head) {recipe: output-end ms} for one grid
-    point of layer `config` (None where it did not fit), on this process's GPU."""
+def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
+    """{recipe: ms}, {recipe: forward ms} and, for the planner (--model), {recipe: host ms of an
+    eager step} and {recipe: output-end ms} for one grid point of layer `config` (None where it
+    did not fit), on this process's GPU."""
     from triton.testing import do_bench
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
-    from bench_fp8_linear import graphed
+    from bench_fp8_linear import graphed, host_ms
 
     from megafp8.collectives import group_size
     from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
@@ -95,7 +98,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, with_head=False):
     from megafp8.models.transformer import TransformerLayer
 
     tp = group_size(tp_group)
-    times, forward_times, head_times = {}, {}, {}
+    times, forward_times, host_times, head_times = {}, {}, {}, {}
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:
         torch.manual_seed(0)
@@ -118,17 +121,19 @@ def time_point(config, seq, micro_batch, recipes, tp_group, with_head=False):
                 forward().backward(dy)
 
             try:
+                if planner:  # eager, as pipeline-parallel layouts run (no graphs)
+                    host_times[name] = host_ms(step, steps=5)
                 times[name] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
                 forward_times[name] = do_bench(graphed(forward), warmup=25, rep=100, return_mode="median")
             except torch.cuda.OutOfMemoryError:
-                times[name] = forward_times[name] = None
+                times[name] = forward_times[name] = host_times[name] = None
             torch.cuda.empty_cache()
-        if with_head:
+        if planner:
             head_times = time_head(config, seq, micro_batch, recipes, tp_group, times)
     except torch.cuda.OutOfMemoryError:
         times = forward_times = {name: None for name in recipes}
-        head_times = {name: None for name in recipes} if with_head else {}
-    return times, forward_times, head_times
+        host_times = head_times = {name: None for name in recipes} if planner else {}
+    return times, forward_times, host_times, head_times
 
 
 def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
@@ -197,8 +202,8 @@ def run_grid(args) -> dict:
             for micro_batch in args.micro_batches:
                 config = (preset(args.model, max_position_embeddings=max(seq, preset(args.model).max_position_embeddings))
                           if args.model else layer_config(arch, hidden, seq))
-                times, forward_times, head_times = time_point(config, seq, micro_batch, RECIPES, tp_group,
-                                                              with_head=args.model is not None)
+                times, forward_times, host_times, head_times = time_point(config, seq, micro_batch, RECIPES, tp_group,
+                                                                          planner=args.model is not None)
                 flops = layer_flops(config, seq * micro_batch, seq) / tp
                 point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
                          "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
@@ -208,6 +213,7 @@ def run_grid(args) -> dict:
                          **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
                 if args.model:
                     point.update(model=args.model, vocab=config.vocab_size,
+                                 **{f"{name}_host_ms": t for name, t in host_times.items()},
                                  **{f"head_{name}_ms": t for name, t in head_times.items()})
                 for name in ("delayed", "current"):
                     point[f"speedup_{name}"] = (times["bf16"] / times[name]

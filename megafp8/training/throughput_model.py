@@ -12,7 +12,9 @@ Inputs, each measured on the GPUs the plan is for:
 
 The model, per rank of the slowest pipeline stage (micro-batch time t = its layers' time, each
 layer's forward once more under full recomputation, plus the output end on the last stage, plus
-its point-to-point sends):
+its point-to-point sends; a layer's time is the graphed GPU time where the trainer can use
+CUDA graphs (no pipeline parallelism: the layout assumes --enable-cuda-graph), else the longer
+of that and the host's time for an eager step):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
 - data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
@@ -91,8 +93,9 @@ class Calibration:
 
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
               extrapolated: list) -> dict:
-        """{"step": forward + backward ms, "forward": ms, "head": output-end ms or None} of one
-        layer at this point, between measured micro-batches if need be."""
+        """{"step": forward + backward ms, "forward": ms, "host": an eager step's host ms, "head":
+        output-end ms} of one layer at this point (None for what the map lacks), between measured
+        micro-batches if need be."""
         points = [p for p in self._points_for(config, seq, tp) if p.get(f"{recipe}_ms") is not None]
         if not points:
             raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
@@ -121,7 +124,8 @@ class Calibration:
         if head is not None and vocab != config.vocab_size:  # the output layer and loss scale with it
             head *= config.vocab_size / vocab
             extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
-        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"), "head": head}
+        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
+                "host": between(f"{recipe}_host_ms"), "head": head}
 
     def collective_ms(self, op: str, group_size: int, nbytes: float, gpus_per_node: int,
                       extrapolated: list) -> float:
@@ -167,6 +171,14 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         raise NotPredicted(f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
                            f"(measure with benchmarks/bench_layer_grid.py --model PRESET)")
     per_layer = layer["step"] + (layer["forward"] if layout.recompute == "full" else 0.0)
+    if pp > 1:  # the trainer cannot graph a pipeline: a layer takes the longer of its GPU and host times
+        if layer["host"] is None:
+            raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
+                               f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model PRESET)")
+        host = layer["host"] * (per_layer / layer["step"])
+        if layout.recompute == "full":
+            extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
+        per_layer = max(per_layer, host)
     if layout.recompute == "selective":
         extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
     # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.

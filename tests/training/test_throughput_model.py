@@ -19,8 +19,8 @@ def point(tp=1, micro_batch=4, seq=2048, scale=1.0):
     return {"arch": "gpt", "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "seq": seq, "tp": tp,
             "micro_batch": micro_batch, "model": "gpt-1.3b", "vocab": GPT.vocab_size,
             **{f"{recipe}_{kind}": value * scale for recipe, values in
-               {"bf16": (5.0, 1.6, 8.0), "delayed": (4.0, 1.3, 8.0)}.items()
-               for kind, value in zip(("ms", "fwd_ms"), values[:2])},
+               {"bf16": (5.0, 1.6, 3.0), "delayed": (4.0, 1.3, 3.5)}.items()
+               for kind, value in zip(("ms", "fwd_ms", "host_ms"), values)},
             **{f"head_{recipe}_ms": 8.0 * scale for recipe in ("bf16", "delayed")}}
 
 
@@ -79,6 +79,15 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     per_micro_batch = 12 * 4.0 + 8.0 + 4 * send
     assert predict(GPT, interleaved, calibration([point()], collectives()), 32)["step_ms"] == pytest.approx(
         (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
+    # A pipeline runs eagerly: where the host takes longer than the GPU, the host's time counts.
+    slow_host = [{**point(), "delayed_host_ms": 6.0}]
+    per_micro_batch = 12 * 6.0 + 8.0 + 2 * send
+    assert predict(GPT, layout, calibration(slow_host, collectives()), 32)["step_ms"] == pytest.approx(
+        (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    # ... and one graphed (no pipeline) does not wait on it.
+    one = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, fp8="delayed")
+    assert predict(GPT, one, calibration(slow_host), 32)["step_ms"] == pytest.approx(
+        8 * (24 * 4.0 + 8.0) + optimizer_ms(one))
 
 
 def test_data_parallel_sync_counts_only_what_outlasts_the_last_backward():
