@@ -2,10 +2,12 @@
 # FP8 against bf16 on real text (docs/convergence.md): GPT-125M and Llama-120M, each in bf16, FP8
 # delayed scaling (HYBRID, amax history 1024, max) and FP8 current scaling, with the same seed,
 # data order and schedule; then the Llama at 2x and 4x the peak learning rate, bf16 against FP8
-# delayed. Curves (PNG) and a table of final losses land in WORKDIR/report/.
+# delayed; optionally both models' bf16 runs again from another seed, the spread FP8's differences
+# are read against. Curves (PNG) and a table of final losses land in WORKDIR/report/.
 #   Usage: bash examples/convergence_study.sh WORKDIR [GROUP ...]
-#   GROUP: gpt, llama, lr2x, lr4x (default: all four, in that order); data (prepare the data
-#   only) or report (curves only).
+#   GROUP: gpt, llama, lr2x, lr4x (default: these four, in that order), seed (gpt-125m and
+#   llama-120m in bf16 from SEED + 1; its reports seed_gpt and seed_llama set them beside the gpt
+#   and llama groups' bf16 runs); data (prepare the data only) or report (curves only).
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included (a
@@ -79,11 +81,11 @@ finished() {  # the run's checkpoints reached its last iteration
     [ -f "$1/latest_checkpointed_iteration.txt" ] && [ "$(cat "$1/latest_checkpointed_iteration.txt")" = "$2" ]
 }
 
-# train NAME MODEL PRECISION PEAK_LR ITERATIONS: one run, from its checkpoint if it has one.
+# train NAME MODEL PRECISION PEAK_LR ITERATIONS SEED: one run, from its checkpoint if it has one.
 # Returns 1 when the time is up (the run stopped with a checkpoint, or did not start); a failed run
 # ends the study with its status.
 train() {
-    local name=$1 model=$2 precision=$3 lr=$4 iters=$5 dir=$WORKDIR/runs/$1
+    local name=$1 model=$2 precision=$3 lr=$4 iters=$5 seed=$6 dir=$WORKDIR/runs/$1
     if finished "$dir" "$iters"; then kept "run $name (finished)"; return 0; fi
     local left=$(( STOP_AT - $(date +%s) ))
     if [ "$left" -lt 120 ]; then return 1; fi
@@ -96,7 +98,7 @@ train() {
     esac
     local min_lr warmup
     min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
-    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations) in $dir"
+    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed) in $dir"
     # Stopping leaves a minute for the checkpoint; the trainer counts from its own start.
     local status=0
     # shellcheck disable=SC2086  # MODEL_ARGS is a word list on purpose
@@ -104,7 +106,7 @@ train() {
         --model "$model" --seq-length "$SEQ" $MODEL_ARGS \
         --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$iters" \
         --lr "$lr" --min-lr "$min_lr" --lr-warmup-iters "$warmup" --lr-decay-style cosine \
-        --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$SEED" \
+        --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$seed" \
         "${precision_args[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"} \
         --train-data-path "$TRAIN_DATA" --valid-data-path "$VALID_DATA" \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
@@ -116,13 +118,15 @@ train() {
     finished "$dir" "$iters" || return 1
 }
 
-# report GROUP TITLE RUN...: the group's curves and final losses, from what its runs logged so far.
+# report GROUP TITLE RUN[:LABEL]...: the group's curves and final losses, from what its runs logged
+# so far (each labelled by its name's last part unless given).
 report() {
-    local group=$1 title=$2 runs=() labels=() name
+    local group=$1 title=$2 runs=() labels=() run name
     shift 2
-    for name in "$@"; do
+    for run in "$@"; do
+        name=${run%%:*}
         [ -f "$WORKDIR/runs/$name/metrics.jsonl" ] || continue
-        runs+=("$WORKDIR/runs/$name"); labels+=("${name#*/}")
+        runs+=("$WORKDIR/runs/$name"); labels+=("$([ "$run" = "$name" ] && echo "${name#*/}" || echo "${run#*:}")")
     done
     [ ${#runs[@]} -gt 0 ] || return 0
     local options=()  # FP8's saturated fraction, once an FP8 run has logged it
@@ -135,18 +139,20 @@ report() {
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
 
-runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS per line
+runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED per line
     local double quadruple
     double=$(python -c "print(2 * $LR)"); quadruple=$(python -c "print(4 * $LR)")
     case $1 in
         gpt|llama)
             local model=gpt-125m; [ "$1" = llama ] && model=llama-120m
-            for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS"; done ;;
+            for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS $SEED"; done ;;
         lr2x|lr4x)
             local peak=$double; [ "$1" = lr4x ] && peak=$quadruple
-            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS"; done ;;
+            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED"; done ;;
+        seed) echo "seed/gpt_bf16 gpt-125m bf16 $LR $ITERS $((SEED + 1))"
+              echo "seed/llama_bf16 llama-120m bf16 $LR $ITERS $((SEED + 1))" ;;
         data|report) ;;
-        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, data or report)" >&2
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, data or report)" >&2
            return 2 ;;
     esac
 }
@@ -159,14 +165,20 @@ prepare_data
 [ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }
 time_up=0
 for group in "${GROUPS_TO_RUN[@]}"; do
-    while read -r name model precision lr iters; do
+    while read -r name model precision lr iters seed; do
         [ "$time_up" = 0 ] || break
-        train "$name" "$model" "$precision" "$lr" "$iters" || time_up=1
+        train "$name" "$model" "$precision" "$lr" "$iters" "$seed" || time_up=1
     done < <(runs_of "$group")
 done
 for group in gpt llama lr2x lr4x; do
     mapfile -t names < <(runs_of "$group" | cut -d' ' -f1)
     report "$group" "${TITLES[$group]}" "${names[@]}"
+done
+for model in gpt llama; do
+    if [ -f "$WORKDIR/runs/seed/${model}_bf16/metrics.jsonl" ]; then
+        report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
+            "seed/${model}_bf16:seed $((SEED + 1))"
+    fi
 done
 if [ "$time_up" = 1 ]; then
     echo "convergence_study: MINUTES=${MINUTES:-} is up; run the same command again to go on"
