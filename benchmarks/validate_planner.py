@@ -33,6 +33,7 @@ MODELS = {
     "gpt": (preset("gpt-1.3b", vocab_size=32768), dict(distributed_optimizer=False, recompute="none")),
     "llama": (preset("llama2-7b", vocab_size=32768), dict(distributed_optimizer=True, recompute="selective")),
 }
+MODEL_NAMES = {"gpt": "gpt-1.3b", "llama": "llama2-7b"}
 THROUGHPUT_BAR = 0.15
 
 
@@ -88,7 +89,8 @@ def throughput_table(launches, calibration: Calibration) -> bool:
         name = f"| {record['label']} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} |"
         measured = record["tokens_per_sec_per_gpu"]
         try:
-            result = predict(config, layout, calibration, record["global_batch_size"])
+            result = predict(config, layout, calibration, record["global_batch_size"],
+                             model=MODEL_NAMES[record["label"].split("_")[0]])
         except NotPredicted as why:
             print(f"{name} {measured:,.0f} | not covered: {why} | | |")
             continue

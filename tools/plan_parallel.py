@@ -113,7 +113,7 @@ def plan(args, calibration: Calibration | None = None) -> dict:
         else:
             try:
                 fits.append({**entry, **predict(config, memory, calibration, args.global_batch_size,
-                                                args.gpus_per_node)})
+                                                args.gpus_per_node, args.model)})
             except NotPredicted as why:
                 unpredicted.append({**entry, "reason": str(why)})
     if calibration is not None:  # fastest first; equals in the simplicity order
@@ -199,6 +199,11 @@ def main(argv=None) -> int:
             stretched = f", {len(entry['extrapolated'])} extrapolated" if entry["extrapolated"] else ""
             speed = f"{entry['tokens_per_s_per_gpu']:9,.0f} tokens/s/GPU  {entry['step_ms']:8.1f} ms/step{stretched}  "
         print(f"  {layout_name(entry):<60} {speed}{entry['memory_gib']:6.1f} GiB  ({kinds})")
+    stretches = sorted({note for entry in fits[:args.top] for note in entry.get("extrapolated", ())})
+    if stretches:
+        print("where the predictions above stretch the measurements:")
+        for note in stretches:
+            print(f"  - {note}")
     if result["not_predicted"]:
         reasons = {}
         for entry in result["not_predicted"]:

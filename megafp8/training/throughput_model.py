@@ -18,8 +18,9 @@ of that and the host's time for an eager step):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
 - data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
-  reduce-scatter, then an all-gather of the bf16 parameters), overlapped with the last
-  micro-batch's backward as the trainer's buckets are: only what outlasts it counts;
+  reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
+  only what outlasts it counts; the distributed optimizer's all-gather of the bf16 parameters
+  after its step overlaps nothing;
 - the optimizer: its fused pass reads and writes OPTIMIZER_BYTES_PER_PARAMETER per element it
   updates (and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per FP8 weight), at the measured copy bandwidth.
 What is not measured is not guessed: a layout whose layer time (its tp, sequence length, a
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megafp8.models.config import TransformerConfig
+from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from megafp8.training.memory_model import MemoryLayout, rank_parameters, stage_layer_indices
 
 # The fused AdamW pass per element it updates: fp32 master, exp_avg and exp_avg_sq read and
@@ -92,7 +94,7 @@ class Calibration:
                            config.ffn_size, seq, tp)), key=lambda p: p["micro_batch"])
 
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
-              extrapolated: list) -> dict:
+              extrapolated: list, model: str = "PRESET") -> dict:
         """{"step": forward + backward ms, "forward": ms, "host": an eager step's host ms, "head":
         output-end ms} of one layer at this point (None for what the map lacks), between measured
         micro-batches if need be."""
@@ -100,7 +102,7 @@ class Calibration:
         if not points:
             raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
                                f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
-                               f"benchmarks/bench_layer_grid.py --model PRESET --seq-lengths {seq} "
+                               f"benchmarks/bench_layer_grid.py --model {model} --seq-lengths {seq} "
                                f"--micro-batches {micro_batch})")
         below = [p for p in points if p["micro_batch"] <= micro_batch]
         above = [p for p in points if p["micro_batch"] >= micro_batch]
@@ -159,22 +161,23 @@ def _read(path) -> dict:
 
 
 def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibration, global_batch_size: int,
-            gpus_per_node: int = 8) -> dict:
+            gpus_per_node: int = 8, model: str = "PRESET") -> dict:
     """The predicted step of `layout`: {"step_ms", "tokens_per_s_per_gpu", "breakdown_ms",
-    "extrapolated"}; raises NotPredicted where the measurements do not cover it."""
+    "extrapolated"}; raises NotPredicted where the measurements do not cover it, naming `model`
+    (the preset) in the command that would measure what is missing."""
     recipe = layout.fp8 or "bf16"
     extrapolated: list = []
     seq, mbs, tp, pp, dp, vpp = (layout.seq_length, layout.micro_batch_size, layout.tp, layout.pp, layout.dp,
                                  layout.vpp)
-    layer = calibration.layer(config, seq, mbs, tp, recipe, extrapolated)
+    layer = calibration.layer(config, seq, mbs, tp, recipe, extrapolated, model)
     if layer["forward"] is None or layer["head"] is None:
         raise NotPredicted(f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
-                           f"(measure with benchmarks/bench_layer_grid.py --model PRESET)")
+                           f"(measure with benchmarks/bench_layer_grid.py --model {model})")
     per_layer = layer["step"] + (layer["forward"] if layout.recompute == "full" else 0.0)
     if pp > 1:  # the trainer cannot graph a pipeline: a layer takes the longer of its GPU and host times
         if layer["host"] is None:
             raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
-                               f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model PRESET)")
+                               f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model {model})")
         host = layer["host"] * (per_layer / layer["step"])
         if layout.recompute == "full":
             extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
@@ -199,16 +202,18 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
 
     counts = rank_parameters(config, layout, slowest)
     parameters = counts["layers"] + counts["embedding"] + counts["output"]
-    gradient_sync = 0.0
+    gradient_sync = parameter_gather = 0.0
     if dp > 1:
+        def per_bucket(op, bytes_per_element):
+            full, rest = divmod(parameters, DEFAULT_BUCKET_SIZE)
+            return sum(count * calibration.collective_ms(op, dp, size * bytes_per_element, gpus_per_node, extrapolated)
+                       for count, size in ((full, DEFAULT_BUCKET_SIZE), (1, rest)) if count and size)
+
+        gradient_sync = per_bucket("reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4)
         if layout.distributed_optimizer:
-            gradient_sync = (calibration.collective_ms("reduce_scatter", dp, 4 * parameters, gpus_per_node, extrapolated)
-                             + calibration.collective_ms("all_gather", dp, 2 * parameters, gpus_per_node,
-                                                         extrapolated))
-        else:
-            gradient_sync = calibration.collective_ms("all_reduce", dp, 4 * parameters, gpus_per_node, extrapolated)
+            parameter_gather = per_bucket("all_gather", 2)
     # The buckets' reductions start as the last micro-batch's backward produces their gradients.
-    exposed_sync = max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"]))
+    exposed_sync = max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"])) + parameter_gather
     if calibration.copy_gbs is None:
         raise NotPredicted("no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)")
     share = 1 / dp if layout.distributed_optimizer else 1
@@ -220,4 +225,4 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
             "breakdown_ms": {"compute": m * (micro_batch_ms - p2p), "pipeline_bubble": bubble,
                              "point_to_point": m * p2p, "gradient_sync_exposed": exposed_sync,
                              "optimizer": optimizer},
-            "extrapolated": extrapolated}
+            "extrapolated": list(dict.fromkeys(extrapolated))}
