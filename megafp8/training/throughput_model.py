@@ -14,7 +14,8 @@ The model, per rank of the slowest pipeline stage (micro-batch time t = its laye
 layer's forward once more under full recomputation, plus the output end on the last stage, plus
 its point-to-point sends; a layer's time is the graphed GPU time where the trainer can use
 CUDA graphs (no pipeline parallelism: the layout assumes --enable-cuda-graph), else the longer
-of that and the host's time for an eager step):
+of that and the host's time for an eager step; the output end's few large kernels are taken at
+their GPU time either way):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
 - data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
@@ -129,10 +130,10 @@ class Calibration:
         return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
                 "host": between(f"{recipe}_host_ms"), "head": head}
 
-    def collective_ms(self, op: str, group_size: int, nbytes: float, gpus_per_node: int,
-                      extrapolated: list) -> float:
+    def collective_ms(self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list) -> float:
         """Time of one collective of `nbytes` over `group_size` ranks, from the measured bus
-        bandwidth at that group size and the nearest message size (log scale)."""
+        bandwidth at that group size and the nearest message size (log scale); `spans_nodes`:
+        the group's ranks are on more than one node, whose network was not measured."""
         if group_size == 1 or nbytes == 0:
             return 0.0
         results = [r for r in self.collectives if r["op"] == op]
@@ -143,7 +144,7 @@ class Calibration:
         size = group_size if group_size in sizes else max(sizes)
         if size != group_size:
             extrapolated.append(f"{op} over {group_size} ranks: the bandwidth measured over {size}")
-        if group_size > gpus_per_node and op != "send_recv":
+        if spans_nodes:
             extrapolated.append(f"{op} over {group_size} ranks spans nodes: a node's bandwidth, the network's not measured")
         at_size = [r for r in results if r["group_size"] == size]
         nearest = min(at_size, key=lambda r: abs(math.log(r["bytes"] / nbytes)))
@@ -188,7 +189,9 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
     p2p = 0.0
     if pp > 1:
         activation = (seq // tp if layout.sp else seq) * mbs * config.hidden_size * 2
-        p2p = 2 * vpp * calibration.collective_ms("send_recv", 2, activation, gpus_per_node, extrapolated)
+        # Ranks go tp fastest, then dp, then pp: a stage's neighbour is tp x dp ranks away.
+        p2p = 2 * vpp * calibration.collective_ms("send_recv", 2, activation, tp * dp * pp > gpus_per_node,
+                                                  extrapolated)
     stage_ms = []
     for pp_rank in range(pp):
         layers, _ = stage_layer_indices(config, layout, pp_rank)
@@ -206,7 +209,8 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
     if dp > 1:
         def per_bucket(op, bytes_per_element):
             full, rest = divmod(parameters, DEFAULT_BUCKET_SIZE)
-            return sum(count * calibration.collective_ms(op, dp, size * bytes_per_element, gpus_per_node, extrapolated)
+            return sum(count * calibration.collective_ms(op, dp, size * bytes_per_element, tp * dp > gpus_per_node,
+                                                         extrapolated)
                        for count, size in ((full, DEFAULT_BUCKET_SIZE), (1, rest)) if count and size)
 
         gradient_sync = per_bucket("reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4)

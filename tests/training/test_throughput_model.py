@@ -136,6 +136,14 @@ def test_stretched_collectives_say_so():
     result = predict(GPT, layout, calibration([point()], small), 64, gpus_per_node=8)
     assert "all_reduce of 153 MiB: the bandwidth measured at 1 MiB" in result["extrapolated"]
     assert len(result["extrapolated"]) == len(set(result["extrapolated"]))
+    # Ranks go tp, dp, pp: dp 8 fills one node of 8; with pp 2 the stages' sends cross nodes.
+    within = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=1, dp=8)
+    assert not any("spans nodes" in n for n in predict(GPT, within, calibration([point()], collectives()), 32,
+                                                       gpus_per_node=8)["extrapolated"])
+    across = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=2, dp=4, pp=4)
+    notes = predict(GPT, across, calibration([point()], collectives()), 32, gpus_per_node=8)["extrapolated"]
+    assert "send_recv over 2 ranks spans nodes: a node's bandwidth, the network's not measured" in notes
+    assert not any(n.startswith("all_reduce") and "spans" in n for n in notes)
 
 
 def test_calibration_files_are_read_and_bad_ones_refused(tmp_path):
