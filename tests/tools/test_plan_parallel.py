@@ -95,6 +95,12 @@ def test_pipeline_beats_tensor_parallelism_under_fp8(tmp_path, capsys):
     assert speeds[(1, 2)] > 1.25 * speeds[(2, 1)]
     speeds = [e["tokens_per_s_per_gpu"] for e in plan["fits"]]
     assert speeds == sorted(speeds, reverse=True)
+    # The ranking is deterministic: the same measurements give the same plan, byte for byte.
+    again = tmp_path / "again.json"
+    plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+                        "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "delayed",
+                        "--layer-maps", *maps, "--collectives", str(coll), "--json", str(again)])
+    assert again.read_text() == out.read_text()
     # Virtual stages of 24 layers over 2 ranks divide; full recomputation is predicted slower.
     full = next(e for e in plan["fits"] if (e["tp"], e["pp"], e["recompute"]) == (1, 1, "full"))
     assert full["tokens_per_s_per_gpu"] < speeds[0]
