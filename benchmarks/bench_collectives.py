@@ -33,14 +33,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# The single-tensor collectives under their names on either torch; not megafp8's reduce-scatter
+# fallback (an all-reduce): the benchmark measures the collective itself.
+from megafp8.collectives import _all_gather_single, _reduce_scatter_single
 from megafp8.training.throughput_model import BUS_FACTOR  # the planner reads busbw back with the same factors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# torch >= 2.13 renamed the single-tensor collectives (as megafp8.collectives does); its
-# reduce-scatter fallback is not used here: the benchmark measures the collective itself.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_sizes(args, world: int) -> list[int]:

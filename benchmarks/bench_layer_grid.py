@@ -15,17 +15,17 @@ tensor parallel over all of them with sequence parallelism. Each step (forward a
 captured in a CUDA graph and replayed, so the times are the GPU's, not the host's; the median of
 CUDA-event timings (triton.testing.do_bench). The weights' FP8 casts stay out of the step, as in
 the trainer's graphs (made once per optimizer step, before the first replay, or by the optimizer's
-own pass under delayed scaling): a graph capture may not make them. Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU;
-Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
+own pass under delayed scaling): a graph capture may not make them. Widths follow the GPT-3
+family (GPT: 4h MLP, LayerNorm, GELU; Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
 8 KV heads from 8192). A point that does not fit is recorded as such. Each point also holds the
 forward alone (`{recipe}_fwd_ms`: what full recomputation repeats).
 
 `--model PRESET` times that preset's own layer instead (its hidden size, heads, KV heads and
 MLP width) and, per point, the host's time for an eager step (`{recipe}_host_ms`, Python and
 launches with the GPU kept busy: what a layout that cannot be graphed, such as a
-pipeline-parallel one, waits on where it exceeds the GPU's time), its output end (`head_{recipe}_ms`: embedding, final norm, output
-layer and loss, forward + backward, as the trainer runs them: a one-layer model's step less the
-layer's), and once the device's copy bandwidth (`copy_gbs`, bytes read and written per second,
+pipeline-parallel one, waits on where it exceeds the GPU's time), its output end
+(`head_{recipe}_ms`: embedding, final norm, output layer and loss, forward + backward, as the
+trainer runs them: a one-layer model's step less the layer's), and once the device's copy bandwidth (`copy_gbs`, bytes read and written per second,
 for the optimizer's memory-bound pass): what tools/plan_parallel.py's throughput model reads.
 
 `--plot` draws, per architecture and tensor-parallel size, heat maps of the FP8/bf16 speed-up
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from megafp8.models.config import PRESETS, preset
+from megafp8.training.throughput_model import arch_of
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
@@ -69,7 +70,7 @@ def shapes(args) -> list[tuple[str, int]]:
     --archs at each of --hidden-sizes."""
     if args.model:
         config = preset(args.model)
-        return [("llama" if config.activation == "swiglu" else "gpt", config.hidden_size)]
+        return [(arch_of(config), config.hidden_size)]
     return [(arch, hidden) for arch in args.archs for hidden in args.hidden_sizes]
 
 
@@ -83,6 +84,13 @@ def layer_flops(config, tokens: int, seq_length: int) -> float:
     return 3 * (linear + attention)
 
 
+def scaling(name: str):
+    """The FP8 recipe a grid column names (None: bf16)."""
+    from megafp8.fp8 import CurrentScaling, DelayedScaling
+
+    return {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+
+
 def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
     """{recipe: ms}, {recipe: forward ms} and, for the planner (--model), {recipe: host ms of an
     eager step} and {recipe: output-end ms} for one grid point of layer `config` (None where it
@@ -93,7 +101,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
     from bench_fp8_linear import graphed
 
     from megafp8.collectives import group_size
-    from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
+    from megafp8.fp8 import fp8_autocast
     from megafp8.models.rope import rotary_tables
     from megafp8.models.transformer import TransformerLayer
 
@@ -108,7 +116,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
         rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
                   if config.position_embedding == "rope" else None)
         for name in recipes:
-            recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+            recipe = scaling(name)
 
             def forward():
                 with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
@@ -158,7 +166,7 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
     from bench_fp8_linear import graphed
 
     from megafp8.collectives import group_size
-    from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
+    from megafp8.fp8 import fp8_autocast
     from megafp8.models.transformer import TransformerLM
 
     tp = group_size(tp_group)
@@ -168,7 +176,7 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device="cuda")
     head_times = {}
     for name in recipes:
-        recipe = {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+        recipe = scaling(name)
 
         def step():
             for p in model.parameters():

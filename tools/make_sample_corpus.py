@@ -84,6 +84,11 @@ DESCRIPTION = (
 )
 
 
+def _skip_dirs(test_suites: bool) -> set:
+    """The folder names a package walk leaves out: SKIP_DIRS, less the test suites if wanted."""
+    return SKIP_DIRS - TEST_DIRS if test_suites else SKIP_DIRS
+
+
 def _files(root: Path, suffixes, skip=SKIP_DIRS) -> list[Path]:
     """The files under `root` (a folder, or one file) ending in `suffixes`, in a fixed order,
     outside folders named in `skip`."""
@@ -165,7 +170,7 @@ def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Pa
     file) under `roots`, by name; where two roots hold one name, the first root's, as imports
     would find it. Metadata folders (*.dist-info, *.egg-info) and caches are no packages, nor are
     test suites (the standard library's `test`) unless `test_suites`."""
-    skip = SKIP_DIRS - TEST_DIRS if test_suites else SKIP_DIRS
+    skip = _skip_dirs(test_suites)
     found = {}
     for root in roots:
         for child in sorted(root.iterdir(), key=lambda p: p.name):
@@ -202,7 +207,7 @@ def package_documents(name: str, path: Path, test_suites: bool = False) -> list[
     their docstrings, its sources in other languages, its documentation files; those of its test
     suites (folders named test/tests) only if `test_suites`. Source files that fail
     `written_code` are dropped here (None in their place, to be counted)."""
-    skip = SKIP_DIRS - TEST_DIRS if test_suites else SKIP_DIRS
+    skip = _skip_dirs(test_suites)
     docs = []
     for _, source, tree in _stdlib_modules(path, skip):
         if source.strip():

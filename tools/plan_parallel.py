@@ -131,6 +131,16 @@ def simplicity(entry: dict) -> tuple:
             -entry["micro_batch_size"], entry["memory_gib"])
 
 
+def print_by_reason(heading: str, entries: list, key) -> None:
+    """`entries` counted by `key(entry)`, most common first, each with its reason and an example."""
+    groups = {}
+    for entry in entries:
+        groups.setdefault(key(entry), []).append(entry)
+    print(heading)
+    for members in sorted(groups.values(), key=lambda members: -len(members)):
+        print(f"  {len(members):4d} x {members[0]['reason']}  (e.g. {layout_name(members[0])})")
+
+
 def layout_name(entry: dict) -> str:
     parts = [f"tp{entry['tp']} pp{entry['pp']} dp{entry['dp']}"]
     if entry["vpp"] > 1:
@@ -205,19 +215,9 @@ def main(argv=None) -> int:
         for note in stretches:
             print(f"  - {note}")
     if result["not_predicted"]:
-        reasons = {}
-        for entry in result["not_predicted"]:
-            reasons.setdefault(entry["reason"], []).append(entry)
-        print("fit, not predicted:")
-        for reason, entries in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
-            print(f"  {len(entries):4d} x {reason}  (e.g. {layout_name(entries[0])})")
-    reasons = {}
-    for entry in result["rejected"]:
-        reasons.setdefault(entry["reason"].split(":")[0] if "GiB" not in entry["reason"] else "out of memory",
-                           []).append(entry)
-    print("rejected:")
-    for reason, entries in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {len(entries):4d} x {entries[0]['reason']}  (e.g. {layout_name(entries[0])})")
+        print_by_reason("fit, not predicted:", result["not_predicted"], key=lambda e: e["reason"])
+    print_by_reason("rejected:", result["rejected"],
+                    key=lambda e: e["reason"].split(":")[0] if "GiB" not in e["reason"] else "out of memory")
     if not fits and not result["not_predicted"]:
         print("no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may", file=sys.stderr)
         return 1

@@ -56,7 +56,8 @@ class NotPredicted(Exception):
     """A layout the measurements do not cover; the message says what to measure."""
 
 
-def _arch(config: TransformerConfig) -> str:
+def arch_of(config: TransformerConfig) -> str:
+    """The layer map's name for the model's family (its `arch` field)."""
     return "llama" if config.activation == "swiglu" else "gpt"
 
 
@@ -91,7 +92,7 @@ class Calibration:
     def _points_for(self, config: TransformerConfig, seq: int, tp: int) -> list:
         return sorted((p for p in self.points
                        if (p["arch"], p["hidden"], p["heads"], p["kv_heads"], p["ffn"], p["seq"], p["tp"])
-                       == (_arch(config), config.hidden_size, config.num_attention_heads, config.kv_heads,
+                       == (arch_of(config), config.hidden_size, config.num_attention_heads, config.kv_heads,
                            config.ffn_size, seq, tp)), key=lambda p: p["micro_batch"])
 
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
