@@ -33,9 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# The single-tensor collectives under their names on either torch; not megafp8's reduce-scatter
-# fallback (an all-reduce): the benchmark measures the collective itself.
-from megafp8.collectives import _all_gather_single, _reduce_scatter_single
+from megafp8.collectives import all_gather_into, backends_without_reduce_scatter, reduce_scatter_into
 from megafp8.training.throughput_model import BUS_FACTOR  # the planner reads busbw back with the same factors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -101,8 +99,8 @@ def op_call(op: str, numel: int, k: int, group, dtype, device):
         return (lambda: dist.send(full, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(full, rank - 1))
     part = torch.zeros(numel // k, dtype=dtype, device=device)
     if op == "all_gather":
-        return lambda: _all_gather_single(full, part, group=group)
-    return lambda: _reduce_scatter_single(part, full, group=group)
+        return lambda: all_gather_into(full, part, group)
+    return lambda: reduce_scatter_into(part, full, group)
 
 
 def run(args, device: torch.device, sizes: list[int]) -> list[dict]:
@@ -123,6 +121,12 @@ def run(args, device: torch.device, sizes: list[int]) -> list[dict]:
                 size = numel * element
                 ms = measure(op_call(op, numel, k, groups[k], DTYPES[args.dtype], device), args.warmup, args.iters,
                              device)
+                backend = dist.get_backend(groups[k])
+                if op == "reduce_scatter" and backend in backends_without_reduce_scatter:
+                    # megafp8 fell back to an all-reduce, alike on every rank: that is not the collective
+                    raise SystemExit(f"bench_collectives: error: the {backend} backend has no reduce-scatter (megafp8 "
+                                     "runs an all-reduce instead); leave reduce_scatter out of --ops"
+                                     if rank == 0 else 1)  # said once, by rank 0
                 algbw = size / ms / 1e6  # bytes per ms / 1e6 = GB/s
                 results.append({"op": op, "group_size": k, "bytes": size, "ms": ms,
                                 "algbw_gbs": algbw, "busbw_gbs": algbw * BUS_FACTOR[op](k)})
