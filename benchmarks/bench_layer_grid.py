@@ -13,9 +13,10 @@ The layer is megafp8's own (models.transformer.TransformerLayer, FP8 linears wit
 norm and activation casts), one per point, in bf16 parameters; with several processes it is
 tensor parallel over all of them with sequence parallelism. Each step (forward and backward) is
 captured in a CUDA graph and replayed, so the times are the GPU's, not the host's; the median of
-CUDA-event timings (triton.testing.do_bench). The weights' FP8 casts stay out of the step, as in
-the trainer's graphs (made once per optimizer step, before the first replay, or by the optimizer's
-own pass under delayed scaling): a graph capture may not make them. Widths follow the GPT-3
+CUDA-event timings (median_ms: do_bench's method, with run counts the ranks agree on). The
+weights' FP8 casts stay out of the step, as in the trainer's graphs (made once per optimizer step,
+before the first replay, or by the optimizer's own pass under delayed scaling): a graph capture
+may not make them. Widths follow the GPT-3
 family (GPT: 4h MLP, LayerNorm, GELU; Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
 8 KV heads from 8192). A point that does not fit is recorded as such. Each point also holds the
 forward alone (`{recipe}_fwd_ms`: what full recomputation repeats).
@@ -95,8 +96,6 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
     """{recipe: ms}, {recipe: forward ms} and, for the planner (--model), {recipe: host ms of an
     eager step} and {recipe: output-end ms} for one grid point of layer `config` (None where it
     did not fit), on this process's GPU."""
-    from triton.testing import do_bench
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
     from bench_fp8_linear import graphed
 
@@ -131,8 +130,8 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
             try:
                 if planner:  # eager, as pipeline-parallel layouts run (no graphs)
                     host_times[name] = eager_host_ms(step)
-                times[name] = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
-                forward_times[name] = do_bench(graphed(forward), warmup=25, rep=100, return_mode="median")
+                times[name] = median_ms(graphed(step), tp_group)
+                forward_times[name] = median_ms(graphed(forward), tp_group)
             except torch.cuda.OutOfMemoryError:
                 times[name] = forward_times[name] = host_times[name] = None
             torch.cuda.empty_cache()
@@ -142,6 +141,37 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
         times = forward_times = {name: None for name in recipes}
         host_times = head_times = {name: None for name in recipes} if planner else {}
     return times, forward_times, host_times, head_times
+
+
+def median_ms(fn, tp_group=None, warmup_ms=25.0, rep_ms=100.0) -> float:
+    """Median CUDA-event time of `fn` in ms, as triton.testing.do_bench's, except that the ranks of
+    `tp_group` agree on the number of runs: do_bench sizes them from each rank's own estimate, and
+    ranks that replay a different number of graphs with collectives in them wait on each other
+    forever."""
+    import torch.distributed as dist
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = torch.tensor([start.elapsed_time(end) / 5], device="cuda")
+    if tp_group is not None:
+        dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=tp_group)
+    estimate = max(float(estimate), 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(max(1, int(rep_ms / estimate)))]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in starts]
+    for begin, finish in zip(starts, ends):
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize()
+    return float(torch.tensor([b.elapsed_time(f) for b, f in zip(starts, ends)]).median())
 
 
 def eager_host_ms(step, steps=5) -> float | None:
@@ -161,8 +191,6 @@ def eager_host_ms(step, steps=5) -> float | None:
 def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
     """{recipe: ms} of the model's output end (embedding, final norm, output layer, loss; forward
     + backward): a one-layer model's training step less its layer's time (`layer_times`)."""
-    from triton.testing import do_bench
-
     from bench_fp8_linear import graphed
 
     from megafp8.collectives import group_size
@@ -186,7 +214,7 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
             loss.backward()
 
         try:
-            whole = do_bench(graphed(step), warmup=25, rep=100, return_mode="median")
+            whole = median_ms(graphed(step), tp_group)
             head_times[name] = whole - layer_times[name] if layer_times[name] else None
         except torch.cuda.OutOfMemoryError:
             head_times[name] = None
@@ -197,11 +225,9 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
 def copy_bandwidth() -> float:
     """The device's copy rate, bytes read and written per second (GB/s) over a 1 GiB copy: the
     optimizer's fused pass is bound by it."""
-    from triton.testing import do_bench
-
     source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
-    ms = do_bench(lambda: target.copy_(source), warmup=10, rep=50, return_mode="median")
+    ms = median_ms(lambda: target.copy_(source), warmup_ms=10, rep_ms=50)
     return 2 * source.numel() / ms / 1e6
 
 
