@@ -67,12 +67,19 @@ CHUNKS = "chunk1/example_train_*.jsonl.zst"  # what --overwrite replaces, with R
 # --packages: SlimPajama's split layout, and what --overwrite replaces there.
 TRAIN_CHUNKS = "train/chunk1/example_train_*.jsonl.zst"
 VALIDATION_CHUNKS = "validation/chunk1/example_holdout_*.jsonl.zst"
-DOC_SUFFIXES = (".md", ".rst", ".txt")  # a package's documentation files
+DOC_SUFFIXES = (".md", ".markdown", ".rst", ".txt")  # a package's documentation files
 MIN_DOC_CHARS = 200
-# The sources a package ships in other languages (C/C++/CUDA headers and extensions, type stubs,
-# Cython, scripts) are GitHub documents too: SlimPajama's GitHub subset holds many languages.
-SOURCE_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".pyi", ".pyx", ".pxd",
-                   ".js", ".ts", ".java", ".rs", ".go", ".sh", ".f90", ".jl", ".lua")
+# The sources a package ships in other languages are GitHub documents too: RedPajama's GitHub
+# subset (the one SlimPajama keeps) took the languages of its extension whitelist (data_prep/github
+# of RedPajama-Data v1), which these follow, plus CUDA and Python's stubs and Cython. Markdown and
+# reStructuredText are DOC_SUFFIXES here: a package's documentation, the Wikipedia-like prose.
+SOURCE_SUFFIXES = (
+    ".c", ".h", ".C", ".H", ".cc", ".hh", ".cpp", ".hpp", ".cxx", ".c++", ".h++", ".cu", ".cuh",  # C, C++, CUDA
+    ".pyi", ".pyx", ".pxd", ".cs", ".java", ".scala", ".go", ".rs", ".hs", ".jl", ".lua", ".m", ".vb", ".smali",
+    ".js", ".ts", ".tsx", ".html", ".css", ".xml", ".php", ".php3", ".php4", ".php5", ".phps", ".phpt",
+    ".sh", ".bash", ".zsh", ".command", ".bat", ".cmd", ".ps1", ".psd1", ".psm1", ".pl", ".pm", ".pod", ".perl",
+    ".rb", ".sql", ".tex", ".asm", ".f", ".f77", ".f90", ".f95", ".f03", ".f08", ".for", ".fpp",
+    ".cmake", ".dockerfile", "Dockerfile", "Makefile")
 # RedPajama's GitHub filters, in spirit: generated, minified or data files are not code someone wrote.
 MAX_CODE_BYTES = 1_000_000
 MAX_LINE_CHARS, MAX_MEAN_LINE_CHARS, MIN_ALNUM_FRACTION = 1000, 100, 0.25

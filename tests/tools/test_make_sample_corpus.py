@@ -140,6 +140,8 @@ PACKAGE_FILES = {
     "first/gamma/kernel.cu": "__global__ void gamma_kernel(float *x) { x[threadIdx.x] *= 2; }\n",
     "first/gamma/generated.h": "static const int table[][3] = {\n" + "{ -1, -1, -1 },\n" * 300 + "};\n",
     "first/gamma/bundle.js": "var a=1;" * 200 + "\n",
+    "first/gamma/Makefile": "gamma: kernel.cu\n\tnvcc -o gamma kernel.cu  # gamma's build\n",
+    "first/gamma/schema.sql": "CREATE TABLE gamma_runs (id INTEGER PRIMARY KEY, note TEXT);\n",
     # Test suites: a package's own, and a top-level one (the standard library's `test`).
     "first/alpha/tests/test_core.py": "def test_core():\n    assert 1 + 1 == 2  # alpha's own test\n",
     "second/test/__init__.py": "suite = 'the regression tests'\n",
@@ -179,7 +181,8 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     by_text = {d["text"]: d["meta"] for d in train + validation}
     header = PACKAGE_FILES["first/alpha/include/alpha.h"]
     assert texts.count(header) == 1 and by_text[header] == {"redpajama_set_name": tool.GITHUB, "package": "alpha"}
-    assert by_text[PACKAGE_FILES["first/gamma/kernel.cu"]]["package"] == "gamma"
+    for name in ("kernel.cu", "Makefile", "schema.sql"):  # RedPajama's GitHub languages, by suffix or name
+        assert by_text[PACKAGE_FILES[f"first/gamma/{name}"]] == {"redpajama_set_name": tool.GITHUB, "package": "gamma"}
     assert not any("{ -1, -1, -1 }" in t or "var a=1" in t for t in texts)  # data-like and minified
     sets = {(d["meta"]["package"], d["meta"]["redpajama_set_name"]) for d in train + validation}
     assert {("alpha", tool.GITHUB), ("alpha", tool.BOOK), ("alpha", tool.WIKI)} <= sets
