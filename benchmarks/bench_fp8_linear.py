@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 import torch
@@ -105,20 +106,30 @@ def graphed(step):
     return graph.replay
 
 
-def host_ms(step, steps=10):
-    """Host (Python + launch) time per step: the GPU is kept busy by a queued sleep kernel, so
-    the host never waits on it. A layer step is launch-bound when this exceeds its GPU time."""
+def host_step_times(step, steps=10, warmup=3) -> list[float]:
+    """Host (Python + launch) time of each of `steps` steps, in ms, while a queued sleep kernel
+    keeps the GPU busy, so the host never waits on it, after `warmup` steps that compile and
+    autotune every kernel the step reaches (delayed scaling's second step takes other paths than
+    its first)."""
     import time
 
-    step()
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         step()
-    elapsed = (time.perf_counter() - start) / steps * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
-    return elapsed
+    return times
+
+
+def host_ms(step, steps=10):
+    """Median host time per step (host_step_times; the median, since one garbage collection
+    can double a step's): a layer step is launch-bound when this exceeds its GPU time."""
+    return statistics.median(host_step_times(step, steps))
 
 
 def gemm_breakdown(tokens, k, n):

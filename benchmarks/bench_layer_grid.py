@@ -174,18 +174,20 @@ def median_ms(fn, tp_group=None, warmup_ms=25.0, rep_ms=100.0) -> float:
     return float(torch.tensor([b.elapsed_time(f) for b, f in zip(starts, ends)]).median())
 
 
-def eager_host_ms(step, steps=5) -> float | None:
-    """The host's time for an eager `step` while the GPU is kept busy (bench_fp8_linear.host_ms),
-    or None where the step waited on the GPU: then the queued second of sleep shows up in it and
-    the host's own time cannot be told apart."""
-    from bench_fp8_linear import host_ms
+def eager_host_ms(step, steps=10) -> float | None:
+    """The host's median time for an eager `step` while the GPU is kept busy
+    (bench_fp8_linear.host_step_times), or None where the steps waited on the GPU: then the queued
+    second of sleep shows up in them and the host's own time cannot be told apart."""
+    import statistics
 
-    ms = host_ms(step, steps)
-    if ms * steps > 500:  # half of the queued sleep: the host waited for it
-        print(f"warning: an eager step took {ms:.0f} ms of host time: it waits on the GPU somewhere, so its "
-              "host time is not recorded", file=sys.stderr)
+    from bench_fp8_linear import host_step_times
+
+    times = host_step_times(step, steps)
+    if sum(times) > 500:  # half of the queued sleep: the host waited for it
+        print(f"warning: {steps} eager steps took {sum(times):.0f} ms of host time: they wait on the GPU "
+              "somewhere, so their host time is not recorded", file=sys.stderr)
         return None
-    return ms
+    return statistics.median(times)
 
 
 def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
