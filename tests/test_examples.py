@@ -80,10 +80,12 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     assert again.returncode == 0 and "starting from scratch" not in again.stdout
     assert again.stdout.count("(finished)") == 5 and "kept" in again.stdout and "tokenizer" in again.stdout
 
-    # The seed group: both models' bf16 runs again from the next seed, GPT's set beside the first.
+    # The seed group: both models' bf16 runs (and the 4x-LR Llama's) again from the next seed, GPT's set
+    # beside the first.
     seeded = study("seed")
     assert seeded.returncode == 0, seeded.stdout + seeded.stderr
     assert "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235)" in seeded.stdout
+    assert "seed/lr4x_bf16 (llama-120m, bf16, peak LR 0.0024, 2 iterations, seed 1235)" in seeded.stdout
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| seed 1234", "| seed 1235"]
     first, second = (json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
