@@ -321,11 +321,12 @@ def plot(paths, plot_dir: Path) -> list[Path]:
                 value = p.get(f"speedup_{recipe}")
                 grid[hiddens.index(p["hidden"])][columns.index((p["seq"], p["micro_batch"]))] = (
                     value if value is not None else float("nan"))
+            axis.set_facecolor("#d9d9d9")  # grey: not measured or did not fit
             axis.imshow(grid, cmap=colours, norm=norm, aspect="auto")
             for i, row in enumerate(grid):
                 for j, value in enumerate(row):
                     axis.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
-                              color="white")
+                              color="black" if value != value else "white")
             axis.set_xticks(range(len(columns)), [f"{s // 1024}k x{b}" for s, b in columns], rotation=90, fontsize=7)
             axis.set_yticks(range(len(hiddens)), [str(h) for h in hiddens], fontsize=8)
             axis.set_xlabel("sequence x micro-batch")
