@@ -96,6 +96,9 @@ train() {
                                       --fp8-amax-compute-algo max) ;;
         fp8_current) precision_args+=(--fp8-format hybrid --fp8-recipe current) ;;
     esac
+    # Where a high learning rate may strain FP8, which layers do: per-layer FP8 health in metrics.jsonl
+    # (tools/fp8_layer_table.py reads it).
+    if [[ $precision == fp8_* && $name == lr* ]]; then precision_args+=(--log-fp8-layers); fi
     local min_lr warmup
     min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
     echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed) in $dir"

@@ -70,6 +70,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records if "valid_loss" in r] == list(range(2, iterations + 1, 2))
         assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
+        assert ("fp8_layers" in records[0]) == (name == "lr2x/fp8_delayed")  # per-layer health: lr groups' FP8
     assert "peak LR 0.0012, 2 iterations" in done.stdout  # twice the default peak, the shorter schedule
     table = (tmp_path / "report" / "gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| fp8_current"]

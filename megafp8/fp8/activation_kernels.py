@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .quantize import quantize_torch
-from .tensor import Fp8Tensor, saturation_bound
+from .tensor import Fp8Tensor, saturation_bound, underflow_bound
 from .triton_kernels import INTERPRETING as _INTERPRETING
 
 try:
@@ -172,32 +172,35 @@ if triton is not None:
         return d_gate, d_up
 
     @triton.jit
-    def _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, SATURATION: tl.constexpr,
+    def _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION: tl.constexpr,
                  BOUND_INCLUSIVE: tl.constexpr):
-        # amax and the saturation count of a tile of the rounded output (0 in the padding: never
-        # the max, never counted). A NaN counts as +inf, as in triton_kernels._quantize_kernel.
+        # amax and the saturation and underflow counts of a tile of the rounded output (0 in the
+        # padding: never the max, never counted). A NaN counts as +inf, as in triton_kernels._quantize_kernel.
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
         if SATURATION:
             scaled = tl.abs(y * scale)
             hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+            flushed = (scaled != 0.0) & (scaled <= flush_bound)
             tl.atomic_add(saturation_ptr, tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0).to(tl.int64))
             tl.atomic_add(saturation_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64))
+            tl.atomic_add(saturation_ptr + 2, tl.sum(tl.sum(flushed.to(tl.int32), axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def _cast_gradient_tile(g, out_ptrs, mask, sum_ptrs, col_mask, SUM_AXIS: tl.constexpr, scale, amax_ptr,
-                            saturation_ptr, saturation_bound, COL_SUM: tl.constexpr, SATURATION: tl.constexpr,
-                            BOUND_INCLUSIVE: tl.constexpr):
+                            saturation_ptr, saturation_bound, flush_bound, COL_SUM: tl.constexpr,
+                            SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr):
         # A tile of dh cast to FP8 at out_ptrs, its statistics taken, and its column sums (the
         # columns of dh lie along SUM_AXIS of the tile) stored at sum_ptrs.
         tl.store(out_ptrs, _to_fp8(g * scale, out_ptrs.dtype.element_ty), mask=mask)
-        _observe(g, mask, scale, amax_ptr, saturation_ptr, saturation_bound, SATURATION, BOUND_INCLUSIVE)
+        _observe(g, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION, BOUND_INCLUSIVE)
         if COL_SUM:
             tl.store(sum_ptrs, tl.sum(g, axis=SUM_AXIS), mask=col_mask)
 
     @triton.jit
     def _activation_quantize_kernel(
         h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, saturation_ptr, M, F, K, saturation_bound,
+        flush_bound,
         KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr,
         BOUND_INCLUSIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
@@ -210,7 +213,8 @@ if triton is not None:
         if ROWWISE:
             mask = (rows[:, None] < M) & (cols[None, :] < F)
             y = _activation(h_ptr, rows[:, None], cols[None, :], mask, F, K, KIND)
-            _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, SATURATION, BOUND_INCLUSIVE)
+            _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION,
+                     BOUND_INCLUSIVE)
             tl.store(q_ptr + rows[:, None] * F + cols[None, :], _to_fp8(y * scale, q_ptr.dtype.element_ty), mask=mask)
         if COLUMNWISE:
             mask_t = (cols[:, None] < F) & (rows[None, :] < M)
@@ -218,7 +222,7 @@ if triton is not None:
                 transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], cols[:, None], mask_t, M, F)
             else:
                 y_t = _activation(h_ptr, rows[None, :], cols[:, None], mask_t, F, K, KIND)
-                _observe(y_t, mask_t, scale, amax_ptr, saturation_ptr, saturation_bound, SATURATION,
+                _observe(y_t, mask_t, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION,
                          BOUND_INCLUSIVE)
                 tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8(y_t * scale, qt_ptr.dtype.element_ty),
                          mask=mask_t)
@@ -228,7 +232,7 @@ if triton is not None:
     @triton.jit
     def _activation_backward_quantize_kernel(
         dout_ptr, h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, col_sum_ptr, saturation_ptr,
-        M, F, K, saturation_bound,
+        M, F, K, saturation_bound, flush_bound,
         KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, COL_SUM: tl.constexpr,
         SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
@@ -252,10 +256,11 @@ if triton is not None:
                 g = _gelu_grad_tile(dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, K, KIND == "gelu_tanh")
             offsets = rows[:, None] * K + cols[None, :]
             _cast_gradient_tile(g, q_ptr + offsets, mask, sums_ptr + cols, col_mask, 0, scale, amax_ptr,
-                                saturation_ptr, saturation_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
+                                saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
             if GATED:
                 _cast_gradient_tile(g_up, q_ptr + offsets + F, mask, sums_ptr + F + cols, col_mask, 0, scale,
-                                    amax_ptr, saturation_ptr, saturation_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
+                                    amax_ptr, saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION,
+                                    BOUND_INCLUSIVE)
         if COLUMNWISE:
             mask_t = col_mask[:, None] & (rows[None, :] < M)
             if ROWWISE:
@@ -270,11 +275,11 @@ if triton is not None:
                                         KIND == "gelu_tanh")
                 offsets_t = cols[:, None] * M + rows[None, :]
                 _cast_gradient_tile(g, qt_ptr + offsets_t, mask_t, sums_ptr + cols, col_mask, 1, scale, amax_ptr,
-                                    saturation_ptr, saturation_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
+                                    saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
                 if GATED:
                     _cast_gradient_tile(g_up, qt_ptr + offsets_t + F * M, mask_t, sums_ptr + F + cols, col_mask, 1,
-                                        scale, amax_ptr, saturation_ptr, saturation_bound, COL_SUM, SATURATION,
-                                        BOUND_INCLUSIVE)
+                                        scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, COL_SUM,
+                                        SATURATION, BOUND_INCLUSIVE)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
@@ -378,7 +383,7 @@ def _activation_quantize_triton(h, kind, fp8_dtype, scale, rowwise, columnwise, 
     grid = (triton.cdiv(M, FWD_BLOCK_M), triton.cdiv(F, FWD_BLOCK_N))
     _activation_quantize_kernel[grid](
         h, q if rowwise else qt, qt if columnwise else q, scale, amax, scale_inv,
-        saturation_out if saturation_out is not None else scale_inv, M, F, K, bound,
+        saturation_out if saturation_out is not None else scale_inv, M, F, K, bound, underflow_bound(fp8_dtype),
         KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, SATURATION=saturation_out is not None,
         BOUND_INCLUSIVE=inclusive, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, num_warps=NUM_WARPS,
         enable_reflect_ftz=False,  # libdevice without flush-to-zero, as nvcc builds aten's kernels
@@ -397,7 +402,7 @@ def _activation_backward_quantize_triton(dout, h, kind, fp8_dtype, scale, rowwis
     _activation_backward_quantize_kernel[grid](
         dout, h, q if rowwise else qt, qt if columnwise else q, scale, amax, scale_inv,
         partial_sums if col_sum else scale_inv, saturation_out if saturation_out is not None else scale_inv,
-        M, F, K, bound,
+        M, F, K, bound, underflow_bound(fp8_dtype),
         KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, COL_SUM=col_sum, SATURATION=saturation_out is not None,
         BOUND_INCLUSIVE=inclusive, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=NUM_WARPS,
         enable_reflect_ftz=False,

@@ -22,7 +22,8 @@ from .scaling import AmaxPass
 class Fp8Context:
     """What an Fp8Linear needs to know about the fp8_autocast it runs under. `replay_scales`
     (id of a ScalingState -> the scale it cast with) marks the recomputation of a forward;
-    `collect_saturation` makes each cast count its saturated elements (forward and backward)."""
+    `collect_saturation` makes each cast count its saturated and flushed elements (forward and
+    backward)."""
 
     recipe: Recipe
     amax_reduction_group: Optional[dist.ProcessGroup]
@@ -60,9 +61,10 @@ def fp8_autocast(
     all of them keep identical scales. Nested contexts override; `enabled=False` turns FP8 off.
     The forward amaxes are applied on a normal exit only: after an exception no collective
     runs, since the other ranks may never reach it.
-    `collect_saturation=True` also counts, in each ScalingState's `saturation`, the elements
-    every cast saturates, in this forward and in the backward built from it: an extra read of
-    each cast tensor, for the micro-batches whose statistics are logged. Numerics are unchanged.
+    `collect_saturation=True` also counts, in each ScalingState's `cast_counts`, the elements
+    every cast saturates and the nonzero ones it flushes to zero, in this forward and in the
+    backward built from it: for the micro-batches whose statistics are logged, in the casting
+    kernels themselves. Numerics are unchanged.
     """
     if recipe is None:
         recipe = DelayedScaling()

@@ -184,7 +184,7 @@ class LayerGraphs:
         scaling state it touches and the CUDA generator are restored, no gradient is kept (the
         linears do not write main_grad meanwhile)."""
         linears = [m for linears in self.linears for m in linears]
-        states = [t for m in linears for s in m.fp8_scaling.values() for t in (s.scale, s.amax, s.saturation)]
+        states = [t for m in linears for s in m.fp8_scaling.values() for t in (s.scale, s.amax, s.cast_counts)]
         saved, rng = [t.clone() for t in states], torch.cuda.get_rng_state()
         fused = [m.fuse_wgrad_accumulation for m in linears]
         for m in linears:

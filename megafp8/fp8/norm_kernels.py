@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .quantize import quantize_torch
-from .tensor import Fp8Tensor, saturation_bound
+from .tensor import Fp8Tensor, saturation_bound, underflow_bound
 from .triton_kernels import available
 
 try:
@@ -144,17 +144,19 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _observe(y, amax, saturated, scale, saturation_bound, SATURATION: tl.constexpr,
+    def _observe(y, amax, saturated, flushed, scale, saturation_bound, flush_bound, SATURATION: tl.constexpr,
                  BOUND_INCLUSIVE: tl.constexpr):
         # y: a tile of the rounded output, 0 in the padding. A NaN counts as +inf, as in
-        # triton_kernels._quantize_kernel; the count is that of quantize.saturates.
+        # triton_kernels._quantize_kernel; the counts are those of quantize.saturates and
+        # quantize.underflows.
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
         amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
         if SATURATION:
             scaled = tl.abs(y * scale)
             hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
             saturated += tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
-        return amax, saturated
+            flushed += tl.sum(tl.sum(((scaled != 0.0) & (scaled <= flush_bound)).to(tl.int32), axis=1), axis=0)
+        return amax, saturated, flushed
 
     @triton.jit
     def _load_tile(ptr, rows, cols, M, N: tl.constexpr):
@@ -197,7 +199,7 @@ if triton is not None:
     @triton.jit
     def _norm_quantize_kernel(
         x_ptr, w_ptr, b_ptr, q_ptr, qt_ptr, mean_ptr, rstd_ptr, scale_ptr, scale_inv_ptr, amax_ptr, saturation_ptr,
-        M, eps, saturation_bound,
+        M, eps, saturation_bound, flush_bound,
         N: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -209,6 +211,7 @@ if triton is not None:
         scale = tl.load(scale_ptr)
         amax = 0.0
         saturated = 0
+        flushed = 0
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mean, rstd = _row_statistics(x_ptr, rows, M, eps, N, RMS, BLOCK_M, BLOCK_N)
@@ -226,8 +229,8 @@ if triton is not None:
                 x, mask = _load_tile(x_ptr, rows, cols, M, N)
                 y = _normalise(x, mean[:, None], rstd[:, None], w[None, :], b[None, :], RMS, HAS_BIAS)
                 y = tl.where(mask, round_to(y, dtype), 0.0)
-                amax, saturated = _observe(y, amax, saturated, scale, saturation_bound, SATURATION,
-                                           BOUND_INCLUSIVE)
+                amax, saturated, flushed = _observe(y, amax, saturated, flushed, scale, saturation_bound,
+                                                    flush_bound, SATURATION, BOUND_INCLUSIVE)
                 tl.store(q_ptr + rows[:, None] * N + cols[None, :],
                          to_fp8(y * scale, q_ptr.dtype.element_ty), mask=mask)
             if COLUMNWISE:
@@ -239,14 +242,15 @@ if triton is not None:
                                   ).to(tl.float32)
                     y_t = _normalise(x_t, mean[None, :], rstd[None, :], w[:, None], b[:, None], RMS, HAS_BIAS)
                     y_t = tl.where(mask_t, round_to(y_t, dtype), 0.0)
-                    amax, saturated = _observe(y_t, amax, saturated, scale, saturation_bound, SATURATION,
-                                               BOUND_INCLUSIVE)
+                    amax, saturated, flushed = _observe(y_t, amax, saturated, flushed, scale, saturation_bound,
+                                                        flush_bound, SATURATION, BOUND_INCLUSIVE)
                     tl.store(qt_ptr + cols[:, None] * M + rows[None, :],
                              to_fp8(y_t * scale, qt_ptr.dtype.element_ty), mask=mask_t)
         tl.atomic_max(amax_ptr, amax)
         if SATURATION:
             tl.atomic_add(saturation_ptr, saturated.to(tl.int64))
             tl.atomic_add(saturation_ptr + 1, tl.sum(row_mask.to(tl.int64), axis=0) * N)
+            tl.atomic_add(saturation_ptr + 2, flushed.to(tl.int64))
         if pid == 0:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
@@ -281,6 +285,7 @@ def norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, c
         M,
         eps,
         bound,
+        underflow_bound(fp8_dtype),
         N=N,
         RMS=rms,
         HAS_BIAS=bias is not None,

@@ -12,7 +12,7 @@ import torch
 
 from . import triton_kernels
 from .formats import fp8_max
-from .tensor import Fp8Tensor, absmax, saturates, scale_from_amax
+from .tensor import Fp8Tensor, absmax, saturates, scale_from_amax, underflows
 
 
 def quantize(
@@ -36,8 +36,9 @@ def quantize(
     also written into `scale_out` when given. `amax_out`, when given, is an accumulator the
     observed amax is maxed into (and returned as `amax`): delayed scaling's per-pass record.
     `rowwise`/`columnwise` ask for `data`/`data_t`, `col_sum` for the fp32 column sums of x.
-    `saturation_out`, when given, is an int64 pair that (elements saturated, elements cast) are
-    added to (`saturation_bound` says which), on the device and without a host sync.
+    `saturation_out`, when given, is an int64 triple that (elements saturated, elements cast,
+    nonzero elements flushed to zero) are added to (`saturation_bound` and `underflow_bound` say
+    which), on the device and without a host sync.
     `out`, when given, is an earlier cast of the same shape and layout whose `data`, `data_t`
     and `scale_inv` are overwritten in place: a cast cached across passes (a weight's) keeps
     the addresses a CUDA graph captured.
@@ -77,6 +78,7 @@ def quantize_torch(
     if saturation_out is not None:
         saturation_out[0] += saturates(scaled, fp8_dtype).sum()
         saturation_out[1] += x.numel()
+        saturation_out[2] += underflows(scaled, fp8_dtype).sum()
     limit = fp8_max(fp8_dtype)
     # Saturate first: a plain .to(float8) may turn out-of-range values into NaN or inf.
     q = scaled.clamp_(-limit, limit).to(fp8_dtype)

@@ -32,8 +32,9 @@ class ScalingState(nn.Module):
     follow the module's device and live in its state_dict with the update count.
     `amax` accumulates what the casts of the current pass observe (the quantize kernel maxes
     into it, so no amax tensor is allocated per cast); the end-of-pass update consumes it.
-    `saturation` counts (elements saturated, elements cast) over the casts made under
-    `fp8_autocast(collect_saturation=True)`, until `take_saturation` reads and resets it.
+    `cast_counts` counts (elements saturated, elements cast, nonzero elements flushed to zero)
+    over the casts made under `fp8_autocast(collect_saturation=True)`, until `take_cast_counts`
+    reads and resets it.
     """
 
     def __init__(self):
@@ -41,7 +42,7 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("amax_history", torch.zeros(0))
         self.register_buffer("amax", torch.zeros(()), persistent=False)
-        self.register_buffer("saturation", torch.zeros(2, dtype=torch.int64), persistent=False)
+        self.register_buffer("cast_counts", torch.zeros(3, dtype=torch.int64), persistent=False)
         self.update_count = 0  # host-side, so `interval` needs no device sync
 
     @torch.no_grad()
@@ -86,14 +87,14 @@ class ScalingState(nn.Module):
         return f"history_len={self.amax_history.numel()}, updates={self.update_count}"
 
 
-def take_saturation(states: list[ScalingState]) -> list[tuple[int, int]]:
-    """(elements saturated, elements cast) of each state since the last call, then reset to 0.
-    One device-to-host copy for all of them."""
+def take_cast_counts(states: list[ScalingState]) -> list[tuple[int, int, int]]:
+    """(elements saturated, elements cast, nonzero elements flushed to zero) of each state since
+    the last call, then reset to 0. One device-to-host copy for all of them."""
     if not states:
         return []
-    counts = torch.stack([s.saturation for s in states]).tolist()
-    torch._foreach_zero_([s.saturation for s in states])
-    return [(saturated, cast) for saturated, cast in counts]
+    counts = torch.stack([s.cast_counts for s in states]).tolist()
+    torch._foreach_zero_([s.cast_counts for s in states])
+    return [tuple(c) for c in counts]
 
 
 def scaling_states(device=None) -> nn.ModuleDict:
@@ -146,7 +147,7 @@ def cast(tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass:
         margin=recipe.margin,
         scale_out=state.scale if scale is None else None,
         amax_out=state.amax if recipe.delayed else None,
-        saturation_out=state.saturation if context.collect_saturation else None,
+        saturation_out=state.cast_counts if context.collect_saturation else None,
         **layout,
     )
     if recipe.delayed:

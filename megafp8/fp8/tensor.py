@@ -69,3 +69,15 @@ def saturates(scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Where the saturating cast of `scaled` (= x * scale, fp32) changes a value (`saturation_bound`)."""
     bound, inclusive = saturation_bound(fp8_dtype)
     return scaled.abs() >= bound if inclusive else scaled.abs() > bound
+
+
+def underflow_bound(fp8_dtype: torch.dtype) -> float:
+    """The cast of x * scale flushes a nonzero value to zero when |x * scale| <= this bound: half
+    the smallest subnormal (2^-10 in E4M3, 2^-17 in E5M2; the tie rounds to even, which is 0)."""
+    info = torch.finfo(fp8_dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+def underflows(scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Where the cast of `scaled` (= x * scale, fp32) turns a nonzero value into zero."""
+    return (scaled != 0) & (scaled.abs() <= underflow_bound(fp8_dtype))

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .formats import fp8_max
-from .tensor import Fp8Tensor, absmax, saturation_bound
+from .tensor import Fp8Tensor, absmax, saturation_bound, underflow_bound
 
 try:
     import triton
@@ -112,7 +112,7 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(
         x_ptr, k_ptr, v_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr,
-        saturation_ptr, M, N, stride_q, stride_kv, fp8_max, margin_factor, saturation_bound,
+        saturation_ptr, M, N, stride_q, stride_kv, fp8_max, margin_factor, saturation_bound, flush_bound,
         CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
         WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
         HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -140,12 +140,15 @@ if triton is not None:
             # Per-tile partial sums, reduced by the caller: deterministic, unlike atomics.
             tl.store(col_sum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
         if SATURATION:
-            # The opt-in count of quantize.saturates, on the very product the cast takes (padding is
-            # 0, never counted), and of the elements cast: no extra launch on the host.
+            # The opt-in counts of quantize.saturates and quantize.underflows, on the very product
+            # the cast takes (padding is 0, never counted), and of the elements cast: no extra
+            # launch on the host.
             scaled = tl.abs(x * scale)
             hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+            flushed = (scaled != 0.0) & (scaled <= flush_bound)
             tl.atomic_add(saturation_ptr, tl.sum(hits.to(tl.int32)).to(tl.int64))
             tl.atomic_add(saturation_ptr + 1, tl.sum(mask.to(tl.int32)).to(tl.int64))
+            tl.atomic_add(saturation_ptr + 2, tl.sum(flushed.to(tl.int32)).to(tl.int64))
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
         if ROWWISE:
@@ -273,6 +276,7 @@ def _launch(x, heads, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise,
         fp8_max(fp8_dtype),
         1.0 / (2.0**margin),
         bound,
+        underflow_bound(fp8_dtype),
         CURRENT=current,
         ROWWISE=rowwise,
         COLUMNWISE=columnwise,

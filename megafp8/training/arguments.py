@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", help="the W&B run's name")
     g.add_argument("--wandb-save-dir", help="where wandb keeps its local files (default: <run dir>/wandb)")
     g.add_argument("--log-throughput", action="store_true", help="print TFLOP/s per GPU in the log line")
+    g.add_argument("--log-fp8-layers", action="store_true",
+                   help="with FP8, also write each layer's scales and saturated and underflowed fractions, per "
+                        "role, to metrics.jsonl at every log step (fp8_layers, gathered over all ranks)")
     g.add_argument("--profile", action="store_true",
                    help="profile steps --profile-step-start..--profile-step-end on --profile-ranks: "
                         "torch.profiler with --use-pytorch-profiler, else a CUDA profiler range for nsys")
@@ -582,7 +585,7 @@ def _check_schedule(args, given) -> None:
 
 _FP8_KNOBS = ("fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
               "no_fp8_wgrad", "fp8_output_layer", "first_last_layers_bf16",
-              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_check_interval")
+              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_check_interval", "log_fp8_layers")
 _SENTINEL = ("fp8_check_iters", "fp8_check_tolerance", "fp8_fallback_iters", "fp8_max_fallbacks")
 _DELAYED_ONLY = ("fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad")
 

@@ -467,7 +467,7 @@ class Trainer:
                               "loss": sum(losses) / len(losses), "lr": self.schedule(self.iteration - 1),
                               "grad_norm": grad_norm, "skipped_steps": self.skipped_steps,
                               **throughput.read(), **metrics.memory_stats(self.device),
-                              **metrics.fp8_health(self.model, group=world, per_layer=False)}
+                              **metrics.fp8_health(self.model, group=world, per_layer=a.log_fp8_layers)}
                     losses = []
                     logger.log(self.iteration, record)
                 if a.eval_interval and self.valid_data is not None and self.iteration % a.eval_interval == 0:

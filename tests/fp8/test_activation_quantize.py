@@ -94,7 +94,7 @@ def test_torch_path_is_unfused_then_quantize(kind, dtype, rowwise, columnwise):
     h, dout = make_inputs(kind, dtype, 37, 200)
     scale, grad_scale = scales(h, dout, kind)
     layouts = dict(rowwise=rowwise, columnwise=columnwise)
-    counts, ref_counts = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    counts, ref_counts = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     amax_out, ref_amax_out = torch.tensor(1e-3), torch.tensor(1e-3)
     q = activation_quantize(h, kind, E4M3, scale, **layouts, amax_out=amax_out, saturation_out=counts)
     ref = quantize_torch(mlp_activation(h, kind), E4M3, scale, 0, rowwise, columnwise, None, ref_amax_out, False,
@@ -203,16 +203,20 @@ def check_kernels(kind, dtype, M, F_, layouts, device, exact_fraction, seed=0):
     x = h[:, :F_]
     for rowwise, columnwise in layouts:
         what = f"{kind} {dtype} {M}x{F_} rowwise={rowwise} columnwise={columnwise}"
-        counts = torch.zeros(2, dtype=torch.int64, device=device)
-        ref_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        counts = torch.zeros(3, dtype=torch.int64, device=device)
+        ref_counts = torch.zeros(3, dtype=torch.int64, device=device)
         amax_out = torch.tensor(1e-3, device=device)
         q = activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise, amax_out=amax_out,
                                 saturation_out=counts)
-        ref = quantize_torch(activation_torch(h, kind), E4M3, scale, 0, rowwise, columnwise, None, None, False,
-                             ref_counts)
+        y = activation_torch(h, kind)
+        ref = quantize_torch(y, E4M3, scale, 0, rowwise, columnwise, None, None, False, ref_counts)
         assert q.amax is amax_out
         compare(q, ref, x, exact_fraction, what + " forward")
-        assert counts[1] == ref_counts[1] and abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what
+        assert counts[1] == ref_counts[1], what
+        assert abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what  # saturated
+        # Flushed to zero: where the activation is far below the smallest subnormal, the kernel's
+        # formula and aten's may give a tiny value and an exact zero, both cast to zero.
+        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (y == 0).sum(), what
         # An accumulator larger than the tensor's amax keeps its value.
         large = torch.tensor(1e6, device=device)
         activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise, amax_out=large)
@@ -227,7 +231,9 @@ def check_kernels(kind, dtype, M, F_, layouts, device, exact_fraction, seed=0):
         magnitude = dh.float().abs()
         compare(q, ref, x, exact_fraction, what + " backward",
                 (magnitude.sum(0), magnitude.amax(0), torch.finfo(dtype).eps))
-        assert counts[1] == ref_counts[1] and abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what
+        assert counts[1] == ref_counts[1], what
+        assert abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what  # saturated
+        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (dh == 0).sum(), what  # as forward
 
 
 def check_non_finite(kind, device):

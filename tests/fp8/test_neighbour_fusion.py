@@ -176,7 +176,7 @@ def test_quantize_heads_kernel_equals_quantize_of_the_concatenation(groups, quer
     source = HeadGradsSource(dq, dk, dv, head_dim)
     scale = torch.tensor(fp8_max(fp8_dtype) / 4, device="cuda")  # values beyond 4 saturate
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
-        counts = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in range(2)]
+        counts = [torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2)]
         fused_q = source.quantize(fp8_dtype, scale, rowwise=rowwise, columnwise=columnwise, col_sum=True,
                                   saturation_out=counts[0])
         plain_q = quantize(source.materialize(), fp8_dtype, scale, rowwise=rowwise, columnwise=columnwise,

@@ -13,7 +13,7 @@ from megafp8.fp8 import norm_kernels
 from megafp8.fp8.formats import fp8_max
 from megafp8.fp8.norm_kernels import norm_backward, norm_backward_torch, norm_forward_torch, norm_quantize
 from megafp8.fp8.quantize import quantize_torch
-from megafp8.fp8.tensor import saturates
+from megafp8.fp8.tensor import saturates, underflows
 
 from ..interpreter import run_interpreted_checks
 from .helpers import rel_err
@@ -125,10 +125,10 @@ def test_torch_path_casts_the_norm_as_quantize_does(rms, fp8_dtype, layout):
     # Twice the fitted scale: the upper half of the values saturates.
     scale = fitted_scale(y, fp8_dtype, headroom=2.0)
     amax_out = torch.tensor(0.5)  # below this y's amax: the max is the new one
-    saturation = torch.tensor([3, 5])
+    saturation = torch.tensor([3, 5, 2])
     q, mean, rstd = norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise=rowwise,
                                   columnwise=columnwise, amax_out=amax_out, saturation_out=saturation)
-    ref_saturation = torch.tensor([3, 5])
+    ref_saturation = torch.tensor([3, 5, 2])
     ref = quantize_torch(y, fp8_dtype, scale, 0, rowwise, columnwise, None, torch.tensor(0.5), False, ref_saturation)
     for out, expected in ((q.data, ref.data), (q.data_t, ref.data_t)):
         assert (out is None) == (expected is None)
@@ -203,7 +203,7 @@ def check_forward(x, weight, bias, rms, fp8_dtype, layout, saturate=False, same_
     rowwise, columnwise = layout
     y, ref_mean, ref_rstd = norm_forward_torch(x, weight, bias, EPS, rms)
     scale = fitted_scale(y, fp8_dtype, headroom=2.0 if saturate else 0.9)
-    amax_out, saturation = torch.tensor(0.25), torch.tensor([7, 11])
+    amax_out, saturation = torch.tensor(0.25), torch.tensor([7, 11, 13])
     q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise, columnwise,
                                                       amax_out, saturation)
     what = (tuple(x.shape), x.dtype, weight.dtype, rms, fp8_dtype, layout)
@@ -224,6 +224,8 @@ def check_forward(x, weight, bias, rms, fp8_dtype, layout, saturate=False, same_
     ref_saturated = saturates(y.float() * scale, fp8_dtype).sum().item()
     assert saturation[1].item() == 11 + y.numel(), what
     assert abs(saturation[0].item() - 7 - ref_saturated) <= 1e-3 * y.numel(), what
+    ref_flushed = underflows(y.float() * scale, fp8_dtype).sum().item()
+    assert abs(saturation[2].item() - 13 - ref_flushed) <= 1e-3 * y.numel(), what
     assert (ref_saturated > 0) == saturate, what
     return q, mean, rstd
 
@@ -257,7 +259,7 @@ def check_non_finite():
     x[5, 7] = float("nan")
     y = norm_forward_torch(x, weight, bias, EPS, False)[0]
     scale = fitted_scale(y[:5], E4M3)
-    saturation = torch.zeros(2, dtype=torch.int64)
+    saturation = torch.zeros(3, dtype=torch.int64)
     q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, False, E4M3, scale, True, True, None,
                                                       saturation)
     assert q.amax.item() == float("inf")  # a NaN counts as +inf, as in triton_kernels.quantize

@@ -193,7 +193,7 @@ def check_the_pass_casts_fp8_weights(device, dtype):
                         assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
                                            want.view(torch.uint8) if want.element_size() == 1 else want), step
         state = {k: v.clone() for k, v in layers.state_dict().items() if isinstance(v, torch.Tensor)}
-        saturation = [s.saturation.clone() for layer in layers for s in layer.fp8_scaling.values()]
+        saturation = [s.cast_counts.clone() for layer in layers for s in layer.fp8_scaling.values()]
         runs.append((outputs, state, saturation))
     (outputs, state, saturation), (ref_outputs, ref_state, ref_saturation) = runs
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))

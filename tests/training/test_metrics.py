@@ -542,7 +542,7 @@ def test_fp8_health_of_a_tiny_gpt():
 
 
 def saturation_counts(model):
-    return [s.saturation.tolist() for s in model.modules() if hasattr(s, "amax_history")]
+    return [s.cast_counts.tolist() for s in model.modules() if hasattr(s, "amax_history")]
 
 
 def test_recomputation_does_not_count_twice():
@@ -554,7 +554,7 @@ def test_recomputation_does_not_count_twice():
             model(tokens, labels=tokens).mean().backward()
         counts.append(saturation_counts(model))
     assert counts[0] == counts[1] == counts[2]
-    assert all(cast > 0 for _, cast in counts[0])
+    assert all(cast > 0 for _, cast, _ in counts[0])
 
 
 def test_collection_off_leaves_nothing_to_report():
@@ -562,28 +562,51 @@ def test_collection_off_leaves_nothing_to_report():
     tokens = torch.randint(0, 1000, (2, 32))
     with fp8_autocast():
         model(tokens, labels=tokens).mean().backward()
-    assert all(c == [0, 0] for c in saturation_counts(model))
+    assert all(c == [0, 0, 0] for c in saturation_counts(model))
     health = fp8_health(model)
-    assert health["fp8_saturation"] is None and health["fp8_scale_min"] > 0
+    assert health["fp8_saturation"] is None and health["fp8_underflow"] is None and health["fp8_scale_min"] > 0
 
 
 def test_a_model_without_fp8_reports_none():
     model = TransformerLM(preset("gpt-tiny"))
     assert fp8_health(model, per_layer=False) == {"fp8_scale_min": None, "fp8_scale_max": None,
-                                                  "fp8_saturation": None}
+                                                  "fp8_saturation": None, "fp8_underflow": None}
 
 
 def _health_over_ranks(rank, world_size):
     layer = Fp8Linear(16, 16)
     layer.fp8_scaling["input"].scale.fill_(2.0 ** (rank + 1))
-    layer.fp8_scaling["input"].saturation.copy_(torch.tensor([rank + 1, 100]))
+    layer.fp8_scaling["input"].cast_counts.copy_(torch.tensor([rank + 1, 100, 2 * rank]))
     return fp8_health(layer, group=torch.distributed.group.WORLD, per_layer=False)
 
 
 def test_health_reduced_over_a_group():
     results = run_on_ranks(_health_over_ranks, 2)
-    expected = {"fp8_scale_min": 2.0, "fp8_scale_max": 4.0, "fp8_saturation": 3 / 200}
+    expected = {"fp8_scale_min": 2.0, "fp8_scale_max": 4.0, "fp8_saturation": 3 / 200, "fp8_underflow": 2 / 200}
     assert results == [expected, expected]
+
+
+def _layers_over_ranks(rank, world_size):
+    # Two pipeline stages: rank 0 holds layer 0 (and a second copy of layer 2's input state, as a
+    # data-parallel replica would), rank 1 layers 2 and 10: one record with every layer, in order.
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({str(i): Fp8Linear(16, 16) for i in ((0, 2) if rank == 0 else (2, 10))})
+    for i, layer in model.items():
+        layer.fp8_scaling["input"].scale.fill_(2.0 ** (int(i) + rank))
+        layer.fp8_scaling["input"].cast_counts.copy_(torch.tensor([1, 100, 10 * (rank + 1)]))
+    return fp8_health(model, group=torch.distributed.group.WORLD)
+
+
+def test_per_layer_health_gathered_over_a_group():
+    results = run_on_ranks(_layers_over_ranks, 2)
+    assert results[0] == results[1]
+    health = results[0]
+    assert list(health["fp8_layers"]) == ["0", "2", "10"]
+    assert health["fp8_layers"]["2"]["roles"]["input"] == {"scale": 4.0, "saturation": 2 / 200,
+                                                          "underflow": 30 / 200}  # the smaller scale, summed counts
+    assert health["fp8_layers"]["10"]["underflow"] == 20 / 100
+    assert health["fp8_saturation"] == 4 / 400 and health["fp8_underflow"] == 60 / 400
+    assert health["fp8_scale_min"] == 1.0 and health["fp8_scale_max"] == 2.0 ** 11
 
 
 # -- the run summary ------------------------------------------------------------------------

@@ -239,6 +239,36 @@ def test_a_tp2_run_resumes_with_tp1(tmp_path):
     assert resumed[0][1] == pytest.approx(straight[2][1], rel=1e-3)
 
 
+def fp8_layer_records(rank, world_size, argv, save):
+    pretrain(argv + ["--save", f"{save}"])
+    metrics = Path(save) / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if rank == world_size - 1 else None
+
+
+@pytest.mark.parametrize("ranks,extra", [
+    (1, []),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]),
+])
+def test_log_fp8_layers_records_every_layer_of_every_stage(tmp_path, ranks, extra):
+    argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--fp8-format", "hybrid", "--log-fp8-layers", *extra]
+    records = [r for r in run_on_ranks(fp8_layer_records, ranks, argv, tmp_path / "run") if r is not None][0]
+    logged = [r for r in records if "fp8_layers" in r]
+    assert [r["iteration"] for r in logged] == [1, 2, 3]
+    layers = logged[-1]["fp8_layers"]
+    # Every FP8 linear of the four layers, on whichever stage it lives, by its global name.
+    assert list(layers) == [f"layers.{i}.{name}" for i in range(4)
+                            for name in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")]
+    for layer in layers.values():
+        assert set(layer["roles"]) == {"input", "weight", "grad_output"}
+        assert 0 <= layer["underflow"] < 0.5 and layer["saturation"] is not None
+    assert logged[-1]["fp8_underflow"] is not None
+
+
+def test_log_fp8_layers_without_fp8_is_refused():
+    with pytest.raises(arguments.ArgumentsError, match="--log-fp8-layers given without --fp8-format"):
+        arguments.parse_args(TINY + ["--log-fp8-layers"])
+
+
 def last_stage_losses(rank, world_size, argv):
     trainer = pretrain(argv)
     return trainer.history if trainer.groups.is_last_stage else None
