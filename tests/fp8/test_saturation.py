@@ -9,6 +9,8 @@ from megafp8 import Fp8Linear, fp8_autocast, fp8_max, quantize
 from megafp8.fp8.scaling import take_cast_counts
 from megafp8.fp8.tensor import saturates, underflow_bound, underflows
 
+from ..interpreter import run_interpreted_checks
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -152,6 +154,29 @@ def test_off_counts_nothing_and_on_changes_no_numerics():
         assert torch.equal(a, b)
     assert all(s.cast_counts.tolist() == [0, 0, 0] for s in layer.fp8_scaling.values())
     assert twin.fp8_scaling["input"].cast_counts.tolist()[:2] == [1, x.numel()]
+
+
+def interpreted_checks():
+    """The fused quantize kernel's counts against the torch path's, in Triton's interpreter (its
+    FP8 bytes are the GPU test's: the interpreter's conversion is not the hardware's)."""
+    from megafp8.fp8 import triton_kernels
+    from megafp8.fp8.quantize import quantize_torch
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 130, generator=g) * torch.exp2(torch.randint(-20, 4, (70, 130), generator=g).float())
+    x[0, :4] = torch.tensor([1e4, 2.0**-10, 0.0, -2.0**-17])  # saturated; E4M3's tie; zero; E5M2's tie
+    for dtype in (E4M3, E5M2):
+        for scale in (torch.tensor(1.0), None):
+            for layout in ((True, True), (False, True)):
+                counts, ref_counts = counter(), counter()
+                triton_kernels.quantize(x.bfloat16(), dtype, scale, 0, *layout, None, None, False, counts)
+                quantize_torch(x.bfloat16(), dtype, scale, 0, *layout, None, None, False, ref_counts)
+                assert torch.equal(counts, ref_counts), (dtype, scale, layout, counts, ref_counts)
+                assert counts[2] > 0 and counts[1] == x.numel()
+
+
+def test_quantize_kernel_counts_in_the_triton_interpreter():
+    run_interpreted_checks(__name__)
 
 
 @pytest.mark.gpu
