@@ -26,8 +26,10 @@ MLP width) and, per point, the host's time for an eager step (`{recipe}_host_ms`
 launches with the GPU kept busy: what a layout that cannot be graphed, such as a
 pipeline-parallel one, waits on where it exceeds the GPU's time), its output end
 (`head_{recipe}_ms`: embedding, final norm, output layer and loss, forward + backward, as the
-trainer runs them: a one-layer model's step less the layer's), and once the device's copy bandwidth (`copy_gbs`, bytes read and written per second,
-for the optimizer's memory-bound pass): what tools/plan_parallel.py's throughput model reads.
+trainer runs them: a one-layer model's step less the layer's), the step with selective
+recomputation (`{recipe}_selective_ms`), and once the device's copy bandwidth (`copy_gbs`, bytes
+read and written per second, for the optimizer's memory-bound pass): what
+tools/plan_parallel.py's throughput model reads.
 
 `--plot` draws, per architecture and tensor-parallel size, heat maps of the FP8/bf16 speed-up
 (delayed and current) with hidden size down and (sequence, micro-batch) across, in the seed's
@@ -92,10 +94,12 @@ def scaling(name: str):
     return {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
 
 
-def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
-    """{recipe: ms}, {recipe: forward ms} and, for the planner (--model), {recipe: host ms of an
-    eager step} and {recipe: output-end ms} for one grid point of layer `config` (None where it
-    did not fit), on this process's GPU."""
+def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> dict:
+    """{kind: {recipe: ms}} for one grid point of layer `config` (None where it did not fit), on
+    this process's GPU: "ms" (forward + backward, graphed), "fwd_ms" (the forward alone) and, for
+    the planner (--model), "host_ms" (an eager step's host time), "selective_ms" (the step with
+    selective recomputation, the attention core run again in backward, graphed as the trainer
+    graphs it) and "head" (the output end)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
     from bench_fp8_linear import graphed
 
@@ -105,11 +109,14 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
     from megafp8.models.transformer import TransformerLayer
 
     tp = group_size(tp_group)
-    times, forward_times, host_times, head_times = {}, {}, {}, {}
+    kinds = ("ms", "fwd_ms") + (("host_ms", "selective_ms") if planner else ())
+    times = {kind: {} for kind in kinds}
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:
         torch.manual_seed(0)
         layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
+        selective = (TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", recompute="selective")
+                     if planner else None)
         x = torch.randn(seq // tp, micro_batch, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
         rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
@@ -117,30 +124,32 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False):
         for name in recipes:
             recipe = scaling(name)
 
-            def forward():
+            def forward(module=layer):
                 with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
-                    return layer(x, rotary)
+                    return module(x, rotary)
 
-            def step():
-                for p in layer.parameters():
+            def step(module=layer):
+                for p in module.parameters():
                     p.grad = None
                 x.grad = None
-                forward().backward(dy)
+                forward(module).backward(dy)
 
             try:
                 if planner:  # eager, as pipeline-parallel layouts run (no graphs)
-                    host_times[name] = eager_host_ms(step)
-                times[name] = median_ms(graphed(step), tp_group)
-                forward_times[name] = median_ms(graphed(forward), tp_group)
+                    times["host_ms"][name] = eager_host_ms(step)
+                times["ms"][name] = median_ms(graphed(step), tp_group)
+                times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
+                if planner:
+                    times["selective_ms"][name] = median_ms(graphed(lambda: step(selective)), tp_group)
             except torch.cuda.OutOfMemoryError:
-                times[name] = forward_times[name] = host_times[name] = None
+                for kind in kinds:
+                    times[kind][name] = None
             torch.cuda.empty_cache()
         if planner:
-            head_times = time_head(config, seq, micro_batch, recipes, tp_group, times)
+            times["head"] = time_head(config, seq, micro_batch, recipes, tp_group, times["ms"])
     except torch.cuda.OutOfMemoryError:
-        times = forward_times = {name: None for name in recipes}
-        host_times = head_times = {name: None for name in recipes} if planner else {}
-    return times, forward_times, host_times, head_times
+        times = {kind: {name: None for name in recipes} for kind in kinds + (("head",) if planner else ())}
+    return times
 
 
 def median_ms(fn, tp_group=None, warmup_ms=25.0, rep_ms=100.0) -> float:
@@ -252,19 +261,18 @@ def run_grid(args) -> dict:
             for micro_batch in args.micro_batches:
                 config = (preset(args.model, max_position_embeddings=max(seq, preset(args.model).max_position_embeddings))
                           if args.model else layer_config(arch, hidden, seq))
-                times, forward_times, host_times, head_times = time_point(config, seq, micro_batch, RECIPES, tp_group,
-                                                                          planner=args.model is not None)
+                measured = time_point(config, seq, micro_batch, RECIPES, tp_group, planner=args.model is not None)
+                times = measured["ms"]
                 flops = layer_flops(config, seq * micro_batch, seq) / tp
                 point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
                          "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
                          "micro_batch": micro_batch, "tp": tp,
-                         **{f"{name}_ms": t for name, t in times.items()},
-                         **{f"{name}_fwd_ms": t for name, t in forward_times.items()},
+                         **{f"{name}_{kind}": t for kind, per_recipe in measured.items() if kind != "head"
+                            for name, t in per_recipe.items()},
                          **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
                 if args.model:
                     point.update(model=args.model, vocab=config.vocab_size,
-                                 **{f"{name}_host_ms": t for name, t in host_times.items()},
-                                 **{f"head_{name}_ms": t for name, t in head_times.items()})
+                                 **{f"head_{name}_ms": t for name, t in measured["head"].items()})
                 for name in ("delayed", "current"):
                     point[f"speedup_{name}"] = (times["bf16"] / times[name]
                                                 if times["bf16"] and times[name] else None)

@@ -97,9 +97,9 @@ class Calibration:
 
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
               extrapolated: list, model: str = "PRESET") -> dict:
-        """{"step": forward + backward ms, "forward": ms, "host": an eager step's host ms, "head":
-        output-end ms} of one layer at this point (None for what the map lacks), between measured
-        micro-batches if need be."""
+        """{"step": forward + backward ms, "forward": ms, "selective": the step with selective
+        recomputation, "host": an eager step's host ms, "head": output-end ms} of one layer at this
+        point (None for what the map lacks), between measured micro-batches if need be."""
         points = [p for p in self._points_for(config, seq, tp) if p.get(f"{recipe}_ms") is not None]
         if not points:
             raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
@@ -129,7 +129,7 @@ class Calibration:
             head *= config.vocab_size / vocab
             extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
         return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
-                "host": between(f"{recipe}_host_ms"), "head": head}
+                "selective": between(f"{recipe}_selective_ms"), "host": between(f"{recipe}_host_ms"), "head": head}
 
     def collective_ms(self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list) -> float:
         """Time of one collective of `nbytes` over `group_size` ranks, from the measured bus
@@ -176,6 +176,11 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         raise NotPredicted(f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
                            f"(measure with benchmarks/bench_layer_grid.py --model {model})")
     per_layer = layer["step"] + (layer["forward"] if layout.recompute == "full" else 0.0)
+    if layout.recompute == "selective":
+        if layer["selective"] is not None:
+            per_layer = layer["selective"]
+        else:  # a map from before the map timed it
+            extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
     if pp > 1:  # the trainer cannot graph a pipeline: a layer takes the longer of its GPU and host times
         if layer["host"] is None:
             raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
@@ -184,8 +189,6 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         if layout.recompute == "full":
             extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
         per_layer = max(per_layer, host)
-    if layout.recompute == "selective":
-        extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
     # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
     p2p = 0.0
     if pp > 1:

@@ -89,4 +89,8 @@ def test_a_presets_layer_and_output_end_on_a_gpu(tmp_path):
     assert (point["model"], point["arch"], point["hidden"], point["kv_heads"], point["ffn"], point["vocab"]) == (
         "llama-120m", "llama", 768, 4, 2048, 32000)
     assert all(point[f"head_{name}_ms"] > 0 for name in ("bf16", "delayed", "current"))
+    # Selective recomputation runs the attention core once more: dearer than the step, cheaper
+    # than recomputing the whole forward.
+    assert all(point[f"{name}_ms"] < point[f"{name}_selective_ms"] < point[f"{name}_ms"] + point[f"{name}_fwd_ms"]
+               for name in ("bf16", "delayed", "current"))
     assert result["copy_gbs"] > 100

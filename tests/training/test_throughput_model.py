@@ -66,6 +66,19 @@ def test_full_recomputation_repeats_the_forward_and_micro_batches_interpolate():
                                       f"scaled to {GPT.vocab_size}"]
 
 
+def test_selective_recomputation_takes_its_measured_step():
+    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, recompute="selective",
+                          fp8="delayed")
+    measured = [{**point(), "delayed_selective_ms": 4.3}]  # the attention core once more in backward
+    result = predict(GPT, layout, calibration(measured), 32)
+    assert result["step_ms"] == pytest.approx(8 * (24 * 4.3 + 8.0) + optimizer_ms(layout))
+    assert result["extrapolated"] == []
+    # A map from before the map timed it: the plain step, and it says what is missing.
+    older = predict(GPT, layout, calibration([point()]), 32)
+    assert older["step_ms"] == pytest.approx(8 * (24 * 4.0 + 8.0) + optimizer_ms(layout))
+    assert older["extrapolated"] == ["selective recomputation: the attention core's second forward is not in the map"]
+
+
 def test_the_pipeline_pays_its_bubble_and_its_sends():
     layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed")
     result = predict(GPT, layout, calibration([point()], collectives()), 32)
