@@ -151,10 +151,12 @@ runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED
             for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS $SEED"; done ;;
         lr2x|lr4x)
             local peak=$double; [ "$1" = lr4x ] && peak=$quadruple
-            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED"; done ;;
+            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED"; done
+            # bf16 again from the next seed: how far two bf16 runs end apart at this rate, the
+            # yardstick for FP8's gap (a high rate makes the runs erratic).
+            echo "$1/bf16_seed$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1))" ;;
         seed) echo "seed/gpt_bf16 gpt-125m bf16 $LR $ITERS $((SEED + 1))"
-              echo "seed/llama_bf16 llama-120m bf16 $LR $ITERS $((SEED + 1))"
-              echo "seed/lr4x_bf16 llama-120m bf16 $quadruple $SENS_ITERS $((SEED + 1))" ;;
+              echo "seed/llama_bf16 llama-120m bf16 $LR $ITERS $((SEED + 1))" ;;
         data|report) ;;
         *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, data or report)" >&2
            return 2 ;;
@@ -178,10 +180,10 @@ for group in gpt llama lr2x lr4x; do
     mapfile -t names < <(runs_of "$group" | cut -d' ' -f1)
     report "$group" "${TITLES[$group]}" "${names[@]}"
 done
-for group in gpt llama lr4x; do
-    if [ -f "$WORKDIR/runs/seed/${group}_bf16/metrics.jsonl" ]; then
-        report "seed_$group" "${TITLES[$group]}, bf16 from two seeds" "$group/bf16:seed $SEED" \
-            "seed/${group}_bf16:seed $((SEED + 1))"
+for model in gpt llama; do
+    if [ -f "$WORKDIR/runs/seed/${model}_bf16/metrics.jsonl" ]; then
+        report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
+            "seed/${model}_bf16:seed $((SEED + 1))"
     fi
 done
 if [ "$time_up" = 1 ]; then

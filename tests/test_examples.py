@@ -65,7 +65,8 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
 
     done = study("gpt", "lr2x")
     assert done.returncode == 0, done.stdout + done.stderr
-    runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {"lr2x/bf16": 2, "lr2x/fp8_delayed": 2}
+    runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
+        f"lr2x/{p}": 2 for p in ("bf16", "fp8_delayed", "bf16_seed1235")}
     for name, iterations in runs.items():
         records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records if "valid_loss" in r] == list(range(2, iterations + 1, 2))
@@ -75,18 +76,18 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     table = (tmp_path / "report" / "gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| fp8_current"]
     assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
+    table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # with its seed yardstick
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| bf16_seed1235"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
 
     again = study("gpt", "lr2x")
     assert again.returncode == 0 and "starting from scratch" not in again.stdout
-    assert again.stdout.count("(finished)") == 5 and "kept" in again.stdout and "tokenizer" in again.stdout
+    assert again.stdout.count("(finished)") == 6 and "kept" in again.stdout and "tokenizer" in again.stdout
 
-    # The seed group: both models' bf16 runs (and the 4x-LR Llama's) again from the next seed, GPT's set
-    # beside the first.
+    # The seed group: both models' bf16 runs again from the next seed, GPT's set beside the first.
     seeded = study("seed")
     assert seeded.returncode == 0, seeded.stdout + seeded.stderr
     assert "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235)" in seeded.stdout
-    assert "seed/lr4x_bf16 (llama-120m, bf16, peak LR 0.0024, 2 iterations, seed 1235)" in seeded.stdout
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| seed 1234", "| seed 1235"]
     first, second = (json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
