@@ -5,7 +5,7 @@ for Transformer Engine (a GPT-3 layer's FP8/bf16 speed-up as a coloured grid).
     python benchmarks/bench_layer_grid.py --output grid.json [--archs gpt llama]
         [--hidden-sizes 768 ... 12288] [--seq-lengths 1024 2048 4096 8192] [--micro-batches 1 2 4 8]
     torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py --output grid_tp2.json   # tp 2, SP
-    python benchmarks/bench_layer_grid.py --plot grid.json [grid_tp2.json] --plot-dir docs/img
+    python benchmarks/bench_layer_grid.py --plot grid.json [grid_tp2.json] --plot-dir docs/img [--table grid.md]
     python benchmarks/bench_layer_grid.py --model llama2-7b --seq-lengths 4096 --micro-batches 1 2 \
         --output llama2-7b.json   # one preset's layer and output layer: the planner's input
 
@@ -297,6 +297,33 @@ def write(result: dict, output: str) -> None:
     os.replace(partial, output)
 
 
+def read_points(paths) -> list[dict]:
+    """The points of grid JSON files, in order."""
+    points = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not data.get("points"):
+            sys.exit(f"bench_layer_grid.py --plot: {path} holds no grid points")
+        points += data["points"]
+    return points
+
+
+def raw_table(points: list[dict]) -> str:
+    """Every point as a Markdown table row (ms of forward + backward, speed-ups, FP8 delayed's
+    TFLOP/s), by architecture, tensor-parallel size, width, sequence and micro-batch."""
+    def number(value, spec):
+        return "–" if value is None else format(value, spec)
+
+    lines = ["| layer | tp | hidden | sequence | micro-batch | bf16 ms | delayed ms | current ms | delayed / bf16 "
+             "| current / bf16 | delayed TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["arch"], p["tp"], p["hidden"], p["seq"], p["micro_batch"])):
+        lines.append(f"| {p.get('model', p['arch'])} | {p['tp']} | {p['hidden']} | {p['seq']} | {p['micro_batch']} | "
+                     + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in RECIPES) + " | "
+                     + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in ("delayed", "current")) + " | "
+                     + f"{number(p.get('delayed_tflops'), '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(paths, plot_dir: Path) -> list[Path]:
     """Heat maps of the FP8/bf16 speed-up from grid JSON files: one PNG per architecture and
     tensor-parallel size, delayed and current side by side."""
@@ -308,12 +335,7 @@ def plot(paths, plot_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
-    points = []
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        if not data.get("points"):
-            sys.exit(f"bench_layer_grid.py --plot: {path} holds no grid points")
-        points += data["points"]
+    points = read_points(paths)
     plot_dir.mkdir(parents=True, exist_ok=True)
     colours = ListedColormap([colour for *_, colour in BANDS])
     norm = BoundaryNorm([0.0, 1.0, 1.3, 10.0], colours.N)
@@ -362,10 +384,16 @@ def main(argv=None):
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--plot", nargs="+", metavar="GRID_JSON", help="draw heat maps from grid files instead")
     parser.add_argument("--plot-dir", default=".", help="where --plot writes its PNGs")
+    parser.add_argument("--table", metavar="FILE", help="with --plot, also write every point as a Markdown table")
     args = parser.parse_args(argv)
+    if args.table and not args.plot:
+        parser.error("--table goes with --plot GRID.json ... (the files it tabulates)")
     if args.plot:
         for path in plot(args.plot, Path(args.plot_dir)):
             print(f"wrote {path}")
+        if args.table:
+            Path(args.table).write_text(raw_table(read_points(args.plot)))
+            print(f"wrote {args.table}")
         return
     if not args.output:
         parser.error("give --output GRID.json (or --plot GRID.json ...)")

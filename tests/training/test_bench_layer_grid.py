@@ -46,13 +46,21 @@ def test_heat_maps_from_grid_files(tmp_path, capsys):
                                for h in (768, 2048, 4096) for s in (1024, 2048) for b in (1, 4)]}
     one["points"][0]["speedup_current"] = None  # a point that did not fit
     two = {"tp": 2, "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)]}
+    two["points"][0].update(bf16_ms=2.2, delayed_ms=2.0, current_ms=2.2, delayed_tflops=812.4, model="llama2-7b")
     (tmp_path / "one.json").write_text(json.dumps(one))
     (tmp_path / "two.json").write_text(json.dumps(two))
-    grid.main(["--plot", str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--plot-dir", str(tmp_path / "img")])
+    grid.main(["--plot", str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--plot-dir", str(tmp_path / "img"),
+               "--table", str(tmp_path / "grid.md")])
     written = sorted(p.name for p in (tmp_path / "img").iterdir())
     assert written == ["layer_grid_gpt_tp1.png", "layer_grid_llama_tp2.png"]
     assert all((tmp_path / "img" / name).read_bytes().startswith(b"\x89PNG") for name in written)
     assert "layer_grid_gpt_tp1.png" in capsys.readouterr().out
+    rows = (tmp_path / "grid.md").read_text().splitlines()
+    assert len(rows) == 2 + 12 + 1  # header, the 12 GPT points, the Llama one
+    assert rows[-1] == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | 1.10 | 1.00 | 812 |"
+    assert rows[2].startswith("| gpt | 1 | 768 | 1024 | 1 | – | – | – |")  # times a test point lacks
+    with pytest.raises(SystemExit):
+        grid.main(["--table", str(tmp_path / "alone.md")])
 
 
 def test_a_grid_file_without_points_is_refused(tmp_path):
