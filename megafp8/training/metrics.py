@@ -212,13 +212,11 @@ def fp8_health(model: nn.Module, group=None, per_layer: bool = True) -> dict:
         layers.setdefault(path, {})[role] = (scale, saturated, cast, flushed)
 
     distributed = group is not None and dist.get_world_size(group) > 1
-    if distributed and per_layer:
-        layers = _merge_layers(layers, group)
     used = [entry for roles in layers.values() for entry in roles.values()]
     scale_min = min((s for s, *_ in used), default=math.inf)
     scale_max = max((s for s, *_ in used), default=-math.inf)
     totals = [sum(entry[i] for entry in used) for i in (1, 2, 3)]
-    if distributed and not per_layer:
+    if distributed:
         scale_min, scale_max, totals = _reduce_health(scale_min, scale_max, totals, group)
     saturated, cast, flushed = totals
 
@@ -229,6 +227,8 @@ def fp8_health(model: nn.Module, group=None, per_layer: bool = True) -> dict:
         "fp8_underflow": _fraction(flushed, cast),
     }
     if per_layer:
+        if distributed:
+            layers = _merge_layers(layers, group)
         health["fp8_layers"] = {path: _layer_health(roles) for path, roles in layers.items()}
     return health
 
