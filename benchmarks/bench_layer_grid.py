@@ -16,10 +16,10 @@ captured in a CUDA graph and replayed, so the times are the GPU's, not the host'
 CUDA-event timings (median_ms: do_bench's method, with run counts the ranks agree on). The
 weights' FP8 casts stay out of the step, as in the trainer's graphs (made once per optimizer step,
 before the first replay, or by the optimizer's own pass under delayed scaling): a graph capture
-may not make them. Widths follow the GPT-3
-family (GPT: 4h MLP, LayerNorm, GELU; Llama: SwiGLU of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with
-8 KV heads from 8192). A point that does not fit is recorded as such. Each point also holds the
-forward alone (`{recipe}_fwd_ms`: what full recomputation repeats).
+may not make them. Widths follow the GPT-3 family (GPT: 4h MLP, LayerNorm, GELU; Llama: SwiGLU
+of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with 8 KV heads from
+8192). A point that does not fit is recorded as such. Each point also holds the forward alone
+(`{recipe}_fwd_ms`: what full recomputation repeats).
 
 `--model PRESET` times that preset's own layer instead (its hidden size, heads, KV heads and
 MLP width) and, per point, the host's time for an eager step (`{recipe}_host_ms`, Python and
@@ -337,9 +337,9 @@ def raw_table(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(paths, plot_dir: Path) -> list[Path]:
-    """Heat maps of the FP8/bf16 speed-up from grid JSON files: one PNG per architecture and
-    tensor-parallel size, delayed and current side by side."""
+def plot(points: list[dict], plot_dir: Path) -> list[Path]:
+    """Heat maps of the FP8/bf16 speed-up of grid points (read_points): one PNG per architecture
+    and tensor-parallel size, delayed and current side by side."""
     try:
         import matplotlib
     except ImportError:
@@ -348,7 +348,6 @@ def plot(paths, plot_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
-    points = read_points(paths)
     plot_dir.mkdir(parents=True, exist_ok=True)
     colours = ListedColormap([colour for *_, colour in BANDS])
     norm = BoundaryNorm([0.0, 1.0, 1.3, 10.0], colours.N)
@@ -402,10 +401,11 @@ def main(argv=None):
     if args.table and not args.plot:
         parser.error("--table goes with --plot GRID.json ... (the files it tabulates)")
     if args.plot:
-        for path in plot(args.plot, Path(args.plot_dir)):
+        points = read_points(args.plot)
+        for path in plot(points, Path(args.plot_dir)):
             print(f"wrote {path}")
         if args.table:
-            Path(args.table).write_text(raw_table(read_points(args.plot)))
+            Path(args.table).write_text(raw_table(points))
             print(f"wrote {args.table}")
         return
     if not args.output:

@@ -28,18 +28,25 @@ from megafp8.training.memory_model import MemoryLayout, estimate
 from megafp8.training.throughput_model import Calibration, NotPredicted, predict
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "2026-11-22_8xH200"
-# What layouts_8gpu.sh gave each model (the sample corpus's 32768-token vocabulary).
+# What layouts_8gpu.sh gave each model: its preset (with the sample corpus's 32768-token
+# vocabulary) and flags.
 MODELS = {
-    "gpt": (preset("gpt-1.3b", vocab_size=32768), dict(distributed_optimizer=False, recompute="none")),
-    "llama": (preset("llama2-7b", vocab_size=32768), dict(distributed_optimizer=True, recompute="selective")),
+    "gpt": ("gpt-1.3b", dict(distributed_optimizer=False, recompute="none")),
+    "llama": ("llama2-7b", dict(distributed_optimizer=True, recompute="selective")),
 }
-MODEL_NAMES = {"gpt": "gpt-1.3b", "llama": "llama2-7b"}
+VOCAB = 32768
 THROUGHPUT_BAR = 0.15
+
+
+def preset_of(record: dict) -> str:
+    """The preset a bench_layouts.py record trained (its label's model family)."""
+    return MODELS[record["label"].split("_")[0]][0]
 
 
 def layout_of(record: dict) -> tuple:
     """(model config, MemoryLayout) of a bench_layouts.py record."""
-    config, flags = MODELS[record["label"].split("_")[0]]
+    name, flags = MODELS[record["label"].split("_")[0]]
+    config = preset(name, vocab_size=VOCAB)
     dp = record["dp"]
     return config, MemoryLayout(
         seq_length=record["seq_length"], micro_batch_size=record["micro_batch_size"],
@@ -90,7 +97,7 @@ def throughput_table(launches, calibration: Calibration) -> bool:
         measured = record["tokens_per_sec_per_gpu"]
         try:
             result = predict(config, layout, calibration, record["global_batch_size"],
-                             model=MODEL_NAMES[record["label"].split("_")[0]])
+                             model=preset_of(record))
         except NotPredicted as why:
             print(f"{name} {measured:,.0f} | not covered: {why} | | |")
             continue

@@ -2,8 +2,8 @@
 # FP8 against bf16 on real text (docs/convergence.md): GPT-125M and Llama-120M, each in bf16, FP8
 # delayed scaling (HYBRID, amax history 1024, max) and FP8 current scaling, with the same seed,
 # data order and schedule; then the Llama at 2x and 4x the peak learning rate, bf16 against FP8
-# delayed; optionally both models' bf16 runs again from another seed, the spread FP8's differences
-# are read against. Curves (PNG) and a table of final losses land in WORKDIR/report/.
+# delayed, with a bf16 run from the next seed as the yardstick; optionally both models' bf16 runs
+# again from another seed, the spread FP8's differences are read against. Curves (PNG) and a table of final losses land in WORKDIR/report/.
 #   Usage: bash examples/convergence_study.sh WORKDIR [GROUP ...]
 #   GROUP: gpt, llama, lr2x, lr4x (default: these four, in that order), seed (gpt-125m and
 #   llama-120m in bf16 from SEED + 1; its reports seed_gpt and seed_llama set them beside the gpt

@@ -186,7 +186,7 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     spec = importlib.util.spec_from_file_location("validate_planner", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    config = tool.MODELS["gpt"][0]
+    config = preset(tool.MODELS["gpt"][0], vocab_size=tool.VOCAB)
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"device": "NVIDIA H200", "copy_gbs": COPY_GBS,
                                 "points": [{**point(), "vocab": config.vocab_size}]}))
