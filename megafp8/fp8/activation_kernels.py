@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .quantize import quantize_torch
+from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
 from .triton_kernels import INTERPRETING as _INTERPRETING
 
@@ -317,6 +317,7 @@ def activation_quantize(h, kind, fp8_dtype, scale, *, rowwise=True, columnwise=T
     `rowwise`/`columnwise` ask for `data`/`data_t`, `amax_out` and `saturation_out` as in
     `quantize`. On CUDA one Triton launch reads h once and writes the FP8 layouts only."""
     _check_input(h, kind, scale, rowwise, columnwise)
+    check_cast_counts(saturation_out, h, "activation_quantize")
     h = h.contiguous()
     if _use_triton(h):
         return _activation_quantize_triton(h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out,
@@ -337,6 +338,7 @@ def activation_backward_quantize(dout, h, kind, fp8_dtype, scale, *, rowwise=Tru
     if tuple(dout.shape) != expected or dout.dtype != h.dtype:
         raise ValueError(f"activation_backward_quantize: dout must be {expected} in {h.dtype}, got "
                          f"{tuple(dout.shape)} in {dout.dtype}")
+    check_cast_counts(saturation_out, h, "activation_backward_quantize")
     h, dout = h.contiguous(), dout.contiguous()
     if _use_triton(h):
         return _activation_backward_quantize_triton(dout, h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out,

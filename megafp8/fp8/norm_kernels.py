@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .quantize import quantize_torch
+from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
 from .triton_kernels import available
 
@@ -89,7 +89,7 @@ def norm_quantize(x, weight, bias, eps: float, rms: bool, fp8_dtype, scale, *, r
     amax_out, False, saturation_out)` would: q.data [M, N] and/or q.data_t [N, M], q.scale_inv =
     1 / scale, q.amax = max |y| (maxed into `amax_out` when given; non-finite if y is: inf for a
     NaN on CUDA, as triton_kernels.quantize has it, NaN in torch), `saturation_out`'s (saturated,
-    cast) counts incremented. mean [M] (None when `rms`) and rstd [M] are fp32, for
+    cast, flushed) counts incremented. mean [M] (None when `rms`) and rstd [M] are fp32, for
     `norm_backward`.
     """
     if x.dim() != 2:
@@ -100,6 +100,7 @@ def norm_quantize(x, weight, bias, eps: float, rms: bool, fp8_dtype, scale, *, r
         raise ValueError("norm_quantize: RMSNorm takes no bias")
     if scale is None:
         raise ValueError("norm_quantize casts with a given (delayed) scale")
+    check_cast_counts(saturation_out, x, "norm_quantize")
     x = x.contiguous()
     if x.is_cuda and available():
         return norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, columnwise, amax_out,

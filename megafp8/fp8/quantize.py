@@ -47,6 +47,7 @@ def quantize(
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     if not (rowwise or columnwise):
         raise ValueError("quantize: ask for at least one of rowwise and columnwise")
+    check_cast_counts(saturation_out, x, "quantize")
     x = x.contiguous()
     if x.is_cuda and triton_kernels.available():
         return triton_kernels.quantize(
@@ -59,6 +60,19 @@ def quantize(
         if value is not None:
             target.copy_(value)
     return q._replace(data=out.data, data_t=out.data_t, scale_inv=out.scale_inv)
+
+
+def check_cast_counts(counts: Optional[torch.Tensor], x: torch.Tensor, caller: str) -> None:
+    """Refuse a `saturation_out` the kernels would index past: they add three int64 counts in
+    place, unchecked, on the device."""
+    if counts is None:
+        return
+    if counts.shape != (3,) or counts.dtype != torch.int64 or counts.device != x.device:
+        raise ValueError(
+            f"{caller}: saturation_out must be an int64 tensor of 3 counts (saturated, cast, flushed) on "
+            f"{x.device}, got shape {tuple(counts.shape)}, {counts.dtype} on {counts.device}; make it with "
+            f"torch.zeros(3, dtype=torch.int64, device=...)"
+        )
 
 
 def quantize_torch(

@@ -304,10 +304,10 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
         for saturate in (False, True):
             scale = fitted_scale(y, fp8_dtype, headroom=2.0 if saturate else 0.9)
             amax_out = torch.tensor(0.25, device="cuda")
-            saturation = torch.tensor([7, 11], device="cuda")
+            saturation = torch.tensor([7, 11, 13], device="cuda")
             q, mean, rstd = norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise=layout[0],
                                           columnwise=layout[1], amax_out=amax_out, saturation_out=saturation)
-            ref_saturation = torch.tensor([7, 11], device="cuda")
+            ref_saturation = torch.tensor([7, 11, 13], device="cuda")
             ref = quantize_torch(y, fp8_dtype, scale, 0, *layout, None, torch.tensor(0.25, device="cuda"), False,
                                  ref_saturation)
             what = (shape, rms, fp8_dtype, layout, saturate)
@@ -329,6 +329,7 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
             assert torch.equal(q.scale_inv, ref.scale_inv), what
             assert saturation[1] == ref_saturation[1], what
             assert abs(saturation[0] - ref_saturation[0]).item() <= 1e-3 * y.numel(), what
+            assert abs(saturation[2] - ref_saturation[2]).item() <= 1e-3 * y.numel(), what
 
 
 @pytest.mark.gpu

@@ -32,6 +32,21 @@ def test_known_outliers_give_exactly_their_fraction(dtype):
     assert (q.data.float().abs() == fp8_max(dtype)).sum() == 37
 
 
+@pytest.mark.parametrize("bad", [torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+                                 torch.zeros(1, 3, dtype=torch.int64)], ids=["two counts", "int32", "2-D"])
+def test_a_counts_buffer_the_kernels_would_overrun_is_refused(bad):
+    from megafp8.fp8.activation_kernels import activation_quantize
+    from megafp8.fp8.norm_kernels import norm_quantize
+    x, scale = torch.randn(8, 16), torch.tensor(1.0)
+    calls = [lambda: quantize(x, E4M3, scale, saturation_out=bad),
+             lambda: norm_quantize(x, torch.ones(16), None, 1e-5, True, E4M3, scale, saturation_out=bad),
+             lambda: activation_quantize(x, "swiglu", E4M3, scale, saturation_out=bad)]
+    for call in calls:
+        with pytest.raises(ValueError, match="3 counts"):
+            call()
+    assert bad.eq(0).all()  # nothing was added before the refusal
+
+
 @pytest.mark.parametrize(
     "dtype, clamped, kept",
     [
