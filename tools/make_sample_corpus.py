@@ -16,7 +16,8 @@ install has them and the output is deterministic for a given Python build):
   ``help()`` needs it), the Zen of Python (``this.s``, rot13) and ``LICENSE.txt`` where present.
 
 ``--packages [ROOT ...]`` builds a larger corpus, for studies, from the Python packages under
-those folders (with no ROOT: this interpreter's site-packages and standard library): every
+those folders (with no ROOT: every site-packages folder this interpreter imports from, and its
+standard library): every
 top-level package or module is one *package*, whose ``.py`` files and sources in other languages
 (C/C++/CUDA, stubs, Cython, ...; generated, minified and data-like files left out) are GitHub
 documents, whose docstrings (per module) Book documents and whose ``.md``/``.rst``/``.txt`` files
@@ -44,6 +45,7 @@ import hashlib
 import json
 import os
 import shutil
+import site
 import sys
 import sysconfig
 import uuid
@@ -170,6 +172,16 @@ def collect(stdlib: Path) -> dict[str, list[str]]:
         if len(prose) >= MIN_BOOK_CHARS:
             subsets[BOOK].append(prose)
     return subsets
+
+
+def default_package_roots(stdlib: Path) -> list[Path]:
+    """Every folder this interpreter imports installed packages from, in its import order, then
+    the standard library: pure and platform site-packages and the site's other package folders
+    (a Debian or Ubuntu Python also reads /usr/lib/python3/dist-packages, where the system's
+    packages live); those that exist."""
+    paths = sysconfig.get_paths()
+    candidates = [Path(paths["purelib"]), Path(paths["platlib"]), *map(Path, site.getsitepackages()), stdlib]
+    return [root for root in candidates if root.is_dir()]
 
 
 def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Path]]:
@@ -360,7 +372,7 @@ def move_into(built: Path, output: Path) -> None:
     shutil.rmtree(built)
 
 
-def packages_readme(roots: int, train, validation, held: set, left_out: dict, mb: float, n_files: int,
+def packages_readme(roots: list[Path], train, validation, held: set, left_out: dict, mb: float, n_files: int,
                     test_suites: bool = False) -> str:
     def counts(docs):
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
@@ -369,7 +381,7 @@ def packages_readme(roots: int, train, validation, held: set, left_out: dict, mb
         "Corpus in SlimPajama's layout built from Python packages: a stand-in, NOT SlimPajama.\n\n"
         f"Built by tools/make_sample_corpus.py --packages{' --test-suites' * test_suites} from "
         f"{len({d[0] for _, d in train + validation})} "
-        f"packages under {roots} folders (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
+        f"packages under {', '.join(map(str, roots))} (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
         "Files: train/chunk1/example_train_{k}.jsonl.zst and validation/chunk1/example_holdout_{k}.jsonl.zst, "
         'one JSON object per line: {"text": ..., "meta": {"redpajama_set_name": ..., "package": ...}}.\n'
         f"Subsets: {GITHUB} (a package's .py files and its sources in other languages: "
@@ -397,7 +409,7 @@ def main(argv=None) -> int:
                              "in an --output folder that holds files; other files there are kept")
     parser.add_argument("--packages", nargs="*", type=Path, metavar="ROOT",
                         help="build from the Python packages under these folders instead (none given: "
-                             "this interpreter's site-packages and standard library), with whole "
+                             "every site-packages folder this interpreter imports from, and its standard library), with whole "
                              "packages held out in validation/ (SlimPajama's train/validation layout)")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --packages: processes reading the packages (the output is the same for any number)")
@@ -428,9 +440,7 @@ def main(argv=None) -> int:
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if args.packages is not None:
-        roots = list(dict.fromkeys(r.resolve() for r in args.packages or
-                                   [Path(sysconfig.get_paths()["purelib"]),
-                                    Path(sysconfig.get_paths()["platlib"]), stdlib]))
+        roots = list(dict.fromkeys(r.resolve() for r in args.packages or default_package_roots(stdlib)))
         missing = [str(r) for r in roots if not r.is_dir()]
         if missing:
             parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
@@ -457,7 +467,7 @@ def main(argv=None) -> int:
         if args.packages is not None:
             files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
             files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
-            text = packages_readme(len(roots), train, validation, held, left_out, mb, len(files),
+            text = packages_readme(roots, train, validation, held, left_out, mb, len(files),
                                    args.test_suites)
         else:
             files = write(docs, built, args.docs_per_chunk)

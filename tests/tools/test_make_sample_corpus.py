@@ -227,3 +227,14 @@ def test_validation_packages_always_leave_some_to_train():
     assert len(tool.validation_packages(["a", "b"], 0.0001)) == 1  # at least one held out
     assert len(tool.validation_packages(["a", "b"], 0.9999)) == 1  # and one left
     assert tool.validation_packages(["a", "b"], 0.0) == set()
+
+
+def test_default_roots_are_every_site_folder_imports_read_then_the_standard_library(tmp_path, monkeypatch):
+    pure, system, stdlib = (tmp_path / name for name in ("pure", "system", "stdlib"))
+    for folder in (pure, system, stdlib):
+        folder.mkdir()
+    monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"purelib": str(pure), "platlib": str(pure)})
+    # A Debian Python's site list: its own site-packages, the system's, and one that is absent.
+    monkeypatch.setattr(tool.site, "getsitepackages", lambda: [str(pure), str(system), str(tmp_path / "absent")])
+    roots = tool.default_package_roots(stdlib)
+    assert list(dict.fromkeys(roots)) == [pure, system, stdlib]
