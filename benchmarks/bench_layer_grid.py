@@ -22,9 +22,12 @@ of about 8h/3, RMSNorm, RoPE; head dim 64 below 2048, 128 from 2048; Llama with 
 (`{recipe}_fwd_ms`: what full recomputation repeats).
 
 `--model PRESET` times that preset's own layer instead (its hidden size, heads, KV heads and
-MLP width) and, per point, the host's time for an eager step (`{recipe}_host_ms`, Python and
-launches with the GPU kept busy: what a layout that cannot be graphed, such as a
-pipeline-parallel one, waits on where it exceeds the GPU's time), its output end
+MLP width) and, per point, the host's time for an eager step (Python and launches with the GPU
+kept busy: what a layout that cannot be graphed, such as a pipeline-parallel one, waits on where
+it exceeds the GPU's time): of one layer (`{recipe}_host_ms`) and, from a stack of HOST_STACK
+layers under one autocast, split into each further layer's share (`{recipe}_host_layer_ms`) and
+the pass's own (`{recipe}_host_pass_ms`: FP8's scaling updates run once per pass, not per layer),
+its output end
 (`head_{recipe}_ms`: embedding, final norm, output layer and loss, forward + backward, as the
 trainer runs them: a one-layer model's step less the layer's), the step with selective
 recomputation (`{recipe}_selective_ms`), and once the device's copy bandwidth (`copy_gbs`, bytes
@@ -50,6 +53,7 @@ from megafp8.training.throughput_model import arch_of
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
+HOST_STACK = 4  # layers in the stack whose eager host time splits into per-layer and per-pass shares
 BANDS = ((1.0, "below 1x", "#d73027"), (1.3, "1-1.3x", "#4575b4"), (float("inf"), "above 1.3x", "#1a9850"))
 
 
@@ -97,7 +101,8 @@ def scaling(name: str):
 def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> dict:
     """{kind: {recipe: ms}} for one grid point of layer `config` (None where it did not fit), on
     this process's GPU: "ms" (forward + backward, graphed), "fwd_ms" (the forward alone) and, for
-    the planner (--model), "host_ms" (an eager step's host time), "selective_ms" (the step with
+    the planner (--model), "host_ms" (an eager step's host time), "host_layer_ms" and
+    "host_pass_ms" (that of a HOST_STACK-layer stack, split per layer and per pass), "selective_ms" (the step with
     selective recomputation, the attention core run again in backward, graphed as the trainer
     graphs it) and "head" (the output end)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
@@ -109,7 +114,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
     from megafp8.models.transformer import TransformerLayer
 
     tp = group_size(tp_group)
-    kinds = ("ms", "fwd_ms") + (("host_ms", "selective_ms") if planner else ())
+    kinds = ("ms", "fwd_ms") + (("host_ms", "host_layer_ms", "host_pass_ms", "selective_ms") if planner else ())
     times = {kind: {} for kind in kinds}
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:
@@ -117,6 +122,8 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
         layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
         selective = (TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", recompute="selective")
                      if planner else None)
+        stack = ([layer] + [TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
+                            for _ in range(HOST_STACK - 1)] if planner else None)
         x = torch.randn(seq // tp, micro_batch, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
         rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
@@ -134,9 +141,23 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
                 x.grad = None
                 forward(module).backward(dy)
 
+            def stack_step():
+                for p in (p for module in stack for p in module.parameters()):
+                    p.grad = None
+                x.grad = None
+                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+                    y = x
+                    for module in stack:
+                        y = module(y, rotary)
+                y.backward(dy)
+
             try:
                 if planner:  # eager, as pipeline-parallel layouts run (no graphs)
-                    times["host_ms"][name] = eager_host_ms(step)
+                    one, many = eager_host_ms(step), eager_host_ms(stack_step)
+                    times["host_ms"][name] = one
+                    layer_share = None if one is None or many is None else max(0.0, (many - one) / (HOST_STACK - 1))
+                    times["host_layer_ms"][name] = layer_share
+                    times["host_pass_ms"][name] = None if layer_share is None else max(0.0, one - layer_share)
                 times["ms"][name] = median_ms(graphed(step), tp_group)
                 times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
                 if planner:

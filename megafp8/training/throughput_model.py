@@ -13,9 +13,11 @@ Inputs, each measured on the GPUs the plan is for:
 The model, per rank of the slowest pipeline stage (micro-batch time t = its layers' time, each
 layer's forward once more under full recomputation, plus the output end on the last stage, plus
 its point-to-point sends; a layer's time is the graphed GPU time where the trainer can use
-CUDA graphs (no pipeline parallelism: the layout assumes --enable-cuda-graph), else the longer
-of that and the host's time for an eager step; the output end's few large kernels are taken at
-their GPU time either way):
+CUDA graphs (no pipeline parallelism: the layout assumes --enable-cuda-graph); an eager
+stage, a pipeline's, takes the longer of its layers' GPU time and the host's (the pass's own
+host time plus each layer's share, both measured on a stack of layers; a map without that
+split: each layer at a one-layer step's host time); the output end's few large kernels are taken
+at their GPU time either way):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
 - data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
@@ -98,7 +100,8 @@ class Calibration:
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
               extrapolated: list, model: str = "PRESET") -> dict:
         """{"step": forward + backward ms, "forward": ms, "selective": the step with selective
-        recomputation, "host": an eager step's host ms, "head": output-end ms} of one layer at this
+        recomputation, "host": an eager step's host ms, "host_layer" and "host_pass": a stack's
+        eager host ms per layer and per pass, "head": output-end ms} of one layer at this
         point (None for what the map lacks), between measured micro-batches if need be."""
         points = [p for p in self._points_for(config, seq, tp) if p.get(f"{recipe}_ms") is not None]
         if not points:
@@ -129,7 +132,9 @@ class Calibration:
             head *= config.vocab_size / vocab
             extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
         return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
-                "selective": between(f"{recipe}_selective_ms"), "host": between(f"{recipe}_host_ms"), "head": head}
+                "selective": between(f"{recipe}_selective_ms"), "host": between(f"{recipe}_host_ms"),
+                "host_layer": between(f"{recipe}_host_layer_ms"), "host_pass": between(f"{recipe}_host_pass_ms"),
+                "head": head}
 
     def collective_ms(self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list) -> float:
         """Time of one collective of `nbytes` over `group_size` ranks, from the measured bus
@@ -181,14 +186,18 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
             per_layer = layer["selective"]
         else:  # a map from before the map timed it
             extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
-    if pp > 1:  # the trainer cannot graph a pipeline: a layer takes the longer of its GPU and host times
+    host_layer = host_pass = 0.0
+    if pp > 1:  # the trainer cannot graph a pipeline: a stage takes the longer of its GPU and host times
         if layer["host"] is None:
             raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
                                f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model {model})")
-        host = layer["host"] * (per_layer / layer["step"])
+        host_layer, host_pass = layer["host_layer"], layer["host_pass"]
+        if host_layer is None or host_pass is None:  # a map from before the stack's split
+            host_layer, host_pass = layer["host"], 0.0
+            extrapolated.append("host time: a one-layer step's per layer (its pass's share counted in every layer)")
+        host_layer *= per_layer / layer["step"]
         if layout.recompute == "full":
             extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
-        per_layer = max(per_layer, host)
     # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
     p2p = 0.0
     if pp > 1:
@@ -199,7 +208,8 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
     stage_ms = []
     for pp_rank in range(pp):
         layers, _ = stage_layer_indices(config, layout, pp_rank)
-        stage_ms.append(len(layers) * per_layer + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
+        layer_ms = max(len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer)  # a pass per chunk
+        stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
     slowest = max(range(pp), key=lambda r: stage_ms[r])
     micro_batch_ms = stage_ms[slowest]
     slowest_layers = len(stage_layer_indices(config, layout, slowest)[0])

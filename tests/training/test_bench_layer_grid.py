@@ -102,3 +102,10 @@ def test_a_presets_layer_and_output_end_on_a_gpu(tmp_path):
     assert all(point[f"{name}_ms"] < point[f"{name}_selective_ms"] < point[f"{name}_ms"] + point[f"{name}_fwd_ms"]
                for name in ("bf16", "delayed", "current"))
     assert result["copy_gbs"] > 100
+    # The stack's host time splits into a share per layer and one per pass that add up to a
+    # one-layer step's (where the host was not waiting on the GPU: None then).
+    for name in ("bf16", "delayed", "current"):
+        if point[f"{name}_host_ms"] is not None and point[f"{name}_host_layer_ms"] is not None:
+            assert point[f"{name}_host_layer_ms"] > 0
+            assert point[f"{name}_host_layer_ms"] + point[f"{name}_host_pass_ms"] == pytest.approx(
+                point[f"{name}_host_ms"])

@@ -97,6 +97,23 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     per_micro_batch = 12 * 6.0 + 8.0 + 2 * send
     assert predict(GPT, layout, calibration(slow_host, collectives()), 32)["step_ms"] == pytest.approx(
         (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    # The stack's split: the pass's host time once per micro-batch and chunk, each layer's share per layer.
+    split = [{**point(), "delayed_host_layer_ms": 5.0, "delayed_host_pass_ms": 10.0}]
+    per_micro_batch = (10.0 + 12 * 5.0) + 8.0 + 2 * send
+    result = predict(GPT, layout, calibration(split, collectives()), 32)
+    assert result["step_ms"] == pytest.approx((8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    assert not any("host time" in note for note in result["extrapolated"])
+    per_micro_batch = (2 * 10.0 + 12 * 5.0) + 8.0 + 4 * send
+    assert predict(GPT, interleaved, calibration(split, collectives()), 32)["step_ms"] == pytest.approx(
+        (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
+    # Where the GPU takes longer than the host, the GPU's time counts.
+    fast = [{**point(), "delayed_host_layer_ms": 1.0, "delayed_host_pass_ms": 3.0}]
+    per_micro_batch = 12 * 4.0 + 8.0 + 2 * send
+    assert predict(GPT, layout, calibration(fast, collectives()), 32)["step_ms"] == pytest.approx(
+        (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    # A map without the split says that it counted the pass's share in every layer.
+    assert any("host time" in note for note in predict(GPT, layout, calibration(slow_host, collectives()),
+                                                        32)["extrapolated"])
     # ... and one graphed (no pipeline) does not wait on it.
     one = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, fp8="delayed")
     assert predict(GPT, one, calibration(slow_host), 32)["step_ms"] == pytest.approx(
