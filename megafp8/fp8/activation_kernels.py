@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
-from .triton_kernels import INTERPRETING as _INTERPRETING
+from .triton_kernels import INTERPRETING as _INTERPRETING, wide_offsets
 
 try:
     import triton
@@ -137,7 +137,8 @@ if triton is not None:
     @triton.jit
     def _activation(h_ptr, r, c, mask, F, K, KIND: tl.constexpr):
         # KIND of h at rows r, output columns c (index tensors that broadcast to the tile, either
-        # way round), rounded to h's dtype as the unfused op stores it; 0 in the padding.
+        # way round; int64 when the kernel runs WIDE, and so the offsets), rounded to h's dtype as
+        # the unfused op stores it; 0 in the padding.
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         x = tl.load(h_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
         if KIND == "swiglu":
@@ -202,11 +203,14 @@ if triton is not None:
         h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, saturation_ptr, M, F, K, saturation_bound,
         flush_bound,
         KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr,
-        BOUND_INCLUSIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # One [BLOCK_M, BLOCK_N] tile of act(h) [M, F]; h is [M, K], K = 2F for SwiGLU ([gate | up]).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if WIDE:  # int64 rows and cols, and so every offset below (see triton_kernels.wide_offsets)
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
         scale = tl.load(scale_ptr)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -234,7 +238,8 @@ if triton is not None:
         dout_ptr, h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, col_sum_ptr, saturation_ptr,
         M, F, K, saturation_bound, flush_bound,
         KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, COL_SUM: tl.constexpr,
-        SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         # One [BLOCK_M, BLOCK_N] tile of dout [M, F]: the tile of dh [M, K] at the same place, and
         # for SwiGLU also the one F columns on (dh = [d gate | d up]). The first layout written
@@ -243,6 +248,10 @@ if triton is not None:
         GATED: tl.constexpr = KIND == "swiglu"
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if WIDE:  # int64 rows and cols, and so the offsets below, the column sums' too; and F * M
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+            M = tl.cast(M, tl.int64)
         scale = tl.load(scale_ptr)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -362,8 +371,6 @@ def _check_input(h, kind, scale, rowwise, columnwise):
         raise ValueError("the fused activation casts with a given scale (delayed scaling)")
     if not (rowwise or columnwise):
         raise ValueError("the fused activation cast: ask for at least one of rowwise and columnwise")
-    if h.numel() >= 2**31:  # the kernels' offsets are int32
-        raise ValueError(f"the fused activation casts fewer than 2^31 elements, got {h.numel()}")
 
 
 def _use_triton(h: torch.Tensor) -> bool:
@@ -387,7 +394,8 @@ def _activation_quantize_triton(h, kind, fp8_dtype, scale, rowwise, columnwise, 
         h, q if rowwise else qt, qt if columnwise else q, scale, amax, scale_inv,
         saturation_out if saturation_out is not None else scale_inv, M, F, K, bound, underflow_bound(fp8_dtype),
         KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, SATURATION=saturation_out is not None,
-        BOUND_INCLUSIVE=inclusive, BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, num_warps=NUM_WARPS,
+        BOUND_INCLUSIVE=inclusive, WIDE=wide_offsets(h, q, qt), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N,
+        num_warps=NUM_WARPS,
         enable_reflect_ftz=False,  # libdevice without flush-to-zero, as nvcc builds aten's kernels
     )
     return Fp8Tensor(q, qt, scale_inv, amax)
@@ -406,7 +414,8 @@ def _activation_backward_quantize_triton(dout, h, kind, fp8_dtype, scale, rowwis
         partial_sums if col_sum else scale_inv, saturation_out if saturation_out is not None else scale_inv,
         M, F, K, bound, underflow_bound(fp8_dtype),
         KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, COL_SUM=col_sum, SATURATION=saturation_out is not None,
-        BOUND_INCLUSIVE=inclusive, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=NUM_WARPS,
+        BOUND_INCLUSIVE=inclusive, WIDE=wide_offsets(dout, h, q, qt, partial_sums), BLOCK_M=BWD_BLOCK_M,
+        BLOCK_N=BWD_BLOCK_N, num_warps=NUM_WARPS,
         enable_reflect_ftz=False,
     )
     return Fp8Tensor(q, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
-from .triton_kernels import available
+from .triton_kernels import available, wide_offsets
 
 try:
     import triton
@@ -162,6 +162,7 @@ if triton is not None:
     @triton.jit
     def _load_tile(ptr, rows, cols, M, N: tl.constexpr):
         # The [rows, cols] tile of a row-major [M, N] tensor in fp32, 0 outside it; and its mask.
+        # Offsets in int64 where rows are (WIDE).
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         return tl.load(ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32), mask
 
@@ -203,11 +204,13 @@ if triton is not None:
         M, eps, saturation_bound, flush_bound,
         N: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # One block of BLOCK_M rows: their statistics chunk by chunk, then each chunk normalised
         # and cast (its second read of x hits L1/L2).
         pid = tl.program_id(0)
+        if WIDE:  # int64 rows, and cols below: offsets of 2^31 elements or more (see wide_offsets)
+            pid = pid.to(tl.int64)
         dtype: tl.constexpr = x_ptr.dtype.element_ty
         scale = tl.load(scale_ptr)
         amax = 0.0
@@ -221,6 +224,8 @@ if triton is not None:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
+            if WIDE:  # cols * M, the transposed layout's offsets
+                cols = cols.to(tl.int64)
             col_mask = cols < N
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             b = w  # unused without a bias
@@ -261,8 +266,6 @@ def norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, c
     """`norm_quantize` in one Triton launch (x contiguous, its arguments positional): what runs on
     CUDA, and in Triton's interpreter in the tests."""
     M, N = x.shape
-    if x.numel() >= 2**31:
-        raise ValueError("norm_quantize_triton: 32-bit offsets, fewer than 2^31 elements")
     device = x.device
     q = torch.empty((M, N), device=device, dtype=fp8_dtype) if rowwise else None
     qt = torch.empty((N, M), device=device, dtype=fp8_dtype) if columnwise else None
@@ -294,6 +297,7 @@ def norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, c
         COLUMNWISE=columnwise,
         SATURATION=saturation_out is not None,
         BOUND_INCLUSIVE=inclusive,
+        WIDE=wide_offsets(x, q, qt),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,

@@ -42,6 +42,27 @@ BLOCK_M = 64
 BLOCK_N = 128
 NUM_WARPS = 4
 
+# The FP8 cast kernels (here, norm_kernels, activation_kernels) form element offsets in int32, which
+# overflow from 2^31 elements on: a [65536, 49152] MLP activation (micro-batch 8 x 8192 tokens at
+# hidden 12288) made an illegal memory access. A launch that indexes such a tensor passes WIDE, under
+# which the kernel widens its row and column indices (and so every offset formed from them) to
+# int64; smaller launches run the int32 code, as fast as ever.
+OFFSET_LIMIT = 2**31
+
+
+def wide_offsets(*tensors) -> bool:
+    """Whether a kernel that indexes `tensors` (None skipped) needs int64 offsets: whether an
+    element offset into one of them can reach 2^31 - 1 (a row-strided view reaches further than
+    its numel)."""
+    for t in tensors:
+        if t is None:
+            continue
+        reach = t.numel() if t.is_contiguous() else 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
+        if reach >= OFFSET_LIMIT:
+            return True
+    return False
+
+
 if triton is not None:
 
     if not INTERPRETING:
@@ -94,7 +115,8 @@ if triton is not None:
         # round) in fp32. HEADS: the input is a QKV projection's output gradient, laid out per
         # key/value group as [QPG query heads, key, value] of D features each, read from the
         # three gradients instead: queries [M, groups * QPG * D] at x_ptr (row stride stride_q),
-        # keys and values [M, groups * D] (row stride stride_kv).
+        # keys and values [M, groups * D] (row stride stride_kv). The offsets are int64 where rows
+        # and cols are (WIDE).
         if HEADS:
             slot = (cols // D) % (QPG + 2)
             group = cols // (D * (QPG + 2))
@@ -115,10 +137,14 @@ if triton is not None:
         saturation_ptr, M, N, stride_q, stride_kv, fp8_max, margin_factor, saturation_bound, flush_bound,
         CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
         WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
-        HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if WIDE:  # int64 rows and cols, and so every offset below, col_sum's too (see wide_offsets)
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
         if CURRENT:
             # amax_ptr holds this tensor's amax, computed just before; derive the scale here,
             # with IEEE division (plain `/` is approximate in Triton) to match torch bit for bit.
@@ -173,7 +199,8 @@ if triton is not None:
         # transposed tile), copied into qt [N, M] as bytes: the transposed layout of a fused
         # producer (a norm, an activation) without computing its tile twice. Not tl.trans: see
         # _quantize_kernel. The barrier makes the tile's stores visible to all of the program's
-        # threads first.
+        # threads first. Offsets in int64 where rows and cols are: a caller launched WIDE passes
+        # int64 ones, since rows * N and cols * M overflow int32 for 2^31 elements or more.
         tl.debug_barrier()
         q_bytes = q_ptr.to(tl.pointer_type(tl.uint8))
         qt_bytes = qt_ptr.to(tl.pointer_type(tl.uint8))
@@ -257,6 +284,7 @@ def _launch(x, heads, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise,
     write_scale = current and scale_out is not None
     bound, inclusive = saturation_bound(fp8_dtype)
     k, v, queries_per_group, head_dim = heads if heads is not None else (x, x, 1, 1)
+    wide = wide_offsets(x, k, v, q, qt, partial_sums)
     _quantize_kernel[grid](
         x,
         k,
@@ -287,6 +315,7 @@ def _launch(x, heads, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise,
         HEADS=heads is not None,
         QPG=queries_per_group,
         D=head_dim,
+        WIDE=wide,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,

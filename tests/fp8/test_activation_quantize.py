@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from megafp8.fp8 import activation_kernels
 from megafp8.fp8.activation_kernels import (
     KINDS,
     activation_backward_quantize,
@@ -20,8 +21,10 @@ from megafp8.fp8.activation_kernels import (
     activation_torch,
 )
 from megafp8.fp8.quantize import quantize_torch
+from megafp8.fp8.tensor import Fp8Tensor
 
 from ..interpreter import run_interpreted_checks
+from .helpers import HUGE, HUGE_CHUNK, assert_same_bits, launch_with_offsets, needs_40gb
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = [torch.bfloat16, torch.float32]
@@ -286,6 +289,31 @@ def interpreted_checks():
         check_kernels(kind, torch.bfloat16, 70, 130, LAYOUTS[:1], "cpu", exact_fraction=0.999, seed=1)
         check_non_finite(kind, "cpu")
     check_gelu_tanh_gradient_accuracy(300, 256, "cpu")
+    check_wide_offsets()
+
+
+def check_wide_offsets():
+    """The kernels' int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
+    int32 path's bits: each activation and layout, forward and backward, counts and column sums too."""
+    for kind in KINDS:
+        h, dout = make_inputs(kind, torch.bfloat16, 37, 72)  # partial tiles both ways, forward and backward
+        scale, grad_scale = scales(h, dout, kind)
+        for rowwise, columnwise in LAYOUTS:
+            def forward():
+                counts = torch.zeros(3, dtype=torch.int64)
+                return activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise,
+                                           amax_out=torch.tensor(1e-3), saturation_out=counts), counts
+
+            def backward():
+                counts = torch.zeros(3, dtype=torch.int64)
+                return activation_backward_quantize(dout, h, kind, E5M2, grad_scale, rowwise=rowwise,
+                                                    columnwise=columnwise, col_sum=True, saturation_out=counts), counts
+            what = (kind, rowwise, columnwise)
+            for kernel, cast in (("_activation_quantize_kernel", forward),
+                                 ("_activation_backward_quantize_kernel", backward)):
+                narrow, wide = (launch_with_offsets(w, activation_kernels, kernel, cast) for w in (False, True))
+                assert_same_bits(narrow, wide, (what, kernel))
+                assert narrow[1][0] > 0, (what, kernel)
 
 
 @needs_triton
@@ -327,3 +355,64 @@ def test_gpu_backward_is_deterministic(kind):
     first = activation_backward_quantize(dout, h, kind, E5M2, scale, col_sum=True)
     again = activation_backward_quantize(dout, h, kind, E5M2, scale, col_sum=True)
     assert same_bits(first.data, again.data) and same_bits(first.col_sum, again.col_sum)
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@needs_40gb
+def test_gpu_gelu_of_more_than_2_31_elements():
+    """Forward and backward casts of GELU past int32 offsets, both layouts, against the unfused CUDA
+    ops and quantize_torch a block of rows at a time, as `compare` holds them (the transposed layout
+    is the row-major one's bytes)."""
+    M, F_ = HUGE
+    g = torch.Generator("cuda").manual_seed(0)
+    h = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=g).mul_(3)
+    # Peaks that saturate, the largest (GELU(40) = 40, the amax) in the last element: past 2^31
+    # elements in both layouts.
+    peaks = [(0, 0), (M - 8, 5), (M - 1, F_ - 1)]
+    for i, (row, col) in enumerate(peaks):
+        h[row, col] = 30.0 + 5 * i
+    scale = torch.tensor(448.0 / 24, device="cuda")  # beyond 24 saturates: the peaks alone
+    counts, ref_counts = (torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2))
+    amax_out = torch.tensor(1e-3, device="cuda")
+    q = activation_quantize(h, "gelu", E4M3, scale, amax_out=amax_out, saturation_out=counts)
+    assert q.amax is amax_out and amax_out.item() == 40.0
+    zeros = 0
+    for i, (rows, data, data_t) in enumerate(zip(h.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK),
+                                                 q.data_t.split(HUGE_CHUNK, dim=1))):
+        y = activation_torch(rows, "gelu")
+        ref = quantize_torch(y, E4M3, scale, 0, True, False, None, None, False, ref_counts)
+        what = f"forward, rows from {i * HUGE_CHUNK}"
+        compare(Fp8Tensor(data, None, q.scale_inv, q.amax), ref._replace(amax=q.amax), rows, 0.995, what)
+        assert same_bits(data_t, data.t()), what
+        zeros += (y == 0).sum().item()
+    assert counts[0] == ref_counts[0] == len(peaks) and counts[1] == ref_counts[1] == M * F_
+    assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + zeros  # as check_kernels has it
+    del q, data, data_t
+
+    dout = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=g).mul_(0.01)
+    grad_scale = torch.tensor(57344.0 / 0.03, device="cuda")  # the largest gradients saturate
+    counts.zero_()
+    ref_counts.zero_()
+    dq = activation_backward_quantize(dout, h, "gelu", E5M2, grad_scale, col_sum=True, saturation_out=counts)
+    col_sum, magnitude = (torch.zeros(F_, device="cuda", dtype=torch.float64) for _ in range(2))
+    ref_amax, zeros = 0.0, 0
+    for i, (d, rows, data, data_t) in enumerate(zip(dout.split(HUGE_CHUNK), h.split(HUGE_CHUNK),
+                                                    dq.data.split(HUGE_CHUNK), dq.data_t.split(HUGE_CHUNK, dim=1))):
+        dh = activation_backward_torch(d, rows, "gelu")
+        ref = quantize_torch(dh, E5M2, grad_scale, 0, True, False, None, None, False, ref_counts)
+        what = f"backward, rows from {i * HUGE_CHUNK}"
+        compare(Fp8Tensor(data, None, dq.scale_inv, dq.amax), ref._replace(amax=dq.amax), rows, 0.995, what)
+        assert same_bits(data_t, data.t()), what
+        col_sum += dh.sum(0, dtype=torch.float64)
+        magnitude += dh.abs().sum(0, dtype=torch.float64)
+        ref_amax = max(ref_amax, ref.amax.item())
+        zeros += (dh == 0).sum().item()
+    assert abs(dq.amax.item() - ref_amax) <= 2**-8 * ref_amax
+    assert counts[1] == ref_counts[1] == M * F_ and counts[0] > 0
+    assert abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1]
+    assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + zeros
+    # fp32 rounding of the sums, and the elements of dh that round the other way in bf16 where
+    # libdevice and CUDA's math library differ in a last bit (one bf16 step, 2^-8 of the element,
+    # in a small fraction of the 65544 rows): 1e-4 of the column's sum of |dh|.
+    assert ((dq.col_sum - col_sum).abs() <= 1e-4 * magnitude).all()

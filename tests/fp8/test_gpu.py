@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast, scale_from_amax
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
 
-from .helpers import emulate, gemm_error_bound, random_amax, rel_err
+from .helpers import HUGE, HUGE_CHUNK, emulate, gemm_error_bound, needs_40gb, random_amax, rel_err
 
 pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -66,6 +66,42 @@ def test_triton_quantize_maxes_into_the_amax_accumulator(delayed):
         x[7, 9] = peak
         q = triton_kernels.quantize(x, E4M3, scale, 0, True, False, None, accumulator, False)
         assert q.amax is accumulator and accumulator.item() == expected
+
+
+@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@needs_40gb
+@pytest.mark.parametrize("delayed", [True, False])
+def test_triton_quantize_of_more_than_2_31_elements(delayed):
+    # Both layouts, the column sums and the counts of a tensor past int32 offsets, against the torch
+    # path a block of rows at a time.
+    M, N = HUGE
+    x = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    assert x.numel() > 2**31 and triton_kernels.wide_offsets(x)
+    # Outliers, the largest in the last element, past 2^31 elements in both layouts.
+    outliers = [(0, 0), (M // 2, 7), (M - 8, 3), (M - 3, N - 5), (M - 1, N - 1)]
+    for i, (row, col) in enumerate(outliers):
+        x[row, col] = (100.0 + i) * (-1) ** i
+    scale = torch.tensor(448.0 / 16, device="cuda") if delayed else None  # beyond 16 saturates: the outliers
+    scale_out, counts = torch.zeros((), device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
+    q = triton_kernels.quantize(x, E4M3, scale, 0, True, True, scale_out, None, True, counts)
+    assert q.amax.item() == 100.0 + len(outliers) - 1
+    if not delayed:
+        scale = scale_from_amax(q.amax.clone(), E4M3)
+        assert torch.equal(scale_out, scale)
+    assert torch.equal(q.scale_inv, scale.reciprocal())
+    ref_counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+    col_sum, magnitude = (torch.zeros(N, device="cuda", dtype=torch.float64) for _ in range(2))
+    blocks = zip(x.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK), q.data_t.split(HUGE_CHUNK, dim=1))
+    for i, (rows, data, data_t) in enumerate(blocks):
+        ref = quantize_torch(rows, E4M3, scale, 0, True, False, saturation_out=ref_counts)
+        assert_same_bytes(data, ref.data, f"data, rows from {i * HUGE_CHUNK}")
+        assert_same_bytes(data_t, ref.data.t(), f"data_t, rows from {i * HUGE_CHUNK}")
+        col_sum += rows.sum(0, dtype=torch.float64)
+        magnitude += rows.abs().sum(0, dtype=torch.float64)
+    assert torch.equal(counts, ref_counts)
+    assert counts[:2].tolist() == [len(outliers) if delayed else 0, M * N]
+    # Summed in another order, in fp32: the rounding of sums of |x|.
+    assert ((q.col_sum - col_sum).abs() <= 1e-5 * magnitude).all()
 
 
 @pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")

@@ -16,7 +16,7 @@ from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.tensor import saturates, underflows
 
 from ..interpreter import run_interpreted_checks
-from .helpers import rel_err
+from .helpers import HUGE, HUGE_CHUNK, assert_same_bits, launch_with_offsets, needs_40gb, rel_err
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-5
@@ -252,6 +252,7 @@ def interpreted_checks():
         check_forward(*make_inputs(40, 300, torch.float32, rms, offset=3000.0), rms, E4M3, both, same_bytes=0.99,
                       y_error=1e-4)
     check_non_finite()
+    check_wide_offsets()
 
 
 def check_non_finite():
@@ -273,6 +274,23 @@ def check_non_finite():
     assert saturation[0].item() == saturates(y.float() * scale, E4M3).sum().item()
 
 
+def check_wide_offsets():
+    """The kernel's int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
+    int32 path's bits: both norms, each layout, the statistics and counts too."""
+    for rms in (False, True):
+        x, weight, bias = make_inputs(37, 300, torch.bfloat16, rms)  # a partial row block and last chunk
+        scale = fitted_scale(norm_forward_torch(x, weight, bias, EPS, rms)[0], E4M3, headroom=2.0)
+        for layout in ((True, True), (True, False), (False, True)):
+            def cast():
+                amax, counts = torch.tensor(0.25), torch.zeros(3, dtype=torch.int64)
+                q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, rms, E4M3, scale, *layout, amax,
+                                                                  counts)
+                return q, mean, rstd, counts
+            narrow, wide = (launch_with_offsets(w, norm_kernels, "_norm_quantize_kernel", cast) for w in (False, True))
+            assert_same_bits(narrow, wide, (rms, layout))
+            assert narrow[3][0] > 0
+
+
 @needs_triton
 def test_kernels_in_the_triton_interpreter():
     run_interpreted_checks(__name__)
@@ -290,6 +308,18 @@ def fp8_step(values, fp8_dtype):
     mantissa_bits = 3 if fp8_dtype == E4M3 else 2
     exponent = torch.floor(torch.log2(values.abs().clamp_min(finfo.smallest_normal)))
     return torch.exp2(exponent - mantissa_bits)
+
+
+def assert_fp8_close(out, expected, scale, fp8_dtype, what):
+    """The kernel's FP8 bytes against the torch path's: 99.9% the same, the others one FP8 step off."""
+    assert same_fraction(out, expected) >= 0.999, (what, same_fraction(out, expected))
+    a, b = out.float(), expected.float()
+    # Where the bias cancels the normalised term, y is ~0 and the kernel's fused
+    # multiply-add and torch's separate ops differ by the fp32 rounding of the terms
+    # (~1e-7 of y): E5M2's smallest steps (2^-16) resolve that after the scale.
+    cancellation = 1e-6 * scale.item()
+    far = ~((a - b).abs() <= torch.clamp_min(fp8_step(torch.maximum(a.abs(), b.abs()), fp8_dtype), cancellation))
+    assert not far.any(), (what, a[far][:8], b[far][:8], far.nonzero()[:8].tolist(), scale.item())
 
 
 @pytest.mark.gpu
@@ -316,15 +346,7 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
                 assert (out is None) == (expected is None), what
                 if out is None:
                     continue
-                assert same_fraction(out, expected) >= 0.999, (what, same_fraction(out, expected))
-                a, b = out.float(), expected.float()
-                # Where the bias cancels the normalised term, y is ~0 and the kernel's fused
-                # multiply-add and torch's separate ops differ by the fp32 rounding of the terms
-                # (~1e-7 of y): E5M2's smallest steps (2^-16) resolve that after the scale.
-                cancellation = 1e-6 * scale.item()
-                far = ~((a - b).abs() <= torch.clamp_min(fp8_step(torch.maximum(a.abs(), b.abs()), fp8_dtype),
-                                                         cancellation))
-                assert not far.any(), (what, a[far][:8], b[far][:8], far.nonzero()[:8].tolist(), scale.item())
+                assert_fp8_close(out, expected, scale, fp8_dtype, what)
             assert abs(q.amax - ref.amax) <= ROUNDING[torch.bfloat16] * ref.amax and q.amax is amax_out, what
             assert torch.equal(q.scale_inv, ref.scale_inv), what
             assert saturation[1] == ref_saturation[1], what
@@ -361,3 +383,41 @@ def test_gpu_non_finite_input():
     assert q.amax.item() == float("inf")
     assert torch.isnan(q.data.float()[5]).all() and torch.isnan(q.data_t.float()[:, 5]).all()
     assert torch.isfinite(q.data.float()[6:]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@needs_40gb
+def test_gpu_layernorm_of_more_than_2_31_elements():
+    """norm_quantize past int32 offsets, both layouts and the transposed one alone, against the torch
+    path a block of rows at a time (an fp32 copy of x would be 8.6 GB)."""
+    M, N = HUGE
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=g).mul_(2).add_(3)
+    x.mul_(torch.rand(M, 1, device="cuda", generator=g).add_(0.5).bfloat16())  # a spread per row
+    weight = (torch.randn(N, device="cuda", generator=g) * 0.5 + 1).bfloat16()
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.5).bfloat16()
+    # A spike in the last element, under unit weight and no bias: y there (~180) is the amax, past
+    # 2^31 elements in both layouts, and saturates.
+    x[M - 1, N - 1], weight[N - 1], bias[N - 1] = 3000.0, 1.0, 0.0
+    scale = torch.tensor(448.0 / 32, device="cuda")
+    amax_out = torch.tensor(0.25, device="cuda")
+    counts, ref_counts = (torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2))
+    q, mean, rstd = norm_quantize(x, weight, bias, EPS, False, E4M3, scale, amax_out=amax_out, saturation_out=counts)
+    alone = norm_quantize(x, weight, bias, EPS, False, E4M3, scale, rowwise=False)[0].data_t
+    ref_amax = 0.0
+    blocks = zip(x.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK), q.data_t.split(HUGE_CHUNK, dim=1),
+                 alone.split(HUGE_CHUNK, dim=1), mean.split(HUGE_CHUNK), rstd.split(HUGE_CHUNK))
+    for i, (rows, data, data_t, data_t_alone, block_mean, block_rstd) in enumerate(blocks):
+        y, ref_mean, ref_rstd = norm_forward_torch(rows, weight, bias, EPS, False)
+        expected = quantize_torch(y, E4M3, scale, 0, True, False, None, None, False, ref_counts).data
+        what = f"rows from {i * HUGE_CHUNK}"
+        assert rel_err(block_rstd, ref_rstd) < 1e-5 and rel_err(block_mean, ref_mean) < 1e-5, what
+        assert_fp8_close(data, expected, scale, E4M3, what)
+        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), what  # the stored tile's bytes
+        assert_fp8_close(data_t_alone, expected.t(), scale, E4M3, what + ", columnwise alone")
+        ref_amax = max(ref_amax, y.float().abs().max().item())
+    assert q.amax is amax_out and ref_amax > 100
+    assert abs(q.amax.item() - ref_amax) <= ROUNDING[torch.bfloat16] * ref_amax
+    assert counts[1] == ref_counts[1] == M * N and counts[0] > 0
+    assert abs(counts[0] - ref_counts[0]) <= 1e-3 * M * N and abs(counts[2] - ref_counts[2]) <= 1e-3 * M * N

@@ -1,11 +1,18 @@
+import importlib.util
+
 import pytest
 import torch
 
 from megafp8 import fp8_max, quantize, scale_from_amax
+from megafp8.fp8 import triton_kernels
+from megafp8.fp8.fused import HeadGradsSource
 
-from .helpers import UNIT_ROUNDOFF
+from ..interpreter import run_interpreted_checks
+from .helpers import UNIT_ROUNDOFF, assert_same_bits, launch_with_offsets
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+E4M3, E5M2 = FP8_DTYPES
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
 def test_fp8_max_values():
@@ -92,3 +99,57 @@ def test_quantize_rejects_bad_arguments():
         quantize(torch.randn(2, 3, 4), torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="rowwise and columnwise"):
         quantize(torch.randn(2, 3), torch.float8_e4m3fn, rowwise=False)
+
+
+def test_kernels_take_int64_offsets_from_2_31_elements_or_an_offset_that_far():
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    below, at = torch.empty(2**16, 2**15 - 1, **meta), torch.empty(2**16, 2**15, **meta)
+    assert not triton_kernels.wide_offsets(below, below.t(), None)
+    assert triton_kernels.wide_offsets(below, at) and triton_kernels.wide_offsets(at.t())
+    # A row-strided view (a query gradient in a wider buffer, say): few elements, but its last
+    # row starts 2^31 elements on.
+    view = torch.empty(2**16 + 1, 2**15, **meta)[:, :16]
+    assert view.numel() < 2**31 and triton_kernels.wide_offsets(view)
+    assert not triton_kernels.wide_offsets(view[:-1])
+
+
+# -- the Triton kernels in Triton's interpreter, on the CPU ------------------------------------------------
+
+def interpreted_checks():
+    """The int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) of quantize and
+    quantize_heads gives the int32 path's bits, on small tensors."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(70, 130, generator=g) * 7).bfloat16()  # partial tiles both ways
+    x[3, 5] = 1e6  # saturates under the delayed scale, E5M2 too
+    for fp8_dtype in FP8_DTYPES:
+        for scale in (torch.tensor(0.37), None):
+            for rowwise, columnwise, col_sum in ((True, True, True), (False, True, False)):
+                def cast():
+                    amax, scale_out, counts = torch.tensor(0.5), torch.zeros(()), torch.zeros(3, dtype=torch.int64)
+                    q = triton_kernels.quantize(x, fp8_dtype, scale, 1, rowwise, columnwise, scale_out, amax, col_sum,
+                                                counts)
+                    return q, scale_out, counts
+                narrow, wide = (launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast) for w in (False, True))
+                assert_same_bits(narrow, wide, (fp8_dtype, scale, rowwise, columnwise))
+                assert narrow[2][1] == x.numel() and (scale is None or narrow[2][0] > 0)
+
+    # A QKV gradient of 2 groups of 3 query heads of 16 features, the query gradient a row-strided view.
+    dq = (torch.randn(70, 120, generator=g) * 3).bfloat16()[:, :96]
+    dk, dv = ((torch.randn(70, 32, generator=g) * 3).bfloat16() for _ in range(2))
+    scale = torch.tensor(57344.0 / 4)  # values beyond 4 saturate
+
+    def cast_heads():
+        amax, counts = torch.zeros(()), torch.zeros(3, dtype=torch.int64)
+        return triton_kernels.quantize_heads(dq, dk, dv, 16, E5M2, scale, True, True, amax, True, counts), counts
+    narrow, wide = (launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast_heads) for w in (False, True))
+    assert_same_bits(narrow, wide, "quantize_heads")
+    counts = torch.zeros(3, dtype=torch.int64)
+    concatenated = triton_kernels.quantize(HeadGradsSource(dq, dk, dv, 16).materialize(), E5M2, scale, 0, True, True,
+                                           None, torch.zeros(()), True, counts)
+    assert_same_bits((concatenated, counts), narrow, "quantize of the concatenation")
+    assert counts[0] > 0
+
+
+@needs_triton
+def test_kernels_in_the_triton_interpreter():
+    run_interpreted_checks(__name__)
