@@ -131,29 +131,23 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
         for name in recipes:
             recipe = scaling(name)
 
-            def forward(module=layer):
-                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
-                    return module(x, rotary)
-
-            def step(module=layer):
-                for p in module.parameters():
-                    p.grad = None
-                x.grad = None
-                forward(module).backward(dy)
-
-            def stack_step():
-                for p in (p for module in stack for p in module.parameters()):
-                    p.grad = None
-                x.grad = None
+            def forward(modules=(layer,)):  # one pass through the layers, as a pipeline stage's
                 with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
                     y = x
-                    for module in stack:
+                    for module in modules:
                         y = module(y, rotary)
-                y.backward(dy)
+                    return y
+
+            def step(modules=(layer,)):
+                for module in modules:
+                    for p in module.parameters():
+                        p.grad = None
+                x.grad = None
+                forward(modules).backward(dy)
 
             try:
                 if planner:  # eager, as pipeline-parallel layouts run (no graphs)
-                    one, many = eager_host_ms(step), eager_host_ms(stack_step)
+                    one, many = eager_host_ms(step), eager_host_ms(lambda: step(stack))
                     times["host_ms"][name] = one
                     layer_share = None if one is None or many is None else max(0.0, (many - one) / (HOST_STACK - 1))
                     times["host_layer_ms"][name] = layer_share
@@ -161,7 +155,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
                 times["ms"][name] = median_ms(graphed(step), tp_group)
                 times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
                 if planner:
-                    times["selective_ms"][name] = selective_ms(lambda: step(selective), tp_group)
+                    times["selective_ms"][name] = selective_ms(lambda: step((selective,)), tp_group)
             except torch.cuda.OutOfMemoryError:
                 for kind in kinds:
                     times[kind][name] = None
