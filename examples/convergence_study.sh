@@ -10,9 +10,10 @@
 #   and llama groups' bf16 runs); data (prepare the data only) or report (curves only).
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
-# Data: by default a corpus of the Python packages installed here, test suites included (a
-# stand-in for SlimPajama's GitHub subset, NOT SlimPajama; tools/make_sample_corpus.py --packages
-# --test-suites), validation packages held out whole, a VOCAB-token BPE trained on its training split. For SlimPajama (or any corpus in its
+# Data: by default a corpus of the Python packages installed here, test suites included, and the
+# C and C++ headers of /usr/include (a stand-in for SlimPajama's GitHub subset, NOT SlimPajama;
+# tools/make_sample_corpus.py --packages --sources /usr/include --test-suites; CORPUS_ROOTS and
+# CORPUS_SOURCES name other folders), validation packages and projects held out whole, a VOCAB-token BPE trained on its training split. For SlimPajama (or any corpus in its
 # layout) set CORPUS to its folder (holding train/ and validation/); for data already tokenized,
 # set TRAIN_DATA, VALID_DATA (indexed-dataset prefixes) and TOKENIZER_MODEL.
 # Sizes (defaults: the study's): ITERS steps of GBS x SEQ tokens (1500 x 64 x 1024, 98M tokens),
@@ -36,7 +37,7 @@ ITERS=${ITERS:-1500}; SENS_ITERS=${SENS_ITERS:-500}
 SEQ=${SEQ:-1024}; MBS=${MBS:-32}; GBS=${GBS:-64}
 LR=${LR:-6e-4}; WARMUP_FRACTION=${WARMUP_FRACTION:-0.1}  # min LR: a tenth of the peak
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}; EVAL_ITERS=${EVAL_ITERS:-10}; LOG_INTERVAL=${LOG_INTERVAL:-10}
-SEED=${SEED:-1234}; VOCAB=${VOCAB:-32768}; CORPUS_MB=${CORPUS_MB:-800}
+SEED=${SEED:-1234}; VOCAB=${VOCAB:-32768}; CORPUS_MB=${CORPUS_MB:-1200}
 MODEL_ARGS=${MODEL_ARGS:-}
 CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
@@ -59,9 +60,13 @@ prepare_data() {
     workers=$(python -c 'import os; print(max(1, len(os.sched_getaffinity(0)) - 1))')
     if [ -z "${CORPUS:-}" ]; then
         if [ -f "$corpus/README.txt" ]; then kept "$corpus"
-        # shellcheck disable=SC2086  # CORPUS_ROOTS is a list of folders
-        else python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} --test-suites \
-                 --max-mb "$CORPUS_MB" --workers "$workers"; fi
+        else
+            local sources=()  # CORPUS_SOURCES: folders of code in other languages, those that exist
+            for folder in ${CORPUS_SOURCES-/usr/include}; do [ -d "$folder" ] && sources+=(--sources "$folder"); done
+            # shellcheck disable=SC2086  # CORPUS_ROOTS is a list of folders
+            python tools/make_sample_corpus.py --output "$corpus" --packages ${CORPUS_ROOTS:-} "${sources[@]}" \
+                --test-suites --max-mb "$CORPUS_MB" --workers "$workers"
+        fi
     fi
     TOKENIZER_MODEL=${TOKENIZER_MODEL:-$WORKDIR/tokenizer}
     if [ -f "$TOKENIZER_MODEL/tokenizer.json" ] || [ -f "$TOKENIZER_MODEL" ]; then kept "$TOKENIZER_MODEL"

@@ -49,12 +49,13 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
 
 
 def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
-    """examples/convergence_study.sh shrunk for a CPU: a corpus of this repository's packages, its
+    """examples/convergence_study.sh shrunk for a CPU: a corpus of this repository's packages and scripts, its
     tokenizer, the GPT group (bf16, FP8 delayed, FP8 current) and the 2x-LR Llama group; run again,
     it keeps what is done; with too little time left it starts nothing and says so."""
     repo = EXAMPLES.parent
     tiny = dict(CPU="1", ITERS="4", SENS_ITERS="2", SEQ="64", MBS="2", GBS="4", EVAL_INTERVAL="2",
                 EVAL_ITERS="1", LOG_INTERVAL="1", VOCAB="512", CORPUS_ROOTS=f"{repo / 'megafp8'} {repo / 'tools'}",
+                CORPUS_SOURCES=f"{repo / 'examples'} {tmp_path / 'absent'}",  # shell scripts; absent: skipped
                 MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
                            "--ffn-hidden-size 128")
 
@@ -79,6 +80,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # with its seed yardstick
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| bf16_seed1235"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
+    assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study("gpt", "lr2x")
     assert again.returncode == 0 and "starting from scratch" not in again.stdout

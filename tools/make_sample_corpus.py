@@ -175,13 +175,17 @@ def collect(stdlib: Path) -> dict[str, list[str]]:
 
 
 def default_package_roots(stdlib: Path) -> list[Path]:
-    """Every folder this interpreter imports installed packages from, in its import order, then
-    the standard library: pure and platform site-packages and the site's other package folders
-    (a Debian or Ubuntu Python also reads /usr/lib/python3/dist-packages, where the system's
-    packages live); those that exist."""
+    """Every folder packages are installed to for this interpreter, in its import order, then the
+    standard library: pure and platform site-packages and the site's other package folders (a
+    Debian or Ubuntu Python also reads /usr/lib/python3/dist-packages, where the system's packages
+    live); inside a virtual environment, then the base interpreter's folders too (the machine's
+    packages, which the environment hides from imports but which are installed all the same);
+    those that exist."""
     paths = sysconfig.get_paths()
-    candidates = [Path(paths["purelib"]), Path(paths["platlib"]), *map(Path, site.getsitepackages()), stdlib]
-    return [root for root in candidates if root.is_dir()]
+    candidates = [Path(paths["purelib"]), Path(paths["platlib"]), *map(Path, site.getsitepackages())]
+    if sys.prefix != sys.base_prefix:
+        candidates += map(Path, site.getsitepackages([sys.base_prefix]))
+    return [root for root in [*candidates, stdlib] if root.is_dir()]
 
 
 def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Path]]:
@@ -199,6 +203,22 @@ def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Pa
                 continue
             if child.is_file() or _files(child, (".py",), skip):
                 found[name] = child
+    return sorted(found.items())
+
+
+def source_projects(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Path]]:
+    """(name, path) of every project under `roots`, folders of code in other languages (the C and
+    C++ headers of /usr/include): each folder in a root, and each source or documentation file
+    lying in the root itself, is one project, named ROOT/CHILD (`include/linux`), in name order.
+    They are held out for validation whole, like packages."""
+    skip = _skip_dirs(test_suites)
+    found = {}
+    for root in roots:
+        for child in sorted(root.iterdir(), key=lambda p: p.name):
+            if child.name.startswith(".") or child.name in skip or child.is_symlink():
+                continue
+            if child.is_dir() or child.name.endswith(SOURCE_SUFFIXES + DOC_SUFFIXES):
+                found.setdefault(f"{root.name}/{child.name}", child)
     return sorted(found.items())
 
 
@@ -234,15 +254,14 @@ def package_documents(name: str, path: Path, test_suites: bool = False) -> list[
         prose = _docstrings(tree)
         if len(prose) >= MIN_BOOK_CHARS:
             docs.append((BOOK, prose))
-    if path.is_dir():
-        for source in _files(path, SOURCE_SUFFIXES, skip):
-            text = _read_text(source)
-            if text and text.strip():
-                docs.append((GITHUB, text if written_code(text) else None))
-        for doc in _files(path, DOC_SUFFIXES, skip):
-            text = (_read_text(doc) or "").strip()
-            if len(text) >= MIN_DOC_CHARS:
-                docs.append((WIKI, text))
+    for source in _files(path, SOURCE_SUFFIXES, skip):
+        text = _read_text(source)
+        if text and text.strip():
+            docs.append((GITHUB, text if written_code(text) else None))
+    for doc in _files(path, DOC_SUFFIXES, skip):
+        text = (_read_text(doc) or "").strip()
+        if len(text) >= MIN_DOC_CHARS:
+            docs.append((WIKI, text))
     return docs
 
 
@@ -250,16 +269,16 @@ def _package_documents(item):
     return package_documents(*item)
 
 
-def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1,
-                     test_suites: bool = False) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
+def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1, test_suites: bool = False,
+                     sources: list[Path] = ()) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
-    package in name order; with the standard library among the roots, its reference prose too
-    (as the package "python-docs"). A text met before (a header vendored by two packages) is
+    package in name order, then of every project of `sources` (`source_projects`); with the
+    standard library among the roots, its reference prose too (as the package "python-docs"). A text met before (a header vendored by two packages) is
     kept once, where first met, as SlimPajama deduplicates; source files that fail
     `written_code` are left out. Also returns how many documents either rule left out.
     `workers` processes read the packages; the result does not depend on their number.
     `test_suites`: the packages' test suites too."""
-    found = packages(roots, test_suites)
+    found = packages(roots, test_suites) + source_projects(list(sources), test_suites)
     items = [(name, path, test_suites) for name, path in found]
     if workers > 1 and len(found) > 1:
         import multiprocessing
@@ -373,15 +392,17 @@ def move_into(built: Path, output: Path) -> None:
 
 
 def packages_readme(roots: list[Path], train, validation, held: set, left_out: dict, mb: float, n_files: int,
-                    test_suites: bool = False) -> str:
+                    test_suites: bool = False, sources: list[Path] = ()) -> str:
     def counts(docs):
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
 
     return (
         "Corpus in SlimPajama's layout built from Python packages: a stand-in, NOT SlimPajama.\n\n"
-        f"Built by tools/make_sample_corpus.py --packages{' --test-suites' * test_suites} from "
-        f"{len({d[0] for _, d in train + validation})} "
-        f"packages under {', '.join(map(str, roots))} (Python {sys.version_info.major}.{sys.version_info.minor}).\n"
+        f"Built by tools/make_sample_corpus.py --packages{' --test-suites' * test_suites}"
+        f"{''.join(f' --sources {root}' for root in sources)} from "
+        f"{len({d[0] for _, d in train + validation})} packages and projects: the Python packages under "
+        f"{', '.join(map(str, roots))} (Python {sys.version_info.major}.{sys.version_info.minor})"
+        f"{''.join(f', the projects of {root}' for root in sources)}.\n"
         "Files: train/chunk1/example_train_{k}.jsonl.zst and validation/chunk1/example_holdout_{k}.jsonl.zst, "
         'one JSON object per line: {"text": ..., "meta": {"redpajama_set_name": ..., "package": ...}}.\n'
         f"Subsets: {GITHUB} (a package's .py files and its sources in other languages: "
@@ -409,8 +430,13 @@ def main(argv=None) -> int:
                              "in an --output folder that holds files; other files there are kept")
     parser.add_argument("--packages", nargs="*", type=Path, metavar="ROOT",
                         help="build from the Python packages under these folders instead (none given: "
-                             "every site-packages folder this interpreter imports from, and its standard library), with whole "
+                             "every site-packages folder of this interpreter and, in a virtual environment, of its base "
+                             "interpreter, and the standard library), with whole "
                              "packages held out in validation/ (SlimPajama's train/validation layout)")
+    parser.add_argument("--sources", nargs="+", type=Path, default=[], metavar="ROOT",
+                        help="with --packages: also the code in other languages under these folders (such as "
+                             "the C and C++ headers of /usr/include), each folder in them one project, held out "
+                             "whole like a package")
     parser.add_argument("--workers", type=int, default=1,
                         help="with --packages: processes reading the packages (the output is the same for any number)")
     parser.add_argument("--test-suites", action="store_true",
@@ -427,6 +453,8 @@ def main(argv=None) -> int:
         parser.error(f"--validation-fraction {args.validation_fraction}: give a share in [0, 1)")
     if args.test_suites and args.packages is None:
         parser.error("--test-suites goes with --packages (the standard-library sample has no test suites)")
+    if args.sources and args.packages is None:
+        parser.error("--sources goes with --packages (the standard-library sample is the standard library alone)")
     output = args.output
     if output.exists() and not output.is_dir():
         parser.error(f"--output {output} is a file; give a folder")
@@ -441,10 +469,12 @@ def main(argv=None) -> int:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if args.packages is not None:
         roots = list(dict.fromkeys(r.resolve() for r in args.packages or default_package_roots(stdlib)))
-        missing = [str(r) for r in roots if not r.is_dir()]
-        if missing:
-            parser.exit(2, f"{parser.prog}: error: --packages: no folder {', '.join(missing)}\n")
-        found, left_out = collect_packages(roots, stdlib, args.workers, args.test_suites)
+        sources = list(dict.fromkeys(r.resolve() for r in args.sources))
+        for flag, folders in (("--packages", roots), ("--sources", sources)):
+            missing = [str(r) for r in folders if not r.is_dir()]
+            if missing:
+                parser.exit(2, f"{parser.prog}: error: {flag}: no folder {', '.join(missing)}\n")
+        found, left_out = collect_packages(roots, stdlib, args.workers, args.test_suites, sources)
         if not found:
             parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
                            f"{', '.join(map(str, roots))}\n")
@@ -468,7 +498,7 @@ def main(argv=None) -> int:
             files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
             files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
             text = packages_readme(roots, train, validation, held, left_out, mb, len(files),
-                                   args.test_suites)
+                                   args.test_suites, sources)
         else:
             files = write(docs, built, args.docs_per_chunk)
             text = readme(counts, mb, len(files))

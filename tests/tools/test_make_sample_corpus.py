@@ -209,6 +209,51 @@ def test_test_suites_are_added_on_request(tmp_path, capsys):
     assert exit.value.code == 2 and "--test-suites goes with --packages" in capsys.readouterr().err
 
 
+# A folder of code in other languages (as /usr/include): folders and loose files are projects.
+SOURCE_FILES = {
+    "include/stdio.h": "#pragma once\nint printf(const char *format, ...);  /* the C library */\n",
+    "include/linux/types.h": "typedef unsigned int __u32;  /* the kernel's types */\n",
+    "include/linux/README.md": "# linux headers\n\n" + "What the kernel exports to user space. " * 10,
+    "include/boost/config.hpp": "#define BOOST_VERSION 108300  // boost's configuration\n",
+    "include/boost/detail/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
+    "include/table.dat": "numbers " * 100,
+    "include/.hidden.h": "int hidden;  /* a dot file */\n",
+}
+
+
+def test_sources_add_projects_in_other_languages_held_out_whole(tmp_path, capsys):
+    tree = _package_tree(tmp_path / "tree")
+    for name, text in SOURCE_FILES.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    out = _build_packages(tree, tmp_path / "out", "--sources", str(tree / "include"))
+    train, validation = _documents(out / "train"), _documents(out / "validation")
+    by_text = {d["text"]: d["meta"] for d in train + validation}
+    for name, project in (("stdio.h", "include/stdio.h"), ("linux/types.h", "include/linux"),
+                          ("boost/config.hpp", "include/boost")):
+        assert by_text[SOURCE_FILES[f"include/{name}"]] == {"redpajama_set_name": tool.GITHUB, "package": project}
+    assert by_text[SOURCE_FILES["include/linux/README.md"].strip()]["redpajama_set_name"] == tool.WIKI
+    # Packages come first: boost's copy of alpha's header is a duplicate; data and dot files are no code.
+    assert by_text[PACKAGE_FILES["first/alpha/include/alpha.h"]]["package"] == "alpha"
+    assert not any("numbers" in t or "hidden" in t for t in by_text)
+    train_names = {d["meta"]["package"] for d in train}
+    validation_names = {d["meta"]["package"] for d in validation}
+    assert not train_names & validation_names
+    assert train_names | validation_names == {"alpha", "beta", "gamma", "delta", "epsilon", "include/stdio.h",
+                                              "include/linux", "include/boost"}
+    readme = (out / "README.txt").read_text()
+    assert f"--sources {tree / 'include'} from 8 packages and projects" in readme
+    again = _build_packages(tree, tmp_path / "again", "--sources", str(tree / "include"), "--workers", "2")
+    assert _files(again) == _files(out)
+    for argv, message in ((["--sources", str(tree / "include")], "--sources goes with --packages"),
+                          (["--packages", str(tree / "first"), "--sources", str(tmp_path / "nowhere")],
+                           "--sources: no folder")):
+        with pytest.raises(SystemExit) as exit:
+            tool.main(["--output", str(tmp_path / "refused"), *argv])
+        assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+
+
 def test_packages_mode_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         tool.main(["--output", str(tmp_path / "out"), "--packages", str(tmp_path / "nowhere")])
@@ -234,7 +279,23 @@ def test_default_roots_are_every_site_folder_imports_read_then_the_standard_libr
     for folder in (pure, system, stdlib):
         folder.mkdir()
     monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"purelib": str(pure), "platlib": str(pure)})
+    monkeypatch.setattr(tool.sys, "base_prefix", tool.sys.prefix)
     # A Debian Python's site list: its own site-packages, the system's, and one that is absent.
-    monkeypatch.setattr(tool.site, "getsitepackages", lambda: [str(pure), str(system), str(tmp_path / "absent")])
+    monkeypatch.setattr(tool.site, "getsitepackages",
+                        lambda prefixes=None: [str(pure), str(system), str(tmp_path / "absent")])
     roots = tool.default_package_roots(stdlib)
     assert list(dict.fromkeys(roots)) == [pure, system, stdlib]
+
+
+def test_default_roots_in_a_virtual_environment_add_the_base_interpreters_packages(tmp_path, monkeypatch):
+    venv, base, stdlib = (tmp_path / name for name in ("venv", "base", "stdlib"))
+    for folder in (venv, base, stdlib):
+        (folder / "site-packages").mkdir(parents=True) if folder != stdlib else folder.mkdir()
+    monkeypatch.setattr(tool.sysconfig, "get_paths",
+                        lambda: {"purelib": str(venv / "site-packages"), "platlib": str(venv / "site-packages")})
+    monkeypatch.setattr(tool.sys, "prefix", str(venv))
+    monkeypatch.setattr(tool.sys, "base_prefix", str(base))
+    monkeypatch.setattr(tool.site, "getsitepackages",
+                        lambda prefixes=None: [str(Path(p) / "site-packages") for p in prefixes or [tool.sys.prefix]])
+    roots = tool.default_package_roots(stdlib)
+    assert list(dict.fromkeys(roots)) == [venv / "site-packages", base / "site-packages", stdlib]
