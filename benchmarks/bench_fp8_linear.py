@@ -106,19 +106,32 @@ def graphed(step):
     return graph.replay
 
 
-def host_step_times(step, steps=10, warmup=3) -> list[float]:
+# The sleep kernel that keeps the GPU busy while the host is timed: about a second for a run of
+# steps, about 100 ms before each step of a big one (cycles, at the H100's ~2 GHz). A step whose
+# host time reaches half of the latter waited on the GPU after all.
+RUN_SLEEP_CYCLES, STEP_SLEEP_CYCLES = 2_000_000_000, 200_000_000
+HOST_WAIT_MS = 50.0
+
+
+def host_step_times(step, steps=10, warmup=3, sleep_per_step=False) -> list[float]:
     """Host (Python + launch) time of each of `steps` steps, in ms, while a queued sleep kernel
     keeps the GPU busy, so the host never waits on it, after `warmup` steps that compile and
     autotune every kernel the step reaches (delayed scaling's second step takes other paths than
-    its first)."""
+    its first). `sleep_per_step`: queue each step alone behind its own sleep, for steps of many
+    kernels, whose run would fill the GPU's launch queue (about a thousand launches: ten steps of
+    a four-layer stack) and then wait for it to drain, which is not host time."""
     import time
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spinning
+    if not sleep_per_step:
+        torch.cuda._sleep(RUN_SLEEP_CYCLES)
     times = []
     for _ in range(steps):
+        if sleep_per_step:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(STEP_SLEEP_CYCLES)
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)

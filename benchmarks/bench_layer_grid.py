@@ -213,16 +213,16 @@ def median_ms(fn, tp_group=None, warmup_ms=25.0, rep_ms=100.0) -> float:
 
 def eager_host_ms(step, steps=10) -> float | None:
     """The host's median time for an eager `step` while the GPU is kept busy
-    (bench_fp8_linear.host_step_times), or None where the steps waited on the GPU: then the queued
-    second of sleep shows up in them and the host's own time cannot be told apart."""
+    (bench_fp8_linear.host_step_times), or None where a step waited on the GPU all the same (it
+    took half the sleep queued before it): then the host's own time cannot be told apart."""
     import statistics
 
-    from bench_fp8_linear import host_step_times
+    from bench_fp8_linear import HOST_WAIT_MS, host_step_times
 
-    times = host_step_times(step, steps)
-    if sum(times) > 500:  # half of the queued sleep: the host waited for it
-        print(f"warning: {steps} eager steps took {sum(times):.0f} ms of host time: they wait on the GPU "
-              "somewhere, so their host time is not recorded", file=sys.stderr)
+    times = host_step_times(step, steps, sleep_per_step=True)
+    if max(times) >= HOST_WAIT_MS:
+        print(f"warning: an eager step took {max(times):.0f} ms of host time: it waits on the GPU "
+              "somewhere, so its host time is not recorded", file=sys.stderr)
         return None
     return statistics.median(times)
 
@@ -326,35 +326,39 @@ def write(result: dict, output: str) -> None:
 
 
 def read_points(paths) -> list[dict]:
-    """The points of grid JSON files, in order."""
+    """The points of grid JSON files, in order, each with its file's GPU (`device`, without the
+    vendor's name; "?" where the file does not say)."""
     points = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         if not data.get("points"):
             sys.exit(f"bench_layer_grid.py --plot: {path} holds no grid points")
-        points += data["points"]
+        device = data.get("device", "?").removeprefix("NVIDIA ")
+        points += [{**point, "device": device} for point in data["points"]]
     return points
 
 
 def raw_table(points: list[dict]) -> str:
     """Every point as a Markdown table row (ms of forward + backward, speed-ups, FP8 delayed's
-    TFLOP/s), by architecture, tensor-parallel size, width, sequence and micro-batch."""
+    TFLOP/s) and the GPU that measured it, by architecture, tensor-parallel size, width, sequence
+    and micro-batch."""
     def number(value, spec):
         return "–" if value is None else format(value, spec)
 
     lines = ["| layer | tp | hidden | sequence | micro-batch | bf16 ms | delayed ms | current ms | delayed / bf16 "
-             "| current / bf16 | delayed TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| current / bf16 | delayed TFLOP/s | GPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p["arch"], p["tp"], p["hidden"], p["seq"], p["micro_batch"])):
         lines.append(f"| {p.get('model', p['arch'])} | {p['tp']} | {p['hidden']} | {p['seq']} | {p['micro_batch']} | "
                      + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in RECIPES) + " | "
                      + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in ("delayed", "current")) + " | "
-                     + f"{number(p.get('delayed_tflops'), '.0f')} |")
+                     + f"{number(p.get('delayed_tflops'), '.0f')} | {p.get('device', '?')} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(points: list[dict], plot_dir: Path) -> list[Path]:
     """Heat maps of the FP8/bf16 speed-up of grid points (read_points): one PNG per architecture
-    and tensor-parallel size, delayed and current side by side."""
+    and tensor-parallel size, delayed and current side by side. Where a map's points come from
+    several GPUs, those of any but its most common GPU are starred, and a note names both."""
     try:
         import matplotlib
     except ImportError:
@@ -371,6 +375,9 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
         mine = [p for p in points if p["arch"] == arch and p["tp"] == tp]
         hiddens = sorted({p["hidden"] for p in mine})
         columns = sorted({(p["seq"], p["micro_batch"]) for p in mine})
+        devices = [p.get("device", "?") for p in mine]
+        main_device = max(sorted(set(devices)), key=devices.count)
+        starred = {(p["hidden"], p["seq"], p["micro_batch"]) for p in mine if p.get("device", "?") != main_device}
         figure, axes = plt.subplots(1, 2, figsize=(max(8, 0.55 * len(columns) * 2 + 3), 0.5 * len(hiddens) + 2.5))
         for axis, recipe in zip(axes, ("delayed", "current")):
             grid = [[float("nan")] * len(columns) for _ in hiddens]
@@ -382,8 +389,9 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
             axis.imshow(grid, cmap=colours, norm=norm, aspect="auto")
             for i, row in enumerate(grid):
                 for j, value in enumerate(row):
-                    axis.text(j, i, "–" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
-                              color="black" if value != value else "white")
+                    star = "*" * ((hiddens[i], *columns[j]) in starred)
+                    axis.text(j, i, "–" if value != value else f"{value:.2f}{star}", ha="center", va="center",
+                              fontsize=7, color="black" if value != value else "white")
             axis.set_xticks(range(len(columns)), [f"{s // 1024}k x{b}" for s, b in columns], rotation=90, fontsize=7)
             axis.set_yticks(range(len(hiddens)), [str(h) for h in hiddens], fontsize=8)
             axis.set_xlabel("sequence x micro-batch")
@@ -391,7 +399,9 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
             axis.set_title(f"FP8 {recipe} / bf16")
         handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for *_, colour in BANDS]
         figure.legend(handles, [label for _, label, _ in BANDS], loc="lower center", ncol=3, fontsize=8)
-        figure.suptitle(f"{arch.upper()} layer, forward + backward, tp {tp}")
+        others = sorted({p.get("device", "?") for p in mine} - {main_device})
+        figure.suptitle(f"{arch.upper()} layer, forward + backward, tp {tp}, {main_device}"
+                        + (f" (* measured on {', '.join(others)})" if others else ""))
         figure.tight_layout(rect=(0, 0.06, 1, 1))
         out = plot_dir / f"layer_grid_{arch}_tp{tp}.png"
         figure.savefig(out, dpi=110)
