@@ -65,7 +65,8 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
     timed = [r for r in records if "tokens_per_sec" in r]
     last = timed[-1] if timed else {}
     result = {
-        "precision": precision, "world_size": a.world_size, "tp": groups.tp_size, "pp": groups.pp_size,
+        "precision": precision, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": a.world_size, "tp": groups.tp_size, "pp": groups.pp_size,
         "dp": groups.dp_size, "vpp": a.virtual_pipeline_model_parallel_size,
         "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
         "seq_length": a.seq_length, "iterations": trainer.iteration,

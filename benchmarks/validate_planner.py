@@ -138,6 +138,10 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"validate_planner.py: {error}", file=sys.stderr)
         return 2
+    mixed = calibration.mixed_devices(*{record["device"] for launch in launches for record in launch
+                                         if "device" in record})
+    if mixed:
+        print(f"\nwarning: {mixed}")
     passed = throughput_table(launches, calibration)
     print(f"\nthroughput within {100 * THROUGHPUT_BAR:.0f}% and in the measured order: {'yes' if passed else 'no'}")
     return 0

@@ -70,6 +70,17 @@ class Calibration:
     collectives: list = field(default_factory=list)
     copy_gbs: float | None = None
     sources: list = field(default_factory=list)
+    devices: list = field(default_factory=list)  # the GPU of each file, in `sources`' order
+
+    def mixed_devices(self, *others: str) -> str | None:
+        """Why predictions from these measurements (and runs on `others`) would mix machines, or
+        None when they all name one GPU: one machine's layers, collectives and host must not be
+        read as another's (between an H100 host and an H200 host the jobs differed by 4-10%)."""
+        named = sorted({device for device in [*self.devices, *others] if device != "unknown device"})
+        if len(named) < 2:
+            return None
+        return (f"the measurements come from different GPUs ({', '.join(named)}): measure the layer maps, "
+                "the collectives and the runs compared with them on one machine")
 
     @classmethod
     def load(cls, layer_maps=(), collectives=None) -> "Calibration":
@@ -80,14 +91,16 @@ class Calibration:
                 raise ValueError(f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)")
             calibration.points += data["points"]
             calibration.copy_gbs = data.get("copy_gbs", calibration.copy_gbs)
-            calibration.sources.append(f"{path} ({data.get('device', 'unknown device')})")
+            calibration.devices.append(data.get("device", "unknown device"))
+            calibration.sources.append(f"{path} ({calibration.devices[-1]})")
         if collectives is not None:
             data = _read(collectives)
             if not data.get("results"):
                 raise ValueError(f"{collectives}: no collective results in it "
                                  f"(write one with benchmarks/bench_collectives.py)")
             calibration.collectives = data["results"]
-            calibration.sources.append(f"{collectives} ({data.get('device', 'unknown device')}, "
+            calibration.devices.append(data.get("device", "unknown device"))
+            calibration.sources.append(f"{collectives} ({calibration.devices[-1]}, "
                                        f"{data.get('gpus', '?')} GPUs)")
         return calibration
 

@@ -87,6 +87,7 @@ def test_pipeline_beats_tensor_parallelism_under_fp8(tmp_path, capsys):
                                "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "ranked by predicted tokens/s per GPU" in text and "tokens/s/GPU" in text
+    assert "warning" not in text  # maps and collectives of one GPU
     plan = json.loads(out.read_text())
     plain = [e for e in plan["fits"] if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]]
     order = [(e["tp"], e["pp"], e["dp"]) for e in plain]
@@ -111,6 +112,13 @@ def test_pipeline_beats_tensor_parallelism_under_fp8(tmp_path, capsys):
     plan = json.loads(out.read_text())
     assert not plan["fits"] and plan["not_predicted"]
     assert "no measured current layer" in capsys.readouterr().out
+    # Collectives of another machine's GPUs: ranked all the same, with a warning that says why not to.
+    coll.write_text(coll.read_text().replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
+    plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+                        "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "delayed",
+                        "--layer-maps", *maps, "--collectives", str(coll)])
+    assert ("warning: the measurements come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200): measure "
+            "the layer maps, the collectives and the runs compared with them on one machine") in capsys.readouterr().out
 
 
 def test_calibration_files_are_checked(tmp_path, capsys):

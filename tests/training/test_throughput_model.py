@@ -235,4 +235,12 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     # A record of a tp the maps do not hold is listed as not covered.
     (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
-    assert "not covered: no measured delayed layer of this model at sequence 2048, tp 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not covered: no measured delayed layer of this model at sequence 2048, tp 2" in out
+    assert "different GPUs" not in out  # records without a device, maps of one GPU
+    # Runs on other GPUs than the maps': checked all the same, with the warning.
+    (records / "gpt_dp8.jsonl").write_text(json.dumps({**record("gpt_dp8", 8, 1, 1000.0),
+                                                       "device": "NVIDIA H100 80GB HBM3"}) + "\n")
+    tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
+    assert "warning: the measurements come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)" in (
+        capsys.readouterr().out)
