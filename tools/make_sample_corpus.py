@@ -273,11 +273,11 @@ def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1, test_sui
                      sources: list[Path] = ()) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
     package in name order, then of every project of `sources` (`source_projects`); with the
-    standard library among the roots, its reference prose too (as the package "python-docs"). A text met before (a header vendored by two packages) is
-    kept once, where first met, as SlimPajama deduplicates; source files that fail
-    `written_code` are left out. Also returns how many documents either rule left out.
-    `workers` processes read the packages; the result does not depend on their number.
-    `test_suites`: the packages' test suites too."""
+    standard library among the roots, its reference prose too (as the package "python-docs"). A
+    text met before (a header vendored by two packages) is kept once, where first met, as
+    SlimPajama deduplicates; source files that fail `written_code` are left out. Also returns
+    how many documents either rule left out. `workers` processes read the packages; the result
+    does not depend on their number. `test_suites`: the packages' test suites too."""
     found = packages(roots, test_suites) + source_projects(list(sources), test_suites)
     items = [(name, path, test_suites) for name, path in found]
     if workers > 1 and len(found) > 1:
@@ -397,7 +397,8 @@ def packages_readme(roots: list[Path], train, validation, held: set, left_out: d
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
 
     return (
-        "Corpus in SlimPajama's layout built from Python packages: a stand-in, NOT SlimPajama.\n\n"
+        f"Corpus in SlimPajama's layout built from Python packages{' and other code' * bool(sources)}: "
+        "a stand-in, NOT SlimPajama.\n\n"
         f"Built by tools/make_sample_corpus.py --packages{' --test-suites' * test_suites}"
         f"{''.join(f' --sources {root}' for root in sources)} from "
         f"{len({d[0] for _, d in train + validation})} packages and projects: the Python packages under "
