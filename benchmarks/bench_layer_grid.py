@@ -399,7 +399,7 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
             axis.set_title(f"FP8 {recipe} / bf16")
         handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for *_, colour in BANDS]
         figure.legend(handles, [label for _, label, _ in BANDS], loc="lower center", ncol=3, fontsize=8)
-        others = sorted({p.get("device", "?") for p in mine} - {main_device})
+        others = sorted(set(devices) - {main_device})
         figure.suptitle(f"{arch.upper()} layer, forward + backward, tp {tp}, {main_device}"
                         + (f" (* measured on {', '.join(others)})" if others else ""))
         figure.tight_layout(rect=(0, 0.06, 1, 1))

@@ -202,8 +202,9 @@ def main(argv=None) -> int:
     else:
         print(f"ranked by predicted tokens/s per GPU from {'; '.join(calibration.sources)}; "
               f"{len(result['not_predicted'])} fitting layouts not covered by the measurements")
-        if calibration.mixed_devices():
-            print(f"warning: {calibration.mixed_devices()}")
+        mixed = calibration.mixed_devices()
+        if mixed:
+            print(f"warning: {mixed}")
     for entry in fits[:args.top]:
         kinds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in entry["memory_by_kind_gib"].items() if v)
         speed = ""
