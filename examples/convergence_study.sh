@@ -2,12 +2,13 @@
 # FP8 against bf16 on real text (docs/convergence.md): GPT-125M and Llama-120M, each in bf16, FP8
 # delayed scaling (HYBRID, amax history 1024, max) and FP8 current scaling, with the same seed,
 # data order and schedule; then the Llama at 2x and 4x the peak learning rate, bf16 against FP8
-# delayed, with a bf16 run from the next seed as the yardstick; optionally both models' bf16 runs
+# delayed, with bf16 runs from the next seed as yardsticks; optionally both models' bf16 runs
 # again from another seed, the spread FP8's differences are read against. Curves (PNG) and a table of final losses land in WORKDIR/report/.
 #   Usage: bash examples/convergence_study.sh WORKDIR [GROUP ...]
 #   GROUP: gpt, llama, lr2x, lr4x (default: these four, in that order), seed (gpt-125m and
-#   llama-120m in bf16 from SEED + 1; its reports seed_gpt and seed_llama set them beside the gpt
-#   and llama groups' bf16 runs); data (prepare the data only) or report (curves only).
+#   llama-120m in bf16 from SEED + 1, once with that seed's data order and once with --data-seed
+#   SEED, the gpt and llama groups' batches; its reports seed_gpt and seed_llama set them beside
+#   those groups' bf16 runs); data (prepare the data only) or report (curves only).
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -86,11 +87,11 @@ finished() {  # the run's checkpoints reached its last iteration
     [ -f "$1/latest_checkpointed_iteration.txt" ] && [ "$(cat "$1/latest_checkpointed_iteration.txt")" = "$2" ]
 }
 
-# train NAME MODEL PRECISION PEAK_LR ITERATIONS SEED: one run, from its checkpoint if it has one.
+# train NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED: one run, from its checkpoint if it has one.
 # Returns 1 when the time is up (the run stopped with a checkpoint, or did not start); a failed run
 # ends the study with its status.
 train() {
-    local name=$1 model=$2 precision=$3 lr=$4 iters=$5 seed=$6 dir=$WORKDIR/runs/$1
+    local name=$1 model=$2 precision=$3 lr=$4 iters=$5 seed=$6 data_seed=$7 dir=$WORKDIR/runs/$1
     if finished "$dir" "$iters"; then kept "run $name (finished)"; return 0; fi
     local left=$(( STOP_AT - $(date +%s) ))
     if [ "$left" -lt 120 ]; then return 1; fi
@@ -106,7 +107,7 @@ train() {
     if [[ $precision == fp8_* && $name == lr* ]]; then precision_args+=(--log-fp8-layers); fi
     local min_lr warmup
     min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
-    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed) in $dir"
+    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed, data seed $data_seed) in $dir"
     # Stopping leaves a minute for the checkpoint; the trainer counts from its own start.
     local status=0
     # shellcheck disable=SC2086  # MODEL_ARGS is a word list on purpose
@@ -114,7 +115,7 @@ train() {
         --model "$model" --seq-length "$SEQ" $MODEL_ARGS \
         --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$iters" \
         --lr "$lr" --min-lr "$min_lr" --lr-warmup-iters "$warmup" --lr-decay-style cosine \
-        --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$seed" \
+        --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$seed" --data-seed "$data_seed" \
         "${precision_args[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"} \
         --train-data-path "$TRAIN_DATA" --valid-data-path "$VALID_DATA" \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
@@ -147,21 +148,27 @@ report() {
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
 
-runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED per line
+runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED per line
     local double quadruple
     double=$(python -c "print(2 * $LR)"); quadruple=$(python -c "print(4 * $LR)")
     case $1 in
         gpt|llama)
             local model=gpt-125m; [ "$1" = llama ] && model=llama-120m
-            for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS $SEED"; done ;;
+            for precision in bf16 fp8_delayed fp8_current; do echo "$1/$precision $model $precision $LR $ITERS $SEED $SEED"; done ;;
         lr2x|lr4x)
             local peak=$double; [ "$1" = lr4x ] && peak=$quadruple
-            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED"; done
-            # bf16 again from the next seed: how far two bf16 runs end apart at this rate, the
-            # yardstick for FP8's gap (a high rate makes the runs erratic).
-            echo "$1/bf16_seed$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1))" ;;
-        seed) echo "seed/gpt_bf16 gpt-125m bf16 $LR $ITERS $((SEED + 1))"
-              echo "seed/llama_bf16 llama-120m bf16 $LR $ITERS $((SEED + 1))" ;;
+            for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED $SEED"; done
+            # bf16 again from the next seed, the yardsticks for FP8's gap (a high rate makes runs
+            # erratic): with that seed's data order, and on the same batches (initialisation only).
+            echo "$1/bf16_seed$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1)) $((SEED + 1))"
+            echo "$1/bf16_init$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1)) $SEED" ;;
+        seed)  # each model's bf16 run from the next seed: once with its data order, once on the same batches
+            local model
+            for model in gpt llama; do
+                local preset=gpt-125m; [ $model = llama ] && preset=llama-120m
+                echo "seed/${model}_bf16 $preset bf16 $LR $ITERS $((SEED + 1)) $((SEED + 1))"
+                echo "seed/${model}_bf16_init $preset bf16 $LR $ITERS $((SEED + 1)) $SEED"
+            done ;;
         data|report) ;;
         *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, data or report)" >&2
            return 2 ;;
@@ -176,9 +183,9 @@ prepare_data
 [ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }
 time_up=0
 for group in "${GROUPS_TO_RUN[@]}"; do
-    while read -r name model precision lr iters seed; do
+    while read -r name model precision lr iters seed data_seed; do
         [ "$time_up" = 0 ] || break
-        train "$name" "$model" "$precision" "$lr" "$iters" "$seed" || time_up=1
+        train "$name" "$model" "$precision" "$lr" "$iters" "$seed" "$data_seed" || time_up=1
     done < <(runs_of "$group")
 done
 for group in gpt llama lr2x lr4x; do
@@ -186,10 +193,9 @@ for group in gpt llama lr2x lr4x; do
     report "$group" "${TITLES[$group]}" "${names[@]}"
 done
 for model in gpt llama; do
-    if [ -f "$WORKDIR/runs/seed/${model}_bf16/metrics.jsonl" ]; then
-        report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
-            "seed/${model}_bf16:seed $((SEED + 1))"
-    fi
+    compgen -G "$WORKDIR/runs/seed/${model}_bf16*/metrics.jsonl" > /dev/null || continue
+    report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
+        "seed/${model}_bf16:seed $((SEED + 1))" "seed/${model}_bf16_init:seed $((SEED + 1)), same data"
 done
 if [ "$time_up" = 1 ]; then
     echo "convergence_study: MINUTES=${MINUTES:-} is up; run the same command again to go on"

@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=_NON_NEGATIVE, default=1234)
+    g.add_argument("--data-seed", type=_NON_NEGATIVE,
+                   help="seed of the data order (the datasets' shuffles and the loader's workers); default "
+                        "--seed. Another --seed with the same --data-seed changes only the initialisation and "
+                        "dropout: the run-to-run spread a numerics change is measured against")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), help="absent: no recomputation")
     g.add_argument("--recompute-method", choices=("uniform", "block"),
                    help="full recomputation: uniform = layers in groups of --recompute-num-layers, each group's "
@@ -762,8 +766,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     """Check the parallel layout and batch sizes against `world_size` (all ranks of the run) and
     fill the derived sizes: world_size, data_parallel_size, global_batch_size (default micro
     batch x dp), num_micro_batches (per optimizer step, per data-parallel rank), train_iters
-    (from --train-samples), lr_decay_iters (default train_iters) and lr_warmup_iters (from
-    --lr-warmup-fraction). Changes args in place and returns it; calling it again is harmless."""
+    (from --train-samples), data_seed (default seed), lr_decay_iters (default train_iters) and
+    lr_warmup_iters (from --lr-warmup-fraction). Changes args in place and returns it; calling it again is harmless."""
     try:
         check_integer("world size", world_size)
     except ValueError as error:
@@ -800,6 +804,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         if args.train_iters == 0:
             raise ArgumentsError(f"--train-samples {args.train_samples} is less than one step of "
                                  f"--global-batch-size {args.global_batch_size}")
+    if args.data_seed is None:
+        args.data_seed = args.seed
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:  # Megatron's rule: a fraction of the decay iterations

@@ -166,14 +166,14 @@ class Trainer:
             evals = max(evals, a.fp8_check_iters)
         counts = (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
         if a.mock_data:
-            return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.seed + k, eod=self.eod)
+            return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.data_seed + k, eod=self.eod)
                     if n else None for k, n in enumerate(counts)]
         if a.train_data_path:  # a path per split
             return build_split_datasets((a.train_data_path, a.valid_data_path, a.test_data_path), a.seq_length,
-                                        counts, a.seed, a.data_cache_path)
+                                        counts, a.data_seed, a.data_cache_path)
         # A split given no share in --split is not asked for samples.
         counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
-        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.seed, a.data_cache_path)
+        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.data_seed, a.data_cache_path)
 
     def _micro_batches(self, dataset, consumed):
         """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on."""
@@ -183,7 +183,7 @@ class Trainer:
         # the global CPU generator that dropout uses (a resumed run would be one draw off).
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
                                              pin_memory=self.device.type == "cuda",
-                                             generator=torch.Generator().manual_seed(self.args.seed))
+                                             generator=torch.Generator().manual_seed(self.args.data_seed))
         for batch in loader:
             yield batch["tokens"].to(self.device, non_blocking=True)
 
