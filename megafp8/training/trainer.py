@@ -373,6 +373,7 @@ class Trainer:
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
         if not a.finetune:
             self._note_schedule_change(checkpoint)
+            self._note_data_order_change(checkpoint)
 
     _SCHEDULE_FLAGS = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style",
                        "lr_wsd_decay_iters", "lr_wsd_decay_style")
@@ -392,6 +393,15 @@ class Trainer:
         self._print(f"note: resuming with another learning-rate schedule than the checkpoint's run ({flags}): "
                     f"the next step's learning rate is {now:.3e} where that run's would be {before:.3e}; "
                     f"to keep the run's schedule, give {keep}")
+
+    def _note_data_order_change(self, checkpoint):
+        """Say so when the resumed run draws its batches in another order than the checkpoint's run."""
+        saved = checkpointing.checkpoint_info(checkpoint).get("args", {})
+        before = saved.get("data_seed", saved.get("seed"))  # runs from before --data-seed: their --seed
+        if before is not None and before != self.args.data_seed:
+            self._print(f"note: resuming with --data-seed {self.args.data_seed} where the checkpoint's run drew its "
+                        f"batches with {before}: the batches from here on are not that run's; to keep its data "
+                        f"order, give --data-seed {before}")
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -168,7 +168,9 @@ def test_resuming_says_what_changed_and_when_there_is_nothing_to_do(tmp_path, ca
     out = capsys.readouterr().out
     assert "another learning-rate schedule" in out and "--train-iters 3 -> 4" in out
     assert "give --lr-decay-iters 3" in out
-    assert "run summary:" in out and "iterations: 1 (4 to 4)" in out
+    assert "run summary:" in out and "iterations: 1 (4 to 4)" in out and "data-seed" not in out
+    pretrain(argv + ["--train-iters", "5", "--lr-decay-iters", "3", "--seed", "8"])  # --data-seed follows --seed
+    assert "give --data-seed 7" in capsys.readouterr().out
 
 
 def test_keep_last_checkpoints_deletes_the_older_ones_once_the_newest_is_saved(tmp_path):
