@@ -767,7 +767,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     fill the derived sizes: world_size, data_parallel_size, global_batch_size (default micro
     batch x dp), num_micro_batches (per optimizer step, per data-parallel rank), train_iters
     (from --train-samples), data_seed (default seed), lr_decay_iters (default train_iters) and
-    lr_warmup_iters (from --lr-warmup-fraction). Changes args in place and returns it; calling it again is harmless."""
+    lr_warmup_iters (from --lr-warmup-fraction). Changes args in place and returns it; calling it
+    again is harmless."""
     try:
         check_integer("world size", world_size)
     except ValueError as error:
