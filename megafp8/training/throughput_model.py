@@ -63,6 +63,9 @@ def arch_of(config: TransformerConfig) -> str:
     return "llama" if config.activation == "swiglu" else "gpt"
 
 
+UNKNOWN_DEVICE = "unknown device"  # a measurement file that does not name its GPU
+
+
 @dataclass
 class Calibration:
     """The measurements the model reads: layer-map points and collective results."""
@@ -76,7 +79,7 @@ class Calibration:
         """Why predictions from these measurements (and runs on `others`) would mix machines, or
         None when they all name one GPU: one machine's layers, collectives and host must not be
         read as another's (between an H100 host and an H200 host the jobs differed by 4-10%)."""
-        named = sorted({device for device in [*self.devices, *others] if device != "unknown device"})
+        named = sorted({device for device in [*self.devices, *others] if device != UNKNOWN_DEVICE})
         if len(named) < 2:
             return None
         return (f"the measurements come from different GPUs ({', '.join(named)}): measure the layer maps, "
@@ -91,7 +94,7 @@ class Calibration:
                 raise ValueError(f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)")
             calibration.points += data["points"]
             calibration.copy_gbs = data.get("copy_gbs", calibration.copy_gbs)
-            calibration.devices.append(data.get("device", "unknown device"))
+            calibration.devices.append(data.get("device", UNKNOWN_DEVICE))
             calibration.sources.append(f"{path} ({calibration.devices[-1]})")
         if collectives is not None:
             data = _read(collectives)
@@ -99,7 +102,7 @@ class Calibration:
                 raise ValueError(f"{collectives}: no collective results in it "
                                  f"(write one with benchmarks/bench_collectives.py)")
             calibration.collectives = data["results"]
-            calibration.devices.append(data.get("device", "unknown device"))
+            calibration.devices.append(data.get("device", UNKNOWN_DEVICE))
             calibration.sources.append(f"{collectives} ({calibration.devices[-1]}, "
                                        f"{data.get('gpus', '?')} GPUs)")
         return calibration

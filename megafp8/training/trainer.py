@@ -372,15 +372,16 @@ class Trainer:
         self.last_checkpoint = checkpoint
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
         if not a.finetune:
-            self._note_schedule_change(checkpoint)
-            self._note_data_order_change(checkpoint)
+            saved = checkpointing.checkpoint_info(checkpoint).get("args", {})  # the checkpoint's run's flags
+            self._note_schedule_change(saved)
+            self._note_data_order_change(saved)
 
     _SCHEDULE_FLAGS = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style",
                        "lr_wsd_decay_iters", "lr_wsd_decay_style")
 
-    def _note_schedule_change(self, checkpoint):
-        """Say so when the resumed run's learning-rate schedule is not the checkpoint's run's."""
-        saved = checkpointing.checkpoint_info(checkpoint).get("args", {})
+    def _note_schedule_change(self, saved: dict):
+        """Say so when the resumed run's learning-rate schedule is not that of the checkpoint's run
+        (whose flags are `saved`)."""
         changed = [(name, saved[name], getattr(self.args, name)) for name in self._SCHEDULE_FLAGS
                    if name in saved and saved[name] != getattr(self.args, name)]
         schedule = [(name, old) for name, old, _ in changed if name != "train_iters"]
@@ -394,9 +395,9 @@ class Trainer:
                     f"the next step's learning rate is {now:.3e} where that run's would be {before:.3e}; "
                     f"to keep the run's schedule, give {keep}")
 
-    def _note_data_order_change(self, checkpoint):
-        """Say so when the resumed run draws its batches in another order than the checkpoint's run."""
-        saved = checkpointing.checkpoint_info(checkpoint).get("args", {})
+    def _note_data_order_change(self, saved: dict):
+        """Say so when the resumed run draws its batches in another order than the checkpoint's run
+        (whose flags are `saved`)."""
         before = saved.get("data_seed", saved.get("seed"))  # runs from before --data-seed: their --seed
         if before is not None and before != self.args.data_seed:
             self._print(f"note: resuming with --data-seed {self.args.data_seed} where the checkpoint's run drew its "
