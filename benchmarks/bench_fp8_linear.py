@@ -107,8 +107,8 @@ def graphed(step):
 
 
 # The sleep kernel that keeps the GPU busy while the host is timed: about a second for a run of
-# steps, about 100 ms before each step of a big one (cycles, at the H100's ~2 GHz). A step whose
-# host time reaches half of the latter waited on the GPU after all.
+# steps, about 100 ms before each pair of steps of a big one (cycles, at the H100's ~2 GHz). A
+# step whose host time reaches half of the latter waited on the GPU after all.
 RUN_SLEEP_CYCLES, STEP_SLEEP_CYCLES = 2_000_000_000, 200_000_000
 HOST_WAIT_MS = 50.0
 
@@ -117,9 +117,11 @@ def host_step_times(step, steps=10, warmup=3, sleep_per_step=False) -> list[floa
     """Host (Python + launch) time of each of `steps` steps, in ms, while a queued sleep kernel
     keeps the GPU busy, so the host never waits on it, after `warmup` steps that compile and
     autotune every kernel the step reaches (delayed scaling's second step takes other paths than
-    its first). `sleep_per_step`: queue each step alone behind its own sleep, for steps of many
+    its first). `sleep_per_step`: queue each timed step behind its own sleep, for steps of many
     kernels, whose run would fill the GPU's launch queue (about a thousand launches: ten steps of
-    a four-layer stack) and then wait for it to drain, which is not host time."""
+    a four-layer stack) and then wait for it to drain, which is not host time; an untimed step
+    goes first behind the same sleep, so the timed one follows another step's launches, as in a
+    training loop, and not a wait on the GPU."""
     import time
 
     for _ in range(warmup):
@@ -132,6 +134,7 @@ def host_step_times(step, steps=10, warmup=3, sleep_per_step=False) -> list[floa
         if sleep_per_step:
             torch.cuda.synchronize()
             torch.cuda._sleep(STEP_SLEEP_CYCLES)
+            step()
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)

@@ -60,6 +60,13 @@ def predicted_gib(record: dict) -> float:
     return max(stage["total"] for stage in estimate(config, layout)) / 2**30
 
 
+def run_name(record: dict) -> str:
+    """The record's label, with its GPU count where the label lacks it (layouts_8gpu.sh names a
+    tp:pp layout alike on 2, 4 and 8 GPUs)."""
+    label, world = record["label"], record["tp"] * record["pp"] * record["dp"]
+    return label if label.endswith("gpu") else f"{label} ({world} GPUs)"
+
+
 def read_records(folders) -> list[list[dict]]:
     """The records of each launch (one JSON-lines file), in file order."""
     launches = []
@@ -80,7 +87,7 @@ def memory_table(launches) -> None:
         measured, predicted = record["peak_memory_gib"], predicted_gib(record)
         error = predicted / measured - 1
         worst = max(worst, abs(error))
-        print(f"| {record['label']} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} | "
+        print(f"| {run_name(record)} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} | "
               f"{measured:.1f} | {predicted:.1f} | {100 * error:+.1f}% |")
     print(f"\nlargest error {100 * worst:.1f}% over {len(firsts)} runs")
 
@@ -93,7 +100,7 @@ def throughput_table(launches, calibration: Calibration) -> bool:
     groups, passed = {}, True
     for record in (r for launch in launches for r in launch):
         config, layout = layout_of(record)
-        name = f"| {record['label']} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} |"
+        name = f"| {run_name(record)} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} |"
         measured = record["tokens_per_sec_per_gpu"]
         try:
             result = predict(config, layout, calibration, record["global_batch_size"],
@@ -104,7 +111,7 @@ def throughput_table(launches, calibration: Calibration) -> bool:
         error = result["tokens_per_s_per_gpu"] / measured - 1
         passed &= abs(error) <= THROUGHPUT_BAR
         groups.setdefault((record["label"].split("_")[0], record["precision"]), []).append(
-            (record["label"], measured, result["tokens_per_s_per_gpu"]))
+            (run_name(record), measured, result["tokens_per_s_per_gpu"]))
         print(f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
               f"{'; '.join(result['extrapolated']) or '–'} |")
     for (model, precision), runs in sorted(groups.items()):

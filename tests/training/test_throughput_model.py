@@ -225,13 +225,14 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
         (records / f"{label}.jsonl").write_text(json.dumps(record(label, dp, pp, predicted[label] / 1.05)) + "\n")
     assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
     out = capsys.readouterr().out
-    assert "| gpt_dp8 | delayed | 1 x 1 x 8 |" in out and "+5.0% |" in out
+    assert "| gpt_dp8 (8 GPUs) | delayed | 1 x 1 x 8 |" in out and "+5.0% |" in out
     assert "predicted the same" in out and "in the measured order: yes" in out
     # The pipeline layout measured faster than data parallelism: the order is wrong, and said so.
     (records / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, 2 * predicted["gpt_dp8"])) + "\n")
     assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
     out = capsys.readouterr().out
-    assert "measured order gpt_pp4, gpt_dp8; predicted gpt_dp8, gpt_pp4" in out and "measured order: no" in out
+    assert ("measured order gpt_pp4 (8 GPUs), gpt_dp8 (8 GPUs); predicted gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs)" in out
+            and "measured order: no" in out)
     # A record of a tp the maps do not hold is listed as not covered.
     (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
