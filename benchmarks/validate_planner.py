@@ -10,9 +10,9 @@ the eight-GPU layouts of RESULTS.md). Memory: per record, the peak predicted for
 pipeline stage against `peak_memory_gib` (torch.cuda.max_memory_allocated); only the first
 precision of each launch is compared, as the later ones in the same process carried memory the
 runs before them leaked (RESULTS.md, "Memory"). Throughput (with --layer-maps): every record's
-predicted against measured `tokens_per_sec_per_gpu`, and per model and precision whether the
-predicted order of the layouts is the measured one (the issue's bar: rank order right, each
-within 15%). Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran
+predicted against measured `tokens_per_sec_per_gpu`, and per model, precision and GPU count
+whether the predicted order of the layouts is the measured one (the issue's bar: rank order
+right, each within 15%; the planner ranks the layouts of one GPU count, never 2 against 4). Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran
 them. Maps and records must come from the same code: a map of today's code says nothing about
 layouts measured before its speed-ups.
 """
@@ -110,16 +110,19 @@ def throughput_table(launches, calibration: Calibration) -> bool:
             continue
         error = result["tokens_per_s_per_gpu"] / measured - 1
         passed &= abs(error) <= THROUGHPUT_BAR
-        groups.setdefault((record["label"].split("_")[0], record["precision"]), []).append(
+        gpus = record["tp"] * record["pp"] * record["dp"]
+        groups.setdefault((record["label"].split("_")[0], record["precision"], gpus), []).append(
             (run_name(record), measured, result["tokens_per_s_per_gpu"]))
         print(f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
               f"{'; '.join(result['extrapolated']) or '–'} |")
-    for (model, precision), runs in sorted(groups.items()):
+    for (model, precision, gpus), runs in sorted(groups.items()):
+        if len(runs) < 2:
+            continue
         measured_order = [label for label, *_ in sorted(runs, key=lambda r: -r[1])]
         predicted_order = [label for label, *_ in sorted(runs, key=lambda r: -r[2])]
         same = measured_order == predicted_order
         passed &= same
-        print(f"\n{model} {precision}: measured order {', '.join(measured_order)}"
+        print(f"\n{model} {precision} on {gpus} GPUs: measured order {', '.join(measured_order)}"
               + ("; predicted the same" if same else f"; predicted {', '.join(predicted_order)}"))
     return passed
 

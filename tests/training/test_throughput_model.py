@@ -120,6 +120,18 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
         8 * (24 * 4.0 + 8.0) + optimizer_ms(one))
 
 
+def test_host_times_are_the_median_over_the_measured_micro_batches():
+    """The host launches the same kernels at every micro-batch size: the map's host times of all
+    its micro-batches are samples of one cost, not a curve to interpolate."""
+    shares = (6.0, 2.0, 5.0)  # noisy splits of the same launches
+    points = [{**point(micro_batch=mb), "delayed_host_layer_ms": share, "delayed_host_pass_ms": 1.0}
+              for mb, share in zip((1, 2, 4), shares)]
+    layer = calibration(points).layer(GPT, 2048, 4, 1, "delayed", [])
+    assert layer["host_layer"] == 5.0 and layer["host_pass"] == 1.0 and layer["host"] == 3.5
+    between = calibration(points).layer(GPT, 2048, 3, 1, "delayed", [])
+    assert between["host_layer"] == 5.0 and between["step"] == pytest.approx(4.0 * 1.0)
+
+
 def test_data_parallel_sync_counts_only_what_outlasts_the_last_backward():
     layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2)
     counts = rank_parameters(GPT, layout, 0)
@@ -233,6 +245,17 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     out = capsys.readouterr().out
     assert ("measured order gpt_pp4 (8 GPUs), gpt_dp8 (8 GPUs); predicted gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs)" in out
             and "measured order: no" in out)
+    # Layouts of another GPU count are ranked among themselves, not against the eight-GPU ones.
+    (records / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, predicted["gpt_pp4"])) + "\n")
+    small = predict(config, tool.layout_of(record("gpt_dp2", 2, 1, 1))[1], calibration, 64)["tokens_per_s_per_gpu"]
+    # Measured 12% under its prediction: within the bar, and slower than dp 8 (predicted faster).
+    (records / "gpt_dp2.jsonl").write_text(json.dumps(record("gpt_dp2", 2, 1, 0.88 * small)) + "\n")
+    assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
+    out = capsys.readouterr().out
+    assert small > predicted["gpt_dp8"] and 0.88 * small < predicted["gpt_dp8"] / 1.05
+    assert "measured order: yes" in out and "gpt delayed on 8 GPUs" in out
+    assert "on 2 GPUs" not in out  # one layout: nothing to rank
+    (records / "gpt_dp2.jsonl").unlink()
     # A record of a tp the maps do not hold is listed as not covered.
     (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
