@@ -222,6 +222,9 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         host_layer *= per_layer / layer["step"]
         if layout.recompute == "full":
             extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
+        if tp > 1 and recipe != "bf16":
+            extrapolated.append("FP8 with tensor and pipeline parallelism: the eager stage waits on both ranks' "
+                                "hosts, which the map's layers timed alone do not show; optimistic (docs/tuning.md)")
     # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
     p2p = 0.0
     if pp > 1:

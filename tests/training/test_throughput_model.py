@@ -111,6 +111,13 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     per_micro_batch = 12 * 4.0 + 8.0 + 2 * send
     assert predict(GPT, layout, calibration(fast, collectives()), 32)["step_ms"] == pytest.approx(
         (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    # FP8 with tensor and pipeline parallelism is predicted, and said to be optimistic.
+    tp_pp = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, tp=2, pp=2, fp8="delayed",
+                         sequence_parallel=True)
+    notes = predict(GPT, tp_pp, calibration([point(tp=2)], collectives()), 32)["extrapolated"]
+    assert any("tensor and pipeline parallelism" in note for note in notes)
+    assert not any("tensor and pipeline" in note for note in predict(GPT, layout, calibration(split, collectives()),
+                                                                     32)["extrapolated"])
     # A map without the split says that it counted the pass's share in every layer.
     assert any("host time" in note for note in predict(GPT, layout, calibration(slow_host, collectives()),
                                                         32)["extrapolated"])
