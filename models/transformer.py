@@ -314,8 +314,8 @@ class TransformerLM(nn.Module):
         captures them (megafp8.fp8.graphs.LayerGraphs: one forward and one backward graph per
         unit of `units`, a recomputed group being one unit). Parameters need `main_grad` (the
         GradientBuffer), and the layers one eager training step behind them; `grads_ready(params)`
-        is told when a unit's gradients are in main_grad. For gradient accumulation without
-        pipelining: every micro-batch's backward must end before the next forward."""
+        is told when a unit's gradients are in main_grad. Backwards must come in the order of
+        their forwards (gradient accumulation; 1F1B, interleaved or not)."""
 
         def unit(layers, recomputed):
             def run(x, rotary_cos, rotary_sin, mask):

@@ -3,10 +3,15 @@ Transformer Engine's `make_graphed_callables(fp8_enabled=True)`).
 
 Each unit (a transformer layer, or a group of layers recomputed together) has its forward and
 its backward captured as two CUDA graphs and replayed, so a layer costs the host a few launches
-instead of a few hundred. All graphs of a set share one memory pool and are captured in the
-order a training micro-batch runs them (forwards first to last, backwards last to first); they
-must be replayed in that order, one micro-batch's backward finished before the next forward:
-gradient accumulation, not pipelining.
+instead of a few hundred. A set's graphs are captured in the order a training micro-batch runs
+them (forwards first to last, backwards last to first) and replayed in that order.
+
+Several micro-batches may be in flight (forward replayed, backward not yet), as a pipeline
+schedule keeps them: each takes a slot, and each slot has its own sets and memory pool, so no
+micro-batch's replay writes into another's activations. The sets of one slot share its pool,
+as one slot's micro-batches run one after the other. Backwards come in the order of the
+forwards (first in, first out: 1F1B and its interleaved form per model chunk, and gradient
+accumulation, where one micro-batch is in flight at a time).
 
 What the FP8 core does on the host around its kernels is done again at each replay, so a graphed
 step equals an eager one bit for bit:
@@ -19,8 +24,9 @@ step equals an eager one bit for bit:
   gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction. A
   `main_grad` that holds no gradient yet (`main_grad_empty`: a step's first micro-batch) is
   overwritten instead (FP8 weight gradients straight from the GEMM: gradient-accumulation
-  fusion in megafp8.fp8.linear), so which `main_grad`s are empty is part of a graph set's
-  signature.
+  fusion in megafp8.fp8.linear), so which `main_grad`s are empty when the backward runs is part
+  of a graph set's signature: those of the forward's time with no other micro-batch in flight,
+  none otherwise (the backwards in flight before it will have written them all).
 Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
 and write in place. A capture is made at the first call with a new signature (FP8 recipe and
 reduction group, saturation counting, which gradients are still empty, shapes); calls a graph
@@ -56,6 +62,7 @@ class _GraphSet:
         self.forward_amaxes: list = [[] for _ in range(count)]
         self.backward_amaxes: list = [[] for _ in range(count)]
         self.written: list = [[] for _ in range(count)]  # the parameters each backward graph writes
+        self.slot = 0
 
 
 class LayerGraphs:
@@ -82,7 +89,8 @@ class LayerGraphs:
                              f"before graphing ({len(missing)} parameters have none)")
         self.grads_ready = grads_ready
         self.sets: dict = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pools: list = []  # one memory pool per slot
+        self.in_flight: list = []  # per slot: a micro-batch's forward replayed, its backward not yet
         self.stream = torch.cuda.Stream()
         for linear in (m for linears in self.linears for m in linears):
             linear.keep_weight_cast_addresses = True
@@ -92,18 +100,30 @@ class LayerGraphs:
         if not (torch.is_grad_enabled() and x.is_cuda and x.requires_grad) or (
                 context is not None and context.replay_scales is not None):
             return None
-        key = (None if context is None else (context.recipe, id(context.amax_reduction_group),
-                                             context.collect_saturation),
-               self._empty_main_grads(), _layout(x), tuple(None if e is None else _layout(e) for e in extras))
+        follows_another = any(self.in_flight)  # its backward comes after theirs: accumulate
+        slot = self._take_slot()
+        key = (slot, None if context is None else (context.recipe, id(context.amax_reduction_group),
+                                                   context.collect_saturation),
+               None if follows_another else self._empty_main_grads(), _layout(x),
+               tuple(None if e is None else _layout(e) for e in extras))
         graphs = self.sets.get(key)
         if graphs is None:
-            graphs = self.sets[key] = self._capture(x, extras, context)
+            graphs = self.sets[key] = self._capture(x, extras, context, slot, follows_another)
         for static, value in zip(graphs.extras, extras):
             if value is not None:
                 _copy_into(static, value)
         for index in range(len(self.functions)):
             x = _ReplayUnit.apply(self, graphs, index, context, x)
         return x
+
+    def _take_slot(self) -> int:
+        """The first slot with no micro-batch in flight (a new one if all are), now taken."""
+        if all(self.in_flight):
+            self.in_flight.append(False)
+            self.pools.append(torch.cuda.graph_pool_handle())
+        slot = self.in_flight.index(False)
+        self.in_flight[slot] = True
+        return slot
 
     def _empty_main_grads(self) -> tuple:
         return tuple(getattr(p, "main_grad_empty", False) for p in self.all_params)
@@ -131,27 +151,34 @@ class LayerGraphs:
             param.main_grad_empty = False
         if self.grads_ready is not None:
             self.grads_ready(self.params[index])
+        if index == 0:  # the micro-batch's last backward: its slot is free
+            self.in_flight[graphs.slot] = False
         return graphs.grad_inputs[index]
 
     # -- capture --------------------------------------------------------------------------------
 
-    def _capture(self, x, extras, context) -> _GraphSet:
+    def _capture(self, x, extras, context, slot: int, accumulate: bool) -> _GraphSet:
+        """The graphs of every unit for one signature, in `slot`'s pool; `accumulate`: their
+        backwards add into every main_grad (another micro-batch's backward runs first)."""
         if context is not None:  # the graphs read this step's weight casts; make them now
             for linear in (m for linears in self.linears for m in linears):
                 linear.refresh_weight_cast(context)
-        graphs = _GraphSet(len(self.functions))
+        graphs, pool = _GraphSet(len(self.functions)), self.pools[slot]
+        graphs.slot = slot
         graphs.extras = tuple(None if e is None else e.detach() for e in extras)
         first_input = torch.empty_like(x).requires_grad_()
         self._warm_up(first_input, graphs.extras, context)
         # The backward captures claim empty main_grads, as an eager backward would; the claims
         # are the replays' to make, the capture itself runs nothing.
         empty_main_grads = self._empty_main_grads()
+        if accumulate:
+            self._set_empty_main_grads((False,) * len(empty_main_grads))
         self.stream.wait_stream(torch.cuda.current_stream())
         with record_amaxes(context) as recording:
             inputs = first_input
             for index, function in enumerate(self.functions):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
                     output = function(inputs, *graphs.extras)
                 graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = graph, inputs, output
                 graphs.forward_amaxes[index], _ = recording.take()
@@ -159,7 +186,7 @@ class LayerGraphs:
             grad_output = torch.empty_like(graphs.outputs[-1])
             for index in reversed(range(len(self.functions))):
                 graph, params = torch.cuda.CUDAGraph(), self.params[index]
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
                     empty = [p.main_grad_empty for p in params]
                     grads = torch.autograd.grad(graphs.outputs[index], (graphs.inputs[index], *params),
                                                 grad_outputs=grad_output, allow_unused=True)

@@ -751,11 +751,6 @@ def _check_and_resolve(args, given: set) -> None:
 
 def _check_cuda_graph(args) -> None:
     """What --enable-cuda-graph cannot capture, said at start-up."""
-    if args.pipeline_model_parallel_size > 1:
-        raise ArgumentsError(
-            "--enable-cuda-graph does not work with pipeline parallelism yet (a layer's graphs serve one "
-            "micro-batch at a time, and 1F1B keeps several in flight): use --pipeline-model-parallel-size 1 "
-            "or leave --enable-cuda-graph out")
     if args.torch_compile:
         raise ArgumentsError("--enable-cuda-graph and --torch-compile do not combine: choose one")
     if not torch.cuda.is_available():

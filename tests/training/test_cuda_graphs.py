@@ -1,8 +1,8 @@
 """--enable-cuda-graph on the GPU: a run whose layers replay CUDA graphs equals the eager run bit
 for bit (losses and every parameter), with FP8 delayed and current scaling, gradient
 accumulation, the per-step weight cast, recomputation and dropout, on one GPU and under tensor
-(with sequence) and data parallelism on two. (Start-up refusals are in
-test_arguments.py.)"""
+(with sequence), data and pipeline parallelism (1F1B, interleaved) on two. (Start-up refusals
+are in test_arguments.py.)"""
 import pytest
 import torch
 
@@ -49,7 +49,10 @@ def two_gpu_body(rank, world_size, extra):
     """Eager then graphed on both ranks: losses and this rank's parameters."""
     _, eager, eager_params = run(BASE + extra)
     trainer, graphed, graphed_params = run(BASE + extra + GRAPHED)
-    assert trainer.chunks[0].cuda_graphs.sets, "the layers were not graphed"
+    graphs = [chunk.cuda_graphs for chunk in trainer.chunks]
+    assert all(g.sets for g in graphs), "the layers were not graphed"
+    if "--pipeline-model-parallel-size" in extra and rank == 0:  # the first stage: micro-batches in flight
+        assert all(len(g.pools) > 1 for g in graphs)
     return eager, graphed, eager_params, graphed_params
 
 
@@ -59,10 +62,19 @@ def two_gpu_body(rank, world_size, extra):
     ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"],
     ["--fp8-format", "hybrid", "--use-distributed-optimizer"],  # dp 2: the buckets launched after each replay
-], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-delayed", "dp2-delayed"])
-def test_graphed_tensor_and_data_parallel_equal_eager_bitwise(extra):
+    ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"],
+    ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--pipeline-model-parallel-size", "2",
+     "--recompute-granularity", "selective"],
+    ["--pipeline-model-parallel-size", "2"],  # bf16
+    ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+     "--num-layers-per-virtual-pipeline-stage", "1"],
+], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-delayed", "dp2-delayed", "pp2-delayed", "pp2-current-selective",
+        "pp2-bf16", "pp2-vpp2-delayed"])
+def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
     """The sequence-parallel gathers and reduce-scatters replay inside the graphs; the amax
-    reduction over tp and the gradient buckets over dp run eagerly around them."""
+    reduction over tp, the gradient buckets over dp and the pipeline's sends run eagerly around
+    them. A pipeline stage keeps several micro-batches in flight, each in its own graphs' slot,
+    and only the step's first backward overwrites the gradient buffer."""
     for eager, graphed, eager_params, graphed_params in run_on_ranks(two_gpu_body, 2, extra, backend="nccl"):
         assert graphed == eager
         for name, value in eager_params.items():
