@@ -76,6 +76,6 @@ def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
     them. A pipeline stage keeps several micro-batches in flight, each in its own graphs' slot,
     and only the step's first backward overwrites the gradient buffer."""
     for eager, graphed, eager_params, graphed_params in run_on_ranks(two_gpu_body, 2, extra, backend="nccl"):
-        assert graphed == eager
+        assert repr(graphed) == repr(eager)  # a first pipeline stage logs NaN losses (the last has them)
         for name, value in eager_params.items():
             assert torch.equal(graphed_params[name], value), name
