@@ -7,8 +7,9 @@
 #   MODEL=gpt GPUS=1 LAYOUTS=1:1 bash benchmarks/layouts_8gpu.sh   # the one-GPU reference
 #   MODEL=llama LAYOUTS="2:2 1:4" PRECISIONS="bf16 delayed" bash benchmarks/layouts_8gpu.sh
 #   GRAPHS=1 MODEL=gpt GPUS=2 LAYOUTS="1:1 1:2 2:1" bash benchmarks/layouts_8gpu.sh
-#     GRAPHS=1: CUDA graphs (--enable-cuda-graph) for the layouts without pipeline parallelism
-#     (the trainer cannot graph a pipeline); EXTRA="..." adds trainer flags to every layout
+#     GRAPHS=1: CUDA graphs (--enable-cuda-graph) for the layouts without pipeline parallelism,
+#     as the recipes run them; GRAPHS=all: for every layout (pipelines too); EXTRA="..." adds
+#     trainer flags to every layout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-gpt}; GPUS=${GPUS:-8}; LAYOUTS=${LAYOUTS:-"2:2 1:4 4:1 1:1"}
@@ -41,7 +42,8 @@ for layout in $LAYOUTS; do
         --output "$RESULTS/$label.jsonl" --precisions $PRECISIONS -- "${ARGS[@]}" "${COMMON[@]}" \
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" \
         $([ "$tp" -gt 1 ] && echo --sequence-parallel) \
-        $([ "${GRAPHS:-0}" = 1 ] && [ "$pp" -eq 1 ] && echo --enable-cuda-graph) ${EXTRA:-}
+        $({ [ "${GRAPHS:-0}" = 1 ] && [ "$pp" -eq 1 ]; } || [ "${GRAPHS:-0}" = all ] && echo --enable-cuda-graph) \
+        ${EXTRA:-}
     labels+=("$RESULTS/$label.jsonl")
 done
 python benchmarks/layout_tables.py "${labels[@]}" $(ls "$RESULTS/${MODEL}_1gpu.jsonl" 2>/dev/null) \

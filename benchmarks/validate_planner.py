@@ -12,9 +12,10 @@ precision of each launch is compared, as the later ones in the same process carr
 runs before them leaked (RESULTS.md, "Memory"). Throughput (with --layer-maps): every record's
 predicted against measured `tokens_per_sec_per_gpu`, and per model, precision and GPU count
 whether the predicted order of the layouts is the measured one (the issue's bar: rank order
-right, each within 15%; the planner ranks the layouts of one GPU count, never 2 against 4). Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran
-them. Maps and records must come from the same code: a map of today's code says nothing about
-layouts measured before its speed-ups.
+right, each within 15%; the planner ranks the layouts of one GPU count, never 2 against 4).
+Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran them. Maps
+and records must come from the same code: a map of today's code says nothing about layouts
+measured before its speed-ups.
 """
 from __future__ import annotations
 

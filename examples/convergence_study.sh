@@ -159,9 +159,11 @@ runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED
             local peak=$double; [ "$1" = lr4x ] && peak=$quadruple
             for precision in bf16 fp8_delayed; do echo "$1/$precision llama-120m $precision $peak $SENS_ITERS $SEED $SEED"; done
             # bf16 again from the next seed, the yardsticks for FP8's gap (a high rate makes runs
-            # erratic): with that seed's data order, and on the same batches (initialisation only).
+            # erratic): with that seed's data order, and on the same batches (initialisation only);
+            # and FP8 from that initialisation on the same batches: FP8's own spread.
             echo "$1/bf16_seed$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1)) $((SEED + 1))"
-            echo "$1/bf16_init$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1)) $SEED" ;;
+            echo "$1/bf16_init$((SEED + 1)) llama-120m bf16 $peak $SENS_ITERS $((SEED + 1)) $SEED"
+            echo "$1/fp8_delayed_init$((SEED + 1)) llama-120m fp8_delayed $peak $SENS_ITERS $((SEED + 1)) $SEED" ;;
         seed)  # each model's bf16 run from the next seed: once with its data order, once on the same batches
             local model
             for model in gpt llama; do

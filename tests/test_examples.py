@@ -67,12 +67,12 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     done = study("gpt", "lr2x")
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
-        f"lr2x/{p}": 2 for p in ("bf16", "fp8_delayed", "bf16_seed1235", "bf16_init1235")}
+        f"lr2x/{p}": 2 for p in ("bf16", "fp8_delayed", "bf16_seed1235", "bf16_init1235", "fp8_delayed_init1235")}
     for name, iterations in runs.items():
         records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records if "valid_loss" in r] == list(range(2, iterations + 1, 2))
         assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
-        assert ("fp8_layers" in records[0]) == (name == "lr2x/fp8_delayed")  # per-layer health: lr groups' FP8
+        assert ("fp8_layers" in records[0]) == name.startswith("lr2x/fp8")  # per-layer health: lr groups' FP8
     assert "peak LR 0.0012, 2 iterations" in done.stdout  # twice the default peak, the shorter schedule
     assert "lr2x/bf16_init1235 (llama-120m, bf16, peak LR 0.0012, 2 iterations, seed 1235, data seed 1234)" \
         in done.stdout
@@ -81,13 +81,13 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
     table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # with its seed yardsticks
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| bf16_seed1235",
-                                                         "| bf16_init1235"]
+                                                         "| bf16_init1235", "| fp8_delayed_init1235"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study("gpt", "lr2x")
     assert again.returncode == 0 and "starting from scratch" not in again.stdout
-    assert again.stdout.count("(finished)") == 7 and "kept" in again.stdout and "tokenizer" in again.stdout
+    assert again.stdout.count("(finished)") == 8 and "kept" in again.stdout and "tokenizer" in again.stdout
 
     # The seed group: both models' bf16 runs again from the next seed, with its data order and with the
     # first run's (--data-seed), GPT's set beside the first.
