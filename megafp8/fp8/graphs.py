@@ -65,6 +65,28 @@ class _GraphSet:
         self.slot = 0
 
 
+class MicroBatchSlots:
+    """The slots of the micro-batches in flight (forward replayed, backward not yet): each forward
+    takes the first free slot, and its last backward frees it. Backwards come in the order of the
+    forwards, so a forward that finds another micro-batch in flight will see its main_grads
+    written before its own backward."""
+
+    def __init__(self):
+        self.busy: list = []
+
+    def take(self) -> tuple:
+        """(slot, whether another micro-batch is in flight)."""
+        follows_another = any(self.busy)
+        if all(self.busy):
+            self.busy.append(False)
+        slot = self.busy.index(False)
+        self.busy[slot] = True
+        return slot, follows_another
+
+    def release(self, slot: int) -> None:
+        self.busy[slot] = False
+
+
 class LayerGraphs:
     """CUDA graphs of `units`: each a (function(x, *extras) -> y shaped like x, module holding
     its parameters and FP8 linears). `graphs(x, *extras)` runs every unit in turn, replaying
@@ -89,8 +111,8 @@ class LayerGraphs:
                              f"before graphing ({len(missing)} parameters have none)")
         self.grads_ready = grads_ready
         self.sets: dict = {}
+        self.slots = MicroBatchSlots()
         self.pools: list = []  # one memory pool per slot
-        self.in_flight: list = []  # per slot: a micro-batch's forward replayed, its backward not yet
         self.stream = torch.cuda.Stream()
         for linear in (m for linears in self.linears for m in linears):
             linear.keep_weight_cast_addresses = True
@@ -100,8 +122,9 @@ class LayerGraphs:
         if not (torch.is_grad_enabled() and x.is_cuda and x.requires_grad) or (
                 context is not None and context.replay_scales is not None):
             return None
-        follows_another = any(self.in_flight)  # its backward comes after theirs: accumulate
-        slot = self._take_slot()
+        slot, follows_another = self.slots.take()  # following another, its backward accumulates
+        if slot == len(self.pools):
+            self.pools.append(torch.cuda.graph_pool_handle())
         key = (slot, None if context is None else (context.recipe, id(context.amax_reduction_group),
                                                    context.collect_saturation),
                None if follows_another else self._empty_main_grads(), _layout(x),
@@ -115,15 +138,6 @@ class LayerGraphs:
         for index in range(len(self.functions)):
             x = _ReplayUnit.apply(self, graphs, index, context, x)
         return x
-
-    def _take_slot(self) -> int:
-        """The first slot with no micro-batch in flight (a new one if all are), now taken."""
-        if all(self.in_flight):
-            self.in_flight.append(False)
-            self.pools.append(torch.cuda.graph_pool_handle())
-        slot = self.in_flight.index(False)
-        self.in_flight[slot] = True
-        return slot
 
     def _empty_main_grads(self) -> tuple:
         return tuple(getattr(p, "main_grad_empty", False) for p in self.all_params)
@@ -152,7 +166,7 @@ class LayerGraphs:
         if self.grads_ready is not None:
             self.grads_ready(self.params[index])
         if index == 0:  # the micro-batch's last backward: its slot is free
-            self.in_flight[graphs.slot] = False
+            self.slots.release(graphs.slot)
         return graphs.grad_inputs[index]
 
     # -- capture --------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """What CUDA-graph replays rely on in the FP8 core, checked on the CPU (the graphs themselves,
 graphed training equal to eager bit for bit, are GPU tests in tests/training/test_cuda_graphs.py):
 recording a pass's amaxes flushes nothing, and recording them again reproduces the pass; a
-graphed layer's weight cast is refreshed in place."""
+graphed layer's weight cast is refreshed in place; micro-batches in flight take slots."""
 import torch
 
 from megafp8 import DelayedScaling, Fp8Linear, fp8_autocast, quantize
 from megafp8.fp8.autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
+from megafp8.fp8.graphs import MicroBatchSlots
 
 RECIPE = DelayedScaling(amax_history_len=4)
 
@@ -98,3 +99,28 @@ def test_a_graphed_layer_refreshes_its_weight_cast_in_place_and_an_eager_one_in_
             assert torch.equal(cast.data.view(torch.uint8), expected.data.view(torch.uint8))
             addresses.append(cast.data_t.data_ptr())
         assert (len(set(addresses)) == 1) == graphed
+
+
+def slots_of(order):
+    """Run a schedule's order ("F" forward, "B" backward of the oldest in flight) through
+    MicroBatchSlots: (slot, follows another) of each forward."""
+    slots, in_flight, taken = MicroBatchSlots(), [], []
+    for op in order:
+        if op == "F":
+            taken.append(slots.take())
+            in_flight.append(taken[-1][0])
+        else:
+            slots.release(in_flight.pop(0))
+    return taken, len(slots.busy)
+
+
+def test_micro_batches_in_flight_take_slots_and_only_the_first_backward_overwrites():
+    # Gradient accumulation: one micro-batch at a time, one slot, every forward's own emptiness.
+    assert slots_of("FBFBFB") == ([(0, False)] * 3, 1)
+    # 1F1B on the first of two stages: one warm-up forward, then one forward, one backward.
+    assert slots_of("FFBFBFBB") == ([(0, False), (1, True), (0, True), (1, True)], 2)
+    # The first of four stages: three warm-up forwards, four slots; once all are done, the next
+    # forward finds none in flight and is keyed on the emptiness it sees.
+    taken, count = slots_of("FFFFBFBBBB" + "FB")
+    assert count == 4 and taken[:5] == [(0, False), (1, True), (2, True), (3, True), (0, True)]
+    assert taken[5] == (0, False)
