@@ -69,7 +69,7 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
         "world_size": a.world_size, "tp": groups.tp_size, "pp": groups.pp_size,
         "dp": groups.dp_size, "vpp": a.virtual_pipeline_model_parallel_size,
         "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
-        "seq_length": a.seq_length, "iterations": trainer.iteration,
+        "seq_length": a.seq_length, "cuda_graph": bool(a.enable_cuda_graph), "iterations": trainer.iteration,
         "window": [last["iteration"] - a.log_interval + 1, last["iteration"]] if last else None,
         "tokens_per_sec_per_gpu": last["tokens_per_sec"] / a.world_size if last else None,
         "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu"),

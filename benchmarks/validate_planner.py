@@ -65,7 +65,14 @@ def run_name(record: dict) -> str:
     """The record's label, with its GPU count where the label lacks it (layouts_8gpu.sh names a
     tp:pp layout alike on 2, 4 and 8 GPUs)."""
     label, world = record["label"], record["tp"] * record["pp"] * record["dp"]
-    return label if label.endswith("gpu") else f"{label} ({world} GPUs)"
+    graphed = ", graphed" if pipeline_graphs(record) else ""
+    return label if label.endswith("gpu") else f"{label} ({world} GPUs{graphed})"
+
+
+def pipeline_graphs(record: dict) -> bool:
+    """Whether a pipeline layout ran its stages as CUDA graphs (a record without "cuda_graph" is
+    from before it was recorded, when the trainer refused to graph a pipeline: eager)."""
+    return record["pp"] > 1 and record.get("cuda_graph", False)
 
 
 def read_records(folders) -> list[list[dict]]:
@@ -105,7 +112,7 @@ def throughput_table(launches, calibration: Calibration) -> bool:
         measured = record["tokens_per_sec_per_gpu"]
         try:
             result = predict(config, layout, calibration, record["global_batch_size"],
-                             model=preset_of(record))
+                             model=preset_of(record), pipeline_graphs=pipeline_graphs(record))
         except NotPredicted as why:
             print(f"{name} {measured:,.0f} | not covered: {why} | | |")
             continue

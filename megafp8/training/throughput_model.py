@@ -192,10 +192,12 @@ def _read(path) -> dict:
 
 
 def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibration, global_batch_size: int,
-            gpus_per_node: int = 8, model: str = "PRESET") -> dict:
+            gpus_per_node: int = 8, model: str = "PRESET", pipeline_graphs: bool = False) -> dict:
     """The predicted step of `layout`: {"step_ms", "tokens_per_s_per_gpu", "breakdown_ms",
     "extrapolated"}; raises NotPredicted where the measurements do not cover it, naming `model`
-    (the preset) in the command that would measure what is missing."""
+    (the preset) in the command that would measure what is missing. Layers run graphed without
+    pipeline parallelism; with it, eagerly (as the recipes run pipelines) unless
+    `pipeline_graphs` (the trainer's --enable-cuda-graph with pp > 1)."""
     recipe = layout.fp8 or "bf16"
     extrapolated: list = []
     seq, mbs, tp, pp, dp, vpp = (layout.seq_length, layout.micro_batch_size, layout.tp, layout.pp, layout.dp,
@@ -211,7 +213,9 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         else:  # a map from before the map timed it
             extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
     host_layer = host_pass = 0.0
-    if pp > 1:  # the trainer cannot graph a pipeline: a stage takes the longer of its GPU and host times
+    if pp > 1 and pipeline_graphs:
+        extrapolated.append("pipeline stages graphed: the layers' graphed GPU times, as without a pipeline")
+    elif pp > 1:  # an eager pipeline: a stage takes the longer of its GPU and host times
         if layer["host"] is None:
             raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
                                f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model {model})")

@@ -56,15 +56,16 @@ def test_nothing_fits_says_so(capsys):
     assert "no layout fits" in capsys.readouterr().err
 
 
-def _layer_map(path, tp, times):
+def _layer_map(path, tp, times, host=0.9):
     """A gpt-1.3b layer map at sequence 2048, micro-batch 4, tensor-parallel size `tp`:
-    times = {recipe: (layer ms, its forward ms, output end ms)}; the host keeps up (0.9 of the GPU's time)."""
+    times = {recipe: (layer ms, its forward ms, output end ms)}; an eager step's host time `host`
+    times the GPU's (0.9: the host keeps up)."""
     from megafp8.models.config import preset
 
     point = {"arch": "gpt", "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "seq": 2048, "tp": tp,
              "micro_batch": 4, "model": "gpt-1.3b", "vocab": preset("gpt-1.3b").vocab_size}
     for recipe, (layer, forward, head) in times.items():
-        point.update({f"{recipe}_ms": layer, f"{recipe}_fwd_ms": forward, f"{recipe}_host_ms": 0.9 * layer,
+        point.update({f"{recipe}_ms": layer, f"{recipe}_fwd_ms": forward, f"{recipe}_host_ms": host * layer,
                       f"head_{recipe}_ms": head})
     path.write_text(json.dumps({"device": "NVIDIA H200", "tp": tp, "copy_gbs": 4000.0, "points": [point]}))
     return str(path)
@@ -135,3 +136,24 @@ def test_calibration_files_are_checked(tmp_path, capsys):
     except SystemExit as exit:
         assert exit.code == 2
     assert "--collectives goes with --layer-maps" in capsys.readouterr().err
+
+
+def test_graphed_pipelines_leave_the_eager_host_out(tmp_path):
+    """With a host slower than the GPU, an eager pipeline waits on it; --graph-pipelines predicts
+    pipelines as the trainer's --enable-cuda-graph runs them (the layers' graphed GPU times), and
+    layouts without a pipeline (always graphed) the same either way."""
+    maps = [_layer_map(tmp_path / "tp1.json", 1, {"delayed": (4.0, 1.3, 8.0)}, host=2.0)]
+    coll = tmp_path / "collectives.json"
+    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 2, "results": [
+        {"op": op, "group_size": 2, "bytes": 2**b, "ms": 1.0, "algbw_gbs": 300.0, "busbw_gbs": 300.0}
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for b in (20, 30)]}))
+    speeds = {}
+    for graphs in ([], ["--graph-pipelines"]):
+        out = tmp_path / f"plan{len(graphs)}.json"
+        plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+                            "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "delayed",
+                            "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out), *graphs])
+        speeds[bool(graphs)] = {(e["tp"], e["pp"]): e["tokens_per_s_per_gpu"] for e in json.loads(out.read_text())["fits"]
+                                if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]}
+    assert speeds[True][(1, 2)] > 1.5 * speeds[False][(1, 2)]
+    assert speeds[True][(1, 1)] == speeds[False][(1, 1)]

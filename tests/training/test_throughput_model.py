@@ -121,7 +121,11 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     # A map without the split says that it counted the pass's share in every layer.
     assert any("host time" in note for note in predict(GPT, layout, calibration(slow_host, collectives()),
                                                         32)["extrapolated"])
-    # ... and one graphed (no pipeline) does not wait on it.
+    # ... and a graphed pipeline does not wait on it, and says so.
+    graphed = predict(GPT, layout, calibration(slow_host, collectives()), 32, pipeline_graphs=True)
+    assert graphed["step_ms"] == pytest.approx((8 + 1) * (12 * 4.0 + 8.0 + 2 * send) + optimizer_ms(layout, pp_rank=1))
+    assert any("pipeline stages graphed" in note for note in graphed["extrapolated"])
+    # ... nor does one graphed without a pipeline.
     one = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, fp8="delayed")
     assert predict(GPT, one, calibration(slow_host), 32)["step_ms"] == pytest.approx(
         8 * (24 * 4.0 + 8.0) + optimizer_ms(one))
@@ -263,6 +267,12 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     assert "measured order: yes" in out and "gpt delayed on 8 GPUs" in out
     assert "on 2 GPUs" not in out  # one layout: nothing to rank
     (records / "gpt_dp2.jsonl").unlink()
+    # A pipeline run with --enable-cuda-graph is predicted graphed, and named so.
+    (records / "gpt_pp4.jsonl").write_text(json.dumps({**record("gpt_pp4", 2, 4, predicted["gpt_pp4"]),
+                                                       "cuda_graph": True}) + "\n")
+    tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
+    out = capsys.readouterr().out
+    assert "| gpt_pp4 (8 GPUs, graphed) | delayed |" in out and "pipeline stages graphed" in out
     # A record of a tp the maps do not hold is listed as not covered.
     (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
