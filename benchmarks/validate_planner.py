@@ -61,12 +61,16 @@ def predicted_gib(record: dict) -> float:
     return max(stage["total"] for stage in estimate(config, layout)) / 2**30
 
 
+def gpus_of(record: dict) -> int:
+    return record["tp"] * record["pp"] * record["dp"]
+
+
 def run_name(record: dict) -> str:
     """The record's label, with its GPU count where the label lacks it (layouts_8gpu.sh names a
     tp:pp layout alike on 2, 4 and 8 GPUs)."""
-    label, world = record["label"], record["tp"] * record["pp"] * record["dp"]
+    label = record["label"]
     graphed = ", graphed" if pipeline_graphs(record) else ""
-    return label if label.endswith("gpu") else f"{label} ({world} GPUs{graphed})"
+    return label if label.endswith("gpu") else f"{label} ({gpus_of(record)} GPUs{graphed})"
 
 
 def pipeline_graphs(record: dict) -> bool:
@@ -118,8 +122,7 @@ def throughput_table(launches, calibration: Calibration) -> bool:
             continue
         error = result["tokens_per_s_per_gpu"] / measured - 1
         passed &= abs(error) <= THROUGHPUT_BAR
-        gpus = record["tp"] * record["pp"] * record["dp"]
-        groups.setdefault((record["label"].split("_")[0], record["precision"], gpus), []).append(
+        groups.setdefault((record["label"].split("_")[0], record["precision"], gpus_of(record)), []).append(
             (run_name(record), measured, result["tokens_per_s_per_gpu"]))
         print(f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
               f"{'; '.join(result['extrapolated']) or '–'} |")

@@ -51,7 +51,7 @@ _CAPTURE_MODE = "thread_local"
 class _GraphSet:
     """The captured graphs of every unit for one signature, and their static tensors."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, slot: int):
         self.forward_graphs: list = [None] * count
         self.backward_graphs: list = [None] * count
         self.inputs: list = [None] * count  # static input of each unit (unit i+1's is unit i's output)
@@ -62,7 +62,7 @@ class _GraphSet:
         self.forward_amaxes: list = [[] for _ in range(count)]
         self.backward_amaxes: list = [[] for _ in range(count)]
         self.written: list = [[] for _ in range(count)]  # the parameters each backward graph writes
-        self.slot = 0
+        self.slot = slot  # of the micro-batches in flight (MicroBatchSlots)
 
 
 class MicroBatchSlots:
@@ -177,8 +177,7 @@ class LayerGraphs:
         if context is not None:  # the graphs read this step's weight casts; make them now
             for linear in (m for linears in self.linears for m in linears):
                 linear.refresh_weight_cast(context)
-        graphs, pool = _GraphSet(len(self.functions)), self.pools[slot]
-        graphs.slot = slot
+        graphs, pool = _GraphSet(len(self.functions), slot), self.pools[slot]
         graphs.extras = tuple(None if e is None else e.detach() for e in extras)
         first_input = torch.empty_like(x).requires_grad_()
         self._warm_up(first_input, graphs.extras, context)
