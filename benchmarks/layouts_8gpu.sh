@@ -7,8 +7,8 @@
 #   MODEL=gpt GPUS=1 LAYOUTS=1:1 bash benchmarks/layouts_8gpu.sh   # the one-GPU reference
 #   MODEL=llama LAYOUTS="2:2 1:4" PRECISIONS="bf16 delayed" bash benchmarks/layouts_8gpu.sh
 #   GRAPHS=1 MODEL=gpt GPUS=2 LAYOUTS="1:1 1:2 2:1" bash benchmarks/layouts_8gpu.sh
-#     GRAPHS=1: CUDA graphs (--enable-cuda-graph) for the layouts without pipeline parallelism,
-#     as the recipes run them; GRAPHS=all: for every layout (pipelines too); EXTRA="..." adds
+#     GRAPHS=1: CUDA graphs (--enable-cuda-graph) for every layout, as the recipes run them
+#     (before 2026-11-26 the recipes and GRAPHS=1 left pipelines eager); EXTRA="..." adds
 #     trainer flags to every layout
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ for layout in $LAYOUTS; do
         --output "$RESULTS/$label.jsonl" --precisions $PRECISIONS -- "${ARGS[@]}" "${COMMON[@]}" \
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" \
         $([ "$tp" -gt 1 ] && echo --sequence-parallel) \
-        $({ [ "${GRAPHS:-0}" = 1 ] && [ "$pp" -eq 1 ]; } || [ "${GRAPHS:-0}" = all ] && echo --enable-cuda-graph) \
+        $([ "${GRAPHS:-0}" = 1 ] && echo --enable-cuda-graph) \
         ${EXTRA:-}
     labels+=("$RESULTS/$label.jsonl")
 done

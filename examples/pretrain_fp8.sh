@@ -21,12 +21,12 @@ PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
 SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-# CUDA graphs of the layers: on by default on GPUs (chosen by measurement, benchmarks/RESULTS.md);
-# PP > 1 runs without them until their bit-for-bit GPU test of pipelines has passed (docs/fp8.md).
+# CUDA graphs of the layers: on by default on GPUs, pipelines included (chosen by measurement:
+# FP8 at tp 2 x pp 2 runs 1.92x its eager speed, bit for bit the same; benchmarks/RESULTS.md).
 # CUDA_GRAPH=0 turns them off.
 CUDA_GRAPH=${CUDA_GRAPH:-1}
 GRAPH_ARGS=()
-if [ "$CUDA_GRAPH" = 1 ] && [ "$CUDA_GPUS" -gt 0 ] && [ "$PP" -eq 1 ]; then
+if [ "$CUDA_GRAPH" = 1 ] && [ "$CUDA_GPUS" -gt 0 ]; then
     GRAPH_ARGS=(--enable-cuda-graph)
 fi
 

@@ -3,7 +3,7 @@
     python tools/plan_parallel.py --model llama2-7b --gpus 64 --gpu-memory 80 --seq-length 4096 \
         --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4]
         [--memory-margin 0.1] [--top 20] [--json plan.json]
-        [--layer-maps llama2-7b_tp1.json llama2-7b_tp2.json --collectives collectives.json] [--graph-pipelines]
+        [--layer-maps llama2-7b_tp1.json llama2-7b_tp2.json --collectives collectives.json] [--eager-pipelines]
 
 Every tp x pp x dp layout (tp within a node, sequence parallelism with it), with or without
 virtual pipeline stages (2 or 4 per rank), each micro-batch size, no / selective / full
@@ -18,8 +18,8 @@ trainer on the CPU and against eight-GPU peaks measured on H200s (within 4.2%: d
 With measurements of the GPUs (`--layer-maps`: benchmarks/bench_layer_grid.py --model MODEL, on
 1 GPU for tp 1 and under torchrun on tp GPUs for each tp > 1; `--collectives`:
 benchmarks/bench_collectives.py on a node) the layouts that fit are ranked by predicted tokens/s
-per GPU (megafp8.training.throughput_model: the measured layer times, graphed, or for an eager
-pipeline the longer of those and the host's, the 1F1B bubble, the collectives' measured
+per GPU (megafp8.training.throughput_model: the measured layer times, graphed as the recipes run
+them, or with --eager-pipelines a pipeline stage's longer of those and the host's, the 1F1B bubble, the collectives' measured
 bandwidths, the optimizer's pass), each saying where the prediction
 stretches a measurement; a layout the measurements do not cover is listed apart with what to
 measure. Without them the layouts that fit are only listed, least memory first among equals of
@@ -114,7 +114,7 @@ def plan(args, calibration: Calibration | None = None) -> dict:
         else:
             try:
                 fits.append({**entry, **predict(config, memory, calibration, args.global_batch_size,
-                                                args.gpus_per_node, args.model, args.graph_pipelines)})
+                                                args.gpus_per_node, args.model, not args.eager_pipelines)})
             except NotPredicted as why:
                 unpredicted.append({**entry, "reason": str(why)})
     if calibration is not None:  # fastest first; equals in the simplicity order
@@ -173,8 +173,9 @@ def main(argv=None) -> int:
                         help="measured layer maps (benchmarks/bench_layer_grid.py --model MODEL): rank by throughput")
     parser.add_argument("--collectives", metavar="JSON",
                         help="measured collective bandwidths (benchmarks/bench_collectives.py)")
-    parser.add_argument("--graph-pipelines", action="store_true",
-                        help="pipelines run with --enable-cuda-graph (default: eager, as the recipes run them)")
+    parser.add_argument("--eager-pipelines", action="store_true",
+                        help="pipeline stages run without CUDA graphs (the recipes' CUDA_GRAPH=0; default: graphed, "
+                             "as the recipes run them)")
     args = parser.parse_args(argv)
     for name in ("gpus", "gpus_per_node", "seq_length", "global_batch_size"):
         if getattr(args, name) < 1:

@@ -139,21 +139,28 @@ def test_calibration_files_are_checked(tmp_path, capsys):
 
 
 def test_graphed_pipelines_leave_the_eager_host_out(tmp_path):
-    """With a host slower than the GPU, an eager pipeline waits on it; --graph-pipelines predicts
-    pipelines as the trainer's --enable-cuda-graph runs them (the layers' graphed GPU times), and
-    layouts without a pipeline (always graphed) the same either way."""
-    maps = [_layer_map(tmp_path / "tp1.json", 1, {"delayed": (4.0, 1.3, 8.0)}, host=2.0)]
+    """With a host slower than the GPU, an eager pipeline (--eager-pipelines) waits on it; by
+    default pipelines are predicted as the recipes run them, graphed (the layers' graphed GPU
+    times), and layouts without a pipeline (always graphed) the same either way. FP8 at tp x pp,
+    eagerly, is not predicted, with the reason."""
+    maps = [_layer_map(tmp_path / "tp1.json", 1, {"delayed": (4.0, 1.3, 8.0)}, host=2.0),
+            _layer_map(tmp_path / "tp2.json", 2, {"delayed": (2.5, 0.8, 8.0)}, host=2.0)]
     coll = tmp_path / "collectives.json"
-    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 2, "results": [
+    coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 4, "results": [
         {"op": op, "group_size": 2, "bytes": 2**b, "ms": 1.0, "algbw_gbs": 300.0, "busbw_gbs": 300.0}
         for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for b in (20, 30)]}))
-    speeds = {}
-    for graphs in ([], ["--graph-pipelines"]):
-        out = tmp_path / f"plan{len(graphs)}.json"
-        plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
+    speeds, plans = {}, {}
+    for eager in (False, True):
+        out = tmp_path / f"plan{eager}.json"
+        plan_parallel.main(["--model", "gpt-1.3b", "--gpus", "4", "--gpu-memory", "141", "--seq-length", "2048",
                             "--global-batch-size", "32", "--micro-batch-sizes", "4", "--fp8", "delayed",
-                            "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out), *graphs])
-        speeds[bool(graphs)] = {(e["tp"], e["pp"]): e["tokens_per_s_per_gpu"] for e in json.loads(out.read_text())["fits"]
-                                if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]}
-    assert speeds[True][(1, 2)] > 1.5 * speeds[False][(1, 2)]
-    assert speeds[True][(1, 1)] == speeds[False][(1, 1)]
+                            "--layer-maps", *maps, "--collectives", str(coll), "--json", str(out),
+                            *(["--eager-pipelines"] if eager else [])])
+        plans[eager] = json.loads(out.read_text())
+        speeds[eager] = {(e["tp"], e["pp"]): e["tokens_per_s_per_gpu"] for e in plans[eager]["fits"]
+                         if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]}
+    assert speeds[False][(1, 2)] > 1.5 * speeds[True][(1, 2)]
+    assert speeds[False][(1, 1)] == speeds[True][(1, 1)]
+    assert (2, 2) in speeds[False] and (2, 2) not in speeds[True]
+    reasons = {(e["tp"], e["pp"]): e["reason"] for e in plans[True]["not_predicted"]}
+    assert "FP8 with tensor and pipeline parallelism, run eagerly, is host-bound" in reasons[(2, 2)]
