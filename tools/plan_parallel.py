@@ -19,11 +19,11 @@ With measurements of the GPUs (`--layer-maps`: benchmarks/bench_layer_grid.py --
 1 GPU for tp 1 and under torchrun on tp GPUs for each tp > 1; `--collectives`:
 benchmarks/bench_collectives.py on a node) the layouts that fit are ranked by predicted tokens/s
 per GPU (megafp8.training.throughput_model: the measured layer times, graphed as the recipes run
-them, or with --eager-pipelines a pipeline stage's longer of those and the host's, the 1F1B bubble, the collectives' measured
-bandwidths, the optimizer's pass), each saying where the prediction
-stretches a measurement; a layout the measurements do not cover is listed apart with what to
-measure. Without them the layouts that fit are only listed, least memory first among equals of
-the simplest parallelism.
+them, or with --eager-pipelines a pipeline stage's longer of those and the host's; the 1F1B
+bubble, the collectives' measured bandwidths, the optimizer's pass), each saying where the
+prediction stretches a measurement; a layout the measurements do not cover is listed apart with
+what to measure. Without them the layouts that fit are only listed, least memory first among
+equals of the simplest parallelism.
 """
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         if tp > 1 and recipe != "bf16":
             raise NotPredicted("FP8 with tensor and pipeline parallelism, run eagerly, is host-bound: each stage "
                                "waits on both ranks' hosts at every collective and send, which the map's layers "
-                               "timed alone do not show (measured 0.58-0.62x bf16 where the map said faster: "
+                               "timed alone do not show (measured 0.50-0.62x bf16 where the map said faster: "
                                "docs/tuning.md); graphed, as the recipes run it, it is predicted")
         if layer["host"] is None:
             raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
