@@ -5,6 +5,7 @@ sample is due when the blend reaches (k + 1) / w_d samples, and the blend takes 
 order of that due time. After any n samples each dataset has served within one sample of
 n * w_d, so realised proportions match the weights to within 1/n.
 """
+import math
 import warnings
 
 import numpy as np
@@ -36,8 +37,12 @@ def parse_data_path(data_path):
         if any(number(p) is not None for p in prefixes):
             raise ValueError(f"--data-path {' '.join(items)}: expected W1 PREFIX1 W2 PREFIX2 ..., "
                              "but a prefix position holds a number")
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+        bad = [text for text, w in zip(items[0::2], weights) if not 0 <= w < math.inf]
+        if bad:
+            raise ValueError(f"--data-path weight {bad[0]} is not a finite non-negative number: give "
+                             "W1 PREFIX1 W2 PREFIX2 ... with weights such as 0.3")
+        if not 0 < sum(weights) < math.inf:
+            raise ValueError(f"--data-path weights {weights} must have a positive, finite sum")
     elif all(number(item) is None for item in items):
         prefixes = items
         weights = ([1.0] if len(prefixes) == 1 else
@@ -90,12 +95,13 @@ class BlendedDataset(torch.utils.data.Dataset):
         return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
 
 
-def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=None):
+def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=None, vocab_size=None):
     """Train / valid / test datasets (None where no samples are asked) from `--data-path`.
 
     Each prefix is split by documents with `split`; with several prefixes, each split blends the
     prefixes' same split. A dataset is asked for its share of the samples plus 0.5% (at least
-    one), so the blend never runs a component short.
+    one), so the blend never runs a component short. With `vocab_size`, a prefix holding a token
+    id outside [0, vocab_size) is refused.
     """
     blend = parse_data_path(data_path)
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
@@ -108,15 +114,15 @@ def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=No
             warnings.warn(f"the {name} split of {', '.join(empty)} has no documents under --split {split}; "
                           f"no {name} dataset")
             count = 0
-        result.append(_dataset(blend, indexed, [r[s] for r in ranges], name, count, seq_length, seed, cache_dir)
-                      if count else None)
+        result.append(_dataset(blend, indexed, [r[s] for r in ranges], name, count, seq_length, seed, cache_dir,
+                               vocab_size) if count else None)
     return result
 
 
-def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=None):
+def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=None, vocab_size=None):
     """Train / valid / test datasets from one data path each (Megatron's --train-data-path,
     --valid-data-path, --test-data-path): every document of a split's prefixes is in that split.
-    None where a split has no path or is asked no samples."""
+    None where a split has no path or is asked no samples; `vocab_size` as for `build_datasets`."""
     result = []
     for name, data_path, count in zip(SPLIT_NAMES, data_paths, num_samples):
         if not data_path or not count:
@@ -125,21 +131,22 @@ def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=No
         blend = parse_data_path(data_path)
         indexed = [IndexedDataset(prefix) for _, prefix in blend]
         result.append(_dataset(blend, indexed, [(0, len(ds)) for ds in indexed], name, count, seq_length, seed,
-                               cache_dir))
+                               cache_dir, vocab_size))
     return result
 
 
-def _dataset(blend, indexed, document_ranges, name, count, seq_length, seed, cache_dir):
+def _dataset(blend, indexed, document_ranges, name, count, seq_length, seed, cache_dir, vocab_size):
     """The `name` split's dataset of `count` samples: one prefix's documents in its range, or a
     blend of each prefix's."""
     if len(blend) == 1:
         start, end = document_ranges[0]
-        return GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed, name, cache_dir)
+        return GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed, name, cache_dir, vocab_size)
     components, weights = [], []
     for (weight, _), ds, (start, end) in zip(blend, indexed, document_ranges):
         if weight == 0:
             continue
         share = int(np.ceil(weight * count * 1.005)) + 1
-        components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name, cache_dir))
+        components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name, cache_dir,
+                                     vocab_size))
         weights.append(weight)
     return BlendedDataset(components, weights, count)

@@ -14,20 +14,23 @@ A split (train / valid / test) owns a contiguous range of the indexed dataset's 
 
 The arrays are cached as `.npy` next to the data (or in `cache_dir`) under a name that hashes
 everything they depend on; one process per node builds them while the others wait, and later
-runs load them. A build that fails on one rank (a full disk, an unwritable cache folder) stops
-every rank with its message, not only the builder. Resuming is a matter of the consumed-samples
-count: sample k is the same in every run, so a sampler that starts at k serves the same next
-batch (see `samplers.py`).
+runs load them. Given the vocabulary size, the builder first checks that every token id of the
+`.bin` lies in it (the scan cached alongside). A build or check that fails on one rank (a full
+disk, an unwritable cache folder, another tokenizer's data) stops every rank with its message,
+not only the builder. Resuming is a matter of the consumed-samples count: sample k is the same
+in every run, so a sampler that starts at k serves the same next batch (see `samplers.py`).
 """
 import hashlib
 import json
+import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from megafp8.data.indexed_dataset import IndexedDataset
+from megafp8.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -38,8 +41,8 @@ def parse_split(split):
         parts = [float(part) for part in str(split).replace("/", ",").split(",")]
     except ValueError:
         raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    if not 1 <= len(parts) <= 3 or not all(0 <= p < math.inf for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three finite non-negative numbers with a positive sum")
     parts = np.array(parts + [0.0] * (3 - len(parts)))
     # numpy's plain sum, as megatron-core normalises (Python >= 3.12's sum() rounds differently).
     return (parts / parts.sum()).tolist()
@@ -95,6 +98,43 @@ def _is_index_builder():
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
+def check_token_ids(indexed, vocab_size, folder):
+    """Refuse a dataset with token ids outside [0, vocab_size): ids past the vocabulary would train
+    the padding rows of the embedding without a word, or past those fail the first step.
+
+    The ids' range is cached in `folder` under the `.bin`'s path, size and modification time, so a
+    large `.bin` is scanned once (a second or two per GB read from disk), not at every start.
+    """
+    bin_path = indexed.prefix + ".bin"
+    stat = os.stat(bin_path)
+    key = {"class": "TokenRange", "version": 1, "bin": os.path.abspath(bin_path), "size": stat.st_size,
+           "mtime_ns": stat.st_mtime_ns}
+    cache = folder / f"{hashlib.md5(json.dumps(key, sort_keys=True).encode()).hexdigest()}-token_range.json"
+    if cache.exists():
+        token_range = json.loads(cache.read_text())["token_range"]
+    else:
+        token_range = indexed.token_range
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**key, "token_range": token_range}))
+            os.replace(tmp, cache)
+        except OSError as error:  # a read-only folder of index caches built elsewhere still trains
+            warnings.warn(f"cannot cache the token range of {bin_path} in {folder} ({error}), so it is scanned "
+                          "again at every start; point --data-cache-path at a writable folder to keep it")
+    if token_range is None:  # no tokens
+        return
+    smallest, largest = token_range
+    if largest >= vocab_size:
+        raise IndexedDatasetError(
+            f"{bin_path}: its largest token id is {largest}, past the vocabulary of {vocab_size} tokens (ids 0 "
+            f"to {vocab_size - 1}): the data was made with another tokenizer. Re-tokenize it with this run's "
+            "tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data was made with")
+    if smallest < 0:
+        raise IndexedDatasetError(f"{bin_path}: token id {smallest} is negative: a corrupt or foreign file; "
+                                  "make the data again with tools/preprocess_data.py")
+
+
 class DatasetBuildError(RuntimeError):
     """Another rank failed to build a dataset index, so this one stops too (its message says why)."""
 
@@ -121,10 +161,11 @@ def _share_build_outcome(name, error):
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """`len()` samples of `seq_length + 1` tokens (int64) drawn from `documents` of `indexed`."""
+    """`len()` samples of `seq_length + 1` tokens (int64) drawn from `documents` of `indexed`;
+    with `vocab_size`, only if every token id of `indexed` lies in [0, vocab_size)."""
 
     def __init__(self, indexed, documents, seq_length, num_samples, seed, name="train",
-                 cache_dir=None):
+                 cache_dir=None, vocab_size=None):
         if seq_length < 1 or num_samples < 1:
             raise ValueError(f"seq_length and num_samples must be positive, got {seq_length}, {num_samples}")
         if not isinstance(indexed, IndexedDataset):
@@ -145,14 +186,17 @@ class GPTDataset(torch.utils.data.Dataset):
         folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent / "index_cache"
         self.cache_files = {kind: folder / f"{digest}-{name}-{kind}_index.npy"
                             for kind in ("document", "sample", "shuffle")}
-        arrays = self._load_or_build(folder, description, documents, seed)
+        arrays = self._load_or_build(folder, description, documents, seed, vocab_size)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
-    def _load_or_build(self, folder, description, documents, seed):
+    def _load_or_build(self, folder, description, documents, seed, vocab_size):
         error = None
-        if _is_index_builder() and not all(f.exists() for f in self.cache_files.values()):
+        if _is_index_builder():
             try:
-                self._build(folder, description, documents, seed)
+                if vocab_size is not None:
+                    check_token_ids(self.indexed, vocab_size, folder)
+                if not all(f.exists() for f in self.cache_files.values()):
+                    self._build(folder, description, documents, seed)
             except Exception as failure:  # shared with the other ranks before it is raised
                 error = failure
         _share_build_outcome(self.name, error)

@@ -5,6 +5,7 @@ the other way round. `.idx` layout (little-endian): 9-byte magic, u64 version 1,
 u64 sequence count, u64 document count, int32 sequence lengths, int64 byte pointers into `.bin`,
 int64 document indices (0, the first sequence of each later document, ..., the sequence count).
 """
+import functools
 import operator
 import os
 import struct
@@ -18,6 +19,9 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
 _CODES = {np.dtype(dtype): code for code, dtype in _DTYPES.items()}
 # magic, version, dtype code, sequence count, document count; "<" means no padding: 34 bytes.
 _HEADER = struct.Struct("<9sQBQQ")
+# Bytes of the .bin scanned at a time for its token range: small enough that a chunk's second
+# reduction finds it still in the CPU's cache (the fastest of 1 to 64 MiB, measured).
+_SCAN_CHUNK_BYTES = 1 << 22
 
 
 class IndexedDatasetError(ValueError):
@@ -40,8 +44,9 @@ class IndexedDatasetBuilder:
     def __init__(self, prefix, dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        if self.dtype not in _CODES:
-            raise ValueError(f"unsupported token dtype {self.dtype}; one of {sorted(map(str, _CODES))}")
+        if self.dtype not in _CODES or self.dtype.kind not in "iu":  # the reader refuses float tokens
+            raise ValueError(f"unsupported token dtype {self.dtype}; one of "
+                             f"{sorted(str(dtype) for dtype in _CODES if dtype.kind in 'iu')}")
         self._tmp_bin = self.prefix + ".bin.tmp"
         self._tmp_idx = self.prefix + ".idx.tmp"
         self._bin = open(self._tmp_bin, "wb")
@@ -53,7 +58,7 @@ class IndexedDatasetBuilder:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"a sequence must be 1-D, got shape {tokens.shape}")
-        if tokens.size and self.dtype.kind in "iu":
+        if tokens.size:
             if tokens.dtype.kind not in "iu":
                 raise ValueError(f"tokens must be integers, got {tokens.dtype}")
             # Check before casting: astype would silently wrap e.g. -1 to 65535.
@@ -129,6 +134,9 @@ class IndexedDataset:
             fail(idx_path, f"unsupported version {version} (only {_VERSION})")
         if code not in _DTYPES:
             fail(idx_path, f"unknown dtype code {code} (known: {sorted(_DTYPES)})")
+        if np.dtype(_DTYPES[code]).kind == "f":  # token ids are integers; this is a foreign file
+            fail(idx_path, f"dtype code {code} ({np.dtype(_DTYPES[code])}): token data must be integers; "
+                           "this is not a token dataset (make one with tools/preprocess_data.py)")
         idx_size = os.path.getsize(idx_path)
         expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
         if idx_size < expected:
@@ -169,6 +177,23 @@ class IndexedDataset:
         data = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
         self._tokens = np.frombuffer(data, dtype=self.dtype)
         self.num_tokens = len(self._tokens)
+
+    @functools.cached_property
+    def token_range(self):
+        """(smallest, largest) token id in the `.bin`, or None when it holds no tokens.
+
+        Reduced chunk by chunk over the memory map: a file larger than memory is read once, and
+        never copied whole.
+        """
+        if not self.num_tokens:
+            return None
+        step = _SCAN_CHUNK_BYTES // self.dtype.itemsize
+        smallest, largest = [], []
+        for start in range(0, self.num_tokens, step):
+            chunk = self._tokens[start:start + step]
+            smallest.append(chunk.min())
+            largest.append(chunk.max())
+        return int(min(smallest)), int(max(largest))
 
     def __len__(self):
         return len(self.sizes)

@@ -1,5 +1,6 @@
 """GPT dataset, blending and the sampler: coverage, determinism, caching, resume, proportions."""
 import os
+import re
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ from megafp8.data import (
     GPTDataset,
     IndexedDataset,
     IndexedDatasetBuilder,
+    IndexedDatasetError,
     PretrainingSampler,
     build_datasets,
     build_split_datasets,
@@ -270,3 +272,92 @@ def test_a_data_path_per_split_keeps_each_split_to_its_own_documents(tmp_path):
     blended, none, _ = build_split_datasets(([str(tmp_path / "train"), str(tmp_path / "more")], ["x"], None),
                                             8, (100, 0, 0), seed=4)
     assert isinstance(blended, BlendedDataset) and none is None
+
+
+def random_token_corpus(prefix, rng, high, planted=None, dtype=np.uint16, n_docs=20):
+    """Documents of fresh random tokens in [0, high), `planted` (if given) at a random place in one."""
+    documents = [rng.integers(0, high, size=int(rng.integers(20, 60))) for _ in range(n_docs)]
+    if planted is not None:
+        document = documents[int(rng.integers(0, n_docs))]
+        document[int(rng.integers(0, len(document)))] = planted
+    with IndexedDatasetBuilder(prefix, dtype) as builder:
+        for document in documents:
+            builder.add_item(document)
+            builder.end_document()
+    return prefix
+
+
+# A vocabulary of 500 pads to 512 embedding rows: 505 would train a padding row, 512 on would crash.
+@pytest.mark.parametrize("planted", [505, 512, 40000])
+def test_token_ids_past_the_vocabulary_are_refused_naming_the_bin(tmp_path, planted):
+    rng = np.random.default_rng(planted)
+    good = random_token_corpus(str(tmp_path / "good"), rng, 500)
+    bad = random_token_corpus(str(tmp_path / "bad"), rng, 500, planted)
+    message = re.escape(f"{tmp_path / 'bad.bin'}: its largest token id is {planted}, past the vocabulary of 500 "
+                        "tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize it")
+    for build in (lambda: build_datasets(bad, "1", 8, (20, 0, 0), seed=1, vocab_size=500),
+                  lambda: build_datasets(["0.5", good, "0.5", bad], "1", 8, (20, 0, 0), seed=1, vocab_size=500),
+                  lambda: build_split_datasets((good, bad, None), 8, (20, 10, 0), seed=1, vocab_size=500)):
+        with pytest.raises(IndexedDatasetError, match=message):
+            build()
+    assert len(build_datasets(bad, "1", 8, (20, 0, 0), seed=1, vocab_size=planted + 1)[0]) == 20
+    assert len(build_datasets(good, "1", 8, (20, 0, 0), seed=1, vocab_size=500)[0]) == 20
+    with pytest.raises(IndexedDatasetError, match=r"bad2.bin: token id -3 is negative"):
+        build_datasets(random_token_corpus(str(tmp_path / "bad2"), rng, 500, -3, np.int32), "1", 8, (20, 0, 0),
+                       seed=1, vocab_size=500)
+
+
+def test_the_token_range_is_cached_by_the_bins_size_and_mtime(tmp_path, monkeypatch):
+    rng = np.random.default_rng(11)
+    prefix = random_token_corpus(str(tmp_path / "c"), rng, 500)
+    scans = []
+    scan = IndexedDataset.token_range.func
+    monkeypatch.setattr(IndexedDataset, "token_range", property(lambda ds: scans.append(ds.prefix) or scan(ds)))
+    build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)  # two splits, one scan
+    assert len(scans) == 1 and len(list((tmp_path / "index_cache").glob("*-token_range.json"))) == 1
+    build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)  # another start
+    assert len(scans) == 1
+    # The data made again, now with an id past the vocabulary: another .bin, scanned again.
+    random_token_corpus(prefix, rng, 500, planted=600)
+    with pytest.raises(IndexedDatasetError, match="largest token id is 600"):
+        build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)
+    assert len(scans) == 2
+    # A cache folder that cannot take the range (read-only, its indices built elsewhere) only warns.
+    random_token_corpus(prefix, rng, 500)
+    build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1)
+
+    def read_only(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(gpt_dataset.os, "replace", read_only)
+    with pytest.warns(UserWarning, match="cannot cache the token range of .*c.bin .*read-only"):
+        assert len(build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)[0]) == 20
+
+
+def build_with_a_vocabulary(rank, world_size, prefix, vocab_size):
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: rank 0 checks and builds, rank 1 waits
+    try:
+        GPTDataset(prefix, np.arange(20), 8, 50, seed=3, vocab_size=vocab_size)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+def test_data_past_the_vocabulary_stops_every_rank(tmp_path):
+    prefix = random_token_corpus(str(tmp_path / "c"), np.random.default_rng(12), 500, planted=777)
+    (kind, message), (other_kind, other_message) = run_on_ranks(build_with_a_vocabulary, 2, prefix, 500,
+                                                                timeout_s=120)
+    assert kind == "IndexedDatasetError" and "largest token id is 777" in message
+    assert other_kind == "DatasetBuildError" and other_message.startswith("rank 0 failed to build the train")
+    assert message in other_message
+
+
+def test_non_finite_blend_weights_and_splits_are_refused():
+    for weight in ("nan", "inf", "-inf", "-1"):
+        with pytest.raises(ValueError, match=f"--data-path weight {weight} is not a finite non-negative number"):
+            parse_data_path([weight, "a", "1", "b"])
+    with pytest.raises(ValueError, match="positive, finite sum"):
+        parse_data_path(["1e308", "a", "1e308", "b"])
+    for split in ("nan", "1,inf,0", "-inf"):
+        with pytest.raises(ValueError, match="--split"):
+            split_ranges(10, split)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from megafp8.data import indexed_dataset
 from megafp8.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -200,3 +201,34 @@ def test_corrupt_files_raise_naming_the_file(tmp_path, name):
     with pytest.raises(IndexedDatasetError, match=message) as error:
         IndexedDataset(tmp_path / "ds")
     assert str(tmp_path / f"ds.{bad_file}") in str(error.value)
+
+
+@pytest.mark.parametrize("code, built_as", [(7, np.int32), (6, np.int64)], ids=["float32", "float64"])
+def test_a_float_dtype_code_is_refused_naming_the_file(tmp_path, code, built_as):
+    """Integer tokens under a float code read as tiny floats, all 0 as ids: the index is refused."""
+    rng = np.random.default_rng(code)
+    build(tmp_path / "ds", random_documents(rng, 50257), built_as)  # the .bin's size fits the float dtype
+    corrupt_idx(17, bytes([code]))(tmp_path / "ds.idx", tmp_path / "ds.bin")
+    name = np.dtype(np.float32 if code == 7 else np.float64).name
+    with pytest.raises(IndexedDatasetError, match=rf"dtype code {code} \({name}\): token data must be integers"
+                       ) as error:
+        IndexedDataset(tmp_path / "ds")
+    assert str(error.value).startswith(str(tmp_path / "ds.idx"))
+    with pytest.raises(ValueError, match=f"unsupported token dtype {name}"):
+        IndexedDatasetBuilder(tmp_path / "floats", name)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_token_range_scans_every_chunk(tmp_path, monkeypatch, dtype):
+    """The smallest and largest id of fresh random tokens, wherever they lie across the chunks."""
+    monkeypatch.setattr(indexed_dataset, "_SCAN_CHUNK_BYTES", 64)  # 32 or 16 tokens a chunk
+    rng = np.random.default_rng(5)
+    low = 0 if dtype == np.uint16 else -1000
+    documents = [[rng.integers(low, 50257, size=rng.integers(1, 50)) for _ in range(3)] for _ in range(12)]
+    build(tmp_path / "ds", documents, dtype)
+    tokens = np.concatenate([sequence for document in documents for sequence in document])
+    ds = IndexedDataset(tmp_path / "ds")
+    assert ds.num_tokens > 10 * 64 // np.dtype(dtype).itemsize  # many chunks, the last one partial
+    assert ds.token_range == (int(tokens.min()), int(tokens.max()))
+    build(tmp_path / "empty", [[[]]], dtype)
+    assert IndexedDataset(tmp_path / "empty").token_range is None
