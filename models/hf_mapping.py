@@ -41,6 +41,13 @@ from .config import RopeScaling, TransformerConfig
 
 # model_type -> the transformers class megafp8 converts to and from.
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+# model_type -> the HF names of a transformer layer's tensors (group 1: the layer's index) and of the embedding.
+HF_LAYER = {"gpt2": re.compile(r"transformer\.h\.(\d+)\..+"), "llama": re.compile(r"model\.layers\.(\d+)\..+")}
+HF_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+# model_type -> buffers that some exports carry but Hugging Face recomputes instead of loading (non-persistent
+# today): GPT-2's causal mask (attn.bias, attn.masked_bias), Llama's rotary frequencies (from rope_theta).
+HF_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),
+              "llama": re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
 
 
 class HFMappingError(ValueError):

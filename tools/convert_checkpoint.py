@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import re
 import shlex
 import shutil
@@ -31,16 +32,15 @@ from tqdm import tqdm
 from megafp8.console import show_warnings_as_messages
 from megafp8.data.tokenizers import build_tokenizer
 from megafp8.models.config import RopeScaling, TransformerConfig
-from megafp8.models.hf_mapping import (SUPPORTED, HFMappingError, config_from_hf, from_hf_gpt2, from_hf_llama,
-                                       hf_architecture, hf_config, to_hf_gpt2, to_hf_llama)
+from megafp8.models.hf_mapping import (HF_BUFFERS, HF_EMBEDDING, HF_LAYER, SUPPORTED, HFMappingError, config_from_hf,
+                                       from_hf_gpt2, from_hf_llama, hf_architecture, hf_config, to_hf_gpt2,
+                                       to_hf_llama)
 from megafp8.models.transformer import TransformerLM
 from megafp8.training import arguments, checkpointing
 
 TO_HF = {"gpt2": to_hf_gpt2, "llama": to_hf_llama}
 FROM_HF = {"gpt2": from_hf_gpt2, "llama": from_hf_llama}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Hugging Face weights that are no parameters of the model (old GPT-2 files keep the causal mask).
-IGNORED_HF = re.compile(r".*(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 TRAIN_STATE = {"iteration": 0, "consumed_samples": 0, "skipped_steps": 0}
 
 
@@ -56,6 +56,25 @@ def _transformers():
         raise ConversionError(f"conversion needs transformers and safetensors ({error}): "
                               "pip install transformers safetensors") from None
     return transformers
+
+
+def _one_line(error) -> str:
+    """Another library's error message on one line (ours are one line each)."""
+    return " ".join(str(error).split())
+
+
+def _listed(names, count=5) -> str:
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"{path}: not a readable JSON file ({_one_line(error)})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: holds JSON but not an object of settings")
+    return data
 
 
 def parse_size(text) -> int:
@@ -313,7 +332,14 @@ class HFWeights:
         for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
                                    ("pytorch_model.bin.index.json", "pytorch_model.bin")):
             if (folder / index_name).is_file():
-                weight_map = json.loads((folder / index_name).read_text())["weight_map"]
+                weight_map = _json_object(folder / index_name).get("weight_map")
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise ConversionError(f"{folder / index_name}: no \"weight_map\" of tensor names to file names")
+                # Checked on the names, not the resolved paths: the hub's cache links its files to ../../blobs.
+                outside = sorted({f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts})
+                if outside:
+                    raise ConversionError(f"{folder / index_name} names {', '.join(outside)}, outside {folder}: "
+                                          "an index may only name files in its own folder")
                 missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
                 if missing:
                     raise ConversionError(f"{folder / index_name} lists {', '.join(missing)}, "
@@ -349,10 +375,17 @@ class HFWeights:
         if file not in self._open:
             path = str(self.folder / file)
             if self.safetensors:
-                from safetensors import safe_open
-                self._open[file] = safe_open(path, framework="pt")
+                from safetensors import SafetensorError, safe_open
+                try:
+                    self._open[file] = safe_open(path, framework="pt")
+                except (SafetensorError, OSError) as error:
+                    raise ConversionError(f"{path}: not a valid safetensors file, truncated or corrupt "
+                                          f"({_one_line(error)})") from None
             else:
-                self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as error:
+                    raise ConversionError(f"{path}: not a loadable PyTorch weights file ({_one_line(error)})") from None
         return self._open[file]
 
     def __getitem__(self, name):
@@ -379,6 +412,38 @@ def _hf_tokenizer_args(folder: Path) -> dict:
     return {"tokenizer_type": kind, **{key: str(path.resolve()) for key, path in paths.items()}}
 
 
+def _check_hf_names(folder: Path, weights: HFWeights, expected: dict, model_type: str, config) -> None:
+    """The weights must be those of the model config.json describes (`expected`: HF name -> meta
+    tensor), no fewer and no more: a tensor the conversion does not take would be lost."""
+    for name, tensor in expected.items():
+        if name in weights.shapes and weights.shapes[name] != tuple(tensor.shape):
+            raise ConversionError(f"{folder}: config.json does not match the weights: {name} is "
+                                  f"{list(weights.shapes[name])} in the weights, config.json implies "
+                                  f"{list(tensor.shape)}")
+    cls, layers = SUPPORTED[model_type], config.num_layers
+    described = f"config.json describes {layers} layer{'s' if layers != 1 else ''}"
+    held = {int(m.group(1)) for n in weights.shapes if (m := HF_LAYER[model_type].fullmatch(n))}
+    missing = [n for n in expected if n not in weights.shapes]
+    if missing:
+        gone = [str(i) for i in range(layers) if i not in held]
+        what = (f"{described}, the weights lack layer(s) {', '.join(gone)}" if gone else
+                f"the weights lack {len(missing)} tensor(s) of the {cls} config.json describes")
+        raise ConversionError(f"{folder}: {what}: {_listed(missing)}")
+    # A tied output layer is the embedding; some exports store it anyway: a copy is not lost.
+    tied_copy = config.tie_embeddings and "lm_head.weight" in weights.shapes
+    if tied_copy and not torch.equal(weights["lm_head.weight"], weights[HF_EMBEDDING[model_type]]):
+        raise ConversionError(f"{folder}: config.json ties the output layer to the embedding (tie_word_embeddings), "
+                              f"but the weights' lm_head.weight differs from {HF_EMBEDDING[model_type]}: "
+                              "converting would lose it")
+    extra = sorted(n for n in weights.shapes if n not in expected and not HF_BUFFERS[model_type].fullmatch(n)
+                   and not (tied_copy and n == "lm_head.weight"))
+    if extra:
+        beyond = sorted(i for i in held if i >= layers)
+        what = (f"{described}, the weights hold layer(s) {', '.join(map(str, beyond))} too" if beyond else
+                f"the weights are not a {cls} of config.json's shape: they hold {len(extra)} tensor(s) it has not")
+        raise ConversionError(f"{folder}: {what} ({_listed(extra)}): converting would lose them")
+
+
 def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
             dtype: str | None = None, progress: bool = True) -> Path:
     """Write the Hugging Face GPT-2 / Llama folder `hf_dir` as a megafp8 checkpoint in `save`
@@ -387,13 +452,18 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
     folder, save = Path(hf_dir), Path(save)
     if not (folder / "config.json").is_file():
         raise ConversionError(f"--hf-dir {folder}: no config.json there")
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    model_type = _json_object(folder / "config.json").get("model_type")
     if model_type not in SUPPORTED:
         raise ConversionError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported; "
                               f"supported: {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}")
     config_class = transformers.GPT2Config if model_type == "gpt2" else transformers.LlamaConfig
     try:
-        config = config_from_hf(config_class.from_pretrained(str(folder)))
+        hf = config_class.from_pretrained(str(folder))
+    except Exception as error:  # transformers' checks raise ValueError, KeyError, huggingface_hub's errors, ...
+        raise ConversionError(f"{folder / 'config.json'}: not a valid {config_class.__name__} "
+                              f"({_one_line(error)})") from None
+    try:
+        config = config_from_hf(hf)
     except HFMappingError as error:
         raise ConversionError(str(error)) from None
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -410,18 +480,7 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
     layout = stored_layout(config)
     # The shapes the config implies, named as the HF weights are: mapped from meta tensors.
     expected = TO_HF[model_type]({n: torch.empty(p.shape, device="meta") for n, (p, _) in layout.items()}, config)
-    for name, tensor in expected.items():
-        if name not in weights.shapes:
-            raise ConversionError(f"{folder}: config.json describes a weight {name} that the weight files lack")
-        if weights.shapes[name] != tuple(tensor.shape):
-            raise ConversionError(f"{folder}: config.json does not match the weights: {name} is "
-                                  f"{list(weights.shapes[name])} in the weights, config.json implies "
-                                  f"{list(tensor.shape)}")
-    extra = sorted(n for n in weights.shapes if n not in expected and not IGNORED_HF.fullmatch(n)
-                   and not (n == "lm_head.weight" and config.tie_embeddings))
-    if extra:
-        warnings.warn(f"{folder}: weights not used by {SUPPORTED[model_type]}: {', '.join(extra[:5])}"
-                      + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""), stacklevel=2)
+    _check_hf_names(folder, weights, expected, model_type, config)
     source_dtype = weights.dtype()
     store_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if source_dtype == torch.bfloat16 else torch.float32)
 

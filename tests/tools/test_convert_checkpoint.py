@@ -3,6 +3,7 @@ models with the same logits; Hugging Face -> megafp8 -> Hugging Face is bitwise;
 checkpoint loads under another tensor-parallel size; tokenizers travel; errors say what is wrong.
 Everything runs on the CPU in fp32 (the FP8 state of the runs is dropped); nothing is downloaded."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from megafp8.data.tokenizers import build_tokenizer
@@ -486,6 +487,126 @@ def test_missing_shard(tmp_path):
     (tmp_path / "hf" / gone).unlink()
     with pytest.raises(convert.ConversionError, match=f"lists {gone}, which is not in .*incomplete"):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def edit_weights(folder, edit):
+    """Rewrite folder's model.safetensors with `edit` applied to its {name: tensor}."""
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_weights_that_config_json_does_not_describe_are_refused(tmp_path):
+    """Nothing is dropped: a tensor the conversion would not take is an error naming it; the
+    buffers Hugging Face recomputes, and a stored copy of a tied output layer, are skipped."""
+    randomize(small_gpt2()).save_pretrained(tmp_path / "gpt2")
+    edit_config(tmp_path / "gpt2", n_layer=1)  # the weights hold two layers
+    with pytest.raises(convert.ConversionError, match=r"config.json describes 1 layer, the weights hold layer\(s\) 1 "
+                       r"too \(transformer.h.1.attn.c_attn.bias, .* and 7 more\): converting would lose them"):
+        convert.from_hf(tmp_path / "gpt2", tmp_path / "ckpt", progress=False)
+
+    randomize(small_llama()).save_pretrained(tmp_path / "llama")
+    edit_weights(tmp_path / "llama", lambda w: w.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
+    with pytest.raises(convert.ConversionError, match=r"the weights are not a LlamaForCausalLM of config.json's "
+                       r"shape: they hold 1 tensor\(s\) it has not \(model.layers.0.self_attn.q_norm.weight\): "
+                       "converting would lose them"):
+        convert.from_hf(tmp_path / "llama", tmp_path / "ckpt", progress=False)
+
+    # Missing ones are named too: whole layers, or single tensors.
+    randomize(small_llama()).save_pretrained(tmp_path / "short")
+    edit_config(tmp_path / "short", num_hidden_layers=4)
+    with pytest.raises(convert.ConversionError, match=r"config.json describes 4 layers, the weights lack layer\(s\) 3: "
+                       r"model.layers.3.input_layernorm.weight, .* and 4 more$"):
+        convert.from_hf(tmp_path / "short", tmp_path / "ckpt", progress=False)
+    edit_config(tmp_path / "short", num_hidden_layers=3)
+    edit_weights(tmp_path / "short", lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(convert.ConversionError, match=r"the weights lack 1 tensor\(s\) of the LlamaForCausalLM "
+                       r"config.json describes: model.layers.1.mlp.up_proj.weight$"):
+        convert.from_hf(tmp_path / "short", tmp_path / "ckpt", progress=False)
+
+    # Llama's rotary frequencies (recomputed from rope_theta) are skipped; the weights come back bitwise.
+    hf = randomize(small_llama())
+    hf.save_pretrained(tmp_path / "rope")
+    inv_freq = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8) for i in range(3)}
+    edit_weights(tmp_path / "rope", lambda w: w.update(inv_freq))
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        convert.from_hf(tmp_path / "rope", tmp_path / "rope-ckpt", progress=False)
+    convert.to_hf(tmp_path / "rope-ckpt", tmp_path / "rope-out", progress=False, no_tokenizer=True)
+    back, original = hf_weights(tmp_path / "rope-out"), hf.state_dict()
+    assert sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+
+    # A tied model's stored lm_head.weight: a copy of the embedding is skipped, anything else refused.
+    randomize(small_gpt2()).save_pretrained(tmp_path / "tied")
+    edit_weights(tmp_path / "tied", lambda w: w.update({"lm_head.weight": w["transformer.wte.weight"].clone()}))
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        convert.from_hf(tmp_path / "tied", tmp_path / "tied-ckpt", progress=False)
+    edit_weights(tmp_path / "tied", lambda w: w.update({"lm_head.weight": torch.randn(400, 64)}))
+    with pytest.raises(convert.ConversionError, match="ties the output layer to the embedding .* but the weights' "
+                       "lm_head.weight differs from transformer.wte.weight: converting would lose it"):
+        convert.from_hf(tmp_path / "tied", tmp_path / "ckpt", progress=False)
+
+
+def test_an_index_names_only_files_in_its_folder(tmp_path):
+    randomize(small_llama()).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    shutil.copy(tmp_path / "hf" / shard, tmp_path / "elsewhere.safetensors")  # there, so only the name is wrong
+    for outside in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
+        weight_map = {**index["weight_map"], "model.norm.weight": outside}
+        index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+        with pytest.raises(convert.ConversionError, match=f"names {re.escape(outside)}, outside .*: an index may "
+                           "only name files in its own folder"):
+            convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def truncate(path, keep):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def shard(folder, i):
+    return sorted(folder.glob("model-*.safetensors"))[i]
+
+
+BAD_INPUTS = {  # a GPT-2 folder (sharded, with an index) made bad, and the error
+    "config.json not JSON": (lambda d: (d / "config.json").write_text("{"), "config.json: not a readable JSON file"),
+    "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "config.json: holds JSON but not an object"),
+    "config.json n_layer a string": (lambda d: edit_config(d, n_layer="two"),
+                                     r"config.json: not a valid GPT2Config \(.*'n_layer'"),
+    # config.json is read before the weights, which need not match here.
+    "llama3 rope without factors": (lambda d: edit_config(d, model_type="llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e4}), r"config.json: not a valid LlamaConfig \(.*factor"),
+    "index not JSON": (lambda d: truncate(d / "model.safetensors.index.json", 10),
+                       "model.safetensors.index.json: not a readable JSON file"),
+    "truncated safetensors": (lambda d: truncate(shard(d, 1), 1000),
+                              r"model-00002-of-\d+.safetensors: not a valid safetensors file, truncated or corrupt"),
+    "safetensors header": (lambda d: truncate(shard(d, 0), 4), r"model-00001-of-\d+.safetensors: not a valid"),
+    "layers beyond config.json's": (lambda d: edit_config(d, n_layer=1),
+                                    r"config.json describes 1 layer, the weights hold layer\(s\) 1 too"),
+    "index outside its folder": (lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"transformer.wte.weight": "/etc/passwd"}})), "names /etc/passwd, outside"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_hugging_face_folders_are_one_line_errors(tmp_path, capsys, case):
+    tamper, message = BAD_INPUTS[case]
+    randomize(small_gpt2()).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    tamper(tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["--direction", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "c"),
+                      "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convert_checkpoint: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
 
 
 def test_unsupported_hf_settings_are_named(tmp_path):
