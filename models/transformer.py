@@ -325,6 +325,12 @@ class TransformerLM(nn.Module):
 
         self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready)
 
+    def disable_cuda_graphs(self) -> None:
+        """Back to eager layers; the graphs and their memory pools are freed. A graph that captured
+        a collective holds its NCCL communicator: destroying the process group waits for it, so a
+        run drops its graphs first (see Trainer.train)."""
+        self.cuda_graphs = None
+
     def _embed(self, tokens, position_ids):
         tp = group_size(self.tp_group)
         if self.sequence_parallel and tokens.shape[1] % tp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -136,8 +137,11 @@ class ParallelGroups:
 
     @classmethod
     def from_torchrun(cls, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                      data_parallel_size: Optional[int] = None, *, backend: Optional[str] = None) -> "ParallelGroups":
-        """Initialise torch.distributed from torchrun's environment unless it already is, then build the groups."""
+                      data_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
+                      timeout: Optional[timedelta] = None) -> "ParallelGroups":
+        """Initialise torch.distributed from torchrun's environment unless it already is, then build the
+        groups. `timeout`: how long a collective waits for the other ranks before the run fails
+        (torch's default when None)."""
         if not dist.is_initialized():
             missing = [name for name in TORCHRUN_ENV if name not in os.environ]
             if missing:
@@ -148,7 +152,8 @@ class ParallelGroups:
                                   data_parallel_size)
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds to a GPU
-            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                                    **({"timeout": timeout} if timeout is not None else {}))
         return cls(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, backend=backend)
 
     def _new_groups(self, rank_lists: list, backend: Optional[str]) -> tuple:

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=_POSITIVE,
                    help="layers of the last pipeline stage (it also holds the output layer and loss)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=_number(float, above=0.0), default=10.0,
+                   help="how long a rank waits in a collective for the others before the run fails (a rank "
+                        "that died or hangs); Megatron's default")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--ddp-bucket-size", type=_POSITIVE, default=DEFAULT_BUCKET_SIZE,

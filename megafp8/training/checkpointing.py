@@ -10,7 +10,9 @@ only then does the `latest` file (itself written to a temporary name, synced and
 at it: a run killed at any moment of a save leaves the previous checkpoint as the latest,
 loadable. A checkpoint of the same iteration being replaced is first renamed `iter_N.old` and
 removed only once the new one is in place; until then the loader falls back to it. A failure on
-any rank (disk full, permissions) stops every rank with the message.
+any rank (disk full, permissions) stops every rank with the message. Each file's CRC-32 (per
+64 MiB piece, so many threads hash it) is recorded in checksums/ by the rank that wrote it, on a
+thread while training goes on, and checked before a load reads the file. One run at a time writes a --save folder: it holds a lock there (megafp8.lock).
 
 Loading runs no code from the checkpoint: DCP's `.metadata` is unpickled with only DCP's own
 record classes allowed, and its non-tensor items with `torch.load(weights_only=True)`.
@@ -36,7 +38,12 @@ import pathlib
 import pickle
 import random
 import shutil
+import socket
+import threading
+import time
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +58,8 @@ from megafp8.models.config import TransformerConfig
 from megafp8.collectives import all_gather, group_size, rank_in
 
 LATEST = "latest_checkpointed_iteration.txt"
+LOCK = "megafp8.lock"
+CHECKSUMS = "checksums"  # a folder: one record per rank, of the files that rank wrote
 OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -98,24 +107,43 @@ def _complete(path: Path) -> bool:
 
 
 def latest_checkpoint(load_dir) -> Path | None:
-    """The checkpoint `load_dir` designates: itself if it is one, else what its latest file names."""
+    """The checkpoint `load_dir` designates: itself if it is one, else what its latest file names,
+    else (the pointer lost, complete checkpoints there) the one saved last, with a warning."""
     load_dir = Path(load_dir)
     if _complete(load_dir):
         return load_dir
     pointer = load_dir / LATEST
     if not pointer.exists():
-        return None
-    text = pointer.read_text().strip()
+        return _without_pointer(load_dir)
     try:
+        text = pointer.read_bytes().decode().strip()
         iteration = int(text)
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} should hold an iteration number, not binary data: restore it, or "
+                              "give --load the checkpoint to resume from (a DIR/iter_N folder)") from None
     except ValueError:
         raise CheckpointError(f"{pointer} should hold an iteration number, not {text[:40]!r}") from None
+    except OSError as error:
+        raise CheckpointError(f"cannot read {pointer}: {error}") from None
     path = iteration_dir(load_dir, iteration)
     if not _complete(path):
         if _complete(_replaced(path)):  # a save replacing this iteration stopped half-way
             return _replaced(path)
         raise CheckpointError(f"{pointer} names iteration {iteration}, but {path} is not a complete checkpoint")
     return path
+
+
+def _without_pointer(load_dir: Path) -> Path | None:
+    """The checkpoint saved last in a folder whose latest file is gone (deleted, or lost with a
+    disk), so that a resume never starts afresh over complete checkpoints; None if it has none."""
+    saved = saved_iterations(load_dir)
+    if not saved:
+        return None
+    last = max(saved, key=lambda i: _saved_at(iteration_dir(load_dir, i)))
+    warnings.warn(f"{load_dir} has no {LATEST} but holds complete checkpoints ({_describe(saved)}): resuming "
+                  f"from iteration {last}, the one saved last; to resume from another, give its folder "
+                  f"as --load ({iteration_dir(load_dir, saved[0])}, ...)", stacklevel=3)
+    return iteration_dir(load_dir, last)
 
 
 def saved_iterations(save_dir) -> list[int]:
@@ -126,6 +154,18 @@ def saved_iterations(save_dir) -> list[int]:
         if number.isdigit() and _complete(path):
             found.add(int(number))
     return sorted(found)
+
+
+def _saved_at(checkpoint: Path) -> float:
+    """When a checkpoint was saved: as its megafp8.json records it (a copy keeps that), else the
+    time its index was written."""
+    try:
+        return float(json.loads((checkpoint / "megafp8.json").read_text())["saved_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return (checkpoint / ".metadata").stat().st_mtime
+        except OSError:
+            return 0.0
 
 
 def checkpoint_info(checkpoint) -> dict:
@@ -204,6 +244,85 @@ def check_run_folders(save, load, *, finetune=False, overwrite=False) -> list[in
         f"add --load {save}; to keep it, give another --save folder; to replace it, add --overwrite-save")
 
 
+class SaveFolderLock:
+    """One run at a time writes a --save folder: the writing rank holds an exclusive lock on
+    `megafp8.lock` there for the whole run (an OS lock, released by the kernel when the process
+    ends however it ends, so a killed run leaves no stale lock); the file names the holder for
+    the message a second run gets. Taken before the run writes anything; collective."""
+
+    def __init__(self, save_dir):
+        self.path = Path(save_dir) / LOCK if save_dir is not None else None
+        self._handle = None
+        self._made_folder = False
+
+    def acquire(self) -> "SaveFolderLock":
+        if self.path is not None:
+            _on_writer(self._take, f"--save {self.path.parent}")
+        return self
+
+    def _take(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows: no advisory locks; runs are not guarded there
+            return
+        folder = self.path.parent
+        self._made_folder = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            handle = open(self.path, "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise CheckpointError(
+                    f"another run is writing to this folder ({holder}); two runs on one folder would interleave "
+                    "their checkpoints. Give this run another --save folder, or stop that run first") from None
+            except OSError as error:  # a filesystem without locks (some network mounts)
+                handle.close()
+                warnings.warn(f"cannot lock {self.path} ({error}): nothing stops a second run from writing to "
+                              "this --save folder at the same time", stacklevel=4)
+                return
+            # The file may have been removed by the holder releasing it between our open and lock:
+            # then we locked a file no one else can see, and must lock the new one.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            handle.close()
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        self._handle = handle
+
+    def release(self) -> None:
+        """Give the folder up (writing rank, not collective); an empty folder it made goes too."""
+        if self._handle is None:
+            return
+        try:
+            os.unlink(self.path)  # before unlocking, so a waiting run never locks a stale file
+        except OSError:
+            pass
+        self._handle.close()
+        self._handle = None
+        if self._made_folder:
+            try:
+                self.path.parent.rmdir()  # only if empty: a run that failed before writing anything
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def _delete_checkpoints(save_dir, iterations, flag: str, whose: str = "") -> list[int]:
     """Delete the checkpoints of `iterations` in `save_dir` on the writing rank (a failure is a
     warning naming `flag`); the iterations deleted."""
@@ -226,14 +345,34 @@ def remove_checkpoints(save_dir, iterations, keep: int) -> None:
     _delete_checkpoints(save_dir, [i for i in iterations if i != keep], "--overwrite-save", " of the earlier run")
 
 
-def keep_last_checkpoints(save_dir, keep: int) -> list[int]:
-    """Delete the complete checkpoints in `save_dir` but the newest `keep` (--keep-last-checkpoints),
-    oldest first; call it once the newest is published, so a crash leaves one loadable. Writing
-    rank only (the others do not list the folder); a failure is a warning. Returns the
-    iterations deleted."""
+def keep_last_checkpoints(save_dir, keep: int, *, just_saved: int) -> list[int]:
+    """Delete the complete checkpoints in `save_dir` but the `keep` saved last
+    (--keep-last-checkpoints), once `just_saved` is published. Never deleted: `just_saved`, the one
+    the latest file names, and the last one saved from finite steps (a run in a streak of
+    non-finite steps saves weights that may have blown up). Saving order, not iteration number,
+    decides: a run resumed from an older checkpoint (a rollback) keeps what it saves. Writing rank
+    only (the others do not list the folder); a failure is a warning. Returns the iterations deleted."""
     if not _is_writer():
         return []
-    return _delete_checkpoints(save_dir, saved_iterations(save_dir)[:-keep], "--keep-last-checkpoints")
+    save_dir = Path(save_dir)
+    newest_first = sorted(saved_iterations(save_dir), key=lambda i: _saved_at(iteration_dir(save_dir, i)),
+                          reverse=True)
+    kept = set(newest_first[:keep]) | {just_saved}
+    pointed = latest_checkpoint(save_dir)
+    if pointed is not None:
+        kept.add(int(pointed.name[len("iter_"):].removesuffix(".old")))
+    finite = next((i for i in newest_first if _streak(iteration_dir(save_dir, i)) == 0), None)
+    if finite is not None:
+        kept.add(finite)
+    return _delete_checkpoints(save_dir, sorted(i for i in newest_first if i not in kept), "--keep-last-checkpoints")
+
+
+def _streak(checkpoint: Path) -> int:
+    """How many non-finite steps in a row preceded a checkpoint's save (0: a finite step)."""
+    try:
+        return int(json.loads((checkpoint / "megafp8.json").read_text())["train"].get("skipped_in_a_row", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
 
 
 TOKENIZER_DIR = "tokenizer"
@@ -394,7 +533,7 @@ def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, arg
     when torch.distributed is initialised; one process (DCP's no_dist mode) otherwise. A failure
     on any rank raises CheckpointError on every rank."""
     state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
-    record = json.dumps({"iteration": iteration, "args": args, "train": train_state,
+    record = json.dumps({"iteration": iteration, "saved_at": time.time(), "args": args, "train": train_state,
                          "model": model_config.to_dict()}, indent=1)
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -427,7 +566,108 @@ def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, arg
         raise CheckpointError(f"writing the checkpoint {tmp} failed: {_failures(error)}; the previous "
                               "checkpoint, if any, is still the latest") from None
     _on_writer(publish, f"cannot finish the checkpoint {final} (the previous one, if any, is still the latest)")
+    _checksum_in_background(final)
     return final
+
+
+# -- checksums ---------------------------------------------------------------------------------
+
+_PIECE = 64 << 20  # CRC-32 per piece: the pieces of a shard are hashed by several threads at once
+
+
+def _file_checksum(path: Path, piece: int = _PIECE) -> dict:
+    """{"bytes", "crc32": [one per piece]} of a file; zlib releases the GIL while it hashes."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        def crc(offset):
+            return zlib.crc32(os.pread(f.fileno(), piece, offset))
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            pieces = list(pool.map(crc, range(0, size, piece)))
+    return {"bytes": size, "crc32": pieces}
+
+
+_hashing: list = []  # threads hashing the files of checkpoints just saved
+
+
+def _checksum_in_background(checkpoint: Path) -> None:
+    """Record the CRC-32s of the files this rank wrote into `checkpoint` (DCP names them
+    __<rank>_<n>.distcp; the writing rank also wrote .metadata) in checksums/rank_<rank>.json,
+    on a thread: training goes on meanwhile, so the checksums cost the save no time. Python waits
+    for the thread at exit; a checkpoint whose record is missing (killed meanwhile) loads unchecked."""
+    rank = dist.get_rank() if _distributed() else 0
+    names = [path.name for path in sorted(checkpoint.glob(f"__{rank}_*.distcp"))]
+    if _is_writer():
+        names.append(".metadata")
+
+    def record():
+        try:
+            files = {name: _file_checksum(checkpoint / name) for name in names}
+            (checkpoint / CHECKSUMS).mkdir(exist_ok=True)
+            _write_durably(checkpoint / CHECKSUMS / f"rank_{rank:05d}.json",
+                           json.dumps({"algorithm": "crc32", "piece_bytes": _PIECE, "files": files}))
+        except OSError:  # the checkpoint was deleted or replaced meanwhile (rotation)
+            pass
+
+    thread = threading.Thread(target=record, name=f"checksums of {checkpoint.name}")
+    thread.start()
+    _hashing.append(thread)
+
+
+def wait_for_checksums() -> None:
+    """Wait until the checksums of the checkpoints this process saved are recorded."""
+    while _hashing:
+        _hashing.pop().join()
+
+
+def verify_checkpoint(checkpoint) -> None:
+    """Check a checkpoint's files against the checksums recorded with it; raise a CheckpointError
+    naming the first damaged file. The files are shared out over the ranks (collective when
+    torch.distributed is initialised). Files without a record (a checkpoint saved before
+    checksums were, or killed before its record was written) pass."""
+    wait_for_checksums()  # one this process saved may still be hashing
+    checkpoint = Path(checkpoint)
+    files = {}
+    for record_path in sorted((checkpoint / CHECKSUMS).glob("rank_*.json")):
+        try:
+            record = json.loads(record_path.read_text())
+            piece = int(record["piece_bytes"])
+            if piece <= 0:
+                raise ValueError(f"piece_bytes {piece}")
+            for name, entry in dict(record["files"]).items():
+                files[name] = ({"bytes": int(entry["bytes"]), "crc32": [int(c) for c in entry["crc32"]]}, piece)
+        except (ValueError, KeyError, TypeError, OSError) as error:
+            raise CheckpointError(f"{record_path} is not a readable checksum record ({error}); if the checkpoint "
+                                  f"itself is sound, delete that file to load it unchecked") from None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    problem = None
+    for name in sorted(files)[rank::world]:
+        path = checkpoint / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            problem = f"{checkpoint / CHECKSUMS} names {name!r}, which is not a file of the checkpoint's own folder"
+            break
+        want, piece = files[name]
+        try:
+            got = _file_checksum(path, piece)
+        except OSError as error:
+            problem = f"cannot read {path} ({error})"
+            break
+        if got["bytes"] != want["bytes"]:
+            problem = (f"{path} is {got['bytes']:,} bytes where the save wrote {want['bytes']:,}: it was truncated "
+                       "or replaced")
+            break
+        bad = next((k for k, (a, b) in enumerate(zip(got["crc32"], want["crc32"])) if a != b), None)
+        if bad is not None:
+            problem = (f"{path} is damaged: bytes {bad * piece:,} to {min((bad + 1) * piece, got['bytes']):,} do not "
+                       "match the checksum written with them (a disk or copy error)")
+            break
+    problems = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CheckpointError(f"{first}; load another checkpoint (--load {checkpoint.parent}/iter_N), or restore "
+                              "this one from a copy")
 
 
 def _failures(error) -> str:
@@ -513,7 +753,12 @@ class CheckpointReader(dcp.FileSystemReader):
             raise CheckpointError(f"{self.path}: {error}") from None
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
             raise CheckpointError(f"{path} is not a readable checkpoint index ({error})") from None
-        return super().read_metadata(*args, **kwargs)
+        metadata = super().read_metadata(*args, **kwargs)
+        for info in (metadata.storage_data or {}).values():
+            name = str(getattr(info, "relative_path", ""))
+            if Path(name).name != name or name in ("", ".", ".."):  # DCP joins it to the folder and reads it
+                raise CheckpointError(f"{path} points at {name!r}, outside the checkpoint's folder: refused")
+        return metadata
 
 
 class _WeightsOnlyPlanner(DefaultLoadPlanner):
@@ -535,6 +780,7 @@ def read_state(state: dict, checkpoint) -> None:
     if any(isinstance(value, dict) for value in state.values()):
         raise ValueError("read_state takes a flat state dict (no nested dicts)")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(str(checkpoint))
+    verify_checkpoint(reader.path)
     try:
         if _distributed():
             dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner())

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from time import perf_counter
 from typing import Optional
@@ -334,14 +335,14 @@ class MetricsLogger:
     Only the logging rank (`rank_is_logger`) writes anything.
     """
 
-    def __init__(self, run_dir, tensorboard_dir=None, rank_is_logger: bool = True, stream=sys.stdout,
+    def __init__(self, run_dir, tensorboard_dir=None, rank_is_logger: bool = True, stream=None,
                  total_iterations: Optional[int] = None, start_iteration: int = 0, device=None,
                  log_throughput: bool = False, wandb_project: Optional[str] = None,
                  wandb_exp_name: Optional[str] = None, wandb_dir=None, wandb_config: Optional[dict] = None):
         if start_iteration < 0:
             raise ValueError(f"start_iteration must be >= 0, got {start_iteration}")
         self.rank_is_logger = self.enabled = rank_is_logger
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stdout  # now: a redirection since import counts
         self.total_iterations = total_iterations
         self.log_throughput = log_throughput
         self.on_gpu = device is not None and torch.device(device).type == "cuda"
@@ -361,6 +362,7 @@ class MetricsLogger:
         else:
             self._drop_records_after(self.metrics_path, start_iteration)
         self._file = open(self.metrics_path, "a")
+        self._write_failed = False
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -373,7 +375,7 @@ class MetricsLogger:
             wandb_dir.mkdir(parents=True, exist_ok=True)
             self._wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, dir=str(wandb_dir),
                                          config=wandb_config)
-        self._terminal = _isatty(stream)
+        self._terminal = _isatty(self.stream)
 
     # -- metrics.jsonl holds one run -------------------------------------------------------------
 
@@ -455,8 +457,7 @@ class MetricsLogger:
         self._print(self._line(step, record))
         # default=str: an odd value in a record must not stop the training run.
         line = json.dumps(_json_safe({"iteration": step, "time": time.time(), **record}), default=str)
-        self._file.write(line + "\n")
-        self._file.flush()
+        self._append(line)
         scalars = {key: value for key, value in record.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration"}
         if self._writer is not None:
@@ -464,6 +465,20 @@ class MetricsLogger:
                 self._writer.add_scalar(key, value, step)
         if self._wandb_run is not None and scalars:
             self._wandb_run.log(scalars, step=step)
+
+    def _append(self, line: str) -> None:
+        """One record into metrics.jsonl; a failed write (a full disk) is said once and the run goes on:
+        losing log lines beats losing the steps since the last checkpoint (a full disk stops the run
+        at its next save anyway, which keeps the checkpoint before)."""
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+            self._write_failed = False
+        except OSError as error:
+            if not self._write_failed:
+                warnings.warn(f"cannot write {self.metrics_path} ({error.strerror or error}): the run goes on, and "
+                              "records made meanwhile may be missing from it", stacklevel=3)
+            self._write_failed = True
 
     def _printed(self, key: str) -> bool:
         return ((key not in _GPU_FIELDS or self.on_gpu)
@@ -495,7 +510,10 @@ class MetricsLogger:
     def close(self) -> None:
         for handle in (self._bar, self._writer, self._file):
             if handle is not None:
-                handle.close()
+                try:
+                    handle.close()
+                except OSError as error:  # the last records could not be flushed
+                    warnings.warn(f"cannot write {self.metrics_path} ({error.strerror or error})", stacklevel=2)
         if self._wandb_run is not None:
             self._wandb_run.finish()
         self._file = self._writer = self._bar = self._wandb_run = None

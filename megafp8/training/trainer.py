@@ -7,12 +7,16 @@ finite. Checkpoints, evaluation, metrics and a clean exit on SIGTERM/SIGINT hang
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
 import sys
 import time
+import traceback
 import warnings
+from contextlib import closing
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,12 +41,20 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had non-finite gradients."""
 
 
-def _init_single_process():
+def _init_single_process(timeout: timedelta):
     """A one-process group for a plain `python -m megafp8.train` (no torchrun environment)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                            rank=0, world_size=1)
+                            rank=0, world_size=1, timeout=timeout)
+
+
+def _loader_worker_init(worker_id):
+    """A data-loading worker leaves SIGTERM and SIGINT to the main process, which saves and stops at
+    the next step boundary: torchrun, SLURM and a terminal signal the whole process group, and a
+    worker killed first would fail the run inside a step with nothing saved."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _ExitSignal:
@@ -168,21 +180,27 @@ class Trainer:
         if a.mock_data:
             return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.data_seed + k, eod=self.eod)
                     if n else None for k, n in enumerate(counts)]
+        # Token ids past the tokenizer's vocabulary would train the embedding's padding rows, or crash.
+        vocab_size = self.tokenizer.vocab_size if self.tokenizer else self.config.vocab_size
         if a.train_data_path:  # a path per split
             return build_split_datasets((a.train_data_path, a.valid_data_path, a.test_data_path), a.seq_length,
-                                        counts, a.data_seed, a.data_cache_path)
+                                        counts, a.data_seed, a.data_cache_path, vocab_size)
         # A split given no share in --split is not asked for samples.
         counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
-        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.data_seed, a.data_cache_path)
+        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.data_seed, a.data_cache_path,
+                              vocab_size)
 
     def _micro_batches(self, dataset, consumed):
-        """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on."""
+        """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on.
+        Close it when done: its workers ignore SIGTERM (see _loader_worker_init), so the loader
+        must end them itself (at exit, Python's multiprocessing would SIGTERM and wait forever)."""
         sampler = PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size,
                                      self.groups.dp_rank, self.groups.dp_size)
         # Its own generator: starting an iterator draws a worker seed, which must not come from
         # the global CPU generator that dropout uses (a resumed run would be one draw off).
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
                                              pin_memory=self.device.type == "cuda",
+                                             worker_init_fn=_loader_worker_init,
                                              generator=torch.Generator().manual_seed(self.args.data_seed))
         for batch in loader:
             yield batch["tokens"].to(self.device, non_blocking=True)
@@ -267,13 +285,13 @@ class Trainer:
     def evaluate(self, dataset, consumed):
         for chunk in self.chunks:
             chunk.eval()
-        micro = self._micro_batches(dataset, consumed)
         losses = []
-        for _ in range(self.args.eval_iters):
-            batches = [next(micro, None) for _ in range(self.args.num_micro_batches)]
-            if any(b is None for b in batches):
-                break
-            losses.append(self._run_schedule(batches, forward_only=True).item())
+        with closing(self._micro_batches(dataset, consumed)) as micro:
+            for _ in range(self.args.eval_iters):
+                batches = [next(micro, None) for _ in range(self.args.num_micro_batches)]
+                if any(b is None for b in batches):
+                    break
+                losses.append(self._run_schedule(batches, forward_only=True).item())
         return sum(losses) / max(len(losses), 1)
 
     # -- the bf16 sentinel ---------------------------------------------------------------------
@@ -285,9 +303,9 @@ class Trainer:
         sentinel's record for metrics.jsonl."""
         a = self.args
         if self._fp8_check_batches is None:  # the same batches at every check
-            micro = self._micro_batches(self.valid_data, 0)
-            self._fp8_check_batches = [[next(micro) for _ in range(a.num_micro_batches)]
-                                       for _ in range(a.fp8_check_iters)]
+            with closing(self._micro_batches(self.valid_data, 0)) as micro:
+                self._fp8_check_batches = [[next(micro) for _ in range(a.num_micro_batches)]
+                                           for _ in range(a.fp8_check_iters)]
         for chunk in self.chunks:
             chunk.eval()
         losses = []
@@ -324,7 +342,7 @@ class Trainer:
 
     def train_state(self):
         state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                 "skipped_steps": self.skipped_steps}
+                 "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row}
         if self.sentinel is not None:
             state["fp8_sentinel"] = self.sentinel.state_dict()
         return state
@@ -342,8 +360,11 @@ class Trainer:
             self.replaced_run = []
         self.last_checkpoint = path
         self._print(f"saved checkpoint {path}")
+        if self.skipped_in_a_row:
+            self._print(f"note: {path} was saved after {self.skipped_in_a_row} non-finite steps in a row; the "
+                        "checkpoints saved from finite steps are kept")
         if a.keep_last_checkpoints:
-            deleted = checkpointing.keep_last_checkpoints(a.save, a.keep_last_checkpoints)
+            deleted = checkpointing.keep_last_checkpoints(a.save, a.keep_last_checkpoints, just_saved=self.iteration)
             if deleted:
                 self._print(f"--keep-last-checkpoints {a.keep_last_checkpoints}: deleted the checkpoints of "
                             f"iterations {', '.join(map(str, deleted))}")
@@ -367,6 +388,7 @@ class Trainer:
             self.iteration = state.get("iteration", 0)
             self.consumed_samples = state.get("consumed_samples", 0)
             self.skipped_steps = state.get("skipped_steps", 0)
+            self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
             if self.sentinel is not None and "fp8_sentinel" in state:
                 self.sentinel.load_state_dict(state["fp8_sentinel"])
         self.last_checkpoint = checkpoint
@@ -406,6 +428,17 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def release_cuda_graphs(self):
+        """Free the layers' CUDA graphs (after train()): graphs that captured NCCL collectives
+        (tensor parallelism's) hold the communicator, and destroying the process group would wait
+        on them forever."""
+        if not any(chunk.cuda_graphs is not None for chunk in self.chunks):
+            return
+        torch.cuda.synchronize()  # no replay still running on the GPU
+        for chunk in self.chunks:
+            chunk.disable_cuda_graphs()
+        gc.collect()  # graph sets referenced from cycles (autograd contexts) go now, not at exit
+
     def _print(self, message):
         if self._logger is not None:
             self._logger.write(message)  # above the progress bar, not onto its line
@@ -434,6 +467,7 @@ class Trainer:
         micro = self._micro_batches(self.train_data, self.consumed_samples)
         losses, valid_loss = [], None
         batches, upcoming = None, []
+        save_postponed = False  # a save fell due in a streak of non-finite steps
 
         def prefetch():  # the next step's micro-batches, read while this step's GPU work runs
             if self.iteration + 1 < a.train_iters:
@@ -494,15 +528,21 @@ class Trainer:
                     stop = True
                 if a.exit_interval and self.iteration % a.exit_interval == 0:
                     stop = True
-                due = a.save and a.save_interval and self.iteration % a.save_interval == 0
+                due = bool(a.save and a.save_interval and self.iteration % a.save_interval == 0) or save_postponed
+                if due and self.skipped_in_a_row:  # the weights may have blown up: save after a finite step
+                    if not save_postponed:
+                        self._print(f"iteration {self.iteration}: checkpoint postponed until a step is finite again")
+                    due, save_postponed = False, True
                 if a.save and (due or stop or self.iteration == a.train_iters):
                     self.save()
+                    save_postponed = False
                     throughput.restart()
                 if stop:
                     self._print(f"stopping at iteration {self.iteration}"
                                 + (f" on {exit_signal.received}" if exit_signal.received else ""))
                     break
         finally:
+            micro.close()  # its loader's workers end now, even when an error unwinds the run
             exit_signal.restore()
             profiler.stop(self.iteration)
             logger.close()
@@ -530,17 +570,34 @@ def pretrain(argv=None):
         args = arguments.parse_args(argv)
         arguments.validate_args(args, int(os.environ["WORLD_SIZE"]) if own_group and torchrun
                                 else dist.get_world_size() if not own_group else 1)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if own_group and not torchrun:
-        _init_single_process()
-    groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        _init_single_process(timeout)
+    groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                          timeout=timeout)
+    failed = True
     try:
-        torch.manual_seed(args.seed)
-        trainer = Trainer(args, groups)
-        trainer.train()
+        # Before anything is written: one run at a time in a --save folder.
+        with checkpointing.SaveFolderLock(args.save):
+            torch.manual_seed(args.seed)
+            trainer = Trainer(args, groups)
+            trainer.train()
+            trainer.release_cuda_graphs()
+        failed = False
         return trainer
     finally:
         if own_group:
-            dist.destroy_process_group()
+            _end_process_group(failed)
+
+
+def _end_process_group(failed: bool) -> None:
+    """Leave the process group, unless this rank failed on GPUs: its peers may be blocked in
+    collectives it will never join, and tearing NCCL communicators down (destroy or abort) can
+    then wait on them forever. main() exits such a process at once, and the launcher (torchrun)
+    stops the other ranks when one is gone."""
+    if failed and dist.get_backend() == "nccl":
+        return
+    dist.destroy_process_group()
 
 
 # Errors every rank raises alike (flags, checkpoint folders and saves, which share their
@@ -559,4 +616,17 @@ def main():
             print(f"megafp8-train: error{f' on rank {rank}' if world > 1 else ''}: {error}", file=sys.stderr)
         elif rank == 0:
             print(f"megafp8-train: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        _exit_after_error(2)
+    except Exception:
+        traceback.print_exc()
+        _exit_after_error(1)
+
+
+def _exit_after_error(code: int) -> None:
+    """Exit after an error; with NCCL communicators left in place (see _end_process_group) at once,
+    without the interpreter's teardown, which would wait on them."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

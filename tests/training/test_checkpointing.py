@@ -377,3 +377,156 @@ def test_an_invalid_recorded_model_names_the_file_and_the_problem(tmp_path, mode
     (path / "megafp8.json").write_text("{not json")
     with pytest.raises(checkpointing.CheckpointError, match=rf"{path}/megafp8.json is not valid JSON"):
         checkpointing.saved_model_config(path)
+
+
+# -- nothing lost: damaged files, a lost pointer, rotation, one writer -------------------------------
+
+
+def small_checkpoint(folder, iteration=1, *, size=1000):
+    """A one-process checkpoint of fresh random tensors; (its folder, its one shard)."""
+    state = {"model/w": torch.randn(size), "model/v": torch.randn(size // 2)}
+    path = checkpointing.write_checkpoint(folder, iteration, state, train_state={}, args={},
+                                          model_config=preset("gpt-tiny"))
+    return path, next(path.glob("__0_*.distcp"))
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda data: data[:100] + bytes(b ^ 0xFF for b in data[100:164]) + data[164:],
+     r"__0_0\.distcp is damaged: bytes 0 to [\d,]+ do not match"),
+    (lambda data: data[:len(data) // 2], r"__0_0\.distcp is [\d,]+ bytes where the save wrote [\d,]+: it was truncated"),
+])
+def test_a_damaged_shard_is_named_before_anything_loads(tmp_path, damage, match):
+    path, shard = small_checkpoint(tmp_path)
+    checkpointing.read_state({"model/w": torch.empty(1000)}, path)  # intact: loads
+    shard.write_bytes(damage(shard.read_bytes()))
+    with pytest.raises(checkpointing.CheckpointError, match=match):
+        checkpointing.read_state({"model/w": torch.empty(1000)}, path)
+
+
+def test_each_rank_records_the_checksums_of_the_files_it_wrote(tmp_path):
+    run_on_ranks(two_rank_save_body, 2, str(tmp_path))
+    checkpoint = tmp_path / "iter_0000001"
+    records = {path.name: json.loads(path.read_text()) for path in (checkpoint / checkpointing.CHECKSUMS).iterdir()}
+    assert sorted(records) == ["rank_00000.json", "rank_00001.json"]
+    assert sorted(records["rank_00000.json"]["files"]) == [".metadata", "__0_0.distcp"]
+    assert sorted(records["rank_00001.json"]["files"]) == ["__1_0.distcp"]
+    for record in records.values():
+        for name, entry in record["files"].items():
+            assert entry["bytes"] == (checkpoint / name).stat().st_size
+            assert len(entry["crc32"]) == -(-entry["bytes"] // record["piece_bytes"])
+
+
+def two_rank_save_body(rank, world_size, folder):
+    Run(distributed=True).save(folder, 1)
+    checkpointing.wait_for_checksums()
+
+
+def test_metadata_that_points_outside_its_folder_is_refused(tmp_path):
+    import pickle
+    path, _ = small_checkpoint(tmp_path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.bin"
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(checkpointing.CheckpointError, match=r"points at '\.\./\.\./secret\.bin', outside"):
+        checkpointing.read_metadata(path)
+
+
+def test_a_pointer_that_is_not_text_names_its_file(tmp_path):
+    small_checkpoint(tmp_path)
+    (tmp_path / checkpointing.LATEST).write_bytes(b"\xff\xfe7")
+    with pytest.raises(checkpointing.CheckpointError, match=rf"{tmp_path}/{checkpointing.LATEST} should hold an "
+                                                            "iteration number, not binary data"):
+        checkpointing.latest_checkpoint(tmp_path)
+
+
+def test_a_lost_pointer_resumes_from_the_checkpoint_saved_last(tmp_path):
+    for iteration in (9, 4):  # saved in this order: a run rolled back to an earlier checkpoint
+        small_checkpoint(tmp_path, iteration)
+    (tmp_path / checkpointing.LATEST).unlink()
+    with pytest.warns(UserWarning, match=r"has no latest_checkpointed_iteration.txt but holds complete checkpoints "
+                                         r"\(iterations 4, 9\): resuming from iteration 4, the one saved last"):
+        assert checkpointing.latest_checkpoint(tmp_path) == checkpointing.iteration_dir(tmp_path, 4)
+
+
+def saved(folder, iteration, when, streak=0):
+    """A stand-in checkpoint: complete, saved at `when` after `streak` non-finite steps."""
+    path = checkpointing.iteration_dir(folder, iteration)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "megafp8.json").write_text(json.dumps({"saved_at": when, "train": {"skipped_in_a_row": streak}}))
+    (folder / checkpointing.LATEST).write_text(str(iteration))
+
+
+def test_rotation_keeps_what_was_saved_last_not_the_highest_iterations(tmp_path):
+    for iteration, when in ((5, 1.0), (10, 2.0), (7, 3.0)):  # resumed from 5 after reaching 10, saved 7
+        saved(tmp_path, iteration, when)
+    assert checkpointing.keep_last_checkpoints(tmp_path, 1, just_saved=7) == [5, 10]
+    assert checkpointing.saved_iterations(tmp_path) == [7]
+    assert checkpointing.latest_checkpoint(tmp_path).name == "iter_0000007"
+
+
+def test_rotation_never_deletes_the_last_checkpoint_from_finite_steps(tmp_path):
+    saved(tmp_path, 1, 1.0)
+    saved(tmp_path, 2, 2.0)  # the last one from finite steps
+    saved(tmp_path, 3, 3.0, streak=1)
+    saved(tmp_path, 4, 4.0, streak=2)
+    assert checkpointing.keep_last_checkpoints(tmp_path, 1, just_saved=4) == [1, 3]
+    assert checkpointing.saved_iterations(tmp_path) == [2, 4]
+
+
+def test_rotation_keeps_the_checkpoint_the_pointer_names(tmp_path):
+    saved(tmp_path, 1, 1.0)
+    saved(tmp_path, 2, 2.0)
+    (tmp_path / checkpointing.LATEST).write_text("1")  # as a user set it back by hand
+    assert checkpointing.keep_last_checkpoints(tmp_path, 1, just_saved=2) == []
+
+
+def hold_lock(folder, ready, release):
+    lock = checkpointing.SaveFolderLock(folder).acquire()
+    ready.set()
+    release.wait(60)
+    lock.release()
+
+
+def test_a_save_folder_has_one_writer_at_a_time(tmp_path):
+    import multiprocessing
+    context = multiprocessing.get_context("fork")  # quick: the child only takes a lock
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=hold_lock, args=(str(tmp_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(checkpointing.CheckpointError, match=rf"--save {tmp_path}: another run is writing to "
+                                                                rf"this folder \(host .*, pid {holder.pid}, started"):
+            checkpointing.SaveFolderLock(tmp_path).acquire()
+    finally:
+        release.set()
+        holder.join(60)
+    with checkpointing.SaveFolderLock(tmp_path):  # released: free again
+        pass
+    assert not (tmp_path / checkpointing.LOCK).exists()
+
+
+def test_a_killed_writer_leaves_no_lock_behind(tmp_path):
+    import multiprocessing
+    import os
+    import signal
+    context = multiprocessing.get_context("fork")  # quick: the child only takes a lock
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=hold_lock, args=(str(tmp_path), ready, release))
+    holder.start()
+    assert ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(60)
+    assert (tmp_path / checkpointing.LOCK).exists()  # the file stays, its lock went with the process
+    with checkpointing.SaveFolderLock(tmp_path):
+        assert str(os.getpid()) in (tmp_path / checkpointing.LOCK).read_text()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_save_folder(tmp_path):
+    folder = tmp_path / "new"
+    with pytest.raises(RuntimeError, match="bad flag"):
+        with checkpointing.SaveFolderLock(folder):
+            raise RuntimeError("bad flag")
+    assert not folder.exists()

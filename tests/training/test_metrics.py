@@ -647,3 +647,15 @@ def test_run_summary_when_no_iteration_ran():
                         checkpoint="ckpt/iter_0000030")
     assert lines == ["run summary:", "  iterations: none run (the run was already at iteration 30)",
                      "  wall time: 0.4 s", "  checkpoint: ckpt/iter_0000030"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full plays the full disk")
+def test_a_full_disk_under_metrics_is_said_once_with_the_path_and_the_run_goes_on(tmp_path):
+    logger = metrics.MetricsLogger(tmp_path, stream=io.StringIO())
+    logger._file.close()
+    logger._file = open("/dev/full", "a")
+    with pytest.warns(UserWarning, match=rf"cannot write {tmp_path}/metrics.jsonl \(No space left on device\)") as said:
+        for step in range(1, 4):
+            logger.log(step, {"loss": 1.0})
+        logger.close()
+    assert len([w for w in said if "metrics.jsonl" in str(w.message)]) == 2  # once while logging, once at close

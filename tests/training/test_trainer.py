@@ -183,22 +183,77 @@ def test_keep_last_checkpoints_deletes_the_older_ones_once_the_newest_is_saved(t
     assert checkpointing.saved_iterations(tmp_path) == [4, 5]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+def test_sigterm_to_the_process_group_saves_a_checkpoint_and_exits_zero(tmp_path):
+    # The whole group, data-loading workers (2 by default) included, as a terminal or SLURM signals it;
+    # under torchrun: tests/multigpu/test_check_layouts.py.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "megafp8.train", *TINY, "--train-iters", "100000", "--save", str(tmp_path),
-         "--fp8-format", "hybrid"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--fp8-format", "hybrid"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert "on SIGTERM" in output
-    iteration = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
-    assert 2 <= iteration < 100000
-    assert (tmp_path / f"iter_{iteration:07d}" / ".metadata").exists()
+
+
+def test_a_run_rolled_back_to_an_older_checkpoint_keeps_what_it_saves(tmp_path, capfd):
+    save = ["--save", str(tmp_path), "--save-interval", "5"]
+    pretrain(TINY + save + ["--train-iters", "10"])
+    capfd.readouterr()
+    pretrain(TINY + save + ["--train-iters", "7", "--lr-decay-iters", "10", "--load", str(tmp_path / "iter_0000005"),
+                            "--keep-last-checkpoints", "1"])
+    assert "deleted the checkpoints of iterations 5, 10" in capfd.readouterr().out
+    assert checkpointing.saved_iterations(tmp_path) == [7]
+    resumed = pretrain(TINY + save + ["--train-iters", "8", "--lr-decay-iters", "10", "--load", str(tmp_path)])
+    assert resumed.history[0][0] == 8
+
+
+def test_a_lost_pointer_resumes_from_the_checkpoint_saved_last(tmp_path, capsys):
+    argv = TINY + ["--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "2", "--lr-decay-iters", "6"]
+    pretrain(argv + ["--train-iters", "4"])
+    (tmp_path / checkpointing.LATEST).unlink()
+    with pytest.warns(UserWarning, match="resuming from iteration 4, the one saved last"):
+        resumed = pretrain(argv + ["--train-iters", "6"])
+    assert resumed.history[0][0] == 5
+
+
+def test_a_second_run_on_a_save_folder_is_refused_before_it_writes(tmp_path):
+    with checkpointing.SaveFolderLock(tmp_path):
+        with pytest.raises(CheckpointError, match="another run is writing to this folder"):
+            pretrain(TINY + ["--train-iters", "3", "--save", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_streak_of_nonfinite_steps_neither_saves_nor_rotates_out_the_finite_checkpoint(tmp_path, capfd):
+    pretrain(TINY + ["--train-iters", "6", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
+                     "--skip-nonfinite-steps-max", "10", "--save", str(tmp_path), "--save-interval", "1",
+                     "--keep-last-checkpoints", "1"])
+    out = capfd.readouterr().out
+    streaks = {i: json.loads((checkpointing.iteration_dir(tmp_path, i) / "megafp8.json").read_text())["train"]
+               for i in checkpointing.saved_iterations(tmp_path)}
+    finite = [i for i, train in streaks.items() if train["skipped_in_a_row"] == 0]
+    assert finite and 6 in streaks, (streaks, out)  # the last finite one, and the run's end
+    assert "checkpoint postponed until a step is finite again" in out
+    assert out.count("saved checkpoint") == max(finite) + 1  # none during the streak but at the end
+
+
+def test_the_distributed_timeout_reaches_the_process_group(monkeypatch):
+    from megafp8.training import trainer
+    seen = {}
+    real = trainer.ParallelGroups.from_torchrun
+
+    def from_torchrun(*args, timeout=None, **kwargs):
+        seen["timeout"] = timeout
+        return real(*args, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(trainer.ParallelGroups, "from_torchrun", from_torchrun)
+    pretrain(TINY + ["--train-iters", "3", "--distributed-timeout-minutes", "2.5"])
+    assert seen["timeout"].total_seconds() == 150
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
@@ -518,3 +573,37 @@ def test_data_seed_keeps_the_data_order_while_seed_changes_the_initialisation(tm
     other_data, _ = run("--seed", "2")
     assert same_data == order and other_data != order
     assert other_init != loss
+
+
+def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(tmp_path, monkeypatch, capsys):
+    """An id the embedding has no row for (gpt-tiny pads a vocabulary of 500 to 512 rows) once
+    crashed iteration 1 with a raw IndexError: now the run stops at start-up with one line."""
+    import warnings
+
+    import numpy as np
+
+    from megafp8.data import IndexedDatasetBuilder
+    from megafp8.training import trainer
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(str(tmp_path / "train"), np.uint16) as builder:
+        for _ in range(40):
+            tokens = rng.integers(0, 500, size=int(rng.integers(20, 80)))
+            tokens[0] = 700  # made with another tokenizer: an id in every batch
+            builder.add_item(tokens)
+            builder.end_document()
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it for the process
+    monkeypatch.setattr(sys, "argv", ["megafp8-train", "--model", "gpt-tiny", "--seq-length", "32",
+                                      "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+                                      "--lr", "1e-3", "--log-interval", "1", "--tokenizer-type", "NullTokenizer",
+                                      "--vocab-size", "500", "--eval-iters", "0",
+                                      "--train-data-path", str(tmp_path / "train")])
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main()
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2
+    assert err == (f"megafp8-train: error: {tmp_path / 'train.bin'}: its largest token id is 700, past the "
+                   "vocabulary of 500 tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize "
+                   "it with this run's tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data "
+                   "was made with\n")
+    assert "iteration" not in out  # no step ran
