@@ -55,8 +55,10 @@ if [ "$PRECISION" = fp8 ]; then
     fi
 fi
 
+# exec: a signal to this script's process (a scheduler's SIGTERM) reaches torchrun, which passes it
+# on to the ranks; they save and stop at the next step boundary.
 # shellcheck disable=SC2086  # MODEL_ARGS, DATA_PATH and EXTRA_ARGS are word lists on purpose
-torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
+exec torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
     --model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \

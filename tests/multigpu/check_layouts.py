@@ -1,0 +1,398 @@
+"""The multi-GPU check: the shipped GPT recipe (examples/pretrain_gpt_1b_fp8.sh), as a user runs
+it, shrunk to a few iterations of a small model of the same family, under every layout of 2 GPUs
+(dp2, tp2 + SP, pp2, interleaved pp2) and, with 4 GPUs, of 4 (tp2 x pp2, pp2 x dp2, tp2 x dp2,
+pp4, dp4): bf16, FP8 delayed and FP8 current with CUDA graphs (the recipe's default), FP8 delayed
+without them, FP8 delayed saved half way and resumed, stopped by SIGTERM to its process group,
+and with an error on its last rank.
+
+    python -m tests.multigpu.check_layouts                  # every layout the GPUs allow
+    python -m tests.multigpu.check_layouts --gpus 2 --output runs/check
+    python -m tests.multigpu.check_layouts --cpu --layouts dp2 --precisions delayed   # gloo, CPU
+
+Each run must
+- exit with status 0 within 30 s of its last iteration (teardown: graphs, NCCL, data workers);
+- track one GPU of the same precision over its first steps (losses within 1%; straight runs);
+- if resumed, give the straight run's losses from the checkpoint on (within 0.1%: GPU kernels
+  are not bitwise deterministic from run to run, so two straight runs differ by about that);
+- if signalled (SIGTERM to the launch's process group, as a scheduler preempts), save at the next
+  step boundary and end within 30 s of the signal (torchrun itself exits 1 after a signal);
+- if one rank fails, end, every rank, within 60 s (torchrun stops the others 30 s after).
+Runs go side by side, `--share` of them on each GPU (most of a run is starting up). A table closes the output and the
+exit status is 1 if any run failed; `--output` keeps every log and a JSON record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "pretrain_gpt_1b_fp8.sh"
+
+# name: (GPUs, tp, pp, layers per virtual pipeline stage or 0)
+LAYOUTS = {
+    "1gpu": (1, 1, 1, 0),
+    "dp2": (2, 1, 1, 0), "tp2": (2, 2, 1, 0), "pp2": (2, 1, 2, 0), "vpp2": (2, 1, 2, 1),
+    "tp2pp2": (4, 2, 2, 0), "pp2dp2": (4, 1, 2, 0), "tp2dp2": (4, 2, 1, 0), "pp4": (4, 1, 4, 0), "dp4": (4, 1, 1, 0),
+}
+PRECISIONS = ("bf16", "delayed", "current")
+EXIT_WITHIN_S = 30.0
+TRACK_STEPS, TRACK_TOLERANCE = 5, 0.01
+RESUME_TOLERANCE = 1e-3
+RUN_TIMEOUT_S = 300  # a run that has not exited by then hangs: its process group is killed
+
+# The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
+# two virtual stages of one layer at interleaved pp2), on the embedded sample corpus.
+GPU_SHAPE = dict(SEQ="1024", MBS="2", GBS="16", ITERS="6", WARMUP="2",
+                 SHAPE="--num-layers 4 --hidden-size 1024 --num-attention-heads 16")
+CPU_SHAPE = dict(SEQ="64", MBS="2", GBS="8", ITERS="6", WARMUP="2",
+                 SHAPE="--num-layers 4 --hidden-size 64 --num-attention-heads 4")
+RESUME_AT = 3
+
+
+KINDS = ("straight", "resumed", "sigterm", "fail")
+SIGNAL_AT = FAIL_AT = RESUME_AT  # the iteration after which a run is signalled, or fails
+ENDS_WITHIN_S = {"sigterm": 30.0, "fail": 60.0}
+
+
+@dataclass(frozen=True)
+class Run:
+    layout: str
+    precision: str
+    graphs: bool
+    kind: str = "straight"  # resumed: from the straight run's checkpoint at RESUME_AT
+
+    @property
+    def name(self) -> str:
+        return (f"{self.layout}-{self.precision}-{'graphs' if self.graphs else 'eager'}"
+                + ("" if self.kind == "straight" else f"-{self.kind}"))
+
+    @property
+    def straight(self) -> "Run":
+        return Run(self.layout, self.precision, self.graphs)
+
+    @property
+    def gpus(self) -> int:
+        return LAYOUTS[self.layout][0]
+
+
+def plan(layouts, precisions, graphs: bool, kinds=KINDS) -> list[Run]:
+    """The runs checking `layouts`: each precision as shipped (graphed on GPUs), FP8 delayed eager,
+    FP8 delayed resumed, signalled and failing; one GPU of each precision as the reference.
+    Without graphs (the CPU) every run is eager."""
+    delayed = "delayed" if "delayed" in precisions else precisions[0]
+    runs = [Run("1gpu", p, graphs) for p in precisions] if "straight" in kinds else []
+    for layout in layouts:
+        if "straight" in kinds or "resumed" in kinds:
+            runs += [Run(layout, p, graphs) for p in precisions]
+            if graphs:
+                runs.append(Run(layout, delayed, False))
+        runs += [Run(layout, delayed, graphs, kind) for kind in KINDS[1:] if kind in kinds]
+    return runs
+
+
+def environment(run: Run, work: Path, cpu: bool, devices: list[int]) -> dict:
+    gpus, tp, pp, vpp_layers = LAYOUTS[run.layout]
+    shape = CPU_SHAPE if cpu else GPU_SHAPE
+    save = work / "runs" / run.name
+    extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234"]
+    if vpp_layers:
+        extra += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    if run.kind == "resumed":
+        extra += ["--load", str(work / "runs" / run.straight.name / f"iter_{RESUME_AT:07d}")]
+    # A signalled run runs until the signal (its longer run draws other batches: not compared).
+    iterations = "1000" if run.kind == "sigterm" else shape["ITERS"]
+    env = {**os.environ, "GPUS": str(gpus), "TP": str(tp), "PP": str(pp), "MBS": shape["MBS"], "GBS": shape["GBS"],
+           "SEQ": shape["SEQ"], "ITERS": iterations, "WARMUP": shape["WARMUP"], "LOG_INTERVAL": "1",
+           "PRECISION": "bf16" if run.precision == "bf16" else "fp8", "FP8_RECIPE": run.precision,
+           "CUDA_GRAPH": "1" if run.graphs else "0", "WORKDIR": str(work / "data"), "SAVE": str(save),
+           "EXTRA_ARGS": " ".join(extra), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "CHECK_FAIL_AT": str(FAIL_AT)}
+    if cpu:
+        env.update(CPU="1", CUDA_VISIBLE_DEVICES="")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    return env
+
+
+@dataclass
+class Outcome:
+    run: str
+    layout: str
+    precision: str
+    graphs: bool
+    kind: str
+    returncode: int | None = None  # None: killed after RUN_TIMEOUT_S
+    exit_after_last_s: float | None = None  # after its last logged iteration
+    ended_after_event_s: float | None = None  # after the signal, or the planted failure
+    wall_s: float = 0.0
+    losses: dict | None = None  # iteration -> loss
+    tokens_per_s: float | None = None
+    problems: list | None = None
+
+
+def failing_command(run: Run, work: Path, cpu: bool) -> list[str]:
+    """The recipe's trainer command for a run whose last rank fails (tests.multigpu.failing_rank),
+    on synthetic tokens: what matters is how the ranks end, not the data."""
+    gpus, tp, pp, vpp_layers = LAYOUTS[run.layout]
+    shape = CPU_SHAPE if cpu else GPU_SHAPE
+    command = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), "-m", "tests.multigpu.failing_rank",
+               "--model", "gpt-1.3b", "--seq-length", shape["SEQ"], "--max-position-embeddings", shape["SEQ"],
+               *shape["SHAPE"].split(), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+               str(pp), "--micro-batch-size", shape["MBS"], "--global-batch-size", shape["GBS"],
+               "--train-iters", shape["ITERS"], "--lr", "2e-4", "--lr-warmup-iters", shape["WARMUP"], "--bf16",
+               "--fp8-format",
+               "hybrid", "--fp8-recipe", run.precision, "--mock-data", "--vocab-size", "32768", "--log-interval", "1",
+               "--save", str(work / "runs" / run.name)]
+    if tp > 1:
+        command.append("--sequence-parallel")
+    if vpp_layers:
+        command += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    if run.graphs:
+        command.append("--enable-cuda-graph")
+    return command
+
+
+def losses_of(metrics: Path) -> tuple[dict, float | None, float | None]:
+    """({iteration: loss}, the last record's time, the last tokens/s) of a run's metrics.jsonl."""
+    losses, last_time, speed = {}, None, None
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record:
+                losses[record["iteration"]] = record["loss"]
+                last_time = record["time"]
+                speed = record.get("tokens_per_sec", speed)
+    return losses, last_time, speed
+
+
+class Launcher:
+    """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
+
+    def __init__(self, work: Path, gpus: int, cpu: bool, share: int):
+        self.work, self.cpu = work, cpu
+        self.free = {d: share for d in range(max(gpus, 1))}
+        self.running: dict = {}  # Run -> (process, devices, start, log file)
+        self.events: dict = {}  # Run -> when it was signalled or failed
+        self.outcomes: dict = {}
+
+    def start(self, run: Run) -> bool:
+        devices = sorted((d for d in self.free if self.free[d] > 0), key=lambda d: -self.free[d])[:run.gpus]
+        if not self.cpu and len(devices) < run.gpus:
+            return False
+        for d in devices:
+            self.free[d] -= 1
+        save = self.work / "runs" / run.name
+        shutil.rmtree(save, ignore_errors=True)
+        save.mkdir(parents=True)
+        log = open(self.work / "logs" / f"{run.name}.log", "w")
+        command = failing_command(run, self.work, self.cpu) if run.kind == "fail" else ["bash", str(RECIPE)]
+        process = subprocess.Popen(command, env=environment(run, self.work, self.cpu, devices),
+                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.running[run] = (process, devices, time.time(), log)
+        return True
+
+    def _event(self, run: Run, process) -> None:
+        """Signal a sigterm run once it has logged SIGNAL_AT; note when a fail run's error happened
+        (its last logged iteration is the one before)."""
+        if run.kind not in ("sigterm", "fail") or run in self.events:
+            return
+        losses, last_time, _ = losses_of(self.work / "runs" / run.name / "metrics.jsonl")
+        if run.kind == "sigterm" and SIGNAL_AT in losses:
+            os.killpg(process.pid, signal.SIGTERM)
+            self.events[run] = time.time()
+        elif run.kind == "fail" and FAIL_AT - 1 in losses:
+            self.events[run] = last_time
+
+    def poll(self) -> list[Run]:
+        done = []
+        for run, (process, devices, start, log) in list(self.running.items()):
+            self._event(run, process)
+            alive = process.poll() is None or _group_alive(process.pid)  # the launcher or what it started
+            if alive and time.time() - start < RUN_TIMEOUT_S:
+                continue
+            if alive:  # hung: the whole group goes
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            returncode = None if alive else process.returncode
+            end = time.time()
+            log.close()
+            for d in devices:
+                self.free[d] += 1
+            losses, last_time, speed = losses_of(self.work / "runs" / run.name / "metrics.jsonl")
+            event = self.events.get(run)
+            self.outcomes[run] = Outcome(run.name, run.layout, run.precision, run.graphs, run.kind, returncode,
+                                         None if last_time is None else round(end - last_time, 1),
+                                         None if event is None else round(end - event, 1),
+                                         round(end - start, 1), losses, speed)
+            del self.running[run]
+            done.append(run)
+        return done
+
+    def run_all(self, runs: list[Run]) -> dict:
+        """Every run, the largest first (they pack best), a resumed run once its straight run is
+        done; the outcomes so far are written after each run, so a check cut short keeps them."""
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        waiting = sorted(runs, key=lambda r: -r.gpus)
+        while waiting or self.running:
+            for run in list(waiting):
+                if run.kind == "resumed" and run.straight not in self.outcomes:
+                    continue
+                if self.cpu and self.running:
+                    break  # one at a time on the CPU
+                if self.start(run):
+                    waiting.remove(run)
+            if self.poll():
+                self.record()
+            time.sleep(0.5)
+        return self.outcomes
+
+    def record(self) -> None:
+        (self.work / "check_layouts.json").write_text(json.dumps([asdict(o) for o in self.outcomes.values()],
+                                                                 indent=1))
+
+
+def judge(outcomes: dict, iterations: int, work: Path) -> None:
+    """Fill each outcome's problems (an empty list: it passed)."""
+    references = {run.precision: outcome.losses for run, outcome in outcomes.items() if run.layout == "1gpu"}
+    for run, outcome in outcomes.items():
+        problems = []
+        losses = outcome.losses or {}
+        if outcome.returncode is None:
+            problems.append(f"still running {RUN_TIMEOUT_S} s after its start: killed")
+        elif run.kind in ENDS_WITHIN_S:
+            problems += _judge_ending(run, outcome, work)
+        else:
+            if outcome.returncode != 0:
+                problems.append(f"exit status {outcome.returncode}")
+            if iterations not in losses:
+                problems.append(f"no loss logged for iteration {iterations}")
+            elif outcome.exit_after_last_s is not None and outcome.exit_after_last_s > EXIT_WITHIN_S:
+                problems.append(f"exited {outcome.exit_after_last_s:.0f} s after its last iteration")
+        if run.kind == "resumed":
+            straight = outcomes.get(run.straight)
+            pairs = [(losses.get(i), (straight.losses or {}).get(i) if straight else None)
+                     for i in range(RESUME_AT + 1, iterations + 1)]
+            worst = _worst(pairs)
+            if worst is None or worst > RESUME_TOLERANCE:
+                problems.append(f"resumed losses {_gap(worst)} off the straight run's (tolerance {RESUME_TOLERANCE:.1%})")
+        elif run.layout != "1gpu" and run.kind == "straight" and run.precision in references:
+            reference = references[run.precision] or {}
+            worst = _worst([(losses.get(i), reference.get(i)) for i in range(1, min(TRACK_STEPS, SIGNAL_AT) + 1)])
+            if worst is None or worst > TRACK_TOLERANCE:
+                problems.append(f"first losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})")
+        outcome.problems = problems
+
+
+def _judge_ending(run: Run, outcome: Outcome, work: Path) -> list:
+    """How a signalled or failing run ended."""
+    problems, limit = [], ENDS_WITHIN_S[run.kind]
+    if outcome.ended_after_event_s is None:
+        return [f"never reached iteration {SIGNAL_AT}"]
+    if outcome.ended_after_event_s > limit:
+        problems.append(f"ended {outcome.ended_after_event_s:.0f} s after the {run.kind} (limit {limit:.0f} s)")
+    log = (work / "logs" / f"{run.name}.log").read_text(errors="replace")
+    if run.kind == "fail":
+        if outcome.returncode == 0:
+            problems.append("exit status 0 after a rank failed")
+        return problems
+    stopped = re.search(r"stopping at iteration (\d+) on SIGTERM", log)
+    pointer = work / "runs" / run.name / "latest_checkpointed_iteration.txt"
+    if stopped is None:
+        problems.append("no 'stopping at iteration N on SIGTERM' in its log")
+    elif not pointer.exists() or pointer.read_text().strip() != stopped.group(1):
+        problems.append(f"stopped at iteration {stopped.group(1)} without its checkpoint")
+    if re.search(r"\[rank\d+\]:\s*Traceback", log):
+        problems.append("a rank's traceback")
+    return problems
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _worst(pairs) -> float | None:
+    """The largest relative difference of (value, reference) pairs; None if any is missing."""
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    return max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def _gap(worst) -> str:
+    return "missing, so not compared" if worst is None else f"{worst:.2%}"
+
+
+def table(outcomes: dict) -> str:
+    lines = [f"{'run':34s} {'exit':>5s} {'ended s':>8s} {'tokens/s':>10s} {'loss 1 / last':>16s}  verdict",
+             "(ended s: after the last iteration; for -sigterm and -fail runs, after the signal or the error)"]
+    for run, o in sorted(outcomes.items(), key=lambda item: (LAYOUTS[item[0].layout][0], item[0].name)):
+        losses = o.losses or {}
+        first_last = (f"{losses[min(losses)]:.4f} / {losses[max(losses)]:.4f}" if losses else "-")
+        speed = f"{o.tokens_per_s:,.0f}" if o.tokens_per_s else "-"
+        after = o.ended_after_event_s if o.kind in ENDS_WITHIN_S else o.exit_after_last_s
+        after = "-" if after is None else f"{after:.1f}"
+        verdict = "ok" if not o.problems else "FAIL: " + "; ".join(o.problems)
+        lines.append(f"{o.run:34s} {str(o.returncode):>5s} {after:>8s} {speed:>10s} {first_last:>16s}  {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, help="GPUs to use (default: all torch sees)")
+    parser.add_argument("--layouts", nargs="+", choices=[name for name in LAYOUTS if name != "1gpu"],
+                        help="default: every layout of 2 GPUs, and of 4 with 4 or more")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="straight: every precision and graphs off (and one GPU); resumed (needs straight); "
+                             "sigterm; fail (default: all)")
+    parser.add_argument("--share", type=int, default=2, help="runs per GPU at once (default 2)")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU with gloo (the recipe's CPU=1), no graphs")
+    parser.add_argument("--output", type=Path, default=Path("runs/check_layouts"),
+                        help="work folder: data, runs, logs, check_layouts.json (default runs/check_layouts)")
+    args = parser.parse_args(argv)
+    if args.cpu:
+        gpus = 0
+    else:
+        import torch
+        gpus = args.gpus or torch.cuda.device_count()
+        if gpus < 2:
+            parser.error(f"needs at least 2 GPUs, torch sees {torch.cuda.device_count()}; --cpu runs it on the CPU")
+    capacity = gpus or 2  # on the CPU: the 2-process layouts unless asked for more
+    layouts = args.layouts or [name for name, (n, *_) in LAYOUTS.items() if 2 <= n <= capacity]
+    too_big = [name for name in layouts if not args.cpu and LAYOUTS[name][0] > gpus]
+    if too_big:
+        parser.error(f"{', '.join(too_big)} need{'s' if len(too_big) == 1 else ''} more than {gpus} GPUs")
+    work = args.output.resolve()
+    if "resumed" in args.kinds and "straight" not in args.kinds:
+        parser.error("--kinds resumed needs straight (a resumed run loads the straight run's checkpoint)")
+    runs = plan(layouts, args.precisions, graphs=not args.cpu, kinds=args.kinds)
+    print(f"check_layouts: {len(runs)} runs of the shrunk GPT recipe on {gpus or 'the CPU, no'} GPUs, logs in "
+          f"{work / 'logs'}", flush=True)
+    subprocess.run(["bash", str(REPO / "examples" / "prepare_sample_data.sh"), str(work / "data"), "32768"],
+                   check=True, stdout=subprocess.DEVNULL)
+    start = time.time()
+    launcher = Launcher(work, gpus, args.cpu, args.share)
+    outcomes = launcher.run_all(runs)
+    judge(outcomes, int((CPU_SHAPE if args.cpu else GPU_SHAPE)["ITERS"]), work)
+    launcher.record()
+    failed = [o for o in outcomes.values() if o.problems]
+    print(table(outcomes))
+    print(f"check_layouts: {len(outcomes) - len(failed)} of {len(outcomes)} runs passed in {time.time() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

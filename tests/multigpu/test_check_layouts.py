@@ -1,0 +1,36 @@
+"""The multi-GPU check itself, on the CPU: one layout (dp 2, gloo) through every kind of run it
+makes (straight, resumed, SIGTERM to the launch's process group, a failing rank), each launched
+as a user launches the recipe, and judged; on GPUs, `python -m tests.multigpu.check_layouts`."""
+import json
+
+from tests.multigpu import check_layouts
+
+
+def test_every_kind_of_run_ends_as_it_should_on_the_cpu(tmp_path, capsys):
+    status = check_layouts.main(["--cpu", "--layouts", "dp2", "--precisions", "delayed", "--output",
+                                 str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    outcomes = {o["run"]: o for o in json.loads((tmp_path / "check_layouts.json").read_text())}
+    assert sorted(outcomes) == ["1gpu-delayed-eager", "dp2-delayed-eager", "dp2-delayed-eager-fail",
+                                "dp2-delayed-eager-resumed", "dp2-delayed-eager-sigterm"]
+    assert all(not o["problems"] for o in outcomes.values()), out
+    assert outcomes["dp2-delayed-eager-sigterm"]["ended_after_event_s"] < 30
+    assert outcomes["dp2-delayed-eager-fail"]["returncode"] != 0
+
+
+def test_a_run_that_does_not_end_or_drifts_is_named(tmp_path):
+    make = check_layouts.Outcome
+    straight, resumed = check_layouts.Run("dp2", "bf16", False), check_layouts.Run("dp2", "bf16", False, "resumed")
+    reference = check_layouts.Run("1gpu", "bf16", False)
+    losses = {i: 10.0 - i for i in range(1, 7)}
+    outcomes = {reference: make(reference.name, "1gpu", "bf16", False, "straight", 0, 1.0, None, 9.0, dict(losses)),
+                straight: make(straight.name, "dp2", "bf16", False, "straight", 0, 45.0, None, 9.0,
+                               {**losses, 2: 8.5}),
+                resumed: make(resumed.name, "dp2", "bf16", False, "resumed", None, None, None, 300.0, {4: 6.0})}
+    check_layouts.judge(outcomes, 6, tmp_path)
+    assert outcomes[reference].problems == []
+    assert outcomes[straight].problems == ["exited 45 s after its last iteration",
+                                           "first losses 6.25% off one GPU's (tolerance 1%)"]
+    assert outcomes[resumed].problems[0] == "still running 300 s after its start: killed"
+    assert "resumed losses missing, so not compared" in outcomes[resumed].problems[1]
