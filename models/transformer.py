@@ -328,7 +328,7 @@ class TransformerLM(nn.Module):
     def disable_cuda_graphs(self) -> None:
         """Back to eager layers; the graphs and their memory pools are freed. A graph that captured
         a collective holds its NCCL communicator: destroying the process group waits for it, so a
-        run drops its graphs first (see Trainer.train)."""
+        run drops its graphs first (Trainer.release_cuda_graphs)."""
         self.cuda_graphs = None
 
     def _embed(self, tokens, position_ids):

@@ -12,7 +12,8 @@ loadable. A checkpoint of the same iteration being replaced is first renamed `it
 removed only once the new one is in place; until then the loader falls back to it. A failure on
 any rank (disk full, permissions) stops every rank with the message. Each file's CRC-32 (per
 64 MiB piece, so many threads hash it) is recorded in checksums/ by the rank that wrote it, on a
-thread while training goes on, and checked before a load reads the file. One run at a time writes a --save folder: it holds a lock there (megafp8.lock).
+thread while training goes on, and checked before a load reads the file. One run at a time
+writes a --save folder: it holds a lock there (megafp8.lock).
 
 Loading runs no code from the checkpoint: DCP's `.metadata` is unpickled with only DCP's own
 record classes allowed, and its non-tensor items with `torch.load(weights_only=True)`.
@@ -159,13 +160,29 @@ def saved_iterations(save_dir) -> list[int]:
 def _saved_at(checkpoint: Path) -> float:
     """When a checkpoint was saved: as its megafp8.json records it (a copy keeps that), else the
     time its index was written."""
+    saved_at = _record(checkpoint).get("saved_at")
+    if isinstance(saved_at, (int, float)):
+        return float(saved_at)
     try:
-        return float(json.loads((checkpoint / "megafp8.json").read_text())["saved_at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        try:
-            return (checkpoint / ".metadata").stat().st_mtime
-        except OSError:
-            return 0.0
+        return (checkpoint / ".metadata").stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _streak(checkpoint: Path) -> int:
+    """How many non-finite steps in a row preceded a checkpoint's save (0: a finite step)."""
+    train = _record(checkpoint).get("train")
+    streak = train.get("skipped_in_a_row", 0) if isinstance(train, dict) else 0
+    return streak if isinstance(streak, int) else 0
+
+
+def _record(checkpoint: Path) -> dict:
+    """checkpoint_info, or {} for a record that cannot be read: choosing among checkpoints (which
+    to resume, which to keep) must not stop at one damaged megafp8.json."""
+    try:
+        return checkpoint_info(checkpoint)
+    except (CheckpointError, OSError):
+        return {}
 
 
 def checkpoint_info(checkpoint) -> dict:
@@ -365,14 +382,6 @@ def keep_last_checkpoints(save_dir, keep: int, *, just_saved: int) -> list[int]:
     if finite is not None:
         kept.add(finite)
     return _delete_checkpoints(save_dir, sorted(i for i in newest_first if i not in kept), "--keep-last-checkpoints")
-
-
-def _streak(checkpoint: Path) -> int:
-    """How many non-finite steps in a row preceded a checkpoint's save (0: a finite step)."""
-    try:
-        return int(json.loads((checkpoint / "megafp8.json").read_text())["train"].get("skipped_in_a_row", 0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return 0
 
 
 TOKENIZER_DIR = "tokenizer"
@@ -619,6 +628,11 @@ def wait_for_checksums() -> None:
         _hashing.pop().join()
 
 
+def _own_file_name(name: str) -> bool:
+    """Whether a file name a checkpoint's records give stays in the checkpoint's folder."""
+    return Path(name).name == name and name not in ("", ".", "..")
+
+
 def verify_checkpoint(checkpoint) -> None:
     """Check a checkpoint's files against the checksums recorded with it; raise a CheckpointError
     naming the first damaged file. The files are shared out over the ranks (collective when
@@ -642,7 +656,7 @@ def verify_checkpoint(checkpoint) -> None:
     problem = None
     for name in sorted(files)[rank::world]:
         path = checkpoint / name
-        if Path(name).name != name or name in ("", ".", ".."):
+        if not _own_file_name(name):
             problem = f"{checkpoint / CHECKSUMS} names {name!r}, which is not a file of the checkpoint's own folder"
             break
         want, piece = files[name]
@@ -756,7 +770,7 @@ class CheckpointReader(dcp.FileSystemReader):
         metadata = super().read_metadata(*args, **kwargs)
         for info in (metadata.storage_data or {}).values():
             name = str(getattr(info, "relative_path", ""))
-            if Path(name).name != name or name in ("", ".", ".."):  # DCP joins it to the folder and reads it
+            if not _own_file_name(name):  # DCP joins it to the folder and reads it
                 raise CheckpointError(f"{path} points at {name!r}, outside the checkpoint's folder: refused")
         return metadata
 
