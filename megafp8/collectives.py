@@ -37,16 +37,17 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bo
 
 
 class _Finishing:
-    """A collective's handle whose wait() also runs what must follow it (the fallback's copy)."""
+    """A collective's handle whose wait() also runs what must follow it (the fallback's copy, a
+    reordering) and returns that follow-up's result."""
 
     def __init__(self, work, then):
         self.work, self.then = work, then
 
     def wait(self):
+        """Wait for the collective; returns what the follow-up returns."""
         if self.work is not None:
             self.work.wait()
-        self.then()
-        return True
+        return self.then()
 
 
 def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
@@ -79,6 +80,14 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op
     return handle
 
 
+def exchange(send: torch.Tensor, to: int, receive: torch.Tensor, source: int, group) -> list:
+    """Send `send` to rank `to` of `group` while receiving into `receive` from rank `source`
+    (ranks within the group), asynchronously: the handles to wait for."""
+    ops = [dist.P2POp(dist.isend, _bytes(send), dist.get_global_rank(group, to), group),
+           dist.P2POp(dist.irecv, _bytes(receive), dist.get_global_rank(group, source), group)]
+    return dist.batch_isend_irecv(ops)
+
+
 # -- returning new tensors ------------------------------------------------------------------------
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -91,25 +100,29 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out if dim == 0 else torch.cat(out.unbind(0), dim=dim)
 
 
-def all_gather_columns(t: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate every rank's 2-D `t` along dim 1, in rank order (as one contiguous tensor)."""
+def all_gather_columns(t: torch.Tensor, group, async_op: bool = False):
+    """Concatenate every rank's 2-D `t` along dim 1, in rank order (as one contiguous tensor).
+    With `async_op`, a handle whose wait() returns it."""
     size = group_size(group)
     if size == 1:
-        return t
-    stacked = all_gather(t.unsqueeze(0), group)
-    return stacked.permute(1, 0, 2).reshape(t.shape[0], size * t.shape[1])
+        return _Finishing(None, lambda: t) if async_op else t
+    stacked = t.new_empty((size, *t.shape))
+    work = all_gather_into(stacked, t.unsqueeze(0).contiguous(), group, async_op=async_op)
+    handle = _Finishing(work, lambda: stacked.permute(1, 0, 2).reshape(t.shape[0], size * t.shape[1]))
+    return handle if async_op else handle.wait()
 
 
-def reduce_scatter(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum `t` over the ranks and keep this rank's equal slice of dim 0."""
+def reduce_scatter(t: torch.Tensor, group, async_op: bool = False):
+    """Sum `t` over the ranks and keep this rank's equal slice of dim 0. With `async_op`, a
+    handle whose wait() returns it."""
     size = group_size(group)
     if size == 1:
-        return t
+        return _Finishing(None, lambda: t) if async_op else t
     if t.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {t.shape[0]} rows over {size} ranks")
     out = t.new_empty((t.shape[0] // size, *t.shape[1:]))
-    reduce_scatter_into(out, t.contiguous(), group)
-    return out
+    handle = reduce_scatter_into(out, t.contiguous(), group, async_op=async_op)
+    return _Finishing(handle, lambda: out) if async_op else out
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:

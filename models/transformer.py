@@ -49,14 +49,17 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, recompute_core=False):
+    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, recompute_core=False,
+                 tp_comm_overlap=False):
         super().__init__()
         self.qkv = QKVParallelLinear(config.hidden_size, config.num_attention_heads, config.kv_heads,
                                      config.head_dim, tp_group=tp_group, bias=config.bias, sequence_parallel=sp,
-                                     init_method=normal_init(config.init_method_std), dtype=dtype, device=device)
+                                     tp_comm_overlap=tp_comm_overlap, init_method=normal_init(config.init_method_std),
+                                     dtype=dtype, device=device)
         self.proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                       tp_group=tp_group, bias=config.bias, input_is_parallel=True,
-                                      sequence_parallel=sp, init_method=output_init, dtype=dtype, device=device)
+                                      sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap, init_method=output_init,
+                                      dtype=dtype, device=device)
         self.dropout = config.attention_dropout
         self.recompute_core = recompute_core
 
@@ -85,16 +88,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device):
+    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, tp_comm_overlap=False):
         super().__init__()
         self.gated = config.activation == "swiglu"
         # SwiGLU's gate and up projections run as one GEMM: two stacked column-parallel matrices.
         self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if self.gated else 1),
                                         tp_group=tp_group, bias=config.bias, stack=2 if self.gated else 1,
-                                        sequence_parallel=sp, init_method=normal_init(config.init_method_std),
+                                        sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap,
+                                        init_method=normal_init(config.init_method_std),
                                         dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.bias,
-                                     input_is_parallel=True, sequence_parallel=sp, init_method=output_init,
+                                     input_is_parallel=True, sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap,
+                                     init_method=output_init,
                                      dtype=dtype, device=device)
         self.activation = config.activation  # one of megafp8.fp8.activation_kernels.KINDS
 
@@ -113,15 +118,15 @@ class TransformerLayer(nn.Module):
     With `high_precision`, its linears stay out of FP8 even under fp8_autocast."""
 
     def __init__(self, config: TransformerConfig, tp_group, sp, dtype, device, recompute="none",
-                 high_precision=False):
+                 high_precision=False, tp_comm_overlap=False):
         super().__init__()
         # Megatron's scaled init for the layers that write into the residual stream.
         output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
         self.input_norm = make_norm(config, dtype, device)
         self.attention = Attention(config, tp_group, sp, output_init, dtype, device,
-                                   recompute_core=recompute == "selective")
+                                   recompute_core=recompute == "selective", tp_comm_overlap=tp_comm_overlap)
         self.mlp_norm = make_norm(config, dtype, device)
-        self.mlp = MLP(config, tp_group, sp, output_init, dtype, device)
+        self.mlp = MLP(config, tp_group, sp, output_init, dtype, device, tp_comm_overlap=tp_comm_overlap)
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
 
@@ -187,13 +192,14 @@ class TransformerLM(nn.Module):
     one, the rest keeping their activations (Megatron's --recompute-method). `sequence_parallel` keeps the
     residual stream, norms and dropout on this rank's sequence shard between the tensor-parallel
     regions; the parameters used there carry `param.sequence_parallel = True`, and their
-    gradients must be summed over the tensor-parallel group before the optimizer step. Weights
-    are drawn from the global seed as full tensors and sliced, so any tensor-parallel size
+    gradients must be summed over the tensor-parallel group before the optimizer step;
+    `tp_comm_overlap` runs its gathers and reduce-scatters block by block beside the layers'
+    GEMMs (megafp8.collective_gemm). Weights are drawn from the global seed as full tensors and sliced, so any tensor-parallel size
     builds the same model.
     """
 
     def __init__(self, config: TransformerConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 layers: tuple[int, int] | None = None, seed: int = 0, fp8_output_layer: bool = False,
+                 tp_comm_overlap: bool = False, layers: tuple[int, int] | None = None, seed: int = 0, fp8_output_layer: bool = False,
                  first_last_layers_bf16: int = 0, recompute: str = "none", recompute_method: str = "uniform",
                  recompute_num_layers: int = 1, dtype=None, device=None):
         super().__init__()
@@ -249,7 +255,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): seeded(3 + i, lambda i=i: TransformerLayer(
                 config, tp_group, sp, dtype, device, recompute,
-                high_precision=i < edge or i >= config.num_layers - edge))
+                high_precision=i < edge or i >= config.num_layers - edge, tp_comm_overlap=tp_comm_overlap))
             for i in range(first, last)})
         if self.post_process:
             self.final_norm = make_norm(config, dtype, device)
@@ -257,6 +263,10 @@ class TransformerLM(nn.Module):
                 config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
                 init_method=normal_init(std), dtype=dtype, device=device))
         self.cuda_graphs = None  # enable_cuda_graphs
+        # params_needed(params), if set, is called before the forward reads each group of its
+        # parameters (the embedding, each unit's layers, the final norm and output): a distributed
+        # optimizer that gathers them beside the forward waits there (--overlap-param-gather).
+        self.params_needed = None
         # The units forward runs, each a list of consecutive layers and whether it is recomputed.
         layer_list, n = list(self.layers.values()), recompute_num_layers
         if recompute != "full":
@@ -285,6 +295,9 @@ class TransformerLM(nn.Module):
         `document_ids` and `position_ids` [batch, seq] (from `documents.document_layout`, for
         the whole sequence, on every stage) keep attention inside each document and restart
         positions at each one."""
+        if self.pre_process:
+            self._need([self.embedding.weight, *([self.position_embedding.weight]
+                                                 if self.config.position_embedding == "learned" else [])])
         x = self._embed(inputs, position_ids) if self.pre_process else inputs
         rotary = None
         if self.config.position_embedding == "rope":
@@ -298,6 +311,8 @@ class TransformerLM(nn.Module):
         x = graphed if graphed is not None else self._run_units(x, rotary, mask)
         if not self.post_process:
             return x
+        self._need([*self.final_norm.parameters(), *(self.output_layer.parameters() if self.output_layer is not None
+                                                      else [self.embedding.weight])])
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
         if labels is None:
             return self._mask_padding(logits)
@@ -306,16 +321,22 @@ class TransformerLM(nn.Module):
 
     def _run_units(self, x, rotary, mask):
         for layers, recomputed in self.units:
+            self._need([p for layer in layers for p in layer.parameters()])
             x = run_unit(layers, recomputed, x, rotary, mask)
         return x
+
+    def _need(self, params) -> None:
+        if self.params_needed is not None:
+            self.params_needed(params)
 
     def enable_cuda_graphs(self, grads_ready=None) -> None:
         """Run the transformer layers as CUDA graphs in training from the next forward on, which
         captures them (megafp8.fp8.graphs.LayerGraphs: one forward and one backward graph per
         unit of `units`, a recomputed group being one unit). Parameters need `main_grad` (the
         GradientBuffer), and the layers one eager training step behind them; `grads_ready(params)`
-        is told when a unit's gradients are in main_grad. Backwards must come in the order of
-        their forwards (gradient accumulation; 1F1B, interleaved or not)."""
+        is told when a unit's gradients are in main_grad (and `params_needed`, if set, before a
+        unit's forward reads them). Backwards must come in the order of their forwards (gradient
+        accumulation; 1F1B, interleaved or not)."""
 
         def unit(layers, recomputed):
             def run(x, rotary_cos, rotary_sin, mask):
@@ -323,7 +344,8 @@ class TransformerLM(nn.Module):
                 return run_unit(layers, recomputed, x, rotary, mask)
             return run, nn.ModuleList(layers)
 
-        self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready)
+        self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready,
+                                       self.params_needed)
 
     def disable_cuda_graphs(self) -> None:
         """Back to eager layers; the graphs and their memory pools are freed. A graph that captured

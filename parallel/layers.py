@@ -67,14 +67,15 @@ class ColumnParallelLinear(_ShardedLinear):
 
     The input is replicated over the tensor-parallel ranks, or with `sequence_parallel` it
     arrives as this rank's shard of dim 0 (the sequence, Megatron's [s, b, h] layout) and is
-    all-gathered, in FP8 when the GEMM is FP8. `gather_output` all-gathers the output's last
+    all-gathered, in FP8 when the GEMM is FP8 (with `tp_comm_overlap`, block by block beside the
+    GEMM: megafp8.collective_gemm). `gather_output` all-gathers the output's last
     dim (else each rank keeps its slice, for a following RowParallelLinear). `stack` > 1: the
     output is that many matrices side by side (SwiGLU's gate and up, `stack=2`), each split
     over tp: this rank's output is its slice of each, in that order (gather_output must be off).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  init_method: InitMethod = normal_init(), stack: int = 1, dtype=None, device=None):
         tp = group_size(tp_group)
         super().__init__(in_features, out_features, 0, tp_group, bias, out_features // max(tp, 1),
@@ -82,6 +83,7 @@ class ColumnParallelLinear(_ShardedLinear):
         self.stack = stack
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp > 1
+        self.tp_comm_overlap = tp_comm_overlap and self.sequence_parallel
 
     def forward(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None,
                 grad_from: Optional[GradHandoff] = None) -> torch.Tensor:
@@ -97,7 +99,10 @@ class ColumnParallelLinear(_ShardedLinear):
         elif not self.sequence_parallel:
             y = self.linear(copy_to_tensor_parallel(x, self.tp_group), self.bias, context, fusion)
         elif context is not None:
-            y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group, fusion=fusion)  # gathers in FP8
+            y = self.fp8_linear(x, self.bias, context, gather_group=self.tp_group, fusion=fusion,
+                                overlap=self.tp_comm_overlap)  # gathers in FP8
+        elif self.tp_comm_overlap and not torch.is_autocast_enabled(x.device.type):
+            y = self.high_precision_linear(x, self.bias, gather_group=self.tp_group)
         else:
             y = self.high_precision_linear(gather_from_sequence_parallel(x, self.tp_group), self.bias)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
@@ -112,17 +117,19 @@ class RowParallelLinear(_ShardedLinear):
     output of a ColumnParallelLinear); otherwise it is split here. With sequence parallelism
     the bias gradient on each rank covers only its sequence shard: such parameters carry
     `sequence_parallel = True`, and their gradients must be summed over the tensor-parallel
-    group before the optimizer step (Megatron does the same).
+    group before the optimizer step (Megatron does the same). With `tp_comm_overlap` the
+    reduce-scatter runs block by block beside the GEMM (megafp8.collective_gemm).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
-                 input_is_parallel: bool = False, sequence_parallel: bool = False,
+                 input_is_parallel: bool = False, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  init_method: InitMethod = normal_init(), dtype=None, device=None):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         super().__init__(in_features, out_features, 1, tp_group, bias, out_features, init_method, dtype, device)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.tp_comm_overlap = tp_comm_overlap and self.sequence_parallel
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
 
@@ -136,11 +143,14 @@ class RowParallelLinear(_ShardedLinear):
         fusion, x = self.fusion(context, x, activation=activation, grad_to=grad_to)
         if self.tp_size == 1:  # nothing to sum: the bias goes into the GEMM's epilogue
             return self.linear(x, self.bias, context, fusion)
-        y = self.linear(x, None, context, fusion)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
+        if self.tp_comm_overlap and context is not None:  # the reduce-scatter block by block beside the GEMM
+            y = self.fp8_linear(x, None, context, fusion=fusion, scatter_group=self.tp_group, overlap=True)
+        elif self.tp_comm_overlap and not torch.is_autocast_enabled(x.device.type):
+            y = self.high_precision_linear(x, None, scatter_group=self.tp_group)
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(self.linear(x, None, context, fusion), self.tp_group)
         else:
-            y = reduce_from_tensor_parallel(y, self.tp_group)
+            y = reduce_from_tensor_parallel(self.linear(x, None, context, fusion), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -154,7 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 tp_group=None, bias: bool = False, sequence_parallel: bool = False,
+                 tp_group=None, bias: bool = False, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  init_method: InitMethod = normal_init(), dtype=None, device=None):
         tp = group_size(tp_group)
         if num_heads % num_kv_heads:
@@ -165,7 +175,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                              f"tensor-parallel ranks; use a tensor-parallel size that divides it")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp_group=tp_group, bias=bias,
-                         sequence_parallel=sequence_parallel, init_method=init_method, dtype=dtype, device=device)
+                         sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
+                         init_method=init_method, dtype=dtype, device=device)
 
     def heads(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None):
         """q, k, v (`split_heads`) of `norm(x)` with a norm module, else of `x`. Where this

@@ -22,24 +22,16 @@ def fp8_gemm(
 
     `b` in nn.Linear's weight layout is exactly the column-major second operand that
     `_scaled_mm` wants. `fast_accum` trades accumulation precision for speed on Hopper and is
-    meant for the forward GEMM only (as Transformer Engine and torchao do). `out`: the result
-    is written there (of `out_dtype`, no bias), e.g. an fp32 weight gradient into main_grad.
+    meant for the forward GEMM only (as Transformer Engine and torchao do). `out`: the result is written there
+    (of `out_dtype`, contiguous), e.g. an fp32 weight gradient into main_grad or a block of rows
+    of a larger output.
     """
-    if out is not None:
-        if bias is not None:
-            raise ValueError("fp8_gemm: out= takes no bias")
-        return torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype,
-                                use_fast_accum=fast_accum, out=out)
     fuse_bias = bias is not None and out_dtype in _FUSED_BIAS_DTYPES and bias.dtype == out_dtype
-    out = torch._scaled_mm(
-        a,
-        b.t(),
-        scale_a=a_scale_inv,
-        scale_b=b_scale_inv,
-        bias=bias if fuse_bias else None,
-        out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
-    )
+    result = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias if fuse_bias else None,
+                              out_dtype=out_dtype, use_fast_accum=fast_accum,
+                              **({} if out is None else {"out": out}))
     if bias is not None and not fuse_bias:
-        out = out + bias.to(out_dtype)
-    return out
+        if out is None:
+            return result + bias.to(out_dtype)
+        result += bias.to(out_dtype)
+    return result

@@ -97,10 +97,13 @@ class LayerGraphs:
     a None extra stays None.
 
     Parameters must carry `main_grad` (megafp8.parallel.data_parallel.GradientBuffer).
+    `params_needed(params)` is called before a unit's forward reads its parameters (a
+    distributed optimizer that gathers them beside the forward waits there).
     """
 
     def __init__(self, units: Sequence[tuple[Callable, nn.Module]],
-                 grads_ready: Optional[Callable[[list], None]] = None):
+                 grads_ready: Optional[Callable[[list], None]] = None,
+                 params_needed: Optional[Callable[[list], None]] = None):
         self.functions = [function for function, _ in units]
         self.params = [[p for p in module.parameters() if p.requires_grad] for _, module in units]
         self.all_params = [p for params in self.params for p in params]
@@ -109,7 +112,7 @@ class LayerGraphs:
         if missing:
             raise ValueError("LayerGraphs adds gradients into param.main_grad: build the GradientBuffer "
                              f"before graphing ({len(missing)} parameters have none)")
-        self.grads_ready = grads_ready
+        self.grads_ready, self.params_needed = grads_ready, params_needed
         self.sets: dict = {}
         self.slots = MicroBatchSlots()
         self.pools: list = []  # one memory pool per slot
@@ -131,6 +134,8 @@ class LayerGraphs:
                tuple(None if e is None else _layout(e) for e in extras))
         graphs = self.sets.get(key)
         if graphs is None:
+            if self.params_needed is not None:  # the capture runs every unit first
+                self.params_needed(self.all_params)
             graphs = self.sets[key] = self._capture(x, extras, context, slot, follows_another)
         for static, value in zip(graphs.extras, extras):
             if value is not None:
@@ -149,6 +154,8 @@ class LayerGraphs:
     # -- replay ---------------------------------------------------------------------------------
 
     def replay_forward(self, graphs: _GraphSet, index: int, context, x) -> torch.Tensor:
+        if self.params_needed is not None:
+            self.params_needed(self.params[index])
         if context is not None:
             for linear in self.linears[index]:
                 linear.refresh_weight_cast(context)

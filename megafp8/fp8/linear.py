@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from megafp8 import collectives
+from megafp8 import collective_gemm, collectives
 
 from . import norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
@@ -154,12 +154,21 @@ class Fp8Linear(nn.Linear):
         return Fusion(norm=fused_norm, input_grad_group=input_grad_group if fused_norm else None,
                       activation=activation, grad_to=grad_to if activation else None, grad_from=grad_from), x
 
-    def high_precision_linear(self, x: torch.Tensor, bias) -> torch.Tensor:
-        """F.linear, with its weight gradient added into `main_grad` by the GEMM where it can be."""
-        if (self.fuse_wgrad_accumulation and x.is_cuda and _ADDMM_INTO_FP32
-                and getattr(self.weight, "main_grad", None) is not None and self.weight.requires_grad
-                and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
-                and not torch.is_autocast_enabled(x.device.type)):
+    def high_precision_linear(self, x: torch.Tensor, bias, *, gather_group=None, scatter_group=None) -> torch.Tensor:
+        """F.linear, with its weight gradient added into `main_grad` by the GEMM where it can be.
+        With `gather_group` (`x` is this rank's dim-0 shard, all-gathered over the group first) or
+        `scatter_group` (the output summed over the group, this rank keeping its dim-0 shard), the
+        collective runs in blocks beside the GEMM, forward and backward (megafp8.collective_gemm)."""
+        into_main_grad = (self.fuse_wgrad_accumulation and x.is_cuda and _ADDMM_INTO_FP32
+                          and getattr(self.weight, "main_grad", None) is not None and self.weight.requires_grad
+                          and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
+                          and not torch.is_autocast_enabled(x.device.type))
+        comm = _Collectives(gather_group, scatter_group, overlap=True)
+        if comm.gather is not None or comm.scatter is not None:
+            if torch.is_autocast_enabled(x.device.type):
+                raise ValueError("the overlapped collectives of a high-precision linear do not run under torch.autocast")
+            return _HighPrecisionLinearBesideCollective.apply(x, self.weight, bias, comm, into_main_grad)
+        if into_main_grad:
             return _LinearIntoMainGrad.apply(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -180,18 +189,21 @@ class Fp8Linear(nn.Linear):
         return None
 
     def fp8_linear(self, x: torch.Tensor, bias, context: Fp8Context, gather_group=None,
-                   fusion: Fusion = NO_FUSION) -> torch.Tensor:
+                   fusion: Fusion = NO_FUSION, scatter_group=None, overlap: bool = False) -> torch.Tensor:
         """`x W^T + bias` in FP8 under `context` (from `fp8_context`), with the neighbours of
         `fusion`. With `gather_group`, `x` is this rank's dim-0 shard of the input, all-gathered
         over that group first, in FP8 when the forward GEMM is FP8 (half the bytes of bf16); its
-        gradient comes back reduce-scattered to the shard."""
+        gradient comes back reduce-scattered to the shard. With `scatter_group`, the output is
+        summed over that group and this rank keeps its dim-0 shard (the gradient all-gathered).
+        `overlap`: either collective runs block by block beside the GEMM (megafp8.collective_gemm)."""
         norm = fusion.norm.module if fusion.norm is not None else None
         norm_params = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
+        comm = _Collectives(gather_group, scatter_group, overlap)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
             with torch.autocast(x.device.type, enabled=False):
-                return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, gather_group, fusion)
-        return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, gather_group, fusion)
+                return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, comm, fusion)
+        return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, comm, fusion)
 
     def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int):
         if not x.is_floating_point() or x.numel() == 0:
@@ -273,17 +285,34 @@ class Fp8Linear(nn.Linear):
         return cached
 
 
+@dataclass(frozen=True)
+class _Collectives:
+    """The sequence-parallel collective around one FP8 linear (Fp8Linear.fp8_linear's arguments);
+    groups of one rank count as none."""
+
+    gather: object = None
+    scatter: object = None
+    overlap: bool = False
+
+    def __post_init__(self):
+        for name in ("gather", "scatter"):
+            if collectives.group_size(getattr(self, name)) <= 1:
+                object.__setattr__(self, name, None)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_weight, norm_bias, module: Fp8Linear, context: Fp8Context, gather_group,
-                fusion: Fusion):
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias, module: Fp8Linear, context: Fp8Context,
+                comm: _Collectives, fusion: Fusion):
         recipe = context.recipe
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         fmt = recipe.fp8_format
         x2 = x.reshape(-1, x.shape[-1])
         wgrad_fp8 = weight.requires_grad and not wgrad_hp
         dgrad_fp8 = x.requires_grad and not dgrad_hp
-        gather = gather_group if collectives.group_size(gather_group) > 1 else None
+        gather, scatter = comm.gather, comm.scatter
+        if scatter is not None and bias is not None:
+            raise ValueError("an FP8 linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM")
         fp8_gather = gather is not None and not fprop_hp
         if gather is not None and not fp8_gather:
             x2 = collectives.all_gather(x2, gather)  # a high-precision forward GEMM
@@ -303,8 +332,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
         else:
-            x_data = collectives.all_gather(qx.data, gather) if fp8_gather else qx.data
-            y = fp8_gemm(x_data, qw.data, qx.scale_inv, qw.scale_inv, x2.dtype, bias=bias, fast_accum=True)
+            def gemm(rows, out=None):
+                return fp8_gemm(rows, qw.data, qx.scale_inv, qw.scale_inv, x2.dtype, bias=bias, fast_accum=True,
+                                out=out)
+
+            if fp8_gather and comm.overlap:
+                y = x2.new_empty((collectives.group_size(gather) * x2.shape[0], weight.shape[0]))
+                collective_gemm.gathered_gemm(qx.data, gather, gemm, y)
+            elif scatter is not None and comm.overlap:
+                y = collective_gemm.gemm_reduce_scatter(qx.data, scatter, gemm, weight.shape[0], x2.dtype)
+                scatter = None  # done
+            else:
+                y = gemm(collectives.all_gather(qx.data, gather) if fp8_gather else qx.data)
+        if scatter is not None:
+            y = collectives.reduce_scatter(y, scatter)
 
         # For backward: the input transposed in FP8 (this rank's shard of it, gathered again in
         # backward, when the forward gathered in FP8; as it is, for a high-precision wgrad), and
@@ -322,7 +363,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
         ctx.fp8 = (dgrad_fp8, wgrad_fp8)
         ctx.has_bias = bias is not None
-        ctx.gather, ctx.fp8_gather = gather, fp8_gather
+        ctx.comm, ctx.fp8_gather = comm, fp8_gather
         ctx.fusion, ctx.input_shape = fusion, x.shape
         return y.view(-1, *x.shape[1:-1], y.shape[-1])
 
@@ -333,8 +374,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dgrad_fp8, wgrad_fp8 = ctx.fp8
         dgrad_fp8 &= need_dx
         wgrad_fp8 &= need_dw
-        context, fusion = ctx.context, ctx.fusion
+        context, fusion, comm = ctx.context, ctx.fusion, ctx.comm
         need_dx |= any(ctx.needs_input_grad[3:5])  # the norm's parameters need the dgrad too
+        # The output was reduce-scattered: its gradient is gathered, in high precision before the
+        # cast, or with overlap in FP8 (each rank casts its shard) beside the dgrad GEMM.
+        gather_dy_fp8 = (comm.scatter is not None and comm.overlap and dgrad_fp8 and (wgrad_fp8 or not need_dw)
+                         and fusion.grad_from is None)
+        if comm.scatter is not None and not gather_dy_fp8:
+            dy = collectives.all_gather(dy.contiguous(), comm.scatter)
+        # With overlap, the forward's FP8 input shard is gathered again for wgrad beside the dgrad GEMM.
+        x_gathered = None
+        if wgrad_fp8 and ctx.fp8_gather and comm.overlap:
+            x_gathered = collectives.all_gather_columns(x_saved, comm.gather, async_op=True)
 
         # The output gradient in FP8: handed over by the activation after this layer, or cast here.
         qdy = fusion.grad_from.take(dy) if fusion.grad_from is not None else None
@@ -342,35 +393,40 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if qdy is None and (dgrad_fp8 or wgrad_fp8):
             qdy = cast(dy2, ctx.module.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype,
                        context, backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8,
-                       columnwise=wgrad_fp8, col_sum=need_db and ctx.has_bias)
+                       columnwise=wgrad_fp8, col_sum=need_db and ctx.has_bias,
+                       gather_group=comm.scatter if gather_dy_fp8 else None)
 
         dx = dw = db = dnorm_weight = dnorm_bias = None
-        if need_dx:
+        dy_t = qdy.data_t if wgrad_fp8 else None  # gathered below when dy is gathered in FP8
+        if gather_dy_fp8:
+            def gather_columns():  # beside the dgrad GEMM of the other ranks' rows
+                nonlocal dy_t
+                dy_t = collectives.all_gather_columns(qdy.data_t, comm.scatter, async_op=True)
+
+            dx = dy2.new_empty((collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0]))
+            collective_gemm.gathered_gemm(
+                qdy.data, comm.scatter, lambda rows, out: fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv,
+                                                                   dy.dtype, out=out),
+                dx, after_gather=gather_columns if wgrad_fp8 else None)
+            if wgrad_fp8:
+                dy_t = dy_t.wait()
+        elif need_dx:
             if dgrad_fp8:
                 dx = fp8_gemm(qdy.data, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype)
             else:
                 dx = dy2 @ w_saved.to(dy.dtype)
-            if ctx.gather is not None:
-                dx = collectives.reduce_scatter(dx, ctx.gather)
-            if fusion.norm is not None:
-                if fusion.input_grad_group is not None:
-                    dx = collectives.all_reduce(dx, fusion.input_grad_group)
-                x_in, norm_weight, mean, rstd = neighbour
-                dx, dnorm_weight, dnorm_bias = norm_kernels.norm_backward(
-                    dx, x_in, norm_weight, mean, rstd, fusion.norm.rms, need_weight_grad=ctx.needs_input_grad[3],
-                    need_bias_grad=ctx.needs_input_grad[4])
-            elif fusion.activation is not None:
-                dx = _activation_backward(dx, neighbour[0], fusion, context)
-            dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
+            if comm.gather is not None:  # with overlap, beside the wgrad GEMM
+                dx = collectives.reduce_scatter(dx, comm.gather, async_op=comm.overlap)
         if need_dw:
             if wgrad_fp8:
                 if ctx.fp8_gather:
-                    x_saved = collectives.all_gather_columns(x_saved, ctx.gather)
+                    x_saved = (x_gathered.wait() if x_gathered is not None
+                               else collectives.all_gather_columns(x_saved, comm.gather))
                 main_grad = _empty_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
                 if main_grad is None:
-                    dw = fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
+                    dw = fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
                 else:  # dw stays None: the gradient is in main_grad
-                    fp8_gemm(qdy.data_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad)
+                    fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad)
             else:
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
@@ -381,6 +437,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 main_grad.copy_(db)
                 db = None
+        if need_dx:
+            if comm.gather is not None and comm.overlap:
+                dx = dx.wait()
+            if fusion.norm is not None:
+                if fusion.input_grad_group is not None:
+                    dx = collectives.all_reduce(dx, fusion.input_grad_group)
+                x_in, norm_weight, mean, rstd = neighbour
+                dx, dnorm_weight, dnorm_bias = norm_kernels.norm_backward(
+                    dx, x_in, norm_weight, mean, rstd, fusion.norm.rms, need_weight_grad=ctx.needs_input_grad[3],
+                    need_bias_grad=ctx.needs_input_grad[4])
+            elif fusion.activation is not None:
+                dx = _activation_backward(dx, neighbour[0], fusion, context)
+            dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         return dx, dw, db, dnorm_weight, dnorm_bias, None, None, None, None
 
 
@@ -446,16 +515,71 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        main_grad = ctx.weight.main_grad
-        beta = 0 if ctx.weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
-        torch.ops.aten.addmm.dtype_out(main_grad, dy2.t(), x2, torch.float32, beta=beta, out=main_grad)
-        ctx.weight.main_grad_empty = False
-        db = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32)
-            if getattr(ctx.bias, "main_grad", None) is None:
-                db = db.to(ctx.bias.dtype)
-            else:
-                accumulate_into_main_grad(ctx.bias, db)
-                db = None
+        _, db = _weight_and_bias_grads(ctx.weight, ctx.bias, dy2, x2, into_main_grad=True,
+                                       need_db=ctx.has_bias and ctx.needs_input_grad[2])
         return dx, None, db
+
+
+def _weight_and_bias_grads(weight, bias, dy2, x2, into_main_grad: bool, need_db: bool):
+    """The weight and bias gradients of `x W^T + b` (2-D `dy2` and `x2`): added into `main_grad`
+    by the GEMM itself (`into_main_grad`: beta = 1, or beta = 0 over an empty one) and by the
+    bias reduction where the bias has one, those returned as None."""
+    dw = db = None
+    if into_main_grad:
+        beta = 0 if weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
+        torch.ops.aten.addmm.dtype_out(weight.main_grad, dy2.t(), x2, torch.float32, beta=beta, out=weight.main_grad)
+        weight.main_grad_empty = False
+    elif weight.requires_grad:
+        dw = dy2.t() @ x2
+    if need_db:
+        db = dy2.sum(0, dtype=torch.float32)
+        if getattr(bias, "main_grad", None) is None:
+            db = db.to(bias.dtype)
+        else:
+            accumulate_into_main_grad(bias, db)
+            db = None
+    return dw, db
+
+
+class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
+    """`x W^T + b` in high precision with its sequence-parallel all-gather (of `x`, over
+    `comm.gather`) or reduce-scatter (of the output, over `comm.scatter`) in blocks beside the
+    GEMMs: forward as megafp8.collective_gemm does it; backward the input gradient's
+    reduce-scatter beside the wgrad GEMM, or the output gradient's gather beside the dgrad GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm: _Collectives, into_main_grad: bool):
+        x2 = x.reshape(-1, x.shape[-1])
+
+        def gemm(rows, out):
+            if bias is None:
+                return torch.mm(rows, weight.t(), out=out)
+            return torch.addmm(bias, rows, weight.t(), out=out)
+
+        if comm.gather is not None:
+            y = x2.new_empty((collectives.group_size(comm.gather) * x2.shape[0], weight.shape[0]))
+            x2 = collective_gemm.gathered_gemm(x2.contiguous(), comm.gather, gemm, y)  # kept for wgrad
+        else:
+            if bias is not None:
+                raise ValueError("a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM")
+            y = collective_gemm.gemm_reduce_scatter(x2, comm.scatter, gemm, weight.shape[0], x2.dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.weight, ctx.bias = weight, bias  # parameters (leaves): no reference cycle
+        ctx.comm, ctx.into_main_grad, ctx.input_shape = comm, into_main_grad, x.shape
+        return y.view(-1, *x.shape[1:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        comm = ctx.comm
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        if comm.scatter is not None:  # the output gradient gathered beside the dgrad of this rank's rows
+            dx = dy2.new_empty((x2.shape[0], weight.shape[1]))
+            dy2 = collective_gemm.gathered_gemm(dy2, comm.scatter, lambda rows, out: torch.mm(rows, weight, out=out), dx)
+        else:  # the input gradient's reduce-scatter beside the wgrad GEMM
+            dx = collectives.reduce_scatter(dy2 @ weight, comm.gather, async_op=True)
+        dw, db = _weight_and_bias_grads(ctx.weight, ctx.bias, dy2, x2, ctx.into_main_grad,
+                                        need_db=ctx.bias is not None and ctx.needs_input_grad[2])
+        if comm.gather is not None:
+            dx = dx.wait()
+        return dx.view(ctx.input_shape[:-1] + dx.shape[-1:]), dw, db, None, None

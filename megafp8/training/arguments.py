@@ -120,10 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=_POSITIVE,
                    help="layers of the last pipeline stage (it also holds the output layer and loss)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="with --sequence-parallel: the tensor-parallel linears' all-gathers and reduce-scatters run "
+                        "block by block beside their GEMMs, forward and backward, instead of before or after them")
     g.add_argument("--distributed-timeout-minutes", type=_number(float, above=0.0), default=10.0,
                    help="how long a rank waits in a collective for the others before the run fails (a rank "
                         "that died or hangs); Megatron's default")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: the updated parameters' all-gather runs bucket by bucket "
+                        "beside the next forward, each layer waiting only for its own")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--ddp-bucket-size", type=_POSITIVE, default=DEFAULT_BUCKET_SIZE,
                    help="elements per data-parallel gradient bucket (reduced as soon as it is complete)")
@@ -560,6 +566,9 @@ def _check_sequence_parallel(args) -> None:
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turned off",
                       stacklevel=4)
         args.sequence_parallel = False
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        raise ArgumentsError("--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: give "
+                             "--sequence-parallel too (with --tensor-model-parallel-size > 1)")
     if args.sequence_parallel and args.seq_length % tp:
         raise ArgumentsError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                              f"--seq-length {args.seq_length} must be divisible by "
@@ -747,7 +756,14 @@ def _check_and_resolve(args, given: set) -> None:
     _check_data(args, saved)
     _check_run(args, given)
     _check_profile(args, given)
+    _check_param_gather(args)
     _absolute_paths(args)
+
+
+def _check_param_gather(args) -> None:
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentsError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather with "
+                             "the forward: give --use-distributed-optimizer too")
 
 
 # ---- checks against the world size --------------------------------------------------------------

@@ -5,7 +5,10 @@ model-parallel rank; the distributed optimizer (ZeRO-1) as a sharding of the sam
 Each rank keeps a master copy of the parameter elements it owns: all of them, or with
 `distributed=True` its 1/dp slice of every gradient bucket (`GradientBuffer(shard=True)`), so
 master weights and Adam states are spread over the data-parallel ranks. After the step the
-owners' updated elements are all-gathered into every replica's parameters.
+owners' updated elements are all-gathered into every replica's parameters: at once, or with
+`overlap_param_gather` (Megatron's --overlap-param-gather) bucket by bucket beside the next
+forward, which calls `wait_for_params` before it reads a bucket's parameters; anything else
+that reads them first calls `finish_param_gather`.
 
 On CUDA the step is one fused pass (`adamw_kernel`): AdamW over every master, the clipping
 factor applied as gradients are read, and the new weights written in the model's dtype (into
@@ -79,13 +82,19 @@ class MixedPrecisionAdamW:
 
     def __init__(self, named_params, buffer: GradientBuffer, *, lr, weight_decay=0.01,
                  betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, model_parallel_group=None,
-                 tp_group=None, dp_group=None, distributed=False, fused=None, fp8_linears=()):
+                 tp_group=None, dp_group=None, distributed=False, overlap_param_gather=False, fused=None,
+                 fp8_linears=()):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
         self.model_parallel_group, self.dp_group = model_parallel_group, dp_group
         if distributed and not buffer.shard:
             raise ValueError("the distributed optimizer needs a GradientBuffer built with shard=True")
+        if overlap_param_gather and not distributed:
+            raise ValueError("overlap_param_gather overlaps the distributed optimizer's parameter all-gather: "
+                             "it needs distributed=True")
+        self.overlap_param_gather = overlap_param_gather
+        self._pending_gathers = {}  # bucket -> (all-gather handle, gathered elements): not copied yet
         tp_rank = rank_in(tp_group)
         # (param, start, end, master): the flattened element range of param this rank updates.
         self.shards = []
@@ -238,14 +247,42 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def _gather_params(self):
         """Distributed optimizer: each rank's slice of every bucket (its masters' new values) is
-        all-gathered, and the whole bucket copied into the parameters."""
+        all-gathered, and the whole bucket copied into the parameters; with overlap_param_gather
+        the gathers are launched in the order the forward reads the buckets (the reverse of the
+        gradient buffer's) and each is copied when `wait_for_params` asks for it."""
         if not self.distributed:
             return
-        for bucket, mine in self._gather_inputs.items():
+        self.finish_param_gather()  # a bucket no forward asked for since the last step
+        for bucket in reversed(self.buffer.buckets):
+            mine = self._gather_inputs[bucket]
             gathered = torch.empty(bucket.end - bucket.start, dtype=mine.dtype, device=mine.device)
-            all_gather_into(gathered, mine, self.dp_group)
-            pieces = [gathered[p.main_grad_offset - bucket.start:][:p.numel()].view_as(p) for p in bucket.params]
-            torch._foreach_copy_(bucket.params, pieces)
+            handle = all_gather_into(gathered, mine, self.dp_group, async_op=self.overlap_param_gather)
+            self._pending_gathers[bucket] = (handle, gathered)
+            if not self.overlap_param_gather:
+                self._copy_gathered(bucket)
+
+    @torch.no_grad()
+    def wait_for_params(self, params) -> None:
+        """With overlap_param_gather: the step's new values are in `params` from here on (their
+        buckets' all-gathers waited for and copied); nothing to do for the others."""
+        if self._pending_gathers:
+            for bucket in {self.buffer.bucket_of[p] for p in params if p in self.buffer.bucket_of}:
+                if bucket in self._pending_gathers:
+                    self._copy_gathered(bucket)
+
+    def finish_param_gather(self) -> None:
+        """Every parameter holds the step's new values (overlap_param_gather: before a save, an
+        evaluation, or the end of training)."""
+        for bucket in list(self._pending_gathers):
+            self._copy_gathered(bucket)
+
+    @torch.no_grad()
+    def _copy_gathered(self, bucket) -> None:
+        handle, gathered = self._pending_gathers.pop(bucket)
+        if handle is not None:
+            handle.wait()
+        pieces = [gathered[p.main_grad_offset - bucket.start:][:p.numel()].view_as(p) for p in bucket.params]
+        torch._foreach_copy_(bucket.params, pieces)
 
     # -- checkpoints: per-parameter, layout-free state ----------------------------------------
 

@@ -122,6 +122,7 @@ class Trainer:
         vpp = args.virtual_pipeline_model_parallel_size or 1
         self.chunks = [TransformerLM(
             self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
+            tp_comm_overlap=args.tp_comm_overlap,
             layers=span, seed=args.seed, fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
             recompute=args.recompute_granularity or "none", recompute_method=args.recompute_method or "uniform",
@@ -147,7 +148,10 @@ class Trainer:
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
             model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
             dp_group=groups.dp_group, distributed=args.use_distributed_optimizer,
-            fp8_linears=fp8_linears if self.recipe is not None else ())
+            overlap_param_gather=args.overlap_param_gather, fp8_linears=fp8_linears if self.recipe is not None else ())
+        if args.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
+            for chunk in self.chunks:
+                chunk.params_needed = self.optimizer.wait_for_params
         self.schedule = _lr_schedule(args)
         self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
         self.history = []  # (iteration, loss) of every step this process ran
@@ -349,6 +353,7 @@ class Trainer:
 
     def save(self):
         a = self.args
+        self.optimizer.finish_param_gather()
         if self.tokenizer is not None:
             checkpointing.save_tokenizer(a.save, a.tokenizer_type, self.tokenizer.files)
         path = checkpointing.save_checkpoint(a.save, self.iteration, self.model, self.optimizer,
@@ -541,6 +546,7 @@ class Trainer:
                     self._print(f"stopping at iteration {self.iteration}"
                                 + (f" on {exit_signal.received}" if exit_signal.received else ""))
                     break
+            self.optimizer.finish_param_gather()
         finally:
             micro.close()  # its loader's workers end now, even when an error unwinds the run
             exit_signal.restore()

@@ -30,6 +30,12 @@ def body(rank, world_size):
         collectives.backends_without_reduce_scatter.discard(dist.get_backend(group))
     out["reduce_scatter"] = torch.allclose(native, expected, rtol=1e-6, atol=1e-6)
     out["fallback_equals_native"] = torch.equal(native, fallback)
+    # The asynchronous forms: a handle whose wait() returns what the synchronous form does.
+    out["reduce_scatter_async"] = torch.equal(reduce_scatter(contribution, group, async_op=True).wait(), native)
+    columns = full.chunk(world_size, dim=1)[rank].contiguous()
+    out["gather_columns"] = torch.equal(collectives.all_gather_columns(columns, group), full)
+    out["gather_columns_async"] = torch.equal(
+        collectives.all_gather_columns(columns, group, async_op=True).wait(), full)
     return out
 
 

@@ -14,11 +14,14 @@ HIDDEN, FFN, SEQ, BATCH = 32, 64, 16, 4
 RECIPE = DelayedScaling(amax_history_len=4)
 
 
-def build(group, sequence_parallel):
-    """An MLP's two linears, from the global seed (the same full weights at any tp size)."""
+def build(group, sequence_parallel, overlap=False):
+    """An MLP's two linears, from the global seed (the same full weights at any tp size);
+    `overlap`: their collectives overlapped with the GEMMs (tp_comm_overlap)."""
     torch.manual_seed(0)
-    fc1 = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel)
-    fc2 = RowParallelLinear(FFN, HIDDEN, tp_group=group, input_is_parallel=True, sequence_parallel=sequence_parallel)
+    fc1 = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel,
+                               tp_comm_overlap=overlap)
+    fc2 = RowParallelLinear(FFN, HIDDEN, tp_group=group, input_is_parallel=True, sequence_parallel=sequence_parallel,
+                            tp_comm_overlap=overlap)
     generator = torch.Generator().manual_seed(1)  # non-zero biases, the same on every rank
     full_b1, full_b2 = torch.randn(FFN, generator=generator), torch.randn(HIDDEN, generator=generator)
     with torch.no_grad():
@@ -43,8 +46,9 @@ def scales_of(fc1, fc2):
 
 
 def compare_mlp(rank, tp, group):
-    """For each (fp8, sequence_parallel): the worst relative error of every output and gradient
-    against this rank's part of the tp = 1 result, over three steps; and the final scales."""
+    """For each (fp8, sequence_parallel, tp_comm_overlap): the worst relative error of every output
+    and gradient against this rank's part of the tp = 1 result, over three steps; the final
+    scales; and for each fp8, the largest difference of the overlapped run from the plain one."""
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g))
                for _ in range(3)]
@@ -54,14 +58,16 @@ def compare_mlp(rank, tp, group):
         refs = [mlp_step(ref1, ref2, x, dy, fp8, None) for x, dy in batches]
         if fp8:
             scales["reference"] = scales_of(ref1, ref2)
-        for sp in (False, True):
-            fc1, fc2 = build(group, sp)
+        runs = {}
+        for sp, overlap in ((False, False), (True, False), (True, True)):
+            fc1, fc2 = build(group, sp, overlap)
             assert torch.equal(fc1.weight, ref1.weight.chunk(tp, 0)[rank])
             assert torch.equal(fc2.weight, ref2.weight.chunk(tp, 1)[rank])
             shard = (lambda t: t.chunk(tp, 0)[rank]) if sp else (lambda t: t)
-            worst = 0.0
+            worst, runs[overlap] = 0.0, []
             for (x, dy), ref in zip(batches, refs):
                 out = mlp_step(fc1, fc2, shard(x), shard(dy), fp8, group)
+                runs[overlap].append(out)
                 b2 = out[5].clone()
                 if sp:  # the row bias gradient covers this rank's sequence shard: sum it
                     dist.all_reduce(b2, group=group)
@@ -69,9 +75,12 @@ def compare_mlp(rank, tp, group):
                             ref[4].chunk(tp, 1)[rank], ref[5])
                 for got, want in zip((*out[:5], b2), expected):
                     worst = max(worst, rel_err(got, want))
-            errors[(fp8, sp)] = worst
+            errors[(fp8, sp, overlap)] = worst
             if fp8:
-                scales[sp] = scales_of(fc1, fc2)
+                scales[(sp, overlap)] = scales_of(fc1, fc2)
+        errors[(fp8, "overlapped vs plain")] = max(
+            (a - b).abs().max().item() for plain, overlapped in zip(runs[False], runs[True])
+            for a, b in zip(plain, overlapped))
     return errors, scales
 
 
@@ -157,12 +166,20 @@ def test_parallel_mlp_equals_tp1(tp):
     for rank, result in enumerate(results):
         errors = result["errors"]
         # Without FP8: the same sums in another order, so fp32 rounding.
-        assert errors[(False, False)] < 2e-6 and errors[(False, True)] < 2e-6, errors
+        for layout in ((False, False), (True, False), (True, True)):
+            assert errors[(False, *layout)] < 2e-6, errors
         # With FP8: amaxes reduced over tp give every shard the scales of the full tensors, so the
         # same values are quantized as at tp = 1 and only the summation order differs.
-        assert errors[(True, False)] < 1e-5 and errors[(True, True)] < 1e-5, errors
+        for layout in ((False, False), (True, False), (True, True)):
+            assert errors[(True, *layout)] < 1e-5, errors
+        # The overlapped collectives (blocks of rows, a ring of partial sums) change only that
+        # order; at tp 2 each sum has one term from each side, added in either order alike.
+        for fp8 in (False, True):
+            assert errors[(fp8, "overlapped vs plain")] < (1e-5 if tp > 2 else 1e-30), errors
         scales = result["scales"]
-        assert scales[False] == scales[True] == scales["reference"] == results[0]["scales"][False]
+        reference = scales["reference"]
+        assert scales[(False, False)] == scales[(True, False)] == scales[(True, True)] == reference
+        assert reference == results[0]["scales"][(False, False)]
 
         k, m_local = HIDDEN, SEQ // tp * BATCH
         traffic = result["traffic"]

@@ -212,10 +212,17 @@ def test_cuda_graphs_refuse_what_they_cannot_capture():
         fails("--enable-cuda-graph", "--enable-cuda-graph", "CUDA GPU", world_size=1)
 
 
+def test_overlap_param_gather():
+    assert parse("--use-distributed-optimizer --overlap-param-gather").overlap_param_gather is True
+    fails("--overlap-param-gather", "--overlap-param-gather", "--use-distributed-optimizer")
+
+
 def test_sequence_parallel():
     with pytest.warns(UserWarning, match="--sequence-parallel.*--tensor-model-parallel-size 1"):
         assert parse("--sequence-parallel").sequence_parallel is False
     assert parse("--sequence-parallel --tensor-model-parallel-size 2").sequence_parallel is True
+    assert parse("--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap").tp_comm_overlap is True
+    fails("--tensor-model-parallel-size 2 --tp-comm-overlap", "--tp-comm-overlap", "give --sequence-parallel")
     fails("--sequence-parallel --tensor-model-parallel-size 4 --seq-length 126", "--sequence-parallel",
           "--seq-length 126", "--tensor-model-parallel-size 4")
 

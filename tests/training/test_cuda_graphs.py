@@ -60,15 +60,18 @@ def two_gpu_body(rank, world_size, extra):
 @pytest.mark.parametrize("extra", [
     ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
     ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"],
     ["--fp8-format", "hybrid", "--use-distributed-optimizer"],  # dp 2: the buckets launched after each replay
+    ["--fp8-format", "hybrid", "--use-distributed-optimizer", "--overlap-param-gather"],  # waited before each replay
     ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"],
     ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--pipeline-model-parallel-size", "2",
      "--recompute-granularity", "selective"],
     ["--pipeline-model-parallel-size", "2"],  # bf16
     ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
      "--num-layers-per-virtual-pipeline-stage", "1"],
-], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-delayed", "dp2-delayed", "pp2-delayed", "pp2-current-selective",
+], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-sp-overlap-delayed", "tp2-delayed", "dp2-delayed",
+        "dp2-overlap-param-gather-delayed", "pp2-delayed", "pp2-current-selective",
         "pp2-bf16", "pp2-vpp2-delayed"])
 def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
     """The sequence-parallel gathers and reduce-scatters replay inside the graphs; the amax

@@ -137,6 +137,44 @@ def test_the_gradient_norms_on_the_gpu_are_accurate_and_keep_non_finite_values()
     assert norms[1].isinf() and norms[2].isnan() and norms[3].isfinite()
 
 
+def deferred_param_gather(rank, world_size):
+    """One distributed-optimizer step with overlap_param_gather: (parameters unchanged before any
+    wait, the first layer's changed by its wait and no other, all equal to a gather at once after
+    finish_param_gather)."""
+    groups = ParallelGroups()
+    config = preset("gpt-tiny")
+    tokens = global_batches(config.vocab_size)[0][rank:rank + 1]
+    results = []
+    for overlap in (False, True):
+        model = TransformerLM(config, seed=0)
+        buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=10_000, shard=True)
+        optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-2, dp_group=groups.dp_group,
+                                        distributed=True, overlap_param_gather=overlap)
+        buffer.zero()
+        model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+        buffer.finish()
+        before = [p.detach().clone() for p in model.parameters()]
+        assert optimizer.step()[0]
+        results.append((model, optimizer, before))
+    (plain, _, _), (model, optimizer, before) = results
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    first_layer = list(model.layers["0"].parameters())
+    optimizer.wait_for_params(first_layer)
+    first_changed = all(not torch.equal(p, b) for p, b in zip(model.parameters(), before) if
+                        any(p is q for q in first_layer))
+    others_unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before)
+                           if not any(p is q for q in first_layer) and
+                           buffer.bucket_of[p] not in {buffer.bucket_of[q] for q in first_layer})
+    optimizer.finish_param_gather()
+    equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    return unchanged, first_changed, others_unchanged, equal
+
+
+def test_overlapped_param_gather_is_deferred_to_the_forward_that_needs_it():
+    for unchanged, first_changed, others_unchanged, equal in run_on_ranks(deferred_param_gather, 2):
+        assert unchanged and first_changed and others_unchanged and equal
+
+
 def test_nonfinite_step_is_skipped_on_every_rank():
     results = run_on_ranks(train_tiny, 2, True, 10_000, torch.float32, 1)
     for _, norms, applied, _, _ in results:

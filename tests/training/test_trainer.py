@@ -56,12 +56,23 @@ def one_process():
     return run_on_ranks(losses_of, 1, TINY + ["--train-iters", "4"])[0]
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]])
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"],
+                                   ["--use-distributed-optimizer", "--overlap-param-gather"]])
 def test_data_parallel_matches_one_process(one_process, extra):
     for history in run_on_ranks(losses_of, 2, TINY + ["--train-iters", "4"] + extra):
         assert [i for i, _ in history] == [i for i, _ in one_process]
         for (_, a), (_, b) in zip(history, one_process):
             assert a == pytest.approx(b, rel=2e-5)
+
+
+def test_overlapped_param_gather_trains_as_the_gather_at_once():
+    """--overlap-param-gather with buckets smaller than a layer: each part of the forward waits
+    for its own buckets as it reaches them (the untied output layer's last), bit for bit the run
+    that gathers everything right after the step."""
+    argv = TINY + ["--train-iters", "3", "--use-distributed-optimizer", "--ddp-bucket-size", "5000",
+                   "--untie-embeddings-and-output-weights"]
+    plain = run_on_ranks(losses_of, 2, argv)
+    assert run_on_ranks(losses_of, 2, argv + ["--overlap-param-gather"]) == plain
 
 
 @pytest.mark.parametrize("world, extra", [
@@ -78,6 +89,17 @@ def test_compiled_layers_train_as_eager_ones(world, extra):
     compiled = run_on_ranks(losses_of, world, argv + ["--torch-compile"])
     for history, reference in zip(compiled, eager):
         assert [loss for _, loss in history] == pytest.approx([loss for _, loss in reference], rel=1e-4)
+
+
+@pytest.mark.parametrize("precision", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
+                                       []], ids=["delayed", "current", "high-precision"])
+def test_overlapped_tensor_parallel_collectives_train_as_the_plain_ones(precision):
+    """--tp-comm-overlap: the linears' gathers and reduce-scatters in blocks beside their GEMMs
+    (a ring of partial sums for the reduce-scatter). At tp 2 each sum has one term from each
+    side, added in either order alike: bit for bit the plain run."""
+    argv = TINY + ["--train-iters", "3", *precision, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    plain = run_on_ranks(losses_of, 2, argv)
+    assert run_on_ranks(losses_of, 2, argv + ["--tp-comm-overlap"]) == plain
 
 
 def resume_body(rank, world_size, argv, save):
@@ -385,7 +407,9 @@ def tied_reference():
     (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
     (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--decoder-last-pipeline-num-layers", "1"]),
-], ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven"])
+    # The last stage's tied embedding is read by its output layer, not its embedding's forward.
+    (4, ["--pipeline-model-parallel-size", "2", "--overlap-param-gather"]),
+], ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven", "pp2xdp2-overlap-param-gather"])
 def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(tied_reference, world_size, layout):
     assert 1024 * 64 > 20000  # the embedding is larger than a bucket
     history, norms, _ = tied_reference

@@ -1,0 +1,68 @@
+"""GEMMs overlapped with the sequence-parallel collective around them (`--tp-comm-overlap`).
+
+Under sequence parallelism the input of a column-parallel GEMM is all-gathered before it and the
+output of a row-parallel GEMM reduce-scattered after it, on the critical path of every layer.
+Here both are cut into blocks of rows, one per rank, so that a transfer runs while a block is
+multiplied (the decomposition of Megatron's `--tp-comm-overlap` and of "collective matmul"):
+
+- `gathered_gemm`: the all-gather runs while this rank multiplies its own block; the other
+  ranks' blocks follow once they are in.
+- `gemm_reduce_scatter`: a ring. At step s rank r multiplies block (r - s - 1) mod tp, adds the
+  partial sum received from rank r - 1 and sends it on to rank r + 1 while the next block is
+  multiplied; after tp steps each rank holds its own block summed over every rank.
+
+The GEMM is a callable `gemm(rows, out)` writing `rows @ W` into `out` (the FP8 linears pass
+theirs). Nothing waits on the host: the collectives run on NCCL's stream, ordered against the
+compute stream by events, so both work inside CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .collectives import all_gather_into, exchange, group_size, rank_in
+
+Gemm = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
+                  after_gather: Optional[Callable[[], object]] = None) -> torch.Tensor:
+    """`all_gather(local) @ W` into `out` (rows in rank order), the gather overlapped with the GEMM
+    of this rank's own rows. `after_gather` is called once the gather is in, before the GEMM of
+    the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered input."""
+    size, rank, rows = group_size(group), rank_in(group), local.shape[0]
+    gathered = local.new_empty((size * rows, *local.shape[1:]))
+    work = all_gather_into(gathered, local, group, async_op=True)
+    mine = slice(rank * rows, (rank + 1) * rows)
+    gemm(local, out[mine])
+    work.wait()
+    if after_gather is not None:
+        after_gather()
+    for others in (slice(0, mine.start), slice(mine.stop, size * rows)):
+        if others.stop > others.start:
+            gemm(gathered[others], out[others])
+    return gathered
+
+
+def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's block of rows of `sum over ranks (a @ W)` (a reduce-scatter of the GEMM's
+    output), each block's transfer overlapped with the GEMM of the next (module docstring)."""
+    size, rank = group_size(group), rank_in(group)
+    if a.shape[0] % size:
+        raise ValueError(f"cannot reduce-scatter {a.shape[0]} rows over {size} ranks")
+    rows = a.shape[0] // size
+    partial = received = sent = None
+    handles = ()
+    for step in range(size):
+        block = (rank - step - 1) % size
+        partial = torch.empty((rows, out_features), dtype=dtype, device=a.device)
+        gemm(a[block * rows:(block + 1) * rows], partial)
+        for handle in handles:
+            handle.wait()
+        if received is not None:
+            partial += received
+        if step < size - 1:  # `sent` stays referenced until its transfer is waited for
+            sent, received = partial, torch.empty_like(partial)
+            handles = exchange(sent, (rank + 1) % size, received, (rank - 1) % size, group)
+    return partial
