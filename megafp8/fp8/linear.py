@@ -533,11 +533,11 @@ def _weight_and_bias_grads(weight, bias, dy2, x2, into_main_grad: bool, need_db:
         dw = dy2.t() @ x2
     if need_db:
         db = dy2.sum(0, dtype=torch.float32)
-        if getattr(bias, "main_grad", None) is None:
-            db = db.to(bias.dtype)
-        else:
+        if into_main_grad and getattr(bias, "main_grad", None) is not None:
             accumulate_into_main_grad(bias, db)
             db = None
+        else:  # autograd's: the graphs' warm-up turns the fusion off and must leave main_grad alone
+            db = db.to(bias.dtype)
     return dw, db
 
 

@@ -133,6 +133,7 @@ class Trainer:
             for chunk in self.chunks:
                 compile_layers(chunk)
         self.model = PipelineStage(self.chunks, groups)
+        self.captured_graphs = []  # per chunk, what its CUDA graphs held when released (release_cuda_graphs)
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
         # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
@@ -440,6 +441,8 @@ class Trainer:
         if not any(chunk.cuda_graphs is not None for chunk in self.chunks):
             return
         torch.cuda.synchronize()  # no replay still running on the GPU
+        self.captured_graphs = [{"graph sets": len(chunk.cuda_graphs.sets), "slots": len(chunk.cuda_graphs.pools)}
+                                for chunk in self.chunks if chunk.cuda_graphs is not None]
         for chunk in self.chunks:
             chunk.disable_cuda_graphs()
         gc.collect()  # graph sets referenced from cycles (autograd contexts) go now, not at exit

@@ -10,6 +10,7 @@ import torch
 from megafp8 import CurrentScaling, Fp8Linear, fp8_autocast
 from megafp8.parallel.data_parallel import GradientBuffer
 
+from ..multiprocess import run_on_ranks
 from .helpers import rel_err
 
 MICRO_BATCHES = 3
@@ -128,3 +129,25 @@ def test_on_the_gpu_the_fused_gradients_equal_the_unfused_to_bf16_rounding(fp8):
     if not fp8:
         ref = sum(dy.double().t() @ x.double() for x, dy in data)
         assert rel_err(got[-1][0], ref) <= rel_err(want[-1][0], ref)
+
+
+def beside_collective_body(rank, size):
+    torch.manual_seed(5)
+    layer = Fp8Linear(64, 48, dtype=torch.float32)
+    buffer = GradientBuffer(layer.parameters())
+    layer.fuse_wgrad_accumulation = False
+    before = [(p.main_grad.clone(), p.main_grad_empty) for p in layer.parameters()]
+    x = torch.randn(8, 64, requires_grad=True)
+    y = layer.high_precision_linear(x, layer.bias, gather_group=torch.distributed.group.WORLD)
+    grads = torch.autograd.grad(y, (x, layer.weight, layer.bias), torch.randn_like(y))  # as the warm-up
+    untouched = all(torch.equal(p.main_grad, grad) and p.main_grad_empty == empty
+                    for p, (grad, empty) in zip(layer.parameters(), before))
+    del buffer
+    return untouched, all(grad is not None for grad in grads)
+
+
+def test_without_fusion_a_linear_beside_its_collective_leaves_main_grad_alone():
+    """The CUDA graphs' warm-up turns the fusion off for a backward whose gradients it throws
+    away: the overlapped high-precision linear must then hand both to autograd."""
+    for untouched, autograd_has_them in run_on_ranks(beside_collective_body, 2):
+        assert untouched and autograd_has_them
