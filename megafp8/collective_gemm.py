@@ -12,8 +12,10 @@ multiplied (the decomposition of Megatron's `--tp-comm-overlap` and of "collecti
   multiplied; after tp steps each rank holds its own block summed over every rank.
 
 The GEMM is a callable `gemm(rows, out)` writing `rows @ W` into `out` (the FP8 linears pass
-theirs). Nothing waits on the host: the collectives run on NCCL's stream, ordered against the
-compute stream by events, so both work inside CUDA graphs.
+theirs). Nothing waits on the host: the transfers run on NCCL's stream, or on the copy engines
+where the group was given to `megafp8.symmetric_memory.use_copy_engines` (there the reduce-scatter
+is no ring: each rank copies its block's partial sums from every peer beside its own block's
+GEMM), ordered against the compute stream by events, so both work inside CUDA graphs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import symmetric_memory
+from .collectives import all_gather_columns as _nccl_all_gather_columns
 from .collectives import all_gather_into, exchange, group_size, rank_in
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], object]
@@ -33,7 +37,9 @@ def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
     the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered input."""
     size, rank, rows = group_size(group), rank_in(group), local.shape[0]
     gathered = local.new_empty((size * rows, *local.shape[1:]))
-    work = all_gather_into(gathered, local, group, async_op=True)
+    copy_engines = symmetric_memory.workspace(group)
+    work = (copy_engines.all_gather_into(gathered, local) if copy_engines is not None
+            else all_gather_into(gathered, local, group, async_op=True))
     mine = slice(rank * rows, (rank + 1) * rows)
     gemm(local, out[mine])
     work.wait()
@@ -51,6 +57,9 @@ def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, d
     size, rank = group_size(group), rank_in(group)
     if a.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {a.shape[0]} rows over {size} ranks")
+    copy_engines = symmetric_memory.workspace(group)
+    if copy_engines is not None:
+        return copy_engines.gemm_reduce_scatter(a, gemm, out_features, dtype)
     rows = a.shape[0] // size
     partial = received = sent = None
     handles = ()
@@ -66,3 +75,14 @@ def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, d
             sent, received = partial, torch.empty_like(partial)
             handles = exchange(sent, (rank + 1) % size, received, (rank - 1) % size, group)
     return partial
+
+
+def all_gather_columns(t: torch.Tensor, group):
+    """A handle whose wait() returns every rank's 2-D `t` concatenated along dim 1 (the
+    transposed FP8 blocks the weight-gradient GEMM reads), gathered while other work runs."""
+    copy_engines = symmetric_memory.workspace(group)
+    if copy_engines is None:
+        return _nccl_all_gather_columns(t, group, async_op=True)
+    stacked = t.new_empty((group_size(group), *t.shape))
+    return copy_engines.all_gather_into(stacked, t.contiguous()).then(
+        lambda blocks: blocks.permute(1, 0, 2).reshape(t.shape[0], -1))

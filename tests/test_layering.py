@@ -20,7 +20,7 @@ PACKAGES = {
     "models": ROOT / "models",
     "data": ROOT / "data",
 }
-BASE_MODULES = ("collectives", "collective_gemm", "console", "validation")
+BASE_MODULES = ("collectives", "collective_gemm", "symmetric_memory", "console", "validation")
 FORBIDDEN = {
     "base": {"fp8", "parallel", "models", "training", "data"},
     "fp8": {"parallel", "models", "training", "data"},

@@ -385,7 +385,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # With overlap, the forward's FP8 input shard is gathered again for wgrad beside the dgrad GEMM.
         x_gathered = None
         if wgrad_fp8 and ctx.fp8_gather and comm.overlap:
-            x_gathered = collectives.all_gather_columns(x_saved, comm.gather, async_op=True)
+            x_gathered = collective_gemm.all_gather_columns(x_saved, comm.gather)
 
         # The output gradient in FP8: handed over by the activation after this layer, or cast here.
         qdy = fusion.grad_from.take(dy) if fusion.grad_from is not None else None
@@ -401,7 +401,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if gather_dy_fp8:
             def gather_columns():  # beside the dgrad GEMM of the other ranks' rows
                 nonlocal dy_t
-                dy_t = collectives.all_gather_columns(qdy.data_t, comm.scatter, async_op=True)
+                dy_t = collective_gemm.all_gather_columns(qdy.data_t, comm.scatter)
 
             dx = dy2.new_empty((collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0]))
             collective_gemm.gathered_gemm(

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="with --sequence-parallel: the tensor-parallel linears' all-gathers and reduce-scatters run "
                         "block by block beside their GEMMs, forward and backward, instead of before or after them")
+    g.add_argument("--tp-comm-overlap-transport", choices=("auto", "copy-engine", "nccl"), default="auto",
+                   help="how --tp-comm-overlap moves the blocks: copy-engine (symmetric memory over NVLink, no SMs "
+                        "taken from the GEMMs; GPUs of one node), nccl (NCCL kernels), or auto: copy engines with "
+                        "--enable-cuda-graph where the GPUs allow, else NCCL")
     g.add_argument("--distributed-timeout-minutes", type=_number(float, above=0.0), default=10.0,
                    help="how long a rank waits in a collective for the others before the run fails (a rank "
                         "that died or hangs); Megatron's default")
@@ -569,6 +573,9 @@ def _check_sequence_parallel(args) -> None:
     if args.tp_comm_overlap and not args.sequence_parallel:
         raise ArgumentsError("--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: give "
                              "--sequence-parallel too (with --tensor-model-parallel-size > 1)")
+    if args.tp_comm_overlap_transport != "auto" and not args.tp_comm_overlap:
+        raise ArgumentsError(f"--tp-comm-overlap-transport {args.tp_comm_overlap_transport} chooses how "
+                             "--tp-comm-overlap moves its blocks: give --tp-comm-overlap too")
     if args.sequence_parallel and args.seq_length % tp:
         raise ArgumentsError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: "
                              f"--seq-length {args.seq_length} must be divisible by "

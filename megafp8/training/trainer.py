@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megafp8 import symmetric_memory
 from megafp8.console import show_warnings_as_messages
 from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets,
                           build_split_datasets, build_tokenizer, parse_split)
@@ -119,6 +120,7 @@ class Trainer:
                 "--attention-dropout 0, or leave one of the two flags out")
         self.recipe = arguments.fp8_recipe(args)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.tp_comm_transport = _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
         vpp = args.virtual_pipeline_model_parallel_size or 1
         self.chunks = [TransformerLM(
             self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
@@ -595,8 +597,23 @@ def pretrain(argv=None):
         failed = False
         return trainer
     finally:
+        symmetric_memory.stop_using_copy_engines()  # after the graphs that addressed them
         if own_group:
             _end_process_group(failed)
+
+
+def _tp_comm_transport(args, tp_group) -> str:
+    """How --tp-comm-overlap moves its blocks (--tp-comm-overlap-transport): on copy engines under
+    CUDA graphs where the tensor-parallel group can (graphed, they cut the step's exposed
+    communication; eager, their extra launches cost more than they hide), else through NCCL."""
+    reason = symmetric_memory.unavailable_reason(tp_group)
+    if args.tp_comm_overlap_transport == "copy-engine" and reason is not None:
+        raise arguments.ArgumentsError(f"--tp-comm-overlap-transport copy-engine: {reason}; give nccl or auto")
+    if args.tp_comm_overlap_transport == "copy-engine" or (
+            args.tp_comm_overlap_transport == "auto" and args.enable_cuda_graph and reason is None):
+        symmetric_memory.use_copy_engines(tp_group)
+        return "copy-engine"
+    return "nccl"
 
 
 def _end_process_group(failed: bool) -> None:

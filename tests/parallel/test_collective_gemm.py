@@ -1,11 +1,12 @@
 """The GEMMs overlapped with their sequence-parallel collective (megafp8.collective_gemm),
 against the same product computed whole, over 2, 3 and 4 gloo ranks (3: a ring whose rank 1
-has blocks on both sides of its own)."""
+has blocks on both sides of its own); on two GPUs, their copy-engine transfers
+(megafp8.symmetric_memory) against NCCL's."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from megafp8 import collective_gemm
+from megafp8 import collective_gemm, symmetric_memory
 
 from ..multiprocess import run_on_ranks
 
@@ -63,3 +64,66 @@ def test_overlapped_gemms_equal_the_whole_product(size):
         assert result["reduce_scatter_error"] < 1e-14, result
         assert result["reduce_scatter_shape"] == (ROWS, N)
         assert "cannot reduce-scatter" in result["bad_rows"]
+
+
+def unavailable_body(rank, size):
+    group = dist.group.WORLD
+    reason = symmetric_memory.unavailable_reason(group)
+    try:
+        symmetric_memory.use_copy_engines(group)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    columns = collective_gemm.all_gather_columns(torch.full((3, 2), float(rank)), group).wait()
+    return reason, refused, symmetric_memory.workspace(group), columns
+
+
+def test_copy_engines_are_refused_with_the_reason_where_the_group_cannot_use_them():
+    """gloo on the CPU: no symmetric memory; the overlap keeps its NCCL/gloo transfers."""
+    for reason, refused, workspace, columns in run_on_ranks(unavailable_body, 2):
+        assert "CUDA GPUs and the NCCL backend" in reason and "gloo" in reason
+        assert refused == f"copy-engine transfers are not available: {reason}"
+        assert workspace is None
+        assert torch.equal(columns, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 3))
+
+
+def copy_engine_body(rank, size):
+    """Each overlapped transfer on NCCL and on copy engines, eager and replayed from a CUDA graph
+    (twice, with new inputs): bit for bit alike."""
+    group, device = dist.group.WORLD, torch.device("cuda", rank)
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.empty(ROWS * 16, K * 8, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(N * 8, K * 8, generator=g, device=device, dtype=torch.bfloat16)
+    gemm = lambda rows, out: torch.mm(rows, weight.t(), out=out)  # noqa: E731
+
+    def transfers():
+        product = torch.empty(size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16)
+        gathered = collective_gemm.gathered_gemm(x, group, gemm, product)
+        mine = collective_gemm.gemm_reduce_scatter(x.repeat(size, 1), group, gemm, weight.shape[0], torch.bfloat16)
+        columns = collective_gemm.all_gather_columns(x.t().contiguous(), group).wait()
+        return product, gathered, mine, columns
+
+    results = []
+    for inputs in range(2):
+        x.copy_(torch.randn(x.shape, generator=g, device=device))
+        nccl = [t.clone() for t in transfers()]
+        symmetric_memory.use_copy_engines(group)
+        try:
+            eager = [t.clone() for t in transfers()]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = transfers()
+            graph.replay()
+            replayed = [t.clone() for t in static]
+        finally:
+            symmetric_memory.stop_using_copy_engines()
+        torch.cuda.synchronize()
+        results.append([torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(nccl, eager, replayed)])
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
+    for result in run_on_ranks(copy_engine_body, 2, backend="nccl"):
+        assert result == [[True] * 4] * 2, result

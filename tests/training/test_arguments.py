@@ -223,6 +223,11 @@ def test_sequence_parallel():
     assert parse("--sequence-parallel --tensor-model-parallel-size 2").sequence_parallel is True
     assert parse("--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap").tp_comm_overlap is True
     fails("--tensor-model-parallel-size 2 --tp-comm-overlap", "--tp-comm-overlap", "give --sequence-parallel")
+    overlap = "--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap"
+    assert parse(overlap).tp_comm_overlap_transport == "auto"
+    assert parse(overlap + " --tp-comm-overlap-transport nccl").tp_comm_overlap_transport == "nccl"
+    fails("--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap-transport copy-engine",
+          "--tp-comm-overlap-transport copy-engine", "give --tp-comm-overlap too")
     fails("--sequence-parallel --tensor-model-parallel-size 4 --seq-length 126", "--sequence-parallel",
           "--seq-length 126", "--tensor-model-parallel-size 4")
 

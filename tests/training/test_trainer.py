@@ -102,6 +102,27 @@ def test_overlapped_tensor_parallel_collectives_train_as_the_plain_ones(precisio
     assert run_on_ranks(losses_of, 2, argv + ["--tp-comm-overlap"]) == plain
 
 
+def transport_body(rank, world_size, argv):
+    chosen = pretrain(argv).tp_comm_transport
+    try:
+        pretrain(argv + ["--tp-comm-overlap-transport", "copy-engine"])
+        refused = None
+    except arguments.ArgumentsError as error:
+        refused = str(error)
+    return chosen, refused
+
+
+def test_tp_comm_overlap_takes_nccl_where_copy_engines_cannot_run():
+    """auto keeps NCCL (here gloo) where the GPUs cannot share memory; copy-engine asked for there
+    stops the run at start with the reason."""
+    argv = TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--tp-comm-overlap"]
+    for chosen, refused in run_on_ranks(transport_body, 2, argv):
+        assert chosen == "nccl"
+        assert refused.startswith("--tp-comm-overlap-transport copy-engine: copy engines need CUDA GPUs")
+        assert refused.endswith("give nccl or auto")
+
+
 def resume_body(rank, world_size, argv, save):
     straight = pretrain(argv + ["--train-iters", "6"]).history
     first = pretrain(argv + ["--train-iters", "6", "--save", save, "--exit-interval", "3"]).history

@@ -1,0 +1,172 @@
+"""The tensor-parallel transfers of `--tp-comm-overlap` on the GPUs' copy engines, through
+PyTorch's symmetric memory (the transport of Transformer Engine's userbuffers and of torch's
+async tensor parallelism).
+
+An NCCL kernel needs streaming multiprocessors, and a persistent FP8 GEMM holds all of them
+until it ends: NCCL's all-gather beside a GEMM mostly runs after it. Here each rank puts its
+block into a buffer every rank of the group can address, and the others copy it out with
+cudaMemcpy over NVLink, which runs on copy engines and leaves the SMs to the GEMM. A one-block
+barrier kernel (symmetric memory's signal pads) orders the writes and the reads.
+
+Every transfer runs on one copy stream, forked from the compute stream and joined back by the
+handle's wait(), so it works inside CUDA graphs. Its workspace grows outside a capture and is
+never freed while the process lives (captured graphs keep its address). Each rank of a group
+must call the same transfers in the same order, as the overlapped layers do.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import group_size, rank_in
+
+_workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
+
+
+def unavailable_reason(group) -> Optional[str]:
+    """Why `group` cannot move its tensor-parallel blocks on copy engines, or None if it can."""
+    if group_size(group) < 2:
+        return "the group has a single rank"
+    if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
+        return f"copy engines need CUDA GPUs and the NCCL backend (this group runs {dist.get_backend(group)})"
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return f"torch {torch.__version__} has no symmetric memory"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if local % group_size(group):
+        return (f"the group's {group_size(group)} ranks are not all on one node ({local} processes per node): "
+                f"symmetric memory maps the peers' GPU memory, within a node")
+    return None
+
+
+def use_copy_engines(group) -> None:
+    """Move the overlapped blocks of `group` on copy engines from now on (see `unavailable_reason`)."""
+    reason = unavailable_reason(group)
+    if reason is not None:
+        raise RuntimeError(f"copy-engine transfers are not available: {reason}")
+    _workspaces.setdefault(group, _Workspace(group))
+
+
+def stop_using_copy_engines() -> None:
+    """Back to NCCL for every group (the workspaces stay allocated: graphs may hold them)."""
+    _workspaces.clear()
+
+
+def workspace(group) -> Optional["_Workspace"]:
+    """The copy-engine workspace of `group`, or None where its blocks travel through NCCL."""
+    return _workspaces.get(group)
+
+
+class _Pending:
+    """A transfer on the copy stream; wait() orders the current stream after it and returns the
+    result. It holds the tensors the transfer reads until then."""
+
+    def __init__(self, done: torch.cuda.Event, result: torch.Tensor, keep=()):
+        self.done, self.result, self.keep = done, result, keep
+
+    def then(self, follow: Callable[[torch.Tensor], torch.Tensor]) -> "_Pending":
+        """The same transfer, whose wait() returns `follow(result)`."""
+        return _Then(self, follow)
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream().wait_event(self.done)
+        self.keep = ()
+        return self.result
+
+
+class _Then:
+    def __init__(self, pending: _Pending, follow):
+        self.pending, self.follow = pending, follow
+
+    def wait(self) -> torch.Tensor:
+        return self.follow(self.pending.wait())
+
+
+class _Workspace:
+    """One group's symmetric buffer: a gather region (written and read on the copy stream) and a
+    scatter region (written by the compute stream's GEMMs, read by the peers' copy streams)."""
+
+    def __init__(self, group):
+        self.group, self.size, self.rank = group, group_size(group), rank_in(group)
+        self.stream = torch.cuda.Stream()
+        self.gather_bytes = self.scatter_bytes = 0
+        self.handle = self.mine = self.peers = None
+        self._kept = []  # earlier buffers: graphs captured with them still address them
+
+    def _reserve(self, gather_bytes: int = 0, scatter_bytes: int = 0) -> None:
+        if gather_bytes <= self.gather_bytes and scatter_bytes <= self.scatter_bytes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the copy-engine workspace must grow during a CUDA graph capture: run the same "
+                               "shapes eagerly first (--cuda-graph-warmup-steps), as the trainer does")
+        symmetric = importlib.import_module("torch.distributed._symmetric_memory")
+        align = lambda n: -(-n // 256) * 256  # noqa: E731
+        self.gather_bytes = align(max(gather_bytes, self.gather_bytes))
+        self.scatter_bytes = align(max(scatter_bytes, self.scatter_bytes))
+        if self.mine is not None:
+            self._kept.append(self.mine)
+        self.mine = symmetric.empty(self.gather_bytes + self.scatter_bytes, dtype=torch.uint8,
+                                    device=torch.cuda.current_device())
+        self.handle = symmetric.rendezvous(self.mine, self.group.group_name)  # collective over the group
+        self.peers = [self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8) for rank in range(self.size)]
+
+    def _fork(self) -> torch.cuda.Stream:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        return self.stream
+
+    def _join(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> _Pending:
+        """Every rank's `local` into `out`'s dim-0 blocks in rank order, on the copy stream; the
+        handle returns `out`."""
+        n = local.numel() * local.element_size()
+        self._reserve(gather_bytes=n)
+        mine, received = _bytes(local), _bytes(out)
+        with torch.cuda.stream(self._fork()):
+            self.peers[self.rank][:n].copy_(mine)
+            self.handle.barrier(channel=0)  # every rank's block is in
+            for step in range(1, self.size):
+                peer = (self.rank + step) % self.size
+                received[peer * n:(peer + 1) * n].copy_(self.peers[peer][:n])
+            received[self.rank * n:(self.rank + 1) * n].copy_(mine)
+            self.handle.barrier(channel=1)  # every peer has read this rank's block: it may be overwritten
+            done = self._join()
+        return _Pending(done, out, keep=(local,))
+
+    def gemm_reduce_scatter(self, a: torch.Tensor, gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's block of rows of `sum over ranks (a @ W)`: the GEMM writes the other ranks'
+        blocks into the scatter region, each rank copies its own from every peer while it
+        multiplies its own rows, and adds them."""
+        rows = a.shape[0] // self.size
+        block = rows * out_features * torch.empty((), dtype=dtype).element_size()
+        self._reserve(scatter_bytes=self.size * block)
+        region = self.peers[self.rank][self.gather_bytes:]
+        for step in range(1, self.size):  # the previous call's reads are done: its barrier was joined
+            peer = (self.rank + step) % self.size
+            gemm(a[peer * rows:(peer + 1) * rows], region[peer * block:(peer + 1) * block].view(dtype).view(rows, -1))
+        received = torch.empty((self.size - 1, rows, out_features), dtype=dtype, device=a.device)
+        with torch.cuda.stream(self._fork()):
+            self.handle.barrier(channel=0)  # every rank's partial sums are in
+            for step in range(1, self.size):
+                peer = (self.rank - step) % self.size
+                start = self.gather_bytes + self.rank * block
+                _bytes(received[step - 1]).copy_(self.peers[peer][start:start + block])
+            self.handle.barrier(channel=1)
+            done = self._join()
+        out = torch.empty((rows, out_features), dtype=dtype, device=a.device)
+        gemm(a[self.rank * rows:(self.rank + 1) * rows], out)
+        torch.cuda.current_stream().wait_event(done)
+        for partial in received:
+            out += partial
+        return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
