@@ -14,6 +14,10 @@ MODEL_ARGS=${MODEL_ARGS:-}; SAMPLE_VOCAB=${SAMPLE_VOCAB:-32768}
 CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
 TP=${TP:-1}; PP=${PP:-1}
+# With pipeline stages, the interleaved 1F1B schedule of VPP virtual stages per rank: it divides
+# the pipeline's bubble by VPP (measured at GPT-1.3B pp 2: 1.04x plain 1F1B; docs/tuning.md).
+# VPP=1: plain 1F1B (needed where the micro-batches per step are not a multiple of PP).
+VPP=${VPP:-2}
 MBS=${MBS:-4}; GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 8))}
 SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
 LR=${LR:-2e-4}; MIN_LR=${MIN_LR:-2e-5}; WARMUP=${WARMUP:-$((ITERS / 10))}
@@ -61,6 +65,7 @@ fi
 exec torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
     --model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
+    $( [ "$PP" -gt 1 ] && echo --num-virtual-stages-per-pipeline-rank "$VPP" ) \
     $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
     --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \

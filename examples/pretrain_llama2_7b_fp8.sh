@@ -3,7 +3,7 @@
 # scaling on one node: 4 pipeline stages, data parallel over the rest, selective recomputation and
 # the distributed optimizer. Pipeline rather than tensor parallelism because FP8 keeps its gain
 # there (1.27x bf16 at pp 4 x dp 2 on 8 H200s, 0.76x at tp 2 x pp 2 x dp 2: docs/tuning.md).
-# Sizes come from the environment (GPUS TP PP MBS GBS SEQ ITERS LR MIN_LR WARMUP PRECISION
+# Sizes come from the environment (GPUS TP PP VPP MBS GBS SEQ ITERS LR MIN_LR WARMUP PRECISION
 # FP8_RECIPE WORKDIR SAVE LOG_INTERVAL EXTRA_ARGS; see examples/pretrain_fp8.sh); data from
 # DATA_PATH + TOKENIZER_MODEL or, when unset, the embedded sample corpus, prepared under $WORKDIR.
 #   GPUS=8 bash examples/pretrain_llama2_7b_fp8.sh                           # pp 4 x dp 2

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_POSITIVE,
                    help="interleaved 1F1B: layers per virtual stage")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_POSITIVE,
+                   help="interleaved 1F1B: virtual stages per pipeline rank (1: not interleaved), the layers of a "
+                        "rank split evenly among them; or give --num-layers-per-virtual-pipeline-stage")
     g.add_argument("--decoder-first-pipeline-num-layers", type=_POSITIVE,
                    help="layers of the first pipeline stage (it also holds the embedding); the others split the rest")
     g.add_argument("--decoder-last-pipeline-num-layers", type=_POSITIVE,
@@ -534,12 +537,27 @@ def _resolve_model(args, given) -> TransformerConfig | None:
 def _check_pipeline(args) -> None:
     pp, vpp_layers = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if stages is not None and vpp_layers is not None:
+        raise ArgumentsError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
+                             "say the same thing; give one")
+    if stages is not None and stages > 1:
+        if pp == 1:
+            raise ArgumentsError(f"--num-virtual-stages-per-pipeline-rank {stages} needs "
+                                 "--pipeline-model-parallel-size > 1")
+        per_rank = args.num_layers // pp
+        if args.num_layers % pp == 0 and per_rank % stages:
+            raise ArgumentsError(f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} = {per_rank} "
+                                 f"layers per rank do not split into --num-virtual-stages-per-pipeline-rank "
+                                 f"{stages} equal virtual stages; give a divisor of {per_rank} (1: not interleaved)")
+        vpp_layers = args.num_layers_per_virtual_pipeline_stage = per_rank // stages
     if first is not None or last is not None:
         if pp == 1:
             raise ArgumentsError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
         if vpp_layers is not None:
-            raise ArgumentsError("--decoder-first/last-pipeline-num-layers and "
-                                 "--num-layers-per-virtual-pipeline-stage cannot be combined; give one")
+            raise ArgumentsError("--decoder-first/last-pipeline-num-layers and the interleaved schedule "
+                                 "(--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank) "
+                                 "cannot be combined; give one")
         from megafp8.parallel.stages import stage_layers
         try:  # the same split the trainer will make, checked before any process starts
             stage_layers(args.num_layers, pp, 0, 1, first, last)
@@ -817,9 +835,11 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     args.num_micro_batches = args.global_batch_size // per_pass
     if args.virtual_pipeline_model_parallel_size is not None and args.num_micro_batches % pp:
         raise ArgumentsError(
-            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the micro-batches "
-            f"per step ({args.num_micro_batches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be a multiple of --pipeline-model-parallel-size {pp}")
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage, "
+            f"--num-virtual-stages-per-pipeline-rank) needs the micro-batches per step ({args.num_micro_batches} = "
+            f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; change the batch sizes or leave the schedule uninterleaved "
+            f"(--num-virtual-stages-per-pipeline-rank 1; VPP=1 in the recipes)")
 
     if args.train_samples is not None:  # Megatron's rule, with no batch-size ramp-up
         args.train_iters = args.train_samples // args.global_batch_size

@@ -40,11 +40,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "pretrain_gpt_1b_fp8.sh"
 
-# name: (GPUs, tp, pp, layers per virtual pipeline stage or 0)
+# name: (GPUs, tp, pp, virtual stages per pipeline rank: the recipe's VPP). The recipe interleaves
+# two by default; pp2 and pp4 (one layer per stage) check plain 1F1B.
 LAYOUTS = {
-    "1gpu": (1, 1, 1, 0),
-    "dp2": (2, 1, 1, 0), "tp2": (2, 2, 1, 0), "pp2": (2, 1, 2, 0), "vpp2": (2, 1, 2, 1),
-    "tp2pp2": (4, 2, 2, 0), "pp2dp2": (4, 1, 2, 0), "tp2dp2": (4, 2, 1, 0), "pp4": (4, 1, 4, 0), "dp4": (4, 1, 1, 0),
+    "1gpu": (1, 1, 1, 1),
+    "dp2": (2, 1, 1, 1), "tp2": (2, 2, 1, 1), "pp2": (2, 1, 2, 1), "vpp2": (2, 1, 2, 2),
+    "tp2pp2": (4, 2, 2, 2), "pp2dp2": (4, 1, 2, 2), "tp2dp2": (4, 2, 1, 1), "pp4": (4, 1, 4, 1), "dp4": (4, 1, 1, 1),
 }
 PRECISIONS = ("bf16", "delayed", "current")
 EXIT_WITHIN_S = 30.0
@@ -114,18 +115,16 @@ def overlap_flags(layout: str, tp_comm_overlap: bool, overlap_param_gather: bool
 
 def environment(run: Run, work: Path, cpu: bool, devices: list[int], flags=()) -> dict:
     """The recipe's environment for `run`, with the trainer's extra `flags`."""
-    gpus, tp, pp, vpp_layers = LAYOUTS[run.layout]
+    gpus, tp, pp, vpp = LAYOUTS[run.layout]
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     save = work / "runs" / run.name
     extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234", *flags]
-    if vpp_layers:
-        extra += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
     if run.kind == "resumed":
         extra += ["--load", str(work / "runs" / run.straight.name / f"iter_{RESUME_AT:07d}")]
     # A signalled run runs until the signal (its longer run draws other batches: not compared).
     iterations = "1000" if run.kind == "sigterm" else shape["ITERS"]
-    env = {**os.environ, "GPUS": str(gpus), "TP": str(tp), "PP": str(pp), "MBS": shape["MBS"], "GBS": shape["GBS"],
-           "SEQ": shape["SEQ"], "ITERS": iterations, "WARMUP": shape["WARMUP"], "LOG_INTERVAL": "1",
+    env = {**os.environ, "GPUS": str(gpus), "TP": str(tp), "PP": str(pp), "VPP": str(vpp), "MBS": shape["MBS"],
+           "GBS": shape["GBS"], "SEQ": shape["SEQ"], "ITERS": iterations, "WARMUP": shape["WARMUP"], "LOG_INTERVAL": "1",
            "PRECISION": "bf16" if run.precision == "bf16" else "fp8", "FP8_RECIPE": run.precision,
            "CUDA_GRAPH": "1" if run.graphs else "0", "WORKDIR": str(work / "data"), "SAVE": str(save),
            "EXTRA_ARGS": " ".join(extra), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -156,7 +155,7 @@ class Outcome:
 def failing_command(run: Run, work: Path, cpu: bool, flags=()) -> list[str]:
     """The recipe's trainer command for a run whose last rank fails (tests.multigpu.failing_rank),
     on synthetic tokens: what matters is how the ranks end, not the data."""
-    gpus, tp, pp, vpp_layers = LAYOUTS[run.layout]
+    gpus, tp, pp, vpp = LAYOUTS[run.layout]
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     command = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), "-m", "tests.multigpu.failing_rank",
                "--model", "gpt-1.3b", "--seq-length", shape["SEQ"], "--max-position-embeddings", shape["SEQ"],
@@ -169,8 +168,8 @@ def failing_command(run: Run, work: Path, cpu: bool, flags=()) -> list[str]:
     if tp > 1:
         command.append("--sequence-parallel")
     command += flags
-    if vpp_layers:
-        command += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    if pp > 1:
+        command += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
     if run.graphs:
         command.append("--enable-cuda-graph")
     return command

@@ -205,6 +205,25 @@ def test_parallel_contradictions():
     assert vpp.virtual_pipeline_model_parallel_size == 2
 
 
+def test_virtual_stages_per_pipeline_rank():
+    """Megatron's other spelling of the interleaved schedule: the virtual stages of a rank."""
+    vpp = parse("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4")
+    assert vpp.num_layers_per_virtual_pipeline_stage == 1 and vpp.virtual_pipeline_model_parallel_size == 4
+    plain = parse("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1")
+    assert plain.virtual_pipeline_model_parallel_size is None
+    assert parse("--num-virtual-stages-per-pipeline-rank 1").virtual_pipeline_model_parallel_size is None
+    fails("--num-virtual-stages-per-pipeline-rank 2", "--num-virtual-stages-per-pipeline-rank 2",
+          "--pipeline-model-parallel-size > 1")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3",
+          "4 layers per rank", "--num-virtual-stages-per-pipeline-rank 3", "a divisor of 4")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+          "--num-layers-per-virtual-pipeline-stage 2", "give one")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+          "--decoder-last-pipeline-num-layers 3", "cannot be combined")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+          "--global-batch-size 2", "multiple of", "VPP=1", world_size=2)
+
+
 def test_cuda_graphs_refuse_what_they_cannot_capture():
     fails("--enable-cuda-graph --torch-compile", "--enable-cuda-graph", "--torch-compile", world_size=1)
     fails("--cuda-graph-warmup-steps 0", "--cuda-graph-warmup-steps")
