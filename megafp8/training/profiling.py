@@ -13,6 +13,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -71,9 +72,12 @@ class StepProfiler:
         if kernels["kernels"]:
             lines.append(
                 f"GPU busy {kernels['busy_ms'] / steps:.1f} ms per step ({100 * kernels['busy_ms'] / (1000 * wall):.0f}% "
-                f"of the wall time): compute kernels {kernels['compute_ms'] / steps:.1f} ms, NCCL kernels "
-                f"{kernels['nccl_ms'] / steps:.1f} ms, of which {kernels['nccl_exposed_ms'] / steps:.1f} ms with no "
-                "compute kernel running beside them")
+                f"of the wall time): compute kernels {kernels['compute_ms'] / steps:.1f} ms, communication "
+                f"{kernels['communication_ms'] / steps:.1f} ms, of which {kernels['communication_exposed_ms'] / steps:.1f} "
+                "ms with no compute kernel running beside it")
+            lines.append("communication by kind, ms per step (with no compute beside it): " + ", ".join(
+                f"{kind} {totals['ms'] / steps:.1f} ({totals['exposed_ms'] / steps:.1f}) in {totals['count'] / steps:.0f} transfers"
+                for kind, totals in kernels["by_kind"].items()))
             lines.append("kernel time by category, ms per step: " + ", ".join(
                 f"{category} {ms / steps:.1f}" for category, ms in kernel_categories(events).items()))
         summary = self.directory / f"{name}.txt"
@@ -87,25 +91,52 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
 
+def communication_kind(event: dict) -> Optional[str]:
+    """The transfer a trace event is, or None for compute: an NCCL kernel by its collective
+    (AllGather, ReduceScatter, AllReduce, SendRecv, ...), a peer-to-peer copy (the copy engines
+    of `--tp-comm-overlap`'s symmetric memory, which the profiler names PtoP), or a barrier of
+    symmetric memory (a one-block kernel that waits for the peers)."""
+    name = event.get("name", "")
+    if event.get("cat") == "gpu_memcpy":
+        return "peer copies" if "PtoP" in name else None
+    if event.get("cat") != "kernel":
+        return None
+    if "nccl" in name.lower():
+        collective = re.search(r"ncclDevKernel_([A-Za-z]+)|ncclKernel_([A-Za-z]+)", name)
+        return next((group for group in collective.groups() if group), "NCCL") if collective else "NCCL"
+    return "symmetric-memory barriers" if "barrier_kernel" in name else None
+
+
 def kernel_time(trace: dict) -> dict:
-    """From a Chrome trace: milliseconds in which any GPU kernel ran (`busy_ms`), any compute
-    (non-NCCL) kernel ran, NCCL kernels ran (summed), and NCCL ran with no compute beside it
-    (communication nothing overlapped). Idle wall time beyond `busy_ms` is time the GPU waited
-    on the host (launches, Python) or on another rank."""
-    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e.get("name", "").lower())
-               for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
-    compute = _merged([(start, end) for start, end, nccl in kernels if not nccl])
-    nccl = [(start, end) for start, end, is_nccl in kernels if is_nccl]
+    """From a Chrome trace: milliseconds in which any GPU kernel or transfer ran (`busy_ms`), any
+    compute kernel ran, communication ran (summed; `communication_kind`), and communication ran
+    with no compute kernel beside it (nothing overlapped), in all and per kind (`by_kind`: count,
+    ms, exposed ms). Idle wall time beyond `busy_ms` is time the GPU waited on the host (launches,
+    Python) or on another rank."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
+    timed = [(e["ts"], e["ts"] + e["dur"], communication_kind(e), e.get("cat") == "kernel") for e in events]
+    compute = _merged([(start, end) for start, end, kind, kernel in timed if kind is None and kernel])
     starts = [start for start, _ in compute]
-    exposed = sum(_length(_minus(interval, compute, starts)) for interval in _merged(nccl))
-    return {"kernels": len(kernels), "busy_ms": _length(_merged([(s, e) for s, e, _ in kernels])) / 1000,
-            "compute_ms": _length(compute) / 1000, "nccl_ms": sum(e - s for s, e in nccl) / 1000,
-            "nccl_exposed_ms": exposed / 1000}
+    by_kind: dict = {}
+    for start, end, kind, _ in timed:
+        if kind is not None:
+            totals = by_kind.setdefault(kind, {"count": 0, "ms": 0.0, "exposed_ms": 0.0})
+            totals["count"] += 1
+            totals["ms"] += (end - start) / 1000
+            totals["exposed_ms"] += _length(_minus((start, end), compute, starts)) / 1000
+    communication = _merged([(start, end) for start, end, kind, _ in timed if kind is not None])
+    exposed = sum(_length(_minus(interval, compute, starts)) for interval in communication)
+    busy = _merged([(start, end) for start, end, kind, kernel in timed if kernel or kind is not None])
+    return {"kernels": sum(kernel for *_, kernel in timed), "busy_ms": _length(busy) / 1000,
+            "compute_ms": _length(compute) / 1000,
+            "communication_ms": sum(totals["ms"] for totals in by_kind.values()),
+            "communication_exposed_ms": exposed / 1000,
+            "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1]["ms"]))}
 
 
 # (category, pattern of kernel names), first match wins; names as cuBLAS/cuDNN/Triton/ATen give them.
 KERNEL_CATEGORIES = (
-    ("communication", r"nccl"),
+    ("communication", r"nccl|barrier_kernel"),
     ("FP8 GEMMs", r"nvjet_sm\d+_q|_f8|e4m3|e5m2"),
     ("other GEMMs", r"nvjet|gemm|cutlass|xmma|_mm_"),
     ("attention", r"flash|fmha|sdpa|attention|dot_do_o|convert_dq"),

@@ -502,15 +502,24 @@ def test_kernel_time_separates_exposed_communication():
 
     trace = {"traceEvents": [
         kernel("sm90_gemm", 0, 100), kernel("quantize", 50, 100),       # compute 0..150
-        kernel("ncclKernel_AllGather", 120, 60),                       # 30 beside compute, 30 alone
-        kernel("ncclKernel_ReduceScatter", 300, 50),                   # alone
-        kernel("sm90_gemm", 400, 10), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999}]}
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 60),  # 30 beside, 30 alone
+        kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 300, 50),  # alone
+        kernel("sm90_gemm", 400, 10),
+        kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", 405, 20),
+        {"cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 440, "dur": 30},  # alone
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 500, "dur": 5},   # local: neither
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999}]}
     times = kernel_time(trace)
-    assert times["kernels"] == 5
-    assert times["busy_ms"] * 1000 == 150 + 30 + 50 + 10
+    assert times["kernels"] == 6
+    assert times["busy_ms"] * 1000 == 150 + 30 + 50 + 25 + 30
     assert times["compute_ms"] * 1000 == 160
-    assert times["nccl_ms"] * 1000 == 110
-    assert times["nccl_exposed_ms"] * 1000 == 80
+    assert times["communication_ms"] * 1000 == 60 + 50 + 20 + 30
+    assert times["communication_exposed_ms"] * 1000 == 30 + 50 + 15 + 30
+    assert {kind: (t["count"], round(t["ms"] * 1000), round(t["exposed_ms"] * 1000))
+            for kind, t in times["by_kind"].items()} == {
+        "AllGather": (1, 60, 30), "ReduceScatter": (1, 50, 50), "symmetric-memory barriers": (1, 20, 15),
+        "peer copies": (1, 30, 30)}
+    assert list(times["by_kind"])[0] == "AllGather"  # largest first
 
 
 def test_kernel_categories_name_what_the_step_spent_its_gpu_time_on():
