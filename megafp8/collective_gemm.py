@@ -19,7 +19,7 @@ GEMM), ordered against the compute stream by events, so both work inside CUDA gr
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +31,7 @@ Gemm = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
-                  after_gather: Optional[Callable[[], object]] = None) -> torch.Tensor:
+                  after_gather: Callable[[], object] | None = None) -> torch.Tensor:
     """`all_gather(local) @ W` into `out` (rows in rank order), the gather overlapped with the GEMM
     of this rank's own rows. `after_gather` is called once the gather is in, before the GEMM of
     the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered input."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from .collectives import group_size, rank_in
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
 
 
-def unavailable_reason(group) -> Optional[str]:
+def unavailable_reason(group) -> str | None:
     """Why `group` cannot move its tensor-parallel blocks on copy engines, or None if it can."""
     if group_size(group) < 2:
         return "the group has a single rank"
@@ -56,7 +56,7 @@ def stop_using_copy_engines() -> None:
     _workspaces.clear()
 
 
-def workspace(group) -> Optional["_Workspace"]:
+def workspace(group) -> _Workspace | None:
     """The copy-engine workspace of `group`, or None where its blocks travel through NCCL."""
     return _workspaces.get(group)
 
@@ -68,7 +68,7 @@ class _Pending:
     def __init__(self, done: torch.cuda.Event, result: torch.Tensor, keep=()):
         self.done, self.result, self.keep = done, result, keep
 
-    def then(self, follow: Callable[[torch.Tensor], torch.Tensor]) -> "_Pending":
+    def then(self, follow: Callable[[torch.Tensor], torch.Tensor]) -> _Pending:
         """The same transfer, whose wait() returns `follow(result)`."""
         return _Then(self, follow)
 
@@ -104,9 +104,8 @@ class _Workspace:
             raise RuntimeError("the copy-engine workspace must grow during a CUDA graph capture: run the same "
                                "shapes eagerly first (--cuda-graph-warmup-steps), as the trainer does")
         symmetric = importlib.import_module("torch.distributed._symmetric_memory")
-        align = lambda n: -(-n // 256) * 256  # noqa: E731
-        self.gather_bytes = align(max(gather_bytes, self.gather_bytes))
-        self.scatter_bytes = align(max(scatter_bytes, self.scatter_bytes))
+        self.gather_bytes = _aligned(max(gather_bytes, self.gather_bytes))
+        self.scatter_bytes = _aligned(max(scatter_bytes, self.scatter_bytes))
         if self.mine is not None:
             self._kept.append(self.mine)
         self.mine = symmetric.empty(self.gather_bytes + self.scatter_bytes, dtype=torch.uint8,
@@ -166,6 +165,10 @@ class _Workspace:
         for partial in received:
             out += partial
         return out
+
+
+def _aligned(size: int) -> int:
+    return -(-size // 256) * 256  # regions start on 256-byte boundaries, as the GEMMs writing them expect
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

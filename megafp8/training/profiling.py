@@ -13,7 +13,6 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -91,7 +90,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
 
-def communication_kind(event: dict) -> Optional[str]:
+def communication_kind(event: dict) -> str | None:
     """The transfer a trace event is, or None for compute: an NCCL kernel by its collective
     (AllGather, ReduceScatter, AllReduce, SendRecv, ...), a peer-to-peer copy (the copy engines
     of `--tp-comm-overlap`'s symmetric memory, which the profiler names PtoP), or a barrier of

@@ -6,9 +6,9 @@ with the step's first micro-batch not rounded to bf16 at all. A buffer zeroed la
 values left in place) gives the same gradients as a cleared one."""
 import pytest
 import torch
+from megafp8.parallel.data_parallel import GradientBuffer
 
 from megafp8 import CurrentScaling, Fp8Linear, fp8_autocast
-from megafp8.parallel.data_parallel import GradientBuffer
 
 from ..multiprocess import run_on_ranks
 from .helpers import rel_err

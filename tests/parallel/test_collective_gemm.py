@@ -94,7 +94,7 @@ def copy_engine_body(rank, size):
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.empty(ROWS * 16, K * 8, device=device, dtype=torch.bfloat16)
     weight = torch.randn(N * 8, K * 8, generator=g, device=device, dtype=torch.bfloat16)
-    gemm = lambda rows, out: torch.mm(rows, weight.t(), out=out)  # noqa: E731
+    gemm = lambda rows, out: torch.mm(rows, weight.t(), out=out)
 
     def transfers():
         product = torch.empty(size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16)
