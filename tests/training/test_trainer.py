@@ -115,7 +115,7 @@ def transport_body(rank, world_size, argv):
 def test_tp_comm_overlap_takes_nccl_where_copy_engines_cannot_run():
     """auto keeps NCCL (here gloo) where the GPUs cannot share memory; copy-engine asked for there
     stops the run at start with the reason."""
-    argv = TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    argv = TINY + ["--train-iters", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                    "--tp-comm-overlap"]
     for chosen, refused in run_on_ranks(transport_body, 2, argv):
         assert chosen == "nccl"
