@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from megafp8.collectives import all_gather_into, group_size, reduce_scatter_into
 from megafp8.fp8.gemm import fp8_gemm
 
 TRANSPORTS = ("nccl", "copy-engine")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings' timing helpers (microseconds)
 
 
 def shapes(hidden: int, ffn: int, tp: int) -> list:
@@ -41,46 +42,19 @@ def shapes(hidden: int, ffn: int, tp: int) -> list:
             ("proj", "row", hidden // tp, hidden), ("fc2", "row", ffn // tp, hidden)]
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        def timed(fn, repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) * 1000 / repeats
-    else:
-        def timed(fn, repeats):
-            begin = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            return (time.perf_counter() - begin) * 1e6 / repeats
-    return timed
+def microseconds(fn, device, calls: int, graphed: bool) -> float:
+    """The slowest rank's mean time of one `fn()`: eager calls, or `calls` calls replayed from one
+    CUDA graph (bench_collectives' timing around bench_fp8_linear's capture)."""
+    from bench_collectives import measure
+    if not graphed:
+        return 1000 * measure(fn, warmup=3, iters=calls, device=device)
+    from bench_fp8_linear import graphed as captured  # triton: GPUs only
 
+    def many():
+        for _ in range(calls):
+            fn()
 
-def microseconds(fn, group, device, calls: int, graphed: bool) -> float:
-    """The slowest rank's mean time of one `fn()` (see the module docstring)."""
-    timed = _timer(device)
-    for _ in range(3):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        us = timed(graph.replay, 3) / calls
-    else:
-        dist.barrier(group)
-        us = timed(fn, calls)
-    slowest = torch.tensor([us], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return slowest.item()
+    return 1000 * measure(captured(many), warmup=1, iters=3, device=device) / calls
 
 
 def measure(group, device, hidden: int, ffn: int, tokens: int, transports, calls: int, graphed: bool) -> list:
@@ -139,14 +113,14 @@ def _measure_gemm(group, device, name, kind, k, n, tokens, transports, calls, gr
             collective_gemm.gemm_reduce_scatter(a, group, gemm, n, out_dtype)
 
     record = {"gemm": name, "kind": kind, "rows": tp * rows, "in_features": k, "out_features": n,
-              "gemm_us": microseconds(alone, group, device, calls, graphed),
-              "transfer_us": microseconds(transfer, group, device, calls, graphed),
-              "plain_us": microseconds(plain, group, device, calls, graphed)}
+              "gemm_us": microseconds(alone, device, calls, graphed),
+              "transfer_us": microseconds(transfer, device, calls, graphed),
+              "plain_us": microseconds(plain, device, calls, graphed)}
     for transport in transports:
         if transport == "copy-engine":
             symmetric_memory.use_copy_engines(group)
         try:
-            record[f"{transport}_us"] = microseconds(overlapped, group, device, calls, graphed)
+            record[f"{transport}_us"] = microseconds(overlapped, device, calls, graphed)
         finally:
             symmetric_memory.stop_using_copy_engines()
         record[f"{transport}_hidden"] = (record["plain_us"] - record[f"{transport}_us"]) / record["transfer_us"]
