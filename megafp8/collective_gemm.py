@@ -10,6 +10,9 @@ multiplied (the decomposition of Megatron's `--tp-comm-overlap` and of "collecti
 - `gemm_reduce_scatter`: a ring. At step s rank r multiplies block (r - s - 1) mod tp, adds the
   partial sum received from rank r - 1 and sends it on to rank r + 1 while the next block is
   multiplied; after tp steps each rank holds its own block summed over every rank.
+- `gemm_then_reduce_scatter`: the GEMM whole, its output's reduce-scatter beside the caller's
+  next GEMM (the backward of a column-parallel linear: the input gradient's reduce-scatter
+  beside the weight-gradient GEMM).
 
 The GEMM is a callable `gemm(rows, out)` writing `rows @ W` into `out` (the FP8 linears pass
 theirs). Nothing waits on the host: the transfers run on NCCL's stream, or on the copy engines
@@ -25,20 +28,28 @@ import torch
 
 from . import symmetric_memory
 from .collectives import all_gather_columns as _nccl_all_gather_columns
-from .collectives import all_gather_into, exchange, group_size, rank_in
+from .collectives import (
+    all_gather_into,
+    exchange,
+    group_size,
+    rank_in,
+    reduce_scatter,
+    side_by_side,
+)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
-                  after_gather: Callable[[], object] | None = None) -> torch.Tensor:
+                  after_gather: Callable[[], object] | None = None, keep_gathered: bool = True) -> torch.Tensor | None:
     """`all_gather(local) @ W` into `out` (rows in rank order), the gather overlapped with the GEMM
     of this rank's own rows. `after_gather` is called once the gather is in, before the GEMM of
-    the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered input."""
+    the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered
+    input, or None without `keep_gathered` (the copy engines then skip this rank's own block)."""
     size, rank, rows = group_size(group), rank_in(group), local.shape[0]
     gathered = local.new_empty((size * rows, *local.shape[1:]))
     copy_engines = symmetric_memory.workspace(group)
-    work = (copy_engines.all_gather_into(gathered, local) if copy_engines is not None
+    work = (copy_engines.all_gather_into(gathered, local, own_block=keep_gathered) if copy_engines is not None
             else all_gather_into(gathered, local, group, async_op=True))
     mine = slice(rank * rows, (rank + 1) * rows)
     gemm(local, out[mine])
@@ -48,7 +59,7 @@ def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
     for others in (slice(0, mine.start), slice(mine.stop, size * rows)):
         if others.stop > others.start:
             gemm(gathered[others], out[others])
-    return gathered
+    return gathered if keep_gathered else None
 
 
 def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -77,6 +88,19 @@ def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, d
     return partial
 
 
+def gemm_then_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype):
+    """A handle whose wait() returns this rank's block of rows of `sum over ranks (a @ W)`: the
+    GEMM runs now, the reduce-scatter of its output while the caller computes until wait() (the
+    weight-gradient GEMM, in the backward of a column-parallel linear). On the copy engines the
+    GEMM writes straight into the buffer the peers read."""
+    copy_engines = symmetric_memory.workspace(group)
+    if copy_engines is not None:
+        return copy_engines.reduce_scatter_after(lambda out: gemm(a, out), a.shape[0], out_features, dtype)
+    out = torch.empty((a.shape[0], out_features), dtype=dtype, device=a.device)
+    gemm(a, out)
+    return reduce_scatter(out, group, async_op=True)
+
+
 def all_gather_columns(t: torch.Tensor, group):
     """A handle whose wait() returns every rank's 2-D `t` concatenated along dim 1 (the
     transposed FP8 blocks the weight-gradient GEMM reads), gathered while other work runs."""
@@ -84,5 +108,4 @@ def all_gather_columns(t: torch.Tensor, group):
     if copy_engines is None:
         return _nccl_all_gather_columns(t, group, async_op=True)
     stacked = t.new_empty((group_size(group), *t.shape))
-    return copy_engines.all_gather_into(stacked, t.contiguous()).then(
-        lambda blocks: blocks.permute(1, 0, 2).reshape(t.shape[0], -1))
+    return copy_engines.all_gather_into(stacked, t.contiguous()).then(side_by_side)

@@ -108,8 +108,15 @@ def all_gather_columns(t: torch.Tensor, group, async_op: bool = False):
         return _Finishing(None, lambda: t) if async_op else t
     stacked = t.new_empty((size, *t.shape))
     work = all_gather_into(stacked, t.unsqueeze(0).contiguous(), group, async_op=async_op)
-    handle = _Finishing(work, lambda: stacked.permute(1, 0, 2).reshape(t.shape[0], size * t.shape[1]))
+    handle = _Finishing(work, lambda: side_by_side(stacked))
     return handle if async_op else handle.wait()
+
+
+def side_by_side(stacked: torch.Tensor) -> torch.Tensor:
+    """The blocks of `stacked` (blocks, rows, columns) side by side, (rows, blocks x columns): a
+    concatenation of byte views, which torch copies with wide loads (a permutation of FP8 data
+    copies byte by byte, several times slower)."""
+    return torch.cat(stacked.view(torch.uint8).unbind(0), dim=1).view(stacked.dtype)
 
 
 def reduce_scatter(t: torch.Tensor, group, async_op: bool = False):

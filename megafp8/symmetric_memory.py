@@ -9,9 +9,11 @@ cudaMemcpy over NVLink, which runs on copy engines and leaves the SMs to the GEM
 barrier kernel (symmetric memory's signal pads) orders the writes and the reads.
 
 Every transfer runs on one copy stream, forked from the compute stream and joined back by the
-handle's wait(), so it works inside CUDA graphs. Its workspace grows outside a capture and is
-never freed while the process lives (captured graphs keep its address). Each rank of a group
-must call the same transfers in the same order, as the overlapped layers do.
+handle's wait(), so it works inside CUDA graphs. A gather's closing barrier (its peers are done
+reading) stays on the copy stream, off the compute stream's path: a CUDA graph capture must call
+`join_copy_streams()` before it ends. The workspace grows outside a capture and is never freed
+while the process lives (captured graphs keep its address). Each rank of a group must call the
+same transfers in the same order, as the overlapped layers do.
 """
 from __future__ import annotations
 
@@ -54,6 +56,13 @@ def use_copy_engines(group) -> None:
 def stop_using_copy_engines() -> None:
     """Back to NCCL for every group (the workspaces stay allocated: graphs may hold them)."""
     _workspaces.clear()
+
+
+def join_copy_streams() -> None:
+    """Order the current stream after every transfer issued so far, closing barriers included:
+    a CUDA graph capture calls this before it ends (a capture must join every stream it forked)."""
+    for space in _workspaces.values():
+        torch.cuda.current_stream().wait_stream(space.stream)
 
 
 def workspace(group) -> _Workspace | None:
@@ -122,9 +131,10 @@ class _Workspace:
         done.record(self.stream)
         return done
 
-    def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> _Pending:
+    def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, own_block: bool = True) -> _Pending:
         """Every rank's `local` into `out`'s dim-0 blocks in rank order, on the copy stream; the
-        handle returns `out`."""
+        handle returns `out`. Without `own_block` this rank's block of `out` is left unwritten
+        (for a caller that reads it from `local`)."""
         n = local.numel() * local.element_size()
         self._reserve(gather_bytes=n)
         mine, received = _bytes(local), _bytes(out)
@@ -134,9 +144,12 @@ class _Workspace:
             for step in range(1, self.size):
                 peer = (self.rank + step) % self.size
                 received[peer * n:(peer + 1) * n].copy_(self.peers[peer][:n])
-            received[self.rank * n:(self.rank + 1) * n].copy_(mine)
-            self.handle.barrier(channel=1)  # every peer has read this rank's block: it may be overwritten
+            if own_block:
+                received[self.rank * n:(self.rank + 1) * n].copy_(mine)
             done = self._join()
+            # Every peer has read this rank's block before the copy stream writes the region
+            # again; the compute stream need not wait for it.
+            self.handle.barrier(channel=1)
         return _Pending(done, out, keep=(local,))
 
     def gemm_reduce_scatter(self, a: torch.Tensor, gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,13 +157,43 @@ class _Workspace:
         blocks into the scatter region, each rank copies its own from every peer while it
         multiplies its own rows, and adds them."""
         rows = a.shape[0] // self.size
-        block = rows * out_features * torch.empty((), dtype=dtype).element_size()
-        self._reserve(scatter_bytes=self.size * block)
-        region = self.peers[self.rank][self.gather_bytes:]
+        region = self._scatter_region(a.shape[0], out_features, dtype)
         for step in range(1, self.size):  # the previous call's reads are done: its barrier was joined
             peer = (self.rank + step) % self.size
-            gemm(a[peer * rows:(peer + 1) * rows], region[peer * block:(peer + 1) * block].view(dtype).view(rows, -1))
-        received = torch.empty((self.size - 1, rows, out_features), dtype=dtype, device=a.device)
+            gemm(a[peer * rows:(peer + 1) * rows], region[peer * rows:(peer + 1) * rows])
+        pulled = self._pull_partials(rows, out_features, dtype)
+        out = torch.empty((rows, out_features), dtype=dtype, device=a.device)
+        gemm(a[self.rank * rows:(self.rank + 1) * rows], out)
+        return pulled.then(lambda received: _sum_into(out, received)).wait()
+
+    def reduce_scatter_after(self, gemm, rows: int, out_features: int, dtype: torch.dtype) -> _Pending:
+        """A handle whose wait() returns this rank's block of rows of the sum over ranks of what
+        `gemm(out)` writes into `out` (`rows` x `out_features`): the GEMM runs now, into the
+        scatter region, and the peers' partial sums of this rank's block are copied while
+        whatever the caller runs before wait() computes."""
+        region = self._scatter_region(rows, out_features, dtype)
+        gemm(region)  # the previous call's reads are done: its barrier was joined
+        block = rows // self.size
+        mine = region[self.rank * block:(self.rank + 1) * block]
+        return self._pull_partials(block, out_features, dtype).then(
+            lambda received: _sum_into(mine + received[0], received[1:]))
+
+    def _scatter_region(self, rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's scatter region as a `rows` x `out_features` matrix of `dtype`, `rows` split
+        in one block per rank."""
+        if rows % self.size:
+            raise ValueError(f"cannot reduce-scatter {rows} rows over {self.size} ranks")
+        self._reserve(scatter_bytes=rows * out_features * torch.empty((), dtype=dtype).element_size())
+        return self.peers[self.rank][self.gather_bytes:self.gather_bytes + self.scatter_bytes].view(dtype)[
+            :rows * out_features].view(rows, out_features)
+
+    def _pull_partials(self, block_rows: int, out_features: int, dtype: torch.dtype) -> _Pending:
+        """On the copy stream, once every rank's scatter region is written: this rank's block of
+        each peer's region, (peers, block_rows, out_features). Its handle waits for the closing
+        barrier too, after which the compute stream may write the region again."""
+        block = block_rows * out_features * torch.empty((), dtype=dtype).element_size()
+        received = torch.empty((self.size - 1, block_rows, out_features), dtype=dtype,
+                               device=torch.cuda.current_device())
         with torch.cuda.stream(self._fork()):
             self.handle.barrier(channel=0)  # every rank's partial sums are in
             for step in range(1, self.size):
@@ -159,12 +202,13 @@ class _Workspace:
                 _bytes(received[step - 1]).copy_(self.peers[peer][start:start + block])
             self.handle.barrier(channel=1)
             done = self._join()
-        out = torch.empty((rows, out_features), dtype=dtype, device=a.device)
-        gemm(a[self.rank * rows:(self.rank + 1) * rows], out)
-        torch.cuda.current_stream().wait_event(done)
-        for partial in received:
-            out += partial
-        return out
+        return _Pending(done, received)
+
+
+def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    for partial in partials:
+        out += partial
+    return out
 
 
 def _aligned(size: int) -> int:

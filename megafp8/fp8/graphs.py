@@ -39,9 +39,15 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
-from .linear import Fp8Linear, accumulate_into_main_grad
+from megafp8 import symmetric_memory
 
+from .autocast import (
+    current_fp8_context,
+    record_amaxes,
+    replay_backward_amaxes,
+    replay_forward_amaxes,
+)
+from .linear import Fp8Linear, accumulate_into_main_grad
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
 # allocating pinned memory while a step captures, which the default ("global") would fail on.
@@ -200,6 +206,7 @@ class LayerGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
                     output = function(inputs, *graphs.extras)
+                    symmetric_memory.join_copy_streams()
                 graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = graph, inputs, output
                 graphs.forward_amaxes[index], _ = recording.take()
                 inputs = output.detach().requires_grad_()  # the next unit reads this output in place
@@ -213,6 +220,7 @@ class LayerGraphs:
                     for param, grad in zip(params, grads[1:]):
                         if grad is not None:
                             accumulate_into_main_grad(param, grad)
+                    symmetric_memory.join_copy_streams()
                 # Written: by the layers themselves (claimed), or from autograd's gradient.
                 graphs.written[index] = [p for p, was_empty in zip(params, empty) if was_empty and not p.main_grad_empty]
                 graphs.backward_graphs[index], graphs.grad_outputs[index] = graph, grad_output

@@ -338,7 +338,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
             if fp8_gather and comm.overlap:
                 y = x2.new_empty((collectives.group_size(gather) * x2.shape[0], weight.shape[0]))
-                collective_gemm.gathered_gemm(qx.data, gather, gemm, y)
+                collective_gemm.gathered_gemm(qx.data, gather, gemm, y, keep_gathered=False)
             elif scatter is not None and comm.overlap:
                 y = collective_gemm.gemm_reduce_scatter(qx.data, scatter, gemm, weight.shape[0], x2.dtype)
                 scatter = None  # done
@@ -407,16 +407,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
             collective_gemm.gathered_gemm(
                 qdy.data, comm.scatter, lambda rows, out: fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv,
                                                                    dy.dtype, out=out),
-                dx, after_gather=gather_columns if wgrad_fp8 else None)
+                dx, after_gather=gather_columns if wgrad_fp8 else None, keep_gathered=False)
             if wgrad_fp8:
                 dy_t = dy_t.wait()
         elif need_dx:
-            if dgrad_fp8:
-                dx = fp8_gemm(qdy.data, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype)
+            def dgrad(rows, out=None):
+                if dgrad_fp8:
+                    return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
+                return torch.mm(rows, w_saved.to(dy.dtype), out=out)
+
+            rows = qdy.data if dgrad_fp8 else dy2
+            if comm.gather is not None and comm.overlap:  # the reduce-scatter beside the wgrad GEMM
+                dx = collective_gemm.gemm_then_reduce_scatter(rows, comm.gather, dgrad, ctx.input_shape[-1], dy.dtype)
             else:
-                dx = dy2 @ w_saved.to(dy.dtype)
-            if comm.gather is not None:  # with overlap, beside the wgrad GEMM
-                dx = collectives.reduce_scatter(dx, comm.gather, async_op=comm.overlap)
+                dx = dgrad(rows)
+                if comm.gather is not None:
+                    dx = collectives.reduce_scatter(dx, comm.gather)
         if need_dw:
             if wgrad_fp8:
                 if ctx.fp8_gather:
@@ -577,7 +583,8 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
             dx = dy2.new_empty((x2.shape[0], weight.shape[1]))
             dy2 = collective_gemm.gathered_gemm(dy2, comm.scatter, lambda rows, out: torch.mm(rows, weight, out=out), dx)
         else:  # the input gradient's reduce-scatter beside the wgrad GEMM
-            dx = collectives.reduce_scatter(dy2 @ weight, comm.gather, async_op=True)
+            dx = collective_gemm.gemm_then_reduce_scatter(
+                dy2, comm.gather, lambda rows, out: torch.mm(rows, weight, out=out), weight.shape[1], dy2.dtype)
         dw, db = _weight_and_bias_grads(ctx.weight, ctx.bias, dy2, x2, ctx.into_main_grad,
                                         need_db=ctx.bias is not None and ctx.needs_input_grad[2])
         if comm.gather is not None:

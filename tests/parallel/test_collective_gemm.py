@@ -34,6 +34,10 @@ def body(rank, size):
     out["gathered"] = torch.equal(gathered, x)
     out["gathered_gemm_error"] = ((product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()).item()
     out["after_gather_calls"] = calls
+    product.zero_()
+    out["not_kept"] = collective_gemm.gathered_gemm(x.chunk(size)[rank].contiguous(), group, mm(weight), product,
+                                                    keep_gathered=False)
+    out["not_kept_error"] = ((product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()).item()
 
     # FP8 travels as bytes: the gathered input is the same FP8 values.
     fp8 = x.float().to(torch.float8_e4m3fn)
@@ -48,6 +52,8 @@ def body(rank, size):
     expected = (x @ weight.t()).chunk(size)[rank]
     out["reduce_scatter_error"] = ((mine - expected).abs().max() / expected.abs().max()).item()
     out["reduce_scatter_shape"] = tuple(mine.shape)
+    later = collective_gemm.gemm_then_reduce_scatter(x_r, group, mm(w_r), N, torch.float64)
+    out["then_reduce_scatter_error"] = ((later.wait() - expected).abs().max() / expected.abs().max()).item()
     try:
         collective_gemm.gemm_reduce_scatter(x_r[:-1], group, mm(w_r), N, torch.float64)
     except ValueError as error:
@@ -61,7 +67,9 @@ def test_overlapped_gemms_equal_the_whole_product(size):
         assert result["gathered"] and result["fp8_gathered"], result
         assert result["gathered_gemm_error"] < 1e-14, result
         assert result["after_gather_calls"] == [0]
+        assert result["not_kept"] is None and result["not_kept_error"] < 1e-14, result
         assert result["reduce_scatter_error"] < 1e-14, result
+        assert result["then_reduce_scatter_error"] < 1e-14, result
         assert result["reduce_scatter_shape"] == (ROWS, N)
         assert "cannot reduce-scatter" in result["bad_rows"]
 
@@ -99,9 +107,13 @@ def copy_engine_body(rank, size):
     def transfers():
         product = torch.empty(size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16)
         gathered = collective_gemm.gathered_gemm(x, group, gemm, product)
-        mine = collective_gemm.gemm_reduce_scatter(x.repeat(size, 1), group, gemm, weight.shape[0], torch.bfloat16)
+        alone = torch.empty_like(product)
+        collective_gemm.gathered_gemm(x, group, gemm, alone, keep_gathered=False)
+        stacked = x.repeat(size, 1)
+        mine = collective_gemm.gemm_reduce_scatter(stacked, group, gemm, weight.shape[0], torch.bfloat16)
+        later = collective_gemm.gemm_then_reduce_scatter(stacked, group, gemm, weight.shape[0], torch.bfloat16)
         columns = collective_gemm.all_gather_columns(x.t().contiguous(), group).wait()
-        return product, gathered, mine, columns
+        return product, gathered, alone, mine, later.wait(), columns
 
     results = []
     for inputs in range(2):
@@ -113,6 +125,7 @@ def copy_engine_body(rank, size):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 static = transfers()
+                symmetric_memory.join_copy_streams()
             graph.replay()
             replayed = [t.clone() for t in static]
         finally:
@@ -126,4 +139,4 @@ def copy_engine_body(rank, size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
     for result in run_on_ranks(copy_engine_body, 2, backend="nccl"):
-        assert result == [[True] * 4] * 2, result
+        assert result == [[True] * 6] * 2, result

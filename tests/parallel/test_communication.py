@@ -36,6 +36,11 @@ def body(rank, world_size):
     out["gather_columns"] = torch.equal(collectives.all_gather_columns(columns, group), full)
     out["gather_columns_async"] = torch.equal(
         collectives.all_gather_columns(columns, group, async_op=True).wait(), full)
+    # FP8 columns (the transposed inputs the weight-gradient GEMM reads) travel and join as bytes.
+    fp8 = full.to(torch.float8_e4m3fn)
+    out["gather_fp8_columns"] = torch.equal(
+        collectives.all_gather_columns(fp8.chunk(world_size, dim=1)[rank].contiguous(), group).view(torch.uint8),
+        fp8.view(torch.uint8))
     return out
 
 
