@@ -18,7 +18,13 @@ TP=${TP:-1}; PP=${PP:-1}
 # the pipeline's bubble by VPP (measured at GPT-1.3B pp 2: 1.04x plain 1F1B; docs/tuning.md).
 # VPP=1: plain 1F1B (needed where the micro-batches per step are not a multiple of PP).
 VPP=${VPP:-2}
-MBS=${MBS:-4}; GBS=${GBS:-$((MBS * GPUS / (TP * PP) * 8))}
+# With tensor parallelism, its sequence-parallel all-gathers and reduce-scatters overlapped with
+# the GEMMs (--tp-comm-overlap: on the copy engines under CUDA graphs; tp 2 1.18x without it).
+# With data parallelism, the distributed optimizer (sharded states) with its parameter all-gather
+# overlapped with the next forward. 0 turns either off.
+TP_COMM_OVERLAP=${TP_COMM_OVERLAP:-1}; DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
+DP=$((GPUS / (TP * PP)))
+MBS=${MBS:-4}; GBS=${GBS:-$((MBS * DP * 8))}
 SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
 LR=${LR:-2e-4}; MIN_LR=${MIN_LR:-2e-5}; WARMUP=${WARMUP:-$((ITERS / 10))}
 PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
@@ -67,6 +73,8 @@ exec torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     $( [ "$PP" -gt 1 ] && echo --num-virtual-stages-per-pipeline-rank "$VPP" ) \
     $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \
+    $( [ "$TP" -gt 1 ] && [ "$TP_COMM_OVERLAP" = 1 ] && echo --tp-comm-overlap ) \
+    $( [ "$DP" -gt 1 ] && [ "$DISTRIBUTED_OPTIMIZER" = 1 ] && echo --use-distributed-optimizer --overlap-param-gather ) \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
     --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \

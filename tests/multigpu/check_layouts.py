@@ -8,8 +8,10 @@ and with an error on its last rank.
     python -m tests.multigpu.check_layouts                  # every layout the GPUs allow
     python -m tests.multigpu.check_layouts --gpus 2 --output runs/check
     python -m tests.multigpu.check_layouts --cpu --layouts dp2 --precisions delayed   # gloo, CPU
-    python -m tests.multigpu.check_layouts --layouts tp2 tp2pp2 tp2dp2 --tp-comm-overlap
-    python -m tests.multigpu.check_layouts --layouts dp2 pp2dp2 tp2dp2 dp4 --overlap-param-gather
+    python -m tests.multigpu.check_layouts --layouts tp2 tp2dp2 --without-tp-comm-overlap
+
+The recipe's own overlaps are on, as it ships them: --tp-comm-overlap where tp > 1, the
+distributed optimizer with --overlap-param-gather where dp > 1 (`--without-...` turns them off).
 
 Each run must
 - exit with status 0 within 30 s of its last iteration (teardown: graphs, NCCL, data workers);
@@ -103,22 +105,23 @@ def plan(layouts, precisions, graphs: bool, kinds=KINDS) -> list[Run]:
     return runs
 
 
-def overlap_flags(layout: str, tp_comm_overlap: bool, overlap_param_gather: bool) -> list[str]:
-    """The trainer's overlap flags a layout takes: --tp-comm-overlap where tp > 1, the distributed
-    optimizer with --overlap-param-gather where dp > 1."""
+def overlap_flags(layout: str, tp_comm_overlap: bool, distributed_optimizer: bool) -> list[str]:
+    """The trainer's overlap flags the recipe gives a layout: --tp-comm-overlap where tp > 1, the
+    distributed optimizer with --overlap-param-gather where dp > 1 (each as asked)."""
     gpus, tp, pp, _ = LAYOUTS[layout]
     flags = ["--tp-comm-overlap"] if tp_comm_overlap and tp > 1 else []
-    if overlap_param_gather and gpus // (tp * pp) > 1:
+    if distributed_optimizer and gpus // (tp * pp) > 1:
         flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
     return flags
 
 
-def environment(run: Run, work: Path, cpu: bool, devices: list[int], flags=()) -> dict:
-    """The recipe's environment for `run`, with the trainer's extra `flags`."""
+def environment(run: Run, work: Path, cpu: bool, devices: list[int], overlaps=(True, True)) -> dict:
+    """The recipe's environment for `run`; `overlaps`: the recipe's TP_COMM_OVERLAP and
+    DISTRIBUTED_OPTIMIZER."""
     gpus, tp, pp, vpp = LAYOUTS[run.layout]
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     save = work / "runs" / run.name
-    extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234", *flags]
+    extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234"]
     if run.kind == "resumed":
         extra += ["--load", str(work / "runs" / run.straight.name / f"iter_{RESUME_AT:07d}")]
     # A signalled run runs until the signal (its longer run draws other batches: not compared).
@@ -128,7 +131,8 @@ def environment(run: Run, work: Path, cpu: bool, devices: list[int], flags=()) -
            "PRECISION": "bf16" if run.precision == "bf16" else "fp8", "FP8_RECIPE": run.precision,
            "CUDA_GRAPH": "1" if run.graphs else "0", "WORKDIR": str(work / "data"), "SAVE": str(save),
            "EXTRA_ARGS": " ".join(extra), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "CHECK_FAIL_AT": str(FAIL_AT)}
+           "CHECK_FAIL_AT": str(FAIL_AT), "TP_COMM_OVERLAP": str(int(overlaps[0])),
+           "DISTRIBUTED_OPTIMIZER": str(int(overlaps[1]))}
     if cpu:
         env.update(CPU="1", CUDA_VISIBLE_DEVICES="")
     else:
@@ -191,8 +195,8 @@ def losses_of(metrics: Path) -> tuple[dict, float | None, float | None]:
 class Launcher:
     """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
 
-    def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(False, False)):
-        self.work, self.cpu, self.overlaps = work, cpu, overlaps  # (tp_comm_overlap, overlap_param_gather)
+    def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(True, True)):
+        self.work, self.cpu, self.overlaps = work, cpu, overlaps  # (tp_comm_overlap, distributed_optimizer)
         self.free = {d: share for d in range(max(gpus, 1))}
         self.running: dict = {}  # Run -> (process, devices, start, log file)
         self.events: dict = {}  # Run -> when it was signalled or failed
@@ -208,9 +212,9 @@ class Launcher:
         shutil.rmtree(save, ignore_errors=True)
         save.mkdir(parents=True)
         log = open(self.work / "logs" / f"{run.name}.log", "w")
-        flags = overlap_flags(run.layout, *self.overlaps)
-        command = failing_command(run, self.work, self.cpu, flags) if run.kind == "fail" else ["bash", str(RECIPE)]
-        process = subprocess.Popen(command, env=environment(run, self.work, self.cpu, devices, flags),
+        command = (failing_command(run, self.work, self.cpu, overlap_flags(run.layout, *self.overlaps))
+                   if run.kind == "fail" else ["bash", str(RECIPE)])
+        process = subprocess.Popen(command, env=environment(run, self.work, self.cpu, devices, self.overlaps),
                                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.running[run] = (process, devices, time.time(), log)
         return True
@@ -374,11 +378,11 @@ def main(argv=None) -> int:
                         help="straight: every precision and graphs off (and one GPU); resumed (needs straight); "
                              "sigterm; fail (default: all)")
     parser.add_argument("--share", type=int, default=2, help="runs per GPU at once (default 2)")
-    parser.add_argument("--tp-comm-overlap", action="store_true",
-                        help="layouts with tensor parallelism run with the trainer's --tp-comm-overlap")
-    parser.add_argument("--overlap-param-gather", action="store_true",
-                        help="layouts with data parallelism run with the distributed optimizer and "
-                             "--overlap-param-gather")
+    parser.add_argument("--without-tp-comm-overlap", action="store_true",
+                        help="layouts with tensor parallelism run without the recipe's --tp-comm-overlap")
+    parser.add_argument("--without-distributed-optimizer", action="store_true",
+                        help="layouts with data parallelism run without the recipe's distributed optimizer "
+                             "(and its --overlap-param-gather)")
     parser.add_argument("--cpu", action="store_true", help="on the CPU with gloo (the recipe's CPU=1), no graphs")
     parser.add_argument("--output", type=Path, default=Path("runs/check_layouts"),
                         help="work folder: data, runs, logs, check_layouts.json (default runs/check_layouts)")
@@ -404,7 +408,8 @@ def main(argv=None) -> int:
     subprocess.run(["bash", str(REPO / "examples" / "prepare_sample_data.sh"), str(work / "data"), "32768"],
                    check=True, stdout=subprocess.DEVNULL)
     start = time.time()
-    launcher = Launcher(work, gpus, args.cpu, args.share, (args.tp_comm_overlap, args.overlap_param_gather))
+    launcher = Launcher(work, gpus, args.cpu, args.share,
+                        (not args.without_tp_comm_overlap, not args.without_distributed_optimizer))
     outcomes = launcher.run_all(runs)
     judge(outcomes, int((CPU_SHAPE if args.cpu else GPU_SHAPE)["ITERS"]), work)
     launcher.record()

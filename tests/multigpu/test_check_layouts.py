@@ -36,18 +36,21 @@ def test_a_run_that_does_not_end_or_drifts_is_named(tmp_path):
     assert "resumed losses missing, so not compared" in outcomes[resumed].problems[1]
 
 
-def test_overlap_flags_reach_only_the_layouts_that_take_them(tmp_path):
+def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
     """--tp-comm-overlap for tp layouts, the distributed optimizer with --overlap-param-gather for
-    dp layouts: in the recipe's runs and the failing rank's command alike."""
+    dp layouts, as the recipe gives them (its switches in the environment), and in the failing
+    rank's command alike; off when asked."""
     expected = {"tp2": ["--tp-comm-overlap"], "tp2pp2": ["--tp-comm-overlap"], "pp2": [], "1gpu": [],
                 "dp2": ["--use-distributed-optimizer", "--overlap-param-gather"],
                 "tp2dp2": ["--tp-comm-overlap", "--use-distributed-optimizer", "--overlap-param-gather"]}
     for layout, flags in expected.items():
         assert check_layouts.overlap_flags(layout, True, True) == flags, layout
         assert check_layouts.overlap_flags(layout, False, False) == []
-        env = check_layouts.environment(check_layouts.Run(layout, "delayed", True), tmp_path, False, [0, 1, 2, 3],
-                                        flags)
-        assert all(flag in env["EXTRA_ARGS"].split() for flag in flags), layout
+        run = check_layouts.Run(layout, "delayed", True)
+        env = check_layouts.environment(run, tmp_path, False, [0, 1, 2, 3])
+        assert (env["TP_COMM_OVERLAP"], env["DISTRIBUTED_OPTIMIZER"]) == ("1", "1")
+        env = check_layouts.environment(run, tmp_path, False, [0, 1, 2, 3], (False, False))
+        assert (env["TP_COMM_OVERLAP"], env["DISTRIBUTED_OPTIMIZER"]) == ("0", "0")
         command = check_layouts.failing_command(check_layouts.Run(layout, "delayed", True, "fail"), tmp_path, False,
                                                 flags)
         assert all(flag in command for flag in flags), layout
