@@ -74,8 +74,8 @@ def trainer_flags(args, layout: dict) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(args.num_layers // (layout["pp"] * layout["vpp"]))]
     if layout["recompute"] != "none":
         flags += ["--recompute-granularity", layout["recompute"]]
-    if layout["distributed_optimizer"]:
-        flags.append("--use-distributed-optimizer")
+    if layout["distributed_optimizer"]:  # as the recipes run it
+        flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if args.fp8:
         flags += ["--fp8-format", "hybrid", "--fp8-recipe", args.fp8]
     return flags

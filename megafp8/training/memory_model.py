@@ -48,6 +48,7 @@ class MemoryLayout:
     vpp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # no memory of its own: the throughput model's
     recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
     fp8: Optional[str] = None  # None (bf16) | delayed | current
     fp8_neighbour_fusion: bool = True
@@ -77,7 +78,7 @@ class MemoryLayout:
                    pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
                    vpp=args.virtual_pipeline_model_parallel_size or 1, sequence_parallel=args.sequence_parallel,
                    distributed_optimizer=args.use_distributed_optimizer,
-                   recompute=args.recompute_granularity or "none",
+                   overlap_param_gather=args.overlap_param_gather, recompute=args.recompute_granularity or "none",
                    fp8=args.fp8_recipe if args.fp8_format else None, fp8_neighbour_fusion=args.fp8_neighbour_fusion,
                    fp8_output_layer=args.fp8_output_layer, first_last_layers_bf16=args.first_last_layers_bf16,
                    norm_on_cuda=norm_on_cuda)

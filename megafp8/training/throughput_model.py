@@ -23,7 +23,8 @@ at their GPU time either way):
 - data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
   reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
   only what outlasts it counts; the distributed optimizer's all-gather of the bf16 parameters
-  after its step overlaps nothing;
+  after its step, exposed, or with --overlap-param-gather (as the recipes run it) beside the
+  next step's first forward: only what outlasts the stage's layers' forward counts;
 - the optimizer: its fused pass reads and writes OPTIMIZER_BYTES_PER_PARAMETER per element it
   updates (and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per FP8 weight), at the measured copy bandwidth.
 What is not measured is not guessed: a layout whose layer time (its tp, sequence length, a
@@ -261,7 +262,10 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
         gradient_sync = per_bucket("reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4)
         if layout.distributed_optimizer:
             parameter_gather = per_bucket("all_gather", 2)
-    # The buckets' reductions start as the last micro-batch's backward produces their gradients.
+    # The buckets' reductions start as the last micro-batch's backward produces their gradients;
+    # with --overlap-param-gather the parameters' gathers run beside the next step's first forward.
+    if layout.overlap_param_gather:
+        parameter_gather = max(0.0, parameter_gather - slowest_layers * layer["forward"])
     exposed_sync = max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"])) + parameter_gather
     if calibration.copy_gbs is None:
         raise NotPredicted("no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)")

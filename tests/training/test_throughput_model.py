@@ -1,6 +1,7 @@
 """megafp8.training.throughput_model: the planner's step-time prediction from measured layer maps
 and collective bandwidths; exact arithmetic on small inputs, refusals where nothing was measured,
 and the stretches it reports."""
+import dataclasses
 import json
 
 import pytest
@@ -165,10 +166,18 @@ def test_data_parallel_sync_counts_only_what_outlasts_the_last_backward():
     distributed = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2,
                                distributed_optimizer=True)
     result = predict(GPT, distributed, calibration([point()], collectives(1.0)), 32)
-    # The reduce-scatter of fp32 gradients hides partly; the all-gather of bf16 parameters after the step not.
-    reduce_scatter, all_gather = gradients / 2 / 1e6, gradients / 2 / 2 / 1e6
+    # The reduce-scatter of fp32 gradients hides partly behind the last backward; the all-gather of
+    # bf16 parameters after the step not, or with --overlap-param-gather behind the next step's first forward.
+    reduce_scatter, all_gather, forward = gradients / 2 / 1e6, gradients / 2 / 2 / 1e6, 24 * 1.6
     assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(reduce_scatter - backward + all_gather)
     assert result["breakdown_ms"]["optimizer"] == pytest.approx(optimizer_ms(distributed, share=1 / 2))
+    overlapped = dataclasses.replace(distributed, overlap_param_gather=True)
+    result = predict(GPT, overlapped, calibration([point()], collectives(1.0)), 32)
+    assert all_gather > forward
+    assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(
+        reduce_scatter - backward + all_gather - forward)
+    hidden = predict(GPT, overlapped, calibration([point()], collectives(1e4)), 32)
+    assert hidden["breakdown_ms"]["gradient_sync_exposed"] == 0.0
 
 
 def test_what_was_not_measured_is_not_predicted():
