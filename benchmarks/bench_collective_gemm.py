@@ -53,7 +53,6 @@ def microseconds(fn, device, calls: int, graphed: bool) -> float:
     def many():
         for _ in range(calls):
             fn()
-        symmetric_memory.join_copy_streams()  # a capture joins every stream it forked
 
     return 1000 * measure(captured(many), warmup=1, iters=3, device=device) / calls
 

@@ -22,7 +22,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast, symmetric_memory
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.gemm import fp8_gemm
 from megafp8.fp8.quantize import quantize, quantize_torch
@@ -103,6 +103,7 @@ def graphed(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+        symmetric_memory.join_copy_streams()  # a capture joins every stream it forked
     return graph.replay
 
 

@@ -5,13 +5,17 @@ for Transformer Engine (a GPT-3 layer's FP8/bf16 speed-up as a coloured grid).
     python benchmarks/bench_layer_grid.py --output grid.json [--archs gpt llama]
         [--hidden-sizes 768 ... 12288] [--seq-lengths 1024 2048 4096 8192] [--micro-batches 1 2 4 8]
     torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py --output grid_tp2.json   # tp 2, SP
+        [--no-tp-comm-overlap]
     python benchmarks/bench_layer_grid.py --plot grid.json [grid_tp2.json] --plot-dir docs/img [--table grid.md]
     python benchmarks/bench_layer_grid.py --model llama2-7b --seq-lengths 4096 --micro-batches 1 2 \
         --output llama2-7b.json   # one preset's layer and output layer: the planner's input
 
 The layer is megafp8's own (models.transformer.TransformerLayer, FP8 linears with the fused
 norm and activation casts), one per point, in bf16 parameters; with several processes it is
-tensor parallel over all of them with sequence parallelism. Each step (forward and backward) is
+tensor parallel over all of them with sequence parallelism and, as the recipes run it, its
+collectives beside the GEMMs (`--tp-comm-overlap`: on the copy engines in the graphed timings
+where the GPUs allow, through NCCL in the eager ones, as the trainer's `auto` transport; each
+point says `tp_comm_overlap`). Each step (forward and backward) is
 captured in a CUDA graph and replayed, so the times are the GPU's, not the host's; the median of
 CUDA-event timings (median_ms: do_bench's method, with run counts the ranks agree on). The
 weights' FP8 casts stay out of the step, as in the trainer's graphs (made once per optimizer step,
@@ -44,6 +48,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -98,13 +103,29 @@ def scaling(name: str):
     return {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
 
 
-def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> dict:
+@contextmanager
+def graphed_transfers(tp_group, overlap: bool):
+    """Inside: the overlapped blocks travel on the copy engines, as the trainer's graphs move them,
+    where the group can (megafp8.symmetric_memory); NCCL otherwise, and outside."""
+    from megafp8 import symmetric_memory
+
+    use = overlap and tp_group is not None and symmetric_memory.unavailable_reason(tp_group) is None
+    if use:
+        symmetric_memory.use_copy_engines(tp_group)
+    try:
+        yield
+    finally:
+        if use:
+            symmetric_memory.stop_using_copy_engines()
+
+
+def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overlap=False) -> dict:
     """{kind: {recipe: ms}} for one grid point of layer `config` (None where it did not fit), on
     this process's GPU: "ms" (forward + backward, graphed), "fwd_ms" (the forward alone) and, for
     the planner (--model), "host_ms" (an eager step's host time), "host_layer_ms" and
     "host_pass_ms" (that of a HOST_STACK-layer stack, split per layer and per pass), "selective_ms" (the step with
     selective recomputation, the attention core run again in backward, graphed as the trainer
-    graphs it) and "head" (the output end)."""
+    graphs it) and "head" (the output end); `overlap`: the layers' --tp-comm-overlap."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
     from bench_fp8_linear import graphed
 
@@ -119,10 +140,11 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:
         torch.manual_seed(0)
-        layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
-        selective = (TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", recompute="selective")
-                     if planner else None)
-        stack = ([layer] + [TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda")
+        overlap = overlap and tp > 1
+        layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap)
+        selective = (TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", recompute="selective",
+                                      tp_comm_overlap=overlap) if planner else None)
+        stack = ([layer] + [TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap)
                             for _ in range(HOST_STACK - 1)] if planner else None)
         x = torch.randn(seq // tp, micro_batch, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
@@ -152,16 +174,17 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False) -> di
                     layer_share = None if one is None or many is None else max(0.0, (many - one) / (HOST_STACK - 1))
                     times["host_layer_ms"][name] = layer_share
                     times["host_pass_ms"][name] = None if layer_share is None else max(0.0, one - layer_share)
-                times["ms"][name] = median_ms(graphed(step), tp_group)
-                times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
-                if planner:
-                    times["selective_ms"][name] = selective_ms(lambda: step((selective,)), tp_group)
+                with graphed_transfers(tp_group, overlap):
+                    times["ms"][name] = median_ms(graphed(step), tp_group)
+                    times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
+                    if planner:
+                        times["selective_ms"][name] = selective_ms(lambda: step((selective,)), tp_group)
             except torch.cuda.OutOfMemoryError:
                 for kind in kinds:
                     times[kind][name] = None
             torch.cuda.empty_cache()
         if planner:
-            times["head"] = time_head(config, seq, micro_batch, recipes, tp_group, times["ms"])
+            times["head"] = time_head(config, seq, micro_batch, recipes, tp_group, times["ms"], overlap)
     except torch.cuda.OutOfMemoryError:
         times = {kind: {name: None for name in recipes} for kind in kinds + (("head",) if planner else ())}
     return times
@@ -227,7 +250,7 @@ def eager_host_ms(step, steps=10) -> float | None:
     return statistics.median(times)
 
 
-def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
+def time_head(config, seq, micro_batch, recipes, tp_group, layer_times, overlap=False):
     """{recipe: ms} of the model's output end (embedding, final norm, output layer, loss; forward
     + backward): a one-layer model's training step less its layer's time (`layer_times`)."""
     from bench_fp8_linear import graphed
@@ -239,7 +262,7 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
     tp = group_size(tp_group)
     torch.manual_seed(0)
     model = TransformerLM(config.replace(num_layers=1), tp_group=tp_group, sequence_parallel=tp > 1,
-                          dtype=torch.bfloat16, device="cuda")
+                          tp_comm_overlap=overlap and tp > 1, dtype=torch.bfloat16, device="cuda")
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device="cuda")
     head_times = {}
     for name in recipes:
@@ -253,7 +276,8 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times):
             loss.backward()
 
         try:
-            whole = median_ms(graphed(step), tp_group)
+            with graphed_transfers(tp_group, overlap and tp > 1):
+                whole = median_ms(graphed(step), tp_group)
             head_times[name] = whole - layer_times[name] if layer_times[name] else None
         except torch.cuda.OutOfMemoryError:
             head_times[name] = None
@@ -289,12 +313,13 @@ def run_grid(args) -> dict:
             for micro_batch in args.micro_batches:
                 config = (preset(args.model, max_position_embeddings=max(seq, preset(args.model).max_position_embeddings))
                           if args.model else layer_config(arch, hidden, seq))
-                measured = time_point(config, seq, micro_batch, RECIPES, tp_group, planner=args.model is not None)
+                measured = time_point(config, seq, micro_batch, RECIPES, tp_group, planner=args.model is not None,
+                                      overlap=args.tp_comm_overlap)
                 times = measured["ms"]
                 flops = layer_flops(config, seq * micro_batch, seq) / tp
                 point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
                          "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
-                         "micro_batch": micro_batch, "tp": tp,
+                         "micro_batch": micro_batch, "tp": tp, "tp_comm_overlap": args.tp_comm_overlap and tp > 1,
                          **{f"{name}_{kind}": t for kind, per_recipe in measured.items() if kind != "head"
                             for name, t in per_recipe.items()},
                          **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
@@ -419,6 +444,9 @@ def main(argv=None):
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=list(GPT3_HIDDEN_SIZES))
     parser.add_argument("--seq-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="with tp > 1, the layers' collectives beside their GEMMs, as the recipes run them "
+                             "(default: on)")
     parser.add_argument("--plot", nargs="+", metavar="GRID_JSON", help="draw heat maps from grid files instead")
     parser.add_argument("--plot-dir", default=".", help="where --plot writes its PNGs")
     parser.add_argument("--table", metavar="FILE", help="with --plot, also write every point as a Markdown table")

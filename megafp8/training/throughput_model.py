@@ -137,6 +137,9 @@ class Calibration:
             raise NotPredicted(f"micro-batch {micro_batch} is outside the measured ones ({measured}) of the "
                                f"{recipe} layer at sequence {seq}, tp {tp}")
         low, high = below[-1], above[0]
+        if tp > 1 and not low.get("tp_comm_overlap"):
+            extrapolated.append(f"tp {tp}: the layer measured without --tp-comm-overlap, which the recipes run "
+                                "(slower; measure the map again)")
         share = 0.0 if high is low else (micro_batch - low["micro_batch"]) / (high["micro_batch"] - low["micro_batch"])
         if high is not low:
             extrapolated.append(f"micro-batch {micro_batch}: between the measured {low['micro_batch']} and "

@@ -139,6 +139,12 @@ def test_an_eager_pipeline_waits_on_a_slow_host():
         eager([point(tp=2)], MemoryLayout(**tp_pp, fp8="delayed"))
     graphed = predict(GPT, MemoryLayout(**tp_pp, fp8="delayed"), calibration([point(tp=2)], collectives()), 32)
     assert graphed["step_ms"] > 0
+    # A tp layer measured without the recipes' --tp-comm-overlap is said to be; one measured with it not.
+    plain = "tp 2: the layer measured without --tp-comm-overlap, which the recipes run (slower; measure the map again)"
+    assert plain in graphed["extrapolated"]
+    overlapped = predict(GPT, MemoryLayout(**tp_pp, fp8="delayed"),
+                         calibration([{**point(tp=2), "tp_comm_overlap": True}], collectives()), 32)
+    assert plain not in overlapped["extrapolated"] and overlapped["step_ms"] == graphed["step_ms"]
     assert eager([point(tp=2)], MemoryLayout(**tp_pp))["step_ms"] > graphed["step_ms"]  # bf16: slower layers
 
 
