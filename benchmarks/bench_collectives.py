@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.collectives import all_gather_into, backends_without_reduce_scatter, reduce_scatter_into
-from megafp8.training.throughput_model import BUS_FACTOR  # the planner reads busbw back with the same factors
+from megafp8.planner.throughput import BUS_FACTOR  # the planner reads busbw back with the same factors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -45,7 +45,6 @@ colours: red below 1x, blue 1-1.3x, green above 1.3x.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from contextlib import contextmanager
@@ -54,7 +53,7 @@ from pathlib import Path
 import torch
 
 from megafp8.models.config import PRESETS, preset
-from megafp8.training.throughput_model import arch_of
+from megafp8.planner import layer_map
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
@@ -82,7 +81,7 @@ def shapes(args) -> list[tuple[str, int]]:
     --archs at each of --hidden-sizes."""
     if args.model:
         config = preset(args.model)
-        return [(arch_of(config), config.hidden_size)]
+        return [(layer_map.arch_of(config), config.hidden_size)]
     return [(arch, hidden) for arch in args.archs for hidden in args.hidden_sizes]
 
 
@@ -128,11 +127,11 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
     graphs it) and "head" (the output end); `overlap`: the layers' --tp-comm-overlap."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
     from bench_fp8_linear import graphed
+    from megafp8.models.rope import rotary_tables
+    from megafp8.models.transformer import TransformerLayer
 
     from megafp8.collectives import group_size
     from megafp8.fp8 import fp8_autocast
-    from megafp8.models.rope import rotary_tables
-    from megafp8.models.transformer import TransformerLayer
 
     tp = group_size(tp_group)
     kinds = ("ms", "fwd_ms") + (("host_ms", "host_layer_ms", "host_pass_ms", "selective_ms") if planner else ())
@@ -254,10 +253,10 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times, overlap=
     """{recipe: ms} of the model's output end (embedding, final norm, output layer, loss; forward
     + backward): a one-layer model's training step less its layer's time (`layer_times`)."""
     from bench_fp8_linear import graphed
+    from megafp8.models.transformer import TransformerLM
 
     from megafp8.collectives import group_size
     from megafp8.fp8 import fp8_autocast
-    from megafp8.models.transformer import TransformerLM
 
     tp = group_size(tp_group)
     torch.manual_seed(0)
@@ -316,22 +315,16 @@ def run_grid(args) -> dict:
                 measured = time_point(config, seq, micro_batch, RECIPES, tp_group, planner=args.model is not None,
                                       overlap=args.tp_comm_overlap)
                 times = measured["ms"]
-                flops = layer_flops(config, seq * micro_batch, seq) / tp
-                point = {"arch": arch, "hidden": hidden, "heads": config.num_attention_heads,
-                         "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq,
-                         "micro_batch": micro_batch, "tp": tp, "tp_comm_overlap": args.tp_comm_overlap and tp > 1,
-                         **{f"{name}_{kind}": t for kind, per_recipe in measured.items() if kind != "head"
-                            for name, t in per_recipe.items()},
-                         **{f"{name}_tflops": (flops / t / 1e9 if t else None) for name, t in times.items()}}
-                if args.model:
-                    point.update(model=args.model, vocab=config.vocab_size,
-                                 **{f"head_{name}_ms": t for name, t in measured["head"].items()})
+                point = layer_map.point(config, seq, micro_batch, tp, args.tp_comm_overlap and tp > 1,
+                                        {kind: per_recipe for kind, per_recipe in measured.items() if kind != "head"},
+                                        head=measured.get("head"), model=args.model,
+                                        flops=layer_flops(config, seq * micro_batch, seq) / tp)
                 for name in ("delayed", "current"):
                     point[f"speedup_{name}"] = (times["bf16"] / times[name]
                                                 if times["bf16"] and times[name] else None)
                 points.append(point)
                 if rank == 0:
-                    write(result, args.output)  # after every point: a grid cut short keeps what it measured
+                    layer_map.write(result, args.output)  # after every point: a grid cut short keeps what it measured
                     print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
                           + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
                           + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
@@ -343,21 +336,15 @@ def run_grid(args) -> dict:
     return result if rank == 0 else None
 
 
-def write(result: dict, output: str) -> None:
-    """`result` as JSON at `output`, whole or not at all (written beside it, then renamed)."""
-    partial = Path(f"{output}.partial")
-    partial.write_text(json.dumps(result, indent=1))
-    os.replace(partial, output)
-
-
 def read_points(paths) -> list[dict]:
     """The points of grid JSON files, in order, each with its file's GPU (`device`, without the
     vendor's name; "?" where the file does not say)."""
     points = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
-        if not data.get("points"):
-            sys.exit(f"bench_layer_grid.py --plot: {path} holds no grid points")
+        try:
+            data = layer_map.read(path)
+        except ValueError as error:
+            sys.exit(f"bench_layer_grid.py --plot: {error}")
         device = data.get("device", "?").removeprefix("NVIDIA ")
         points += [{**point, "device": device} for point in data["points"]]
     return points
@@ -467,7 +454,7 @@ def main(argv=None):
         sys.exit("bench_layer_grid.py times layers on a CUDA GPU and this machine has none (--plot works anywhere)")
     result = run_grid(args)
     if result is not None:
-        write(result, args.output)
+        layer_map.write(result, args.output)
         print(f"wrote {args.output}")
 
 

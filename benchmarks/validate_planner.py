@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from megafp8.models.config import preset
-from megafp8.training.memory_model import MemoryLayout, estimate
-from megafp8.training.throughput_model import Calibration, NotPredicted, predict
+from megafp8.planner.memory import MemoryLayout, estimate
+from megafp8.planner.throughput import Calibration, NotPredicted, predict
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "2026-11-22_8xH200"
 # What layouts_8gpu.sh gave each model: its preset (with the sample corpus's 32768-token

@@ -1,7 +1,9 @@
 """Dependencies point one way (DESIGN.md), read from the code's own imports:
 
-    base (megafp8/collectives.py, collective_gemm.py, console.py, validation.py)  <-  fp8  <-  parallel  <-  models  <-  training
-    data: independent of fp8, parallel, models and training
+    base (megafp8/collectives.py, collective_gemm.py, symmetric_memory.py, console.py, validation.py)
+        <-  fp8  <-  parallel  <-  models  <-  training
+                                           <-  planner (the layout planner's models; no trainer code uses it)
+    data: independent of fp8, parallel, models, training and planner
 
 and no module takes a private name (`_name`) of another package, by import or through a module.
 """
@@ -16,18 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "fp8": ROOT / "megafp8" / "fp8",
     "training": ROOT / "megafp8" / "training",
+    "planner": ROOT / "megafp8" / "planner",
     "parallel": ROOT / "parallel",
     "models": ROOT / "models",
     "data": ROOT / "data",
 }
 BASE_MODULES = ("collectives", "collective_gemm", "symmetric_memory", "console", "validation")
 FORBIDDEN = {
-    "base": {"fp8", "parallel", "models", "training", "data"},
-    "fp8": {"parallel", "models", "training", "data"},
-    "parallel": {"models", "training", "data"},
-    "models": {"training", "data"},
-    "data": {"fp8", "parallel", "models", "training"},
-    "training": set(),
+    "base": {"fp8", "parallel", "models", "training", "planner", "data"},
+    "fp8": {"parallel", "models", "training", "planner", "data"},
+    "parallel": {"models", "training", "planner", "data"},
+    "models": {"training", "planner", "data"},
+    "data": {"fp8", "parallel", "models", "training", "planner"},
+    "training": {"planner"},
+    "planner": {"training", "data"},
     "tools": set(),
     "benchmarks": set(),
     "examples": set(),

@@ -9,7 +9,7 @@ Every tp x pp x dp layout (tp within a node, sequence parallelism with it), with
 virtual pipeline stages (2 or 4 per rank), each micro-batch size, no / selective / full
 recomputation and, where dp > 1, with and without the distributed optimizer, is checked by the
 trainer's own argument rules (what does not divide the heads, layers, GPUs or batch is rejected
-with the trainer's message) and by the memory model (megafp8.training.memory_model: parameters,
+with the trainer's message) and by the memory model (megafp8.planner.memory: parameters,
 gradients, optimizer states, FP8 weight casts and activations of the fullest pipeline stage),
 against the GPU's memory less `--memory-margin` for what the model leaves out (allocator
 fragmentation, a backward pass's transient buffers). The memory model is checked against the
@@ -18,7 +18,7 @@ trainer on the CPU and against eight-GPU peaks measured on H200s (within 4.2%: d
 With measurements of the GPUs (`--layer-maps`: benchmarks/bench_layer_grid.py --model MODEL, on
 1 GPU for tp 1 and under torchrun on tp GPUs for each tp > 1; `--collectives`:
 benchmarks/bench_collectives.py on a node) the layouts that fit are ranked by predicted tokens/s
-per GPU (megafp8.training.throughput_model: the measured layer times, graphed as the recipes run
+per GPU (megafp8.planner.throughput: the measured layer times, graphed as the recipes run
 them, or with --eager-pipelines a pipeline stage's longer of those and the host's; the 1F1B
 bubble, the collectives' measured bandwidths, the optimizer's pass), each saying where the
 prediction stretches a measurement; a layout the measurements do not cover is listed apart with
@@ -32,9 +32,9 @@ import json
 import sys
 from pathlib import Path
 
+from megafp8.planner.memory import MemoryLayout, estimate
+from megafp8.planner.throughput import Calibration, NotPredicted, predict
 from megafp8.training import arguments
-from megafp8.training.memory_model import MemoryLayout, estimate
-from megafp8.training.throughput_model import Calibration, NotPredicted, predict
 
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (1, 2, 4)

@@ -3,7 +3,7 @@ what does not divide or fit is rejected with the reason; the plan is determinist
 import json
 
 from megafp8.models.config import preset
-from megafp8.training.memory_model import MemoryLayout, estimate
+from megafp8.planner.memory import MemoryLayout, estimate
 
 from .load import load_tool
 

@@ -74,7 +74,7 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
 
 def test_a_grid_file_without_points_is_refused(tmp_path):
     (tmp_path / "empty.json").write_text(json.dumps({"tp": 1, "points": []}))
-    with pytest.raises(SystemExit, match="holds no grid points"):
+    with pytest.raises(SystemExit, match="empty.json: no layer-map points in it"):
         grid.main(["--plot", str(tmp_path / "empty.json")])
 
 

@@ -1,4 +1,4 @@
-"""megafp8.training.memory_model against what the trainer holds on the CPU: parameters, gradient
+"""megafp8.planner.memory against what the trainer holds on the CPU: parameters, gradient
 buffer, optimizer states and FP8 weight casts exactly, per rank of tensor/pipeline/data-parallel
 layouts; activations (what autograd saves in a forward) within 10%."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 from megafp8.models.config import gpt_config, llama_config
 from megafp8.models.transformer import TransformerLM
-from megafp8.training.memory_model import MemoryLayout, estimate, micro_batches_in_flight, static_bytes
+from megafp8.planner.memory import MemoryLayout, estimate, micro_batches_in_flight, static_bytes
 from megafp8.training.trainer import pretrain
 
 from ..multiprocess import run_on_ranks

@@ -44,7 +44,9 @@ from pathlib import Path
 
 from megafp8.models.config import TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
-from megafp8.training.memory_model import MemoryLayout, rank_parameters, stage_layer_indices
+
+from . import layer_map
+from .memory import MemoryLayout, rank_parameters, stage_layer_indices
 
 # The fused AdamW pass per element it updates: fp32 master, exp_avg and exp_avg_sq read and
 # written (24), the fp32 gradient read (4), the bf16 parameter written (2); under FP8 it also
@@ -58,11 +60,6 @@ BUS_FACTOR = {"all_reduce": lambda k: 2 * (k - 1) / k, "all_gather": lambda k: (
 
 class NotPredicted(Exception):
     """A layout the measurements do not cover; the message says what to measure."""
-
-
-def arch_of(config: TransformerConfig) -> str:
-    """The layer map's name for the model's family (its `arch` field)."""
-    return "llama" if config.activation == "swiglu" else "gpt"
 
 
 UNKNOWN_DEVICE = "unknown device"  # a measurement file that does not name its GPU
@@ -91,9 +88,7 @@ class Calibration:
     def load(cls, layer_maps=(), collectives=None) -> "Calibration":
         calibration = cls()
         for path in layer_maps:
-            data = _read(path)
-            if not data.get("points"):
-                raise ValueError(f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)")
+            data = layer_map.read(path)
             calibration.points += data["points"]
             calibration.copy_gbs = data.get("copy_gbs", calibration.copy_gbs)
             calibration.devices.append(data.get("device", UNKNOWN_DEVICE))
@@ -110,10 +105,8 @@ class Calibration:
         return calibration
 
     def _points_for(self, config: TransformerConfig, seq: int, tp: int) -> list:
-        return sorted((p for p in self.points
-                       if (p["arch"], p["hidden"], p["heads"], p["kv_heads"], p["ffn"], p["seq"], p["tp"])
-                       == (arch_of(config), config.hidden_size, config.num_attention_heads, config.kv_heads,
-                           config.ffn_size, seq, tp)), key=lambda p: p["micro_batch"])
+        return sorted((p for p in self.points if layer_map.same_layer(p, config, seq, tp)),
+                      key=lambda p: p["micro_batch"])
 
     def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
               extrapolated: list, model: str = "PRESET") -> dict:
@@ -124,7 +117,7 @@ class Calibration:
         times are the median over every measured micro-batch: the host launches the same kernels
         whatever their size, and one stack's split of ten steps is noisy (GPT-1.3B, 4 x H200:
         per-layer shares of 2.9-4.5 ms across micro-batches for the same launches)."""
-        points = [p for p in self._points_for(config, seq, tp) if p.get(f"{recipe}_ms") is not None]
+        points = [p for p in self._points_for(config, seq, tp) if layer_map.measured(p, recipe) is not None]
         if not points:
             raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
                                f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
@@ -145,23 +138,23 @@ class Calibration:
             extrapolated.append(f"micro-batch {micro_batch}: between the measured {low['micro_batch']} and "
                                 f"{high['micro_batch']}")
 
-        def between(key):
-            if low.get(key) is None or high.get(key) is None:
+        def between(kind):
+            at_low, at_high = layer_map.measured(low, recipe, kind), layer_map.measured(high, recipe, kind)
+            if at_low is None or at_high is None:
                 return None
-            return low[key] + share * (high[key] - low[key])
+            return at_low + share * (at_high - at_low)
 
-        def pooled(key):  # host work does not grow with the micro-batch: every measured one is a sample
-            values = [p[key] for p in points if p.get(key) is not None]
+        def pooled(kind):  # host work does not grow with the micro-batch: every measured one is a sample
+            values = [v for v in (layer_map.measured(p, recipe, kind) for p in points) if v is not None]
             return statistics.median(values) if values else None
 
-        head = between(f"head_{recipe}_ms")
+        head = between("head")
         vocab = low.get("vocab", config.vocab_size)
         if head is not None and vocab != config.vocab_size:  # the output layer and loss scale with it
             head *= config.vocab_size / vocab
             extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
-        return {"step": between(f"{recipe}_ms"), "forward": between(f"{recipe}_fwd_ms"),
-                "selective": between(f"{recipe}_selective_ms"), "host": pooled(f"{recipe}_host_ms"),
-                "host_layer": pooled(f"{recipe}_host_layer_ms"), "host_pass": pooled(f"{recipe}_host_pass_ms"),
+        return {"step": between("ms"), "forward": between("fwd_ms"), "selective": between("selective_ms"),
+                "host": pooled("host_ms"), "host_layer": pooled("host_layer_ms"), "host_pass": pooled("host_pass_ms"),
                 "head": head}
 
     def collective_ms(self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list) -> float:

@@ -1,4 +1,4 @@
-"""megafp8.training.throughput_model: the planner's step-time prediction from measured layer maps
+"""megafp8.planner.throughput: the planner's step-time prediction from measured layer maps
 and collective bandwidths; exact arithmetic on small inputs, refusals where nothing was measured,
 and the stretches it reports."""
 import dataclasses
@@ -7,9 +7,9 @@ import json
 import pytest
 
 from megafp8.models.config import preset
-from megafp8.training.memory_model import MemoryLayout, rank_parameters
-from megafp8.training.throughput_model import (OPTIMIZER_BYTES_PER_FP8_WEIGHT, OPTIMIZER_BYTES_PER_PARAMETER,
-                                                Calibration, NotPredicted, predict)
+from megafp8.planner.memory import MemoryLayout, rank_parameters
+from megafp8.planner.throughput import (OPTIMIZER_BYTES_PER_FP8_WEIGHT, OPTIMIZER_BYTES_PER_PARAMETER, Calibration,
+                                        NotPredicted, predict)
 
 GPT = preset("gpt-1.3b")
 COPY_GBS = 2500.0
