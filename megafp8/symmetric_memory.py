@@ -59,10 +59,13 @@ def stop_using_copy_engines() -> None:
 
 
 def join_copy_streams() -> None:
-    """Order the current stream after every transfer issued so far, closing barriers included:
-    a CUDA graph capture calls this before it ends (a capture must join every stream it forked)."""
+    """Order the current stream after every transfer the ongoing CUDA graph capture issued,
+    closing barriers included: a capture calls this before it ends (it must join every stream it
+    forked, and may wait on no other)."""
     for space in _workspaces.values():
-        torch.cuda.current_stream().wait_stream(space.stream)
+        if space.forked_in_capture:
+            torch.cuda.current_stream().wait_stream(space.stream)
+            space.forked_in_capture = False
 
 
 def workspace(group) -> _Workspace | None:
@@ -104,6 +107,7 @@ class _Workspace:
         self.stream = torch.cuda.Stream()
         self.gather_bytes = self.scatter_bytes = 0
         self.handle = self.mine = self.peers = None
+        self.forked_in_capture = False  # the copy stream has work of a capture not joined yet
         self._kept = []  # earlier buffers: graphs captured with them still address them
 
     def _reserve(self, gather_bytes: int = 0, scatter_bytes: int = 0) -> None:
@@ -123,6 +127,7 @@ class _Workspace:
         self.peers = [self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8) for rank in range(self.size)]
 
     def _fork(self) -> torch.cuda.Stream:
+        self.forked_in_capture |= torch.cuda.is_current_stream_capturing()
         self.stream.wait_stream(torch.cuda.current_stream())
         return self.stream
 
