@@ -134,7 +134,7 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
     from megafp8.fp8 import fp8_autocast
 
     tp = group_size(tp_group)
-    kinds = ("ms", "fwd_ms") + (("host_ms", "host_layer_ms", "host_pass_ms", "selective_ms") if planner else ())
+    kinds = layer_map.KINDS if planner else ("ms", "fwd_ms")
     times = {kind: {} for kind in kinds}
     torch.cuda.empty_cache()  # the last point's layer and graphs are gone: give their memory back
     try:

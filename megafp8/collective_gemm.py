@@ -28,14 +28,7 @@ import torch
 
 from . import symmetric_memory
 from .collectives import all_gather_columns as _nccl_all_gather_columns
-from .collectives import (
-    all_gather_into,
-    exchange,
-    group_size,
-    rank_in,
-    reduce_scatter,
-    side_by_side,
-)
+from .collectives import all_gather_into, exchange, group_size, rank_in, reduce_scatter, side_by_side
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], object]
 

@@ -41,13 +41,9 @@ from torch import nn
 
 from megafp8 import symmetric_memory
 
-from .autocast import (
-    current_fp8_context,
-    record_amaxes,
-    replay_backward_amaxes,
-    replay_forward_amaxes,
-)
+from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
 from .linear import Fp8Linear, accumulate_into_main_grad
+
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
 # allocating pinned memory while a step captures, which the default ("global") would fail on.
