@@ -21,6 +21,9 @@ Each run must
 - if signalled (SIGTERM to the launch's process group, as a scheduler preempts), save at the next
   step boundary and end within 30 s of the signal (torchrun itself exits 1 after a signal);
 - if one rank fails, end, every rank, within 60 s (torchrun stops the others 30 s after).
+A run still going 300 s after its start hangs: its ranks write their Python stacks into its log
+(faulthandler, on SIGABRT), then it and every process it started (torchrun's ranks sit in sessions
+of their own) are killed.
 Runs go side by side, `--share` of them on each GPU (most of a run is starting up). A table
 closes the output and the exit status is 1 if any run failed; `--output` keeps every log and a
 JSON record.
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -53,7 +57,8 @@ PRECISIONS = ("bf16", "delayed", "current")
 EXIT_WITHIN_S = 30.0
 TRACK_STEPS, TRACK_TOLERANCE = 5, 0.01
 RESUME_TOLERANCE = 1e-3
-RUN_TIMEOUT_S = 300  # a run that has not exited by then hangs: its process group is killed
+RUN_TIMEOUT_S = 300  # a run that has not exited by then hangs: its stacks are dumped, then it is killed
+STACKS_WITHIN_S = 5.0  # how long a hung run's processes get to write their stacks
 
 # The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
 # two virtual stages of one layer at interleaved pp2), on the embedded sample corpus.
@@ -131,6 +136,7 @@ def environment(run: Run, work: Path, cpu: bool, devices: list[int], overlaps=(T
            "PRECISION": "bf16" if run.precision == "bf16" else "fp8", "FP8_RECIPE": run.precision,
            "CUDA_GRAPH": "1" if run.graphs else "0", "WORKDIR": str(work / "data"), "SAVE": str(save),
            "EXTRA_ARGS": " ".join(extra), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONFAULTHANDLER": "1",  # a hung run's ranks answer SIGABRT with their stacks (_stop_hung)
            "CHECK_FAIL_AT": str(FAIL_AT), "TP_COMM_OVERLAP": str(int(overlaps[0])),
            "DISTRIBUTED_OPTIMIZER": str(int(overlaps[1]))}
     if cpu:
@@ -198,7 +204,7 @@ class Launcher:
     def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(True, True)):
         self.work, self.cpu, self.overlaps = work, cpu, overlaps  # (tp_comm_overlap, distributed_optimizer)
         self.free = {d: share for d in range(max(gpus, 1))}
-        self.running: dict = {}  # Run -> (process, devices, start, log file)
+        self.running: dict = {}  # Run -> (process, devices, start, log file, processes it started)
         self.events: dict = {}  # Run -> when it was signalled or failed
         self.outcomes: dict = {}
 
@@ -215,8 +221,9 @@ class Launcher:
         command = (failing_command(run, self.work, self.cpu, overlap_flags(run.layout, *self.overlaps))
                    if run.kind == "fail" else ["bash", str(RECIPE)])
         process = subprocess.Popen(command, env=environment(run, self.work, self.cpu, devices, self.overlaps),
-                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.running[run] = (process, devices, time.time(), log)
+                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=_without_core_files)
+        self.running[run] = (process, devices, time.time(), log, set())
         return True
 
     def _event(self, run: Run, process) -> None:
@@ -233,13 +240,14 @@ class Launcher:
 
     def poll(self) -> list[Run]:
         done = []
-        for run, (process, devices, start, log) in list(self.running.items()):
+        for run, (process, devices, start, log, started) in list(self.running.items()):
             self._event(run, process)
-            alive = process.poll() is None or _group_alive(process.pid)  # the launcher or what it started
+            started |= _descendants(process.pid)  # the ranks, found while torchrun lives
+            alive = process.poll() is None or _group_alive(process.pid) or any(map(_running, started))
             if alive and time.time() - start < RUN_TIMEOUT_S:
                 continue
-            if alive:  # hung: the whole group goes
-                os.killpg(process.pid, signal.SIGKILL)
+            if alive:
+                _stop_hung(process.pid, started | _descendants(process.pid))
                 process.wait()
             returncode = None if alive else process.returncode
             end = time.time()
@@ -286,7 +294,7 @@ def judge(outcomes: dict, iterations: int, work: Path) -> None:
         problems = []
         losses = outcome.losses or {}
         if outcome.returncode is None:
-            problems.append(f"still running {RUN_TIMEOUT_S} s after its start: killed")
+            problems.append(f"still running {RUN_TIMEOUT_S} s after its start: killed (stacks in logs/{run.name}.log)")
         elif run.kind in ENDS_WITHIN_S:
             problems += _judge_ending(run, outcome, work)
         else:
@@ -332,6 +340,52 @@ def _judge_ending(run: Run, outcome: Outcome, work: Path) -> list:
     if re.search(r"\[rank\d+\]:\s*Traceback", log):
         problems.append("a rank's traceback")
     return problems
+
+
+def _without_core_files() -> None:
+    """A hung run's SIGABRT must not write its ranks' memory to disk."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _descendants(pid: int) -> set:
+    """The live processes started under `pid`: torchrun starts each rank in a session of its own,
+    beyond the reach of the launch's process group."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while being read
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` lives (a zombie, ended and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop_hung(pgid: int, started: set) -> None:
+    """A hung run: its Python processes write every thread's stack into the run's log (the run's
+    PYTHONFAULTHANDLER answers SIGABRT so), then the launch's group and all it started are killed."""
+    for how in (signal.SIGABRT, signal.SIGKILL):
+        for pid in started:
+            try:
+                os.kill(pid, how)
+            except ProcessLookupError:
+                pass
+        if how == signal.SIGABRT:
+            time.sleep(STACKS_WITHIN_S)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _group_alive(pgid: int) -> bool:

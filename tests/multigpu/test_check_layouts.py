@@ -2,6 +2,10 @@
 makes (straight, resumed, SIGTERM to the launch's process group, a failing rank), each launched
 as a user launches the recipe, and judged; on GPUs, `python -m tests.multigpu.check_layouts`."""
 import json
+import os
+import subprocess
+import sys
+import time
 
 from tests.multigpu import check_layouts
 
@@ -32,7 +36,8 @@ def test_a_run_that_does_not_end_or_drifts_is_named(tmp_path):
     assert outcomes[reference].problems == []
     assert outcomes[straight].problems == ["exited 45 s after its last iteration",
                                            "first losses 6.25% off one GPU's (tolerance 1%)"]
-    assert outcomes[resumed].problems[0] == "still running 300 s after its start: killed"
+    assert outcomes[resumed].problems[0] == "still running 300 s after its start: killed (stacks in logs/" \
+                                           "dp2-bf16-eager-resumed.log)"
     assert "resumed losses missing, so not compared" in outcomes[resumed].problems[1]
 
 
@@ -54,3 +59,30 @@ def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
         command = check_layouts.failing_command(check_layouts.Run(layout, "delayed", True, "fail"), tmp_path, False,
                                                 flags)
         assert all(flag in command for flag in flags), layout
+
+
+def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path):
+    """torchrun starts each rank in a session of its own: a hung run's ranks are found under its
+    launcher, write their Python stacks into the run's log, and are killed with it."""
+    rank = ("import time\n"
+            "def waiting_for_a_peer():\n"
+            "    print('waiting', flush=True)\n"
+            "    time.sleep(600)\n"
+            "waiting_for_a_peer()\n")
+    launcher = ("import subprocess, sys, time\n"
+                f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+                "time.sleep(600)\n")
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-c", launcher], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, preexec_fn=check_layouts._without_core_files,
+                                   env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    deadline = time.time() + 60
+    while "waiting" not in log_path.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    started = check_layouts._descendants(process.pid)
+    assert len(started) == 1 and check_layouts._running(next(iter(started)))
+    check_layouts._stop_hung(process.pid, started)
+    process.wait(timeout=30)
+    assert "in waiting_for_a_peer" in log_path.read_text()
+    assert not any(map(check_layouts._running, started))
