@@ -90,19 +90,6 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return all_gather(grad, ctx.group, dim=0), None
 
 
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    """Keep this rank's sequence shard forward; all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=0), None
-
-
 def copy_to_tensor_parallel(x, group):
     return _CopyToTensorParallel.apply(x, group) if group_size(group) > 1 else x
 
@@ -125,7 +112,3 @@ def gather_from_sequence_parallel(x, group):
 
 def reduce_scatter_to_sequence_parallel(x, group):
     return _ReduceScatterToSequenceParallel.apply(x, group) if group_size(group) > 1 else x
-
-
-def scatter_to_sequence_parallel(x, group):
-    return _ScatterToSequenceParallel.apply(x, group) if group_size(group) > 1 else x

@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md), read from the code's own imports:
+"""Dependencies point one way (docs/architecture.md, "Layers"), read from the code's own imports:
 
     base (megafp8/collectives.py, collective_gemm.py, symmetric_memory.py, console.py, validation.py)
         <-  fp8  <-  parallel  <-  models  <-  training

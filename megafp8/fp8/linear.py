@@ -25,8 +25,10 @@ GEMM_ALIGNMENT = 16
 
 # Bumped after every torch.optim optimizer step, which invalidates every cached weight cast.
 # The parameter's version counter is not enough: fused AdamW (fused=True) updates weights
-# without bumping it.
+# without bumping it. The counting hook is global (torch has no per-parameter step hook); the
+# first Fp8Linear built installs it, so importing the package alone changes nothing.
 _optimizer_steps = 0
+_optimizer_step_hook = None
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
@@ -34,7 +36,10 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
     _optimizer_steps += 1
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+def _watch_optimizer_steps() -> None:
+    global _optimizer_step_hook
+    if _optimizer_step_hook is None:
+        _optimizer_step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +77,8 @@ class Fp8Linear(nn.Linear):
     forward (fprop) E4M3 x E4M3; dgrad and wgrad take the gradient in E5M2 under HYBRID (E4M3
     under E4M3); each falls back to high precision per `override_linear_precision`. The input
     is saved for backward in FP8 (transposed, ready for wgrad). The weight is cast once and
-    reused across micro-batches until it changes: any torch.optim step, and any in-place
+    reused across micro-batches until it changes: any torch.optim step (the first Fp8Linear
+    built installs a global optimizer step post-hook that counts them), and any in-place
     update autograd sees (`copy_`, load_state_dict, MixedPrecisionAdamW's fused pass, which
     bumps the version counters of what it writes), refreshes the cast; call
     `clear_fp8_weight_cache()` after writing through `weight.data` or outside torch.optim.
@@ -99,6 +105,7 @@ class Fp8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        _watch_optimizer_steps()
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target

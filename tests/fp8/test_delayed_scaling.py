@@ -1,4 +1,4 @@
-"""Delayed scaling as DESIGN.md states it, driven through Fp8Linear one pass at a time."""
+"""Delayed scaling as docs/fp8.md states it ("Recipes"), driven through Fp8Linear one pass at a time."""
 import pytest
 import torch
 

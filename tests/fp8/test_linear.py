@@ -1,4 +1,6 @@
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,3 +235,13 @@ def test_any_torch_optimizer_step_refreshes_the_weight_cast_even_without_a_versi
     assert layer.weight._version == version
     run_pass(layer, DelayedScaling(), *fresh_batch())
     assert layer._weight_fp8[1] is not cached
+
+
+def test_the_optimizer_step_hook_comes_with_the_first_fp8_linear_not_with_the_import():
+    code = ("import torch.optim.optimizer as o\n"
+            "import megafp8.fp8\n"
+            "print(len(o._global_optimizer_post_hooks))\n"
+            "megafp8.fp8.Fp8Linear(16, 16), megafp8.fp8.Fp8Linear(16, 16)\n"
+            "print(len(o._global_optimizer_post_hooks))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "1"]
