@@ -21,7 +21,6 @@ from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
 from megafp8.fp8.autocast import current_fp8_context
 from megafp8.fp8.fused import GradHandoff
-from megafp8.fp8.graphs import LayerGraphs
 from megafp8.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -31,6 +30,7 @@ from megafp8.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
+from megafp8.parallel.cuda_graphs import LayerGraphs
 from megafp8.validation import check_integer
 
 from .config import TransformerConfig
@@ -331,7 +331,7 @@ class TransformerLM(nn.Module):
 
     def enable_cuda_graphs(self, grads_ready=None) -> None:
         """Run the transformer layers as CUDA graphs in training from the next forward on, which
-        captures them (megafp8.fp8.graphs.LayerGraphs: one forward and one backward graph per
+        captures them (megafp8.parallel.cuda_graphs.LayerGraphs: one forward and one backward graph per
         unit of `units`, a recomputed group being one unit). Parameters need `main_grad` (the
         GradientBuffer), and the layers one eager training step behind them; `grads_ready(params)`
         is told when a unit's gradients are in main_grad (and `params_needed`, if set, before a

@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megafp8 import collective_gemm, collectives
+from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
 from . import norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
@@ -109,7 +110,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor)
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
-        self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.fp8.graphs)
+        self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.parallel.cuda_graphs)
         self.fuse_wgrad_accumulation = True
         self.fuse_neighbours = True
         self._warned_fallback = False
@@ -435,7 +436,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if ctx.fp8_gather:
                     x_saved = (x_gathered.wait() if x_gathered is not None
                                else collectives.all_gather_columns(x_saved, comm.gather))
-                main_grad = _empty_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
+                main_grad = claim_empty_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
                 if main_grad is None:
                     dw = fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
                 else:  # dw stays None: the gradient is in main_grad
@@ -444,7 +445,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
             db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
-            main_grad = _empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
+            main_grad = claim_empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
             if main_grad is None:
                 db = db.to(ctx.weight_dtype)
             else:
@@ -491,24 +492,6 @@ def hand_over_gradient(source, producer: Fp8Linear, handoff: GradHandoff, like: 
 
 # addmm with bf16/fp16 factors and an fp32 output (torch >= 2.8, CUDA only).
 _ADDMM_INTO_FP32 = hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
-def accumulate_into_main_grad(param, grad: torch.Tensor) -> None:
-    """Add `grad` into `param.main_grad`, or overwrite it if it holds no gradient of this step."""
-    if param.main_grad_empty:
-        param.main_grad.copy_(grad)
-        param.main_grad_empty = False
-    else:
-        param.main_grad.add_(grad)
-
-
-def _empty_main_grad(param) -> Optional[torch.Tensor]:
-    """`param.main_grad` if it holds no gradient of this step yet, to be overwritten with the
-    gradient (claimed: it counts as written from now on); else None."""
-    if not getattr(param, "main_grad_empty", False):
-        return None
-    param.main_grad_empty = False
-    return param.main_grad
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):

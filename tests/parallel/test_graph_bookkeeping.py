@@ -6,7 +6,7 @@ import torch
 
 from megafp8 import DelayedScaling, Fp8Linear, fp8_autocast, quantize
 from megafp8.fp8.autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
-from megafp8.fp8.graphs import MicroBatchSlots
+from megafp8.parallel.cuda_graphs import MicroBatchSlots
 
 RECIPE = DelayedScaling(amax_history_len=4)
 

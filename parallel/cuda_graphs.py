@@ -24,7 +24,7 @@ step equals an eager one bit for bit:
   gradient buffer), then `grads_ready` is told, for the overlapped data-parallel reduction. A
   `main_grad` that holds no gradient yet (`main_grad_empty`: a step's first micro-batch) is
   overwritten instead (FP8 weight gradients straight from the GEMM: gradient-accumulation
-  fusion in megafp8.fp8.linear), so which `main_grad`s are empty when the backward runs is part
+  fusion in megafp8.fp8.linear; the protocol: megafp8.main_grad), so which `main_grad`s are empty when the backward runs is part
   of a graph set's signature: those of the forward's time with no other micro-batch in flight,
   none otherwise (the backwards in flight before it will have written them all).
 Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
@@ -41,8 +41,9 @@ from torch import nn
 
 from megafp8 import symmetric_memory
 
-from .autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
-from .linear import Fp8Linear, accumulate_into_main_grad
+from megafp8.fp8 import Fp8Linear
+from megafp8.fp8.autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
+from megafp8.main_grad import accumulate_into_main_grad
 
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
