@@ -9,7 +9,7 @@ Reads the JSON lines `bench_layouts.py` wrote (default: benchmarks/results/2026-
 the eight-GPU layouts of RESULTS.md). Memory: per record, the peak predicted for the fullest
 pipeline stage against `peak_memory_gib` (torch.cuda.max_memory_allocated); only the first
 precision of each launch is compared, as the later ones in the same process carried memory the
-runs before them leaked (RESULTS.md, "Memory"). Throughput (with --layer-maps): every record's
+runs before them leaked (RESULTS.md, "Eight GPUs"). Throughput (with --layer-maps): every record's
 predicted against measured `tokens_per_sec_per_gpu`, and per model, precision and GPU count
 whether the predicted order of the layouts is the measured one (the issue's bar: rank order
 right, each within 15%; the planner ranks the layouts of one GPU count, never 2 against 4;
