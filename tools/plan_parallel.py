@@ -1,8 +1,8 @@
-"""Which parallel layouts of a model fit a cluster, and how much memory each needs per GPU.
+r"""Which parallel layouts of a model fit a cluster, and how much memory each needs per GPU.
 
     python tools/plan_parallel.py --model llama2-7b --gpus 64 --gpu-memory 80 --seq-length 4096 \
-        --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4]
-        [--memory-margin 0.1] [--top 20] [--json plan.json]
+        --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4] \
+        [--memory-margin 0.1] [--top 20] [--json plan.json] \
         [--layer-maps llama2-7b_tp1.json llama2-7b_tp2.json --collectives collectives.json] [--eager-pipelines]
 
 Every tp x pp x dp layout (tp within a node, sequence parallelism with it), with or without
@@ -22,8 +22,10 @@ per GPU (megafp8.planner.throughput: the measured layer times, graphed as the re
 them, or with --eager-pipelines a pipeline stage's longer of those and the host's; the 1F1B
 bubble, the collectives' measured bandwidths, the optimizer's pass), each saying where the
 prediction stretches a measurement; a layout the measurements do not cover is listed apart with
-what to measure. Without them the layouts that fit are only listed, least memory first among
-equals of the simplest parallelism.
+what to measure. Without them the layouts that fit are only listed, simplest first: the fewest
+GPUs in tp x pp, then no virtual stages, then no recomputation (then selective, then full), then
+the largest micro-batch, then the least memory. Layouts that do not fit are counted by reason,
+those out of memory with the range of memory they need and the nearest miss.
 """
 from __future__ import annotations
 
@@ -126,20 +128,43 @@ def plan(args, calibration: Calibration | None = None) -> dict:
             "fits": fits, "not_predicted": unpredicted, "rejected": rejected}
 
 
+SIMPLEST_FIRST = ("the fewest GPUs in tp x pp, then no virtual stages, then no recomputation (then selective, then "
+                  "full), then the largest micro-batch, then the least memory")
+
+
 def simplicity(entry: dict) -> tuple:
-    """Least parallelism, no virtual stages or recomputation, the largest micro-batch, least memory."""
+    """The sort key of SIMPLEST_FIRST."""
     return (entry["tp"] * entry["pp"], entry["vpp"], entry["recompute"] != "none", entry["recompute"] == "full",
             -entry["micro_batch_size"], entry["memory_gib"])
 
 
-def print_by_reason(heading: str, entries: list, key) -> None:
-    """`entries` counted by `key(entry)`, most common first, each with its reason and an example."""
+def print_by_reason(heading: str, entries: list, key, describe=None) -> None:
+    """`entries` counted by `key(entry)`, most common first, each group described by
+    `describe(members)` (default: `by_reason`)."""
     groups = {}
     for entry in entries:
         groups.setdefault(key(entry), []).append(entry)
     print(heading)
     for members in sorted(groups.values(), key=lambda members: -len(members)):
-        print(f"  {len(members):4d} x {members[0]['reason']}  (e.g. {layout_name(members[0])})")
+        print(f"  {len(members):4d} x {(describe or by_reason)(members)}")
+
+
+def by_reason(members: list) -> str:
+    """A group's reason, with its first layout for an example."""
+    return f"{members[0]['reason']}  (e.g. {layout_name(members[0])})"
+
+
+def describe_rejected(members: list, gpu_memory: float, budget_gib: float) -> str:
+    """Out-of-memory layouts by the range of memory they need and the nearest miss (one within the
+    GPU's memory but not its margin may fit a smaller margin); any other reason as it is."""
+    if "memory_gib" not in members[0]:
+        return by_reason(members)
+    nearest = min(members, key=lambda e: e["memory_gib"])
+    least, most = f"{nearest['memory_gib']:.1f}", f"{max(e['memory_gib'] for e in members):.1f}"
+    needs = f"needs {least}" if least == most else f"need {least} to {most}"
+    within = f", within the GPU's {gpu_memory:g} GiB but not its margin" if nearest["memory_gib"] <= gpu_memory else ""
+    return (f"{needs} GiB per GPU, over {budget_gib:.1f} GiB  (the nearest miss: {layout_name(nearest)}, "
+            f"{least} GiB{within})")
 
 
 def layout_name(entry: dict) -> str:
@@ -202,7 +227,8 @@ def main(argv=None) -> int:
           f"{len(fits) + len(result['not_predicted'])} layouts fit in {result['budget_gib']:.1f} GiB per GPU, "
           f"{len(result['rejected'])} do not")
     if calibration is None:
-        print("(listed, not ranked by throughput: give --layer-maps and --collectives measured on these GPUs)")
+        print(f"(listed, not ranked by throughput: give --layer-maps and --collectives measured on these GPUs; "
+              f"simplest first: {SIMPLEST_FIRST})")
     else:
         print(f"ranked by predicted tokens/s per GPU from {'; '.join(calibration.sources)}; "
               f"{len(result['not_predicted'])} fitting layouts not covered by the measurements")
@@ -224,7 +250,8 @@ def main(argv=None) -> int:
     if result["not_predicted"]:
         print_by_reason("fit, not predicted:", result["not_predicted"], key=lambda e: e["reason"])
     print_by_reason("rejected:", result["rejected"],
-                    key=lambda e: e["reason"].split(":")[0] if "GiB" not in e["reason"] else "out of memory")
+                    key=lambda e: "out of memory" if "memory_gib" in e else e["reason"].split(":")[0],
+                    describe=lambda members: describe_rejected(members, args.gpu_memory, result["budget_gib"]))
     if not fits and not result["not_predicted"]:
         print("no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may", file=sys.stderr)
         return 1

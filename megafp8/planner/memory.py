@@ -13,7 +13,7 @@ What megafp8 keeps, and so what is counted:
   the micro-batches a pipeline schedule holds in flight, plus the logits on the last stage.
 
 Activations, per token of a micro-batch (h hidden; q, kv, f this rank's query, key/value and MLP
-widths; G = 2 for SwiGLU's stacked gate and up, else 1), as `layer_activation_bytes` counts them:
+widths; G = 2 for SwiGLU's stacked gate and up, else 1), as `layer_activation_roles` counts them:
 norms keep their input (2h) and statistics; a linear keeps its input in bf16 (2 a column), or
 under FP8 only the transposed FP8 copy for the weight gradient (1 a column); attention keeps the
 packed q, k, v (2(q + 2kv)), RoPE's rotated q and k (2(q + kv)), its output (2q) and log-sum-exp
@@ -142,9 +142,9 @@ def static_bytes(config: TransformerConfig, layout: MemoryLayout, pp_rank: int, 
             "fp8_weight_casts": 2 * counts["fp8_weights"]}
 
 
-def layer_activation_bytes(config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True) -> float:
-    """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank (see the
-    module's docstring); `in_fp8=False` for a layer the layout keeps in bf16."""
+def layer_activation_roles(config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True) -> dict:
+    """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank, by what
+    keeps them (see the module's docstring); `in_fp8=False` for a layer the layout keeps in bf16."""
     fp8 = layout.fp8 if in_fp8 else None
     tp = layout.tp
     tokens = layout.seq_length * layout.micro_batch_size
@@ -155,27 +155,26 @@ def layer_activation_bytes(config: TransformerConfig, layout: MemoryLayout, in_f
     ffn = config.ffn_size / tp
     gated = config.activation == "swiglu"
     if layout.recompute == "full":
-        return 2 * local * h  # the layer's input; everything else is recomputed in backward
+        return {"layer_input": 2 * local * h}  # everything else is recomputed in backward
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
-    per_token = 2 * _norm_bytes(config, layout, fused) * local / tokens  # the two norms
-    # QKV's and fc1's inputs (the norms' outputs), fc2's (the activation's output); proj's in FP8
-    # (in bf16 it is the attention output itself, counted below).
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
     # (gathered again in backward), in bf16 the gathered input.
     gathered = local / tokens if fp8 else 1.0
-    per_token += linear_input * (2 * h * gathered + ffn) + (query if fp8 else 0)
-    per_token += 2 * (query + 2 * kv)  # the packed q, k, v
-    if config.position_embedding == "rope":
-        per_token += 2 * (query + kv)  # the rotated q and k
-    if layout.recompute != "selective":
-        per_token += 4 * heads / tp  # the attention's log-sum-exp
-    if layout.recompute != "selective" or not fp8:
-        per_token += 2 * query  # its output (kept by proj in bf16 even when the core is recomputed)
-    per_token += 2 * (2 if gated else 1) * ffn  # the activation's input
-    if gated and not fused:
-        per_token += 2 * ffn  # silu(gate), kept by the unfused SwiGLU for its product's backward
-    return per_token * tokens
+    return {
+        "norms": 2 * _norm_bytes(config, layout, fused) * local,
+        # QKV's and fc1's inputs (the norms' outputs), fc2's (the activation's output); proj's in
+        # FP8 (in bf16 it is the attention output itself, counted below).
+        "linear_inputs": (linear_input * (2 * h * gathered + ffn) + (query if fp8 else 0)) * tokens,
+        "qkv": 2 * (query + 2 * kv) * tokens,  # the packed q, k, v
+        "rotated_qk": 2 * (query + kv) * tokens if config.position_embedding == "rope" else 0,
+        "log_sum_exp": 4 * heads / tp * tokens if layout.recompute != "selective" else 0,
+        # Kept by proj in bf16 even when the core is recomputed.
+        "attention_output": 2 * query * tokens if layout.recompute != "selective" or not fp8 else 0,
+        "activation_input": 2 * (2 if gated else 1) * ffn * tokens,
+        # silu(gate), kept by the unfused SwiGLU for its product's backward.
+        "silu_gate": 2 * ffn * tokens if gated and not fused else 0,
+    }
 
 
 def _norm_bytes(config: TransformerConfig, layout: MemoryLayout, fused: bool) -> float:
@@ -219,7 +218,8 @@ def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int =
     stages = []
     for pp_rank in range(layout.pp):
         layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
-        per_micro_batch = sum(layer_activation_bytes(config, layout, in_fp8=i in fp8_layers) for i in layers)
+        per_micro_batch = sum(sum(layer_activation_roles(config, layout, in_fp8=i in fp8_layers).values())
+                              for i in layers)
         activations = per_micro_batch * micro_batches_in_flight(layout, pp_rank)
         if pp_rank == layout.pp - 1:
             activations += logits_bytes(config, layout)

@@ -1,9 +1,14 @@
-"""Delayed scaling as docs/fp8.md states it ("Recipes"), driven through Fp8Linear one pass at a time."""
+"""Delayed scaling as docs/fp8.md states it ("Recipes"), driven through Fp8Linear one pass at a time;
+the GPU's fused update kernel against the torch path in Triton's interpreter."""
+import importlib.util
+
 import pytest
 import torch
 
 from megafp8 import DelayedScaling, Format, Fp8Linear, fp8_autocast
+from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
 
+from ..interpreter import run_interpreted_checks
 from .helpers import random_amax
 
 
@@ -111,3 +116,51 @@ def test_history_length_follows_the_recipe_keeping_the_newest():
     _, layer = forward_passes([2, 8, 1], DelayedScaling(**WORKED))
     forward_passes([4], DelayedScaling(**{**WORKED, "amax_history_len": 2}), layer)
     assert layer.fp8_scaling["input"].amax_history.tolist() == [4, 1]
+
+
+# -- the fused update kernel (what CUDA runs) in Triton's interpreter, on the CPU ------------------------------
+
+def interpreted_checks():
+    """The kernel gives the torch path's histories, scales and accumulators bit for bit, on histories
+    whose max is an older amax than the newest: at the front, in the middle, at the last place kept
+    and at the place the roll drops (where the newest or the one before it is the max)."""
+    from megafp8.fp8 import triton_kernels
+
+    g = torch.Generator().manual_seed(0)
+    for length in (1, 2, 5, 8):
+        for algo in ("max", "most_recent"):
+            for recompute in (True, False):
+                amaxes = torch.rand(7, generator=g) * 4 + 1
+                amaxes[1], amaxes[2], amaxes[3] = float("inf"), float("nan"), 0.0
+                resets = [True, False, True, True, False, True, True]
+                histories = torch.rand(7, length, generator=g) * 4 + 1
+                for row, place in zip(histories, (0, length // 2, length - 2, length - 1, 0, 1, length - 1)):
+                    row[place % length] = 40.0 + place % length  # the max, older than the newest amax
+                states = []
+                for _ in range(2):
+                    group = [ScalingState() for _ in range(7)]
+                    for state, amax, history in zip(group, amaxes, histories):
+                        state.fit_history(length)
+                        state.amax_history.copy_(history)
+                        state.amax.copy_(amax)
+                        state.scale.fill_(3.0)
+                    states.append(group)
+                triton_kernels.update_delayed(states[0], resets, 448.0, 1, algo, recompute)
+                _update_delayed_torch(states[1], resets, 448.0, 1, algo, recompute)
+                for fused, reference, reset in zip(*states, resets):
+                    what = (length, algo, recompute, reference.amax_history.tolist())
+                    assert torch.equal(fused.amax_history, reference.amax_history), what
+                    assert torch.equal(fused.scale, reference.scale), (what, fused.scale, reference.scale)
+                    assert torch.equal(fused.amax, reference.amax) and (fused.amax.item() == 0) == reset, what
+                # The reference scales from the history's max, not the newest amax, where it should.
+                newest, first = amaxes[0].item(), states[1][0]
+                older_max = first.amax_history.max().item()
+                if recompute and algo == "max" and length > 1:
+                    assert older_max > newest and first.scale.item() == pytest.approx(448.0 / older_max / 2, rel=1e-6)
+                elif recompute:
+                    assert first.scale.item() == pytest.approx(448.0 / newest / 2, rel=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_fused_update_kernel_in_the_triton_interpreter():
+    run_interpreted_checks(__name__)

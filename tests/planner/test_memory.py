@@ -1,13 +1,16 @@
 """megafp8.planner.memory against what the trainer holds on the CPU: parameters, gradient
 buffer, optimizer states and FP8 weight casts exactly, per rank of tensor/pipeline/data-parallel
-layouts; activations (what autograd saves in a forward) within 10%."""
+layouts; activations (what autograd saves in a forward) within 1%, and a layer's by what keeps
+them (the model's roles)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8.models import transformer
 from megafp8.models.config import gpt_config, llama_config
-from megafp8.models.transformer import TransformerLM
-from megafp8.planner.memory import MemoryLayout, estimate, micro_batches_in_flight, static_bytes
+from megafp8.models.transformer import TransformerLayer, TransformerLM
+from megafp8.planner.memory import MemoryLayout, estimate, layer_activation_roles, micro_batches_in_flight, static_bytes
 from megafp8.training.trainer import pretrain
 
 from ..multiprocess import run_on_ranks
@@ -49,7 +52,7 @@ def saved_bytes(model, recipe, inputs, labels, tp_group=None):
 @pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("recipe", [None, "delayed", "current"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_activations_within_ten_percent(config, recipe, recompute):
+def test_activations_within_one_percent(config, recipe, recompute):
     seq, batch = 64, 2
     torch.manual_seed(0)
     model = TransformerLM(config, dtype=torch.bfloat16, device="cpu", recompute=recompute)
@@ -58,7 +61,112 @@ def test_activations_within_ten_percent(config, recipe, recompute):
     layout = MemoryLayout(seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute,
                           norm_on_cuda=False)
     predicted = estimate(config, layout)[0]["activations"]
-    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
+
+
+LINEARS = ("qkv", "proj", "fc1", "fc2")
+
+
+def saved_bytes_by_role(model, recipe, tokens, monkeypatch):
+    """Bytes of the distinct storages autograd saves in one forward inside the transformer layers,
+    by the memory model's role (layer_activation_roles), told from where each storage was made:
+    a norm's input or what a norm saves ("norms"; a fused norm's fp32 statistics, saved by its
+    linear, too); a linear's input, or any FP8 copy ("linear_inputs"); QKV's output ("qkv"); RoPE's
+    ("rotated_qk"); the attention core's ("attention_output") and what else it saves
+    ("log_sum_exp"); fc1's output ("activation_input"); what else fc2 saves with the activation
+    ("silu_gate"). The casts' 4-byte scales are left out, as the model leaves them."""
+    made, saves, inside = {}, [], []
+
+    def mark(tensor, role):
+        # The first role a storage takes; held, so that no later tensor reuses its address.
+        storage = tensor.untyped_storage()
+        made.setdefault(storage._cdata, (role, storage))
+
+    def enter(name):
+        return lambda module, args: inside.append(name)
+
+    def leave(module, args, output):
+        inside.pop()
+
+    for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
+        layer.register_forward_pre_hook(enter("layer"))
+        layer.register_forward_hook(leave)
+        for norm in (layer.input_norm, layer.mlp_norm):
+            norm.register_forward_pre_hook(enter("norm"))
+            norm.register_forward_hook(leave)
+        for block in (layer.attention, layer.mlp):  # their input is their norm's
+            block.register_forward_pre_hook(lambda module, args: mark(args[0], "norms"))
+        linears = dict(zip(LINEARS, (layer.attention.qkv, layer.attention.proj, layer.mlp.fc1, layer.mlp.fc2)))
+        for name, linear in linears.items():
+            linear.register_forward_pre_hook(enter(name))
+            linear.register_forward_hook(leave)
+        linears["qkv"].register_forward_hook(lambda module, args, y: mark(y, "qkv"))
+        linears["fc1"].register_forward_hook(lambda module, args, y: mark(y, "activation_input"))
+
+    def marking(function, role, mark_input=False):
+        def wrapped(*args, **kwargs):
+            out = function(*args, **kwargs)
+            mark(args[1] if mark_input else out, role)
+            return out
+        return wrapped
+
+    def attention_core(*args, **kwargs):
+        inside.append("core")
+        out = sdpa(*args, **kwargs)
+        inside.pop()
+        mark(out, "attention_output")
+        return out
+
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attention_core)
+    monkeypatch.setattr(transformer, "apply_rotary", marking(transformer.apply_rotary, "rotated_qk"))
+    for method in ("high_precision_linear", "fp8_linear"):
+        monkeypatch.setattr(Fp8Linear, method, marking(getattr(Fp8Linear, method), "linear_inputs", mark_input=True))
+
+    def pack(t):
+        if inside:
+            saves.append((t.untyped_storage(), t.dtype, t.dim(), inside[-1]))
+        return t
+
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          fp8_autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)):
+        model(tokens, tokens)
+    static = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    static |= weight_cast_storages(model)
+    roles, seen = {}, set()
+    for storage, dtype, dim, where in saves:
+        if storage._cdata in static | seen or dim == 0:
+            continue
+        seen.add(storage._cdata)
+        role, _ = made.get(storage._cdata, (None, None))
+        if role is None:
+            if dtype.itemsize == 1 and dtype.is_floating_point:
+                role = "linear_inputs"  # an FP8 copy
+            elif where == "norm" or (where in LINEARS and dtype == torch.float32):
+                role = "norms"
+            else:
+                role = {"core": "log_sum_exp", "fc2": "silu_gate"}.get(where, f"unknown, saved in {where}")
+        roles[role] = roles.get(role, 0) + storage.nbytes()
+    return roles
+
+
+@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_each_role_of_a_layers_activations(config, recipe, recompute, monkeypatch):
+    """What the model counts for each thing a layer keeps for backward (the rotated q and k, the
+    log-sum-exp, ...) is what autograd saves for it, within 1% (the CPU's LayerNorm keeps its
+    statistics in bf16, 4 bytes a token less than CUDA's fp32)."""
+    seq, batch = 64, 2
+    torch.manual_seed(0)
+    model = TransformerLM(config, dtype=torch.bfloat16, device="cpu", recompute=recompute)
+    measured = saved_bytes_by_role(model, recipe, torch.randint(0, config.vocab_size, (batch, seq)), monkeypatch)
+    layout = MemoryLayout(seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute,
+                          norm_on_cuda=False)
+    predicted = {role: config.num_layers * value for role, value in layer_activation_roles(config, layout).items()}
+    assert set(measured) <= set(predicted), measured
+    for role, value in predicted.items():
+        assert abs(measured.get(role, 0) - value) <= 0.01 * value, (role, measured, predicted)
 
 
 def test_micro_batches_in_flight_follow_the_schedules():
@@ -143,13 +251,13 @@ def tp2_activations_body(rank, world_size):
     return out
 
 
-def test_tensor_parallel_activations_within_ten_percent():
+def test_tensor_parallel_activations_within_one_percent():
     measured = run_on_ranks(tp2_activations_body, 2)[0]
     for (name, recipe, sp), value in measured.items():
         layout = MemoryLayout(seq_length=64, micro_batch_size=2, tp=2, sequence_parallel=sp, fp8=recipe,
                               norm_on_cuda=False)
         predicted = estimate({"gpt": GPT, "llama": LLAMA}[name], layout)[0]["activations"]
-        assert abs(predicted / value - 1) < 0.10, (name, recipe, sp, predicted, value)
+        assert abs(predicted / value - 1) < 0.01, (name, recipe, sp, predicted, value)
 
 
 def test_against_the_peaks_measured_on_eight_gpus(capsys):

@@ -1,15 +1,19 @@
 """megafp8.planner.throughput: the planner's step-time prediction from measured layer maps
 and collective bandwidths; exact arithmetic on small inputs, refusals where nothing was measured,
-and the stretches it reports."""
+and the stretches it reports; the optimizer's bytes against what the fused AdamW pass moves."""
 import dataclasses
+import importlib.util
 import json
 
 import pytest
+import torch
 
 from megafp8.models.config import preset
 from megafp8.planner.memory import MemoryLayout, rank_parameters
 from megafp8.planner.throughput import (OPTIMIZER_BYTES_PER_FP8_WEIGHT, OPTIMIZER_BYTES_PER_PARAMETER, Calibration,
                                         NotPredicted, predict)
+
+from ..interpreter import run_interpreted_checks
 
 GPT = preset("gpt-1.3b")
 COPY_GBS = 2500.0
@@ -322,3 +326,72 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
     assert "warning: the measurements come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)" in (
         capsys.readouterr().out)
+
+
+# -- the optimizer's bytes: the fused AdamW pass in Triton's interpreter, on the CPU ---------------------------
+
+def bytes_moved(step) -> int:
+    """Bytes the Triton kernels that `step()` launches load and store element-wise, counted in the
+    interpreter: vector accesses only (the address tables' scalar loads are per program, not per
+    element), and no load of what the pass itself has just stored (the FP8 cast's transpose reads
+    its tile back from the cache)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+    stored, moved = set(), [0]
+
+    def count(ptrs, mask, storing):
+        if ptrs.data.size > 1:
+            addresses = ptrs.data[mask.data].ravel().tolist()
+            if storing:
+                stored.update(addresses)
+            else:
+                addresses = [a for a in addresses if a not in stored]
+            moved[0] += len(addresses) * ptrs.get_element_ty().primitive_bitwidth // 8
+
+    def counted_load(self, ptrs, mask, *args):
+        count(ptrs, mask, False)
+        return load(self, ptrs, mask, *args)
+
+    def counted_store(self, ptrs, value, mask, *args):
+        count(ptrs, mask, True)
+        return store(self, ptrs, value, mask, *args)
+
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = counted_load, counted_store
+    try:
+        step()
+    finally:
+        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
+    return moved[0]
+
+
+def interpreted_checks():
+    """MixedPrecisionAdamW's fused pass over a bf16 FP8 linear (its weight and bias) moves
+    OPTIMIZER_BYTES_PER_PARAMETER per element, and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per weight
+    element where it also writes the weight's FP8 cast (delayed scaling)."""
+    from megafp8.fp8 import DelayedScaling, Fp8Linear, fp8_autocast
+    from megafp8.parallel.data_parallel import GradientBuffer
+    from megafp8.training.optimizer import MixedPrecisionAdamW
+
+    for casts in (False, True):
+        torch.manual_seed(0)
+        layer = Fp8Linear(80, 144, dtype=torch.bfloat16)
+        params = list(layer.named_parameters())
+        buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
+        optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, fused=True,
+                                        fp8_linears=[layer] if casts else ())
+        with fp8_autocast(recipe=DelayedScaling()):
+            y = layer(torch.randn(32, 80, dtype=torch.bfloat16))
+        buffer.zero()
+        y.float().square().sum().backward()
+        buffer.finish()
+        moved = bytes_moved(optimizer.step)
+        elements, weights = sum(p.numel() for _, p in params), layer.weight.numel()
+        expected = OPTIMIZER_BYTES_PER_PARAMETER * elements + (OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casts else 0)
+        assert layer._weight_cast_by_optimizer == casts
+        assert moved == expected, (casts, moved / elements, moved, expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_optimizer_bytes_are_what_the_fused_pass_moves():
+    run_interpreted_checks(__name__)

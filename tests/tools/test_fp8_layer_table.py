@@ -41,5 +41,6 @@ def test_bad_input_says_what_to_do(tmp_path, capsys):
     plain.write_text(json.dumps({"iteration": 4, "fp8_layers": {"layers.0.mlp.fc1": {"roles": {}}}}) + "\n")
     assert tool.main([str(plain), "--iteration", "2"]) == 2
     assert "logged at: 4" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit:
         tool.main([str(plain), "--top", "0"])
+    assert exit.value.code == 2 and "--top must be a positive number of rows, got 0" in capsys.readouterr().err

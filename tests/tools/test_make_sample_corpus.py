@@ -262,8 +262,9 @@ def test_packages_mode_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         tool.main(["--output", str(tmp_path / "out"), "--packages", str(tmp_path / "empty")])
     assert exit.value.code == 2 and "no Python package or module under" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit:
         tool.main(["--output", str(tmp_path / "out"), "--packages", "--validation-fraction", "1.5"])
+    assert exit.value.code == 2 and "--validation-fraction 1.5: give a share in [0, 1)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

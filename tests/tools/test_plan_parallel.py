@@ -2,6 +2,8 @@
 what does not divide or fit is rejected with the reason; the plan is deterministic."""
 import json
 
+import pytest
+
 from megafp8.models.config import preset
 from megafp8.planner.memory import MemoryLayout, estimate
 
@@ -53,7 +55,51 @@ def test_the_plan_is_deterministic(tmp_path):
 
 def test_nothing_fits_says_so(capsys):
     assert plan_parallel.main(LLAMA_7B[:5] + ["1"] + LLAMA_7B[6:]) == 1  # 1 GiB GPUs
-    assert "no layout fits" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "no layout fits" in captured.err
+    assert "GiB per GPU, over 0.9 GiB" in captured.out and "not its margin" not in captured.out
+
+
+def test_out_of_memory_layouts_are_summed_up_by_the_range_they_need_and_the_nearest_miss(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    plan_parallel.main(LLAMA_7B + ["--json", str(out)])
+    text = capsys.readouterr().out
+    over = [e for e in json.loads(out.read_text())["rejected"] if "memory_gib" in e]
+    needs = sorted(e["memory_gib"] for e in over)
+    assert len(over) > 1 and needs[0] < 80 < needs[-1], needs  # a near miss on 80 GiB GPUs among them
+    nearest = min(over, key=lambda e: e["memory_gib"])
+    assert (f"{len(over):4d} x need {needs[0]:.1f} to {needs[-1]:.1f} GiB per GPU, over 72.0 GiB  (the nearest miss: "
+            f"{plan_parallel.layout_name(nearest)}, {needs[0]:.1f} GiB, within the GPU's 80 GiB but not its margin)"
+            ) in text, text
+    assert text.count("GiB per GPU, over") == 1  # one line for them all
+
+
+def test_the_listing_is_in_the_order_it_says(tmp_path, capsys):
+    """Without measurements the layouts are listed in the order the output and --help state."""
+    out = tmp_path / "plan.json"
+    plan_parallel.main(LLAMA_7B + ["--top", "1000", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert f"simplest first: {plan_parallel.SIMPLEST_FIRST})" in text
+    assert " ".join(plan_parallel.SIMPLEST_FIRST.split()) in " ".join(plan_parallel.__doc__.split())
+    fits = json.loads(out.read_text())["fits"]
+    listed = [line.strip().split("  ")[0] for line in text.splitlines() if line.startswith("  tp")]
+    assert listed == [plan_parallel.layout_name(e) for e in fits]
+    stated = [(e["tp"] * e["pp"], e["vpp"], ("none", "selective", "full").index(e["recompute"]),
+               -e["micro_batch_size"], e["memory_gib"]) for e in fits]
+    assert stated == sorted(stated)
+    # Not the micro-batch size before the recomputation, nor the memory before the micro-batch size.
+    assert len({s[2] for s in stated}) == 3 and len({s[3] for s in stated}) == 2
+
+
+def test_the_help_example_is_one_command(capsys):
+    with pytest.raises(SystemExit) as exit:
+        plan_parallel.main(["--help"])
+    assert exit.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("python tools/plan_parallel.py"))
+    end = lines.index("", start)
+    assert end - start > 1 and all(line.endswith(" \\") for line in lines[start:end - 1]), lines[start:end]
+    assert not lines[end - 1].endswith("\\")
 
 
 def _layer_map(path, tp, times, host=0.9):
@@ -126,16 +172,12 @@ def test_calibration_files_are_checked(tmp_path, capsys):
     (tmp_path / "empty.json").write_text("{}")
     args = ["--model", "gpt-1.3b", "--gpus", "2", "--gpu-memory", "141", "--seq-length", "2048",
             "--global-batch-size", "32"]
-    try:
+    with pytest.raises(SystemExit) as exit:
         plan_parallel.main(args + ["--layer-maps", str(tmp_path / "empty.json")])
-    except SystemExit as exit:
-        assert exit.code == 2
-    assert "no layer-map points" in capsys.readouterr().err
-    try:
+    assert exit.value.code == 2 and "no layer-map points" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
         plan_parallel.main(args + ["--collectives", str(tmp_path / "empty.json")])
-    except SystemExit as exit:
-        assert exit.code == 2
-    assert "--collectives goes with --layer-maps" in capsys.readouterr().err
+    assert exit.value.code == 2 and "--collectives goes with --layer-maps" in capsys.readouterr().err
 
 
 def test_graphed_pipelines_leave_the_eager_host_out(tmp_path):
