@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from megafp8.fp8.triton_kernels import available
+from megafp8.triton_support import available
 
 try:
     import triton
     import triton.language as tl
 
-    from megafp8.fp8.triton_kernels import round_to
+    from megafp8.triton_support import round_to
 except ImportError:  # CPU-only installs: apply_rotary's torch form runs instead.
     triton = None
 

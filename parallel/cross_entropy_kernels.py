@@ -21,10 +21,6 @@ except ImportError:  # CPU-only installs: the caller falls back to torch.
     triton = None
 
 
-def available() -> bool:
-    return triton is not None
-
-
 # 4096 columns at 8 warps: 16 per thread, two 16-byte loads of bf16, and 13 blocks for a
 # 50304-column row. A starting point, not yet tuned on a GPU.
 BLOCK_V = 4096

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.collectives import all_reduce, group_size, max_over, rank_in
+from megafp8.triton_support import available as triton_available
 
 from . import cross_entropy_kernels
 from .communication import reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel
@@ -182,6 +183,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} without "
                          f"their last (vocabulary) dimension")
-    fused = logits.is_cuda and cross_entropy_kernels.available()
+    fused = logits.is_cuda and triton_available()
     function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
     return function.apply(logits, target, tp_group, ignore_index, label_smoothing, vocab_size)

@@ -22,16 +22,19 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megafp8.triton_support import INTERPRETING as _INTERPRETING, wide_offsets
+
 from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
-from .triton_kernels import INTERPRETING as _INTERPRETING, wide_offsets
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .triton_kernels import round_to as _round_to, to_fp8 as _to_fp8, transpose_stored_tile
+    from megafp8.triton_support import round_to as _round_to
+
+    from .triton_kernels import to_fp8 as _to_fp8, transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -208,7 +211,7 @@ if triton is not None:
         # One [BLOCK_M, BLOCK_N] tile of act(h) [M, F]; h is [M, K], K = 2F for SwiGLU ([gate | up]).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if WIDE:  # int64 rows and cols, and so every offset below (see triton_kernels.wide_offsets)
+        if WIDE:  # int64 rows and cols, and so every offset below (see megafp8.triton_support.wide_offsets)
             pid_m = pid_m.to(tl.int64)
             pid_n = pid_n.to(tl.int64)
         scale = tl.load(scale_ptr)

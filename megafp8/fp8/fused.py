@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megafp8 import triton_support
+
 from . import activation_kernels, norm_kernels, triton_kernels
 from .quantize import quantize_torch
 from .tensor import Fp8Tensor
@@ -107,7 +109,7 @@ class HeadGradsSource(_Source):
 
     def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
                  col_sum=False) -> Fp8Tensor:
-        if self.is_cuda and triton_kernels.available() and all(t.stride(1) == 1 for t in (self.dq, self.dk, self.dv)):
+        if self.is_cuda and triton_support.available() and all(t.stride(1) == 1 for t in (self.dq, self.dk, self.dv)):
             return triton_kernels.quantize_heads(self.dq, self.dk, self.dv, self.head_dim, fp8_dtype, scale, rowwise,
                                                  columnwise, amax_out, col_sum, saturation_out)
         return quantize_torch(self.materialize(), fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out, col_sum,

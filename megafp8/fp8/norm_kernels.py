@@ -20,15 +20,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megafp8.triton_support import available, wide_offsets
+
 from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
-from .triton_kernels import available, wide_offsets
 
 try:
     import triton
     import triton.language as tl
 
-    from .triton_kernels import round_to, to_fp8, transpose_stored_tile
+    from megafp8.triton_support import round_to
+
+    from .triton_kernels import to_fp8, transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 

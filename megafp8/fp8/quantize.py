@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from megafp8 import triton_support
+
 from . import triton_kernels
 from .formats import fp8_max
 from .tensor import Fp8Tensor, absmax, saturates, scale_from_amax, underflows
@@ -49,7 +51,7 @@ def quantize(
         raise ValueError("quantize: ask for at least one of rowwise and columnwise")
     check_cast_counts(saturation_out, x, "quantize")
     x = x.contiguous()
-    if x.is_cuda and triton_kernels.available():
+    if x.is_cuda and triton_support.available():
         return triton_kernels.quantize(
             x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out, out
         )

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megafp8 import collectives
+from megafp8 import collectives, triton_support
 
 from . import triton_kernels
 from .formats import fp8_max
@@ -247,7 +247,7 @@ def _update_delayed(states, resets, fp8_max: float, margin: int, algo: str, reco
     that one pass keeps the old scale and the next finite amax counts at once.
     On CUDA one fused kernel does this for all states; this torch version is its reference.
     """
-    if states[0].amax.is_cuda and triton_kernels.available():
+    if states[0].amax.is_cuda and triton_support.available():
         return triton_kernels.update_delayed(states, resets, fp8_max, margin, algo, recompute)
     _update_delayed_torch(states, resets, fp8_max, margin, algo, recompute)
 

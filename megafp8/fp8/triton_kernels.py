@@ -12,10 +12,11 @@
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
+
+from megafp8.triton_support import INTERPRETING, wide_offsets
 
 from .formats import fp8_max
 from .tensor import Fp8Tensor, absmax, saturation_bound, underflow_bound
@@ -27,52 +28,14 @@ except ImportError:  # CPU-only installs: the callers fall back to torch.
     triton = None
 
 
-def available() -> bool:
-    return triton is not None
-
-
-# Triton's interpreter (TRITON_INTERPRET=1: the CPU tests run the kernels in it) truncates casts to
-# bf16 and neither rounds nor saturates casts to FP8 correctly: `round_to` and `to_fp8` below are
-# exact there too.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
 # Tile shape chosen by `bench_fp8_linear.py --sweep-tiles` on an H100 (benchmarks/RESULTS.md).
 BLOCK_M = 64
 BLOCK_N = 128
 NUM_WARPS = 4
 
-# The FP8 cast kernels (here, norm_kernels, activation_kernels) form element offsets in int32, which
-# overflow from 2^31 elements on: a [65536, 49152] MLP activation (micro-batch 8 x 8192 tokens at
-# hidden 12288) made an illegal memory access. A launch that indexes such a tensor passes WIDE, under
-# which the kernel widens its row and column indices (and so every offset formed from them) to
-# int64; smaller launches run the int32 code, as fast as ever.
-OFFSET_LIMIT = 2**31
-
-
-def wide_offsets(*tensors) -> bool:
-    """Whether a kernel that indexes `tensors` (None skipped) needs int64 offsets: whether an
-    element offset into one of them can reach 2^31 - 1 (a row-strided view reaches further than
-    its numel)."""
-    for t in tensors:
-        if t is None:
-            continue
-        reach = t.numel() if t.is_contiguous() else 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
-        if reach >= OFFSET_LIMIT:
-            return True
-    return False
-
-
 if triton is not None:
 
     if not INTERPRETING:
-
-        @triton.jit
-        def round_to(y, dtype: tl.constexpr):
-            # y rounded to nearest even in `dtype` and back to fp32: where aten stores a tensor.
-            if dtype != tl.float32:
-                y = y.to(dtype).to(tl.float32)
-            return y
 
         @triton.jit
         def to_fp8(v, dtype: tl.constexpr):
@@ -81,16 +44,6 @@ if triton is not None:
             return v.to(dtype)
 
     else:
-
-        @triton.jit
-        def round_to(y, dtype: tl.constexpr):
-            if dtype == tl.bfloat16:  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
-                bits = y.to(tl.uint32, bitcast=True)
-                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
-            elif dtype == tl.float16:
-                y = y.to(tl.float16).to(tl.float32)
-            return y
 
         @triton.jit
         def to_fp8(v, dtype: tl.constexpr):

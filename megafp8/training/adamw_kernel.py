@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from megafp8.fp8.triton_kernels import INTERPRETING
+from megafp8.triton_support import INTERPRETING
 
 try:
     import triton

@@ -68,11 +68,11 @@ def assert_same_bits(a, b, what=None) -> None:
 
 def launch_with_offsets(wide: bool, module, kernel: str, call):
     """call()'s result, its launches of `module.kernel` taking the kernels' int64-offset path
-    (WIDE) if `wide`, the int32 one if not; asserts they did. Wide, triton_kernels.OFFSET_LIMIT is
+    (WIDE) if `wide`, the int32 one if not; asserts they did. Wide, triton_support.OFFSET_LIMIT is
     lowered to one element meanwhile: small tensors take the path of 2^31 elements or more."""
-    from megafp8.fp8 import triton_kernels
+    from megafp8 import triton_support
 
-    original, limit, flags = getattr(module, kernel), triton_kernels.OFFSET_LIMIT, []
+    original, limit, flags = getattr(module, kernel), triton_support.OFFSET_LIMIT, []
 
     class Spy:
         def __getitem__(self, grid):
@@ -83,11 +83,11 @@ def launch_with_offsets(wide: bool, module, kernel: str, call):
 
     setattr(module, kernel, Spy())
     if wide:
-        triton_kernels.OFFSET_LIMIT = 1
+        triton_support.OFFSET_LIMIT = 1
     try:
         result = call()
     finally:
         setattr(module, kernel, original)
-        triton_kernels.OFFSET_LIMIT = limit
+        triton_support.OFFSET_LIMIT = limit
     assert flags and all(flag == wide for flag in flags), (kernel, wide, flags)
     return result

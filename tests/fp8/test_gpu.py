@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast, scale_from_amax
+from megafp8 import triton_support
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
@@ -24,7 +25,7 @@ def assert_same_bytes(a, b, what):
     )
 
 
-@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 @pytest.mark.parametrize("shape", [(16, 16), (100, 300), (1024, 2048), (4096, 768)])
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
@@ -47,7 +48,7 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
             assert rel_err(a.col_sum, b.col_sum) < 1e-6
 
 
-@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 def test_triton_quantize_non_finite_inputs():
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("nan")
@@ -56,7 +57,7 @@ def test_triton_quantize_non_finite_inputs():
     assert torch.isnan(q.data.float()[5, 7]) and torch.isnan(q.data_t.float()[7, 5])
 
 
-@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 @pytest.mark.parametrize("delayed", [True, False])
 def test_triton_quantize_maxes_into_the_amax_accumulator(delayed):
     scale = torch.tensor(2.0, device="cuda") if delayed else None
@@ -68,7 +69,7 @@ def test_triton_quantize_maxes_into_the_amax_accumulator(delayed):
         assert q.amax is accumulator and accumulator.item() == expected
 
 
-@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 @needs_40gb
 @pytest.mark.parametrize("delayed", [True, False])
 def test_triton_quantize_of_more_than_2_31_elements(delayed):
@@ -76,7 +77,7 @@ def test_triton_quantize_of_more_than_2_31_elements(delayed):
     # path a block of rows at a time.
     M, N = HUGE
     x = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
-    assert x.numel() > 2**31 and triton_kernels.wide_offsets(x)
+    assert x.numel() > 2**31 and triton_support.wide_offsets(x)
     # Outliers, the largest in the last element, past 2^31 elements in both layouts.
     outliers = [(0, 0), (M // 2, 7), (M - 8, 3), (M - 3, N - 5), (M - 1, N - 1)]
     for i, (row, col) in enumerate(outliers):
@@ -104,7 +105,7 @@ def test_triton_quantize_of_more_than_2_31_elements(delayed):
     assert ((q.col_sum - col_sum).abs() <= 1e-5 * magnitude).all()
 
 
-@pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 @pytest.mark.parametrize("length", [1, 4, 1000, 1024])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("recompute", [True, False])

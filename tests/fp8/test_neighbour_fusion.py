@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megafp8 import DelayedScaling, Fp8Linear, fp8_autocast
-from megafp8.fp8 import triton_kernels
+from megafp8 import DelayedScaling, Fp8Linear, fp8_autocast, triton_support
 from megafp8.fp8.fused import GradHandoff, HeadGradsSource
 from megafp8.fp8.formats import fp8_max
 from megafp8.fp8.quantize import quantize
@@ -164,7 +163,7 @@ def test_qkv_gradients_cast_unconcatenated_are_the_concatenated_cast_bit_for_bit
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and triton_kernels.available()), reason="needs CUDA and triton")
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_support.available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("groups,queries_per_group,head_dim", [(16, 1, 128), (4, 4, 64), (2, 3, 48)])
 @pytest.mark.parametrize("tokens", [4096, 1000])
 @pytest.mark.parametrize("fp8_dtype", [E5M2, E4M3])

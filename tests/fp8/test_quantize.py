@@ -3,7 +3,7 @@ import importlib.util
 import pytest
 import torch
 
-from megafp8 import fp8_max, quantize, scale_from_amax
+from megafp8 import fp8_max, quantize, scale_from_amax, triton_support
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.fused import HeadGradsSource
 
@@ -104,13 +104,13 @@ def test_quantize_rejects_bad_arguments():
 def test_kernels_take_int64_offsets_from_2_31_elements_or_an_offset_that_far():
     meta = dict(device="meta", dtype=torch.bfloat16)
     below, at = torch.empty(2**16, 2**15 - 1, **meta), torch.empty(2**16, 2**15, **meta)
-    assert not triton_kernels.wide_offsets(below, below.t(), None)
-    assert triton_kernels.wide_offsets(below, at) and triton_kernels.wide_offsets(at.t())
+    assert not triton_support.wide_offsets(below, below.t(), None)
+    assert triton_support.wide_offsets(below, at) and triton_support.wide_offsets(at.t())
     # A row-strided view (a query gradient in a wider buffer, say): few elements, but its last
     # row starts 2^31 elements on.
     view = torch.empty(2**16 + 1, 2**15, **meta)[:, :16]
-    assert view.numel() < 2**31 and triton_kernels.wide_offsets(view)
-    assert not triton_kernels.wide_offsets(view[:-1])
+    assert view.numel() < 2**31 and triton_support.wide_offsets(view)
+    assert not triton_support.wide_offsets(view[:-1])
 
 
 # -- the Triton kernels in Triton's interpreter, on the CPU ------------------------------------------------

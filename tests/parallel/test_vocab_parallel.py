@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.parallel import cross_entropy_kernels
+from megafp8 import triton_support
 from megafp8.parallel.vocab_parallel import (
     VocabParallelEmbedding,
     _FusedVocabParallelCrossEntropy,
@@ -210,7 +210,7 @@ def fused_checks(rank, world_size):
     return results
 
 
-@pytest.mark.skipif(not cross_entropy_kernels.available(),
+@pytest.mark.skipif(not triton_support.available(),
                     reason="needs triton, whose interpreter runs the fused kernels on the CPU (pip install triton)")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fused_kernels_match_the_torch_path_under_the_triton_interpreter(tp, monkeypatch):
@@ -247,7 +247,7 @@ def gpu_batch(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cross_entropy_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_fused_kernels_match_the_torch_path_on_gpu(dtype, smoothing):
@@ -267,7 +267,7 @@ def test_fused_kernels_match_the_torch_path_on_gpu(dtype, smoothing):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cross_entropy_kernels.available(), reason="needs triton")
+@pytest.mark.skipif(not triton_support.available(), reason="needs triton")
 def test_fused_forward_and_backward_need_less_memory_than_the_torch_path():
     logits, target, grad_loss = gpu_batch(torch.bfloat16)
     logits.requires_grad_()
