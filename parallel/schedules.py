@@ -15,9 +15,10 @@ what follows the last backward, are in stages.py.
         loss = out.mean()
         return loss / num_micro_batches, loss.detach()  # (what backward runs on, what is reported)
 
-    losses = forward_backward(None, chunks, micro_batches, forward_step, num_micro_batches, groups,
-                              seq_length, micro_batch_size, hidden_size, dtype, sequence_parallel,
-                              grad_buffers=buffers)
+    losses = forward_backward(None, chunks, data_iterator=micro_batches, forward_step=forward_step,
+                              num_micro_batches=num_micro_batches, groups=groups, seq_length=seq_length,
+                              micro_batch_size=micro_batch_size, hidden_size=hidden_size, dtype=dtype,
+                              sequence_parallel=sequence_parallel, grad_buffers=buffers)
     finalize_grads(chunks, groups, buffers)             # dp reductions, sequence-parallel and tied grads
     optimizer.step()
 
@@ -372,7 +373,7 @@ def get_schedule(pp_size: int, num_chunks: int = 1) -> str:
     return "1f1b" if num_chunks == 1 else "interleaved_1f1b"
 
 
-def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[nn.Module, Sequence[nn.Module]],
+def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[nn.Module, Sequence[nn.Module]], *,
                      data_iterator: Iterable, forward_step: Callable, num_micro_batches: int, groups,
                      seq_length: int, micro_batch_size: int, hidden_size: int, dtype: torch.dtype,
                      sequence_parallel: bool = False, forward_only: bool = False, grad_buffers=None,

@@ -7,7 +7,7 @@ optimizer (Megatron's finalize_model_grads).
               for span in stage_layers(config.num_layers, groups.pp_size, groups.pp_rank, vpp)]
     stage = PipelineStage(chunks, groups)      # checks the tied embedding's copies agree
     buffer = GradientBuffer(stage.parameters(), groups.dp_group, own_bucket=stage.own_buckets)
-    ... forward_backward(None, chunks, ..., grad_buffers=buffer)
+    ... forward_backward(None, chunks, data_iterator=..., ..., grad_buffers=buffer)
     finalize_grads(chunks, groups, buffer)
     optimizer.step()
 

@@ -250,9 +250,10 @@ class Trainer:
         a = self.args
         self._forwards_seen = [0] * len(self.chunks)
         losses = forward_backward(
-            None, self.chunks, iter(micro_batches), self._forward_step(collect_saturation),
-            a.num_micro_batches, self.groups, a.seq_length, a.micro_batch_size, self.config.hidden_size,
-            self.dtype, self.chunks[0].sequence_parallel, forward_only=forward_only,
+            None, self.chunks, data_iterator=iter(micro_batches), forward_step=self._forward_step(collect_saturation),
+            num_micro_batches=a.num_micro_batches, groups=self.groups, seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size, hidden_size=self.config.hidden_size, dtype=self.dtype,
+            sequence_parallel=self.chunks[0].sequence_parallel, forward_only=forward_only,
             grad_buffers=None if forward_only else self.buffer)
         # The mean loss over micro-batches and data-parallel replicas; NaN off the last stage.
         # Reduced on the device (one host sync per step, not one per micro-batch); in fp64, where

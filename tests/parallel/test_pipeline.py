@@ -73,16 +73,18 @@ def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=No
     for step in range(STEPS):
         buffer.zero()
         stats = {}
-        losses = forward_backward(schedule, chunks, iter(micro_batches(config, step, dp_rank, dp)), forward_step,
-                                  NUM_MICRO_BATCHES, groups, grad_buffers=buffer, stats=stats, **shape)
+        losses = forward_backward(schedule, chunks, data_iterator=iter(micro_batches(config, step, dp_rank, dp)),
+                                  forward_step=forward_step, num_micro_batches=NUM_MICRO_BATCHES, groups=groups,
+                                  grad_buffers=buffer, stats=stats, **shape)
         finalize_grads(chunks, groups, buffer)
         grads = {name: param.main_grad.cpu().clone() for chunk in chunks for name, param in chunk.named_parameters()}
         with torch.no_grad():
             for param in params:
                 param.sub_(LR * param.main_grad)
         results.append({"losses": [loss.item() for loss in losses], "grads": grads, "stats": stats})
-    eval_losses = forward_backward(schedule, chunks, iter(micro_batches(config, 0, dp_rank, dp, eval_=True)),
-                                   forward_step, NUM_MICRO_BATCHES, groups, forward_only=True, **shape)
+    eval_losses = forward_backward(schedule, chunks, data_iterator=iter(micro_batches(config, 0, dp_rank, dp, eval_=True)),
+                                   forward_step=forward_step, num_micro_batches=NUM_MICRO_BATCHES, groups=groups,
+                                   forward_only=True, **shape)
     buffer.remove_hooks()
     return {"steps": results, "eval": [loss.item() for loss in eval_losses]}
 
@@ -280,8 +282,9 @@ def pp4_body(rank, world_size):
             return out.mean() / num if chunk.post_process else out
 
         stats = {}
-        forward_backward(None, chunks, iter(batches), forward_step, num, groups, SEQ, 1, config.hidden_size,
-                         torch.float32, stats=stats)
+        forward_backward(None, chunks, data_iterator=iter(batches), forward_step=forward_step, num_micro_batches=num,
+                         groups=groups, seq_length=SEQ, micro_batch_size=1, hidden_size=config.hidden_size,
+                         dtype=torch.float32, stats=stats)
         live[(vpp, num)] = stats["max_live_forwards"]
         sizes[(vpp, num)] = sorted({t.numel() for t in sent})
     out["live"], out["sent_sizes"] = live, sizes
@@ -390,24 +393,26 @@ def fake_groups(pp, tp=1):
 
 def test_schedule_argument_errors():
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    args = (None, 16, 1, 8, torch.float32)
+    shape = dict(data_iterator=[], forward_step=None, seq_length=16, micro_batch_size=1, hidden_size=8,
+                 dtype=torch.float32)
     with pytest.raises(ValueError, match=r"num_micro_batches divisible by the pipeline-parallel size: "
                                          r"num_micro_batches=5 % pp=2 = 1"):
-        forward_backward(None, chunks, [], None, 5, fake_groups(2), *args[1:])
+        forward_backward(None, chunks, num_micro_batches=5, groups=fake_groups(2), **shape)
     with pytest.raises(ValueError, match="num_micro_batches divisible .* num_micro_batches=6 % pp=4 = 2"):
-        forward_backward("interleaved_1f1b", chunks, [], None, 6, fake_groups(4), *args[1:])
+        forward_backward("interleaved_1f1b", chunks, num_micro_batches=6, groups=fake_groups(4), **shape)
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
-        forward_backward("interleaved_1f1b", chunks, [], None, 4, None, *args[1:])
+        forward_backward("interleaved_1f1b", chunks, num_micro_batches=4, groups=None, **shape)
     with pytest.raises(ValueError, match="no_pipelining schedule runs one model chunk"):
-        forward_backward("no_pipelining", chunks[0], [], None, 4, fake_groups(2), *args[1:])
+        forward_backward("no_pipelining", chunks[0], num_micro_batches=4, groups=fake_groups(2), **shape)
     with pytest.raises(ValueError, match="1f1b schedule runs one model chunk per rank"):
-        forward_backward("1f1b", chunks, [], None, 4, fake_groups(2), *args[1:])
+        forward_backward("1f1b", chunks, num_micro_batches=4, groups=fake_groups(2), **shape)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'gpipe'"):
-        forward_backward("gpipe", chunks, [], None, 4, fake_groups(2), *args[1:])
+        forward_backward("gpipe", chunks, num_micro_batches=4, groups=fake_groups(2), **shape)
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int"):
-        forward_backward(None, chunks[0], [], None, 0, None, *args[1:])
+        forward_backward(None, chunks[0], num_micro_batches=0, groups=None, **shape)
     with pytest.raises(ValueError, match="data_iterator ran out after 1 of num_micro_batches=2"):
-        forward_backward(None, chunks[0], [torch.ones(2)], lambda c, m, x, b: m(b).sum(), 2, None, *args[1:])
+        forward_backward(None, chunks[0], num_micro_batches=2, groups=None,
+                         **{**shape, "data_iterator": [torch.ones(2)], "forward_step": lambda c, m, x, b: m(b).sum()})
 
 
 def test_tensor_shape_and_its_check():
