@@ -6,8 +6,12 @@ model in high precision, and watch both losses fall together.
 The text is the Python standard library's own source (on every machine). The model is an
 MLP over the previous 32 bytes; its three Fp8Linear layers run their forward, data-gradient
 and weight-gradient GEMMs in FP8 (torch._scaled_mm) under fp8_autocast, on a GPU when there
-is one (bf16) and on the CPU otherwise (fp32, about a minute). Until the pretraining job
-lands, this is the quickstart of the FP8 core.
+is one (bf16) and on the CPU otherwise (fp32). Both models train on the same batches; the
+demo prints their losses every 25 steps, then the mean of the last tenth and the FP8 scales
+of the middle layer. The default 300 steps took 47 s on 2 AMD EPYC cores (torch 2.13), and
+several minutes on the same cores while other processes kept them busy.
+
+This is the FP8 core alone; examples/quickstart.sh runs the whole pretraining pipeline.
 """
 from __future__ import annotations
 

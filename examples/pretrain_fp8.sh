@@ -4,7 +4,8 @@
 # scaling) or the bf16 baseline. The recipe sets MODEL (a preset), MODEL_ARGS (its extra flags),
 # SAMPLE_VOCAB (the tokenizer size for the sample corpus) and its size defaults; everything below
 # can be overridden from the environment. A run resumes from its own checkpoints (--save and --load
-# are the same folder). Without a GPU it stops at once, unless CPU=1 (with a shrunk model).
+# are the same folder). Without a GPU it stops at once, unless CPU=1 (with a shrunk model). The
+# flags are checked before anything is prepared or launched (a mistake: one line, exit status 2).
 # Data from DATA_PATH (Megatron's --data-path syntax, with TOKENIZER_MODEL a tokenizer.json or
 # its folder) or, when unset, the embedded sample corpus, prepared under $WORKDIR.
 set -euo pipefail
@@ -50,11 +51,17 @@ EOF
     exit 1
 fi
 
+SAMPLE_DATA=0
 if [ -z "${DATA_PATH:-}" ]; then
-    # The embedded default: a SlimPajama-format sample from the Python stdlib (not SlimPajama).
-    bash examples/prepare_sample_data.sh "$WORKDIR" "$SAMPLE_VOCAB"
+    # The embedded default: a SlimPajama-format sample from the Python stdlib (not SlimPajama),
+    # prepared below once the flags are checked.
+    SAMPLE_DATA=1
     DATA_PATH="$WORKDIR/data/sample_text_document"
     TOKENIZER_MODEL="$WORKDIR/tokenizer"
+fi
+if [ -z "${TOKENIZER_MODEL:-}" ]; then
+    echo "$(basename "${RECIPE:-$0}"): DATA_PATH needs TOKENIZER_MODEL (its tokenizer.json or the folder of it)" >&2
+    exit 2
 fi
 
 PRECISION_ARGS=(--bf16)
@@ -65,21 +72,40 @@ if [ "$PRECISION" = fp8 ]; then
     fi
 fi
 
+# shellcheck disable=SC2206  # MODEL_ARGS, DATA_PATH and EXTRA_ARGS are word lists on purpose
+ARGS=(--model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS
+      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+if [ "$PP" -gt 1 ]; then
+    ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+fi
+if [ "$TP" -gt 1 ]; then
+    ARGS+=(--sequence-parallel)
+    if [ "$TP_COMM_OVERLAP" = 1 ]; then
+        ARGS+=(--tp-comm-overlap)
+    fi
+fi
+if [ "$DP" -gt 1 ] && [ "$DISTRIBUTED_OPTIMIZER" = 1 ]; then
+    ARGS+=(--use-distributed-optimizer --overlap-param-gather)
+fi
+# shellcheck disable=SC2206  # as above
+ARGS+=(--micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
+       --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine
+       --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
+       "${PRECISION_ARGS[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"}
+       --data-path $DATA_PATH --split 969,30,1
+       --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+       --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10
+       ${SAVE:+--save "$SAVE" --load "$SAVE" --save-interval 1000} $EXTRA_ARGS)
+
+# The trainer's checks of the flags, for the GPUS ranks torchrun will start, before anything is
+# prepared or launched: a mistake is the trainer's one line and exit status 2 (under torchrun its
+# report of the failed ranks would follow that line, and the status would be 1).
+WORLD_SIZE=$GPUS python -m megafp8.train --check-args "${ARGS[@]}" >/dev/null
+
+if [ "$SAMPLE_DATA" = 1 ]; then
+    bash examples/prepare_sample_data.sh "$WORKDIR" "$SAMPLE_VOCAB"
+fi
+
 # exec: a signal to this script's process (a scheduler's SIGTERM) reaches torchrun, which passes it
 # on to the ranks; they save and stop at the next step boundary.
-# shellcheck disable=SC2086  # MODEL_ARGS, DATA_PATH and EXTRA_ARGS are word lists on purpose
-exec torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
-    --model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    $( [ "$PP" -gt 1 ] && echo --num-virtual-stages-per-pipeline-rank "$VPP" ) \
-    $( [ "$TP" -gt 1 ] && echo --sequence-parallel ) \
-    $( [ "$TP" -gt 1 ] && [ "$TP_COMM_OVERLAP" = 1 ] && echo --tp-comm-overlap ) \
-    $( [ "$DP" -gt 1 ] && [ "$DISTRIBUTED_OPTIMIZER" = 1 ] && echo --use-distributed-optimizer --overlap-param-gather ) \
-    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
-    --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters "$WARMUP" --lr-decay-style cosine \
-    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 \
-    "${PRECISION_ARGS[@]}" ${GRAPH_ARGS[@]+"${GRAPH_ARGS[@]}"} \
-    --data-path $DATA_PATH --split 969,30,1 \
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
-    --log-interval "$LOG_INTERVAL" --eval-interval 1000 --eval-iters 10 \
-    ${SAVE:+--save "$SAVE" --load "$SAVE" --save-interval 1000} $EXTRA_ARGS
+exec torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train "${ARGS[@]}"

@@ -1,5 +1,6 @@
 """The example scripts as a user runs them: the quickstart run again in the same folder resumes
-(one metrics file, one run); a GPU recipe on a machine without a GPU stops at once and says why."""
+(one metrics file, one run); a GPU recipe on a machine without a GPU stops at once and says why;
+a bad flag or size is the trainer's one line and exit status 2, before anything is prepared or launched."""
 import json
 import os
 import subprocess
@@ -28,7 +29,8 @@ def quickstart(workdir, iterations):
 def test_running_the_quickstart_again_resumes_it(tmp_path):
     first = quickstart(tmp_path, 3)
     assert "starting from scratch" in first and "run summary:" in first
-    assert "nothing to do: the checkpoint is at iteration 3" in quickstart(tmp_path, 3)
+    assert "nothing to do: the checkpoint in" in (again := quickstart(tmp_path, 3))
+    assert "is at iteration 3 and ITERS is 3; set a larger ITERS" in again and "--train-iters" not in again
     more = quickstart(tmp_path, 5)
     assert "loaded" in more and "at iteration 3" in more
     checkpoints = tmp_path / "checkpoints"
@@ -110,3 +112,20 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr
     not_minutes = study("gpt", MINUTES="soon")
     assert not_minutes.returncode == 2 and "MINUTES=soon is not a positive number" in not_minutes.stderr
+
+
+@pytest.mark.parametrize("script,env,error", [
+    ("pretrain_gpt_1b_fp8.sh", dict(EXTRA_ARGS="--no-such-flag"),
+     "megafp8-train: error: unknown flag --no-such-flag; see --help for the flags\n"),
+    # The check sees the world size the script launches: GPUS, NPROC.
+    ("pretrain_llama2_7b_fp8.sh", dict(GPUS="6", PP="4"),
+     "megafp8-train: error: --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 4 = 4 does not divide "
+     "the world size 6; choose sizes whose product divides the number of GPUs\n"),
+    ("quickstart.sh", dict(NPROC="3"), "megafp8-train: error: --global-batch-size 16 is not divisible by "),
+    ("quickstart.sh", dict(ITERS="0"), "quickstart.sh: ITERS=0: give the number of training iterations "),
+])
+def test_a_bad_flag_is_one_line_and_status_2_before_anything_runs(tmp_path, script, env, error):
+    done = example(script, CPU="1", WORKDIR=str(tmp_path / "run"), **env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr  # no torchrun report after it
+    assert not (tmp_path / "run").exists()  # nothing prepared, nothing launched

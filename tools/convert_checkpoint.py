@@ -321,6 +321,17 @@ def to_hf(load, output, dtype: str | None = None, tokenizer_dir=None, max_shard_
     return output
 
 
+def load_hint(output: Path, tokenizer: bool = True) -> str:
+    """What to-hf says when done: where the model is and how transformers loads it."""
+    folder = json.dumps(str(output))
+    lines = [f"wrote {output}", "load it with transformers:",
+             "  from transformers import AutoModelForCausalLM, AutoTokenizer",
+             f"  model = AutoModelForCausalLM.from_pretrained({folder})"]
+    lines.append(f"  tokenizer = AutoTokenizer.from_pretrained({folder})" if tokenizer
+                 else "  (no tokenizer in it: use the one the run trained with)")
+    return "\n".join(lines)
+
+
 # ---- Hugging Face -> megafp8 ---------------------------------------------------------------------
 
 class HFWeights:
@@ -567,7 +578,7 @@ def main(argv=None):
                 parser.error("--no-tokenizer and --tokenizer-dir contradict each other; give one")
             out = to_hf(args.load, args.output, args.dtype, args.tokenizer_dir, args.max_shard_size,
                         progress=not args.no_progress, no_tokenizer=args.no_tokenizer)
-            print(f"wrote {out}", file=sys.stderr)
+            print(load_hint(out, tokenizer=not args.no_tokenizer), file=sys.stderr)
         else:
             from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                     args.dtype, progress=not args.no_progress)

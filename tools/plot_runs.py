@@ -5,9 +5,11 @@
         [--smooth 5] [--log-y fp8_scale_min] [--relative] [--title "GPT-125M"] [--table final_losses.md]
 
 Each RUN is a run folder (the trainer's --save or --tensorboard-dir, which holds metrics.jsonl)
-or a metrics.jsonl file. The figure has one panel per quantity, every run on shared axes over
-the iteration: the training loss (the trainer logs its mean over each --log-interval window),
-the validation loss when any run has one, then each field of --fields (any numeric
+or a metrics.jsonl file; its legend label is its --labels entry, else its folder's name (for a
+folder named checkpoints, as the recipes and the quickstart save, the folder above it), with the
+folders above where two runs would share a name. The figure has one panel per quantity, every
+run on shared axes over the iteration: the training loss (the trainer logs its mean over each
+--log-interval window), the validation loss when any run has one, then each field of --fields (any numeric
 metrics.jsonl field: fp8_scale_min/max, fp8_saturation, grad_norm, lr, tokens_per_sec, ...).
 `--smooth N` averages the training loss over N logged points. `--relative` adds a panel of each
 run's validation loss against the first run's (in percent, at the iterations both evaluated),
@@ -48,6 +50,24 @@ def metrics_path(run: str) -> Path:
         raise PlotError(f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save or "
                         f"--tensorboard-dir, or the metrics.jsonl file itself)")
     return path
+
+
+def default_labels(paths: list) -> list:
+    """Each run's folder name (for a folder named checkpoints, the recipes' and the quickstart's --save,
+    the folder above it; for a file other than metrics.jsonl, its name without the suffix), with as
+    many folders above it as it takes to tell the runs apart."""
+    trails = []
+    for path in paths:
+        parts = list(path.resolve().parent.parts[1:])  # no root: an absolute path's "/" is no name
+        if path.name != "metrics.jsonl":
+            parts.append(path.stem)
+        elif parts[-1:] == ["checkpoints"] and len(parts) > 1:
+            parts.pop()
+        trails.append(parts)
+    depth = 1
+    while depth < max(map(len, trails)) and len({tuple(t[-depth:]) for t in trails}) < len(trails):
+        depth += 1
+    return ["/".join(trail[-depth:]) for trail in trails]
 
 
 def _number(value):
@@ -203,7 +223,8 @@ def parse_args(argv=None):
                                                  "metrics.jsonl field) of several runs on shared axes.")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder holding metrics.jsonl, or the file")
     parser.add_argument("--output", required=True, help="the picture to write (PNG by its suffix)")
-    parser.add_argument("--labels", nargs="+", help="one legend label per run (default: the run folders' names)")
+    parser.add_argument("--labels", nargs="+", help="one legend label per run (default: the run folders' names; "
+                                                     "for a folder named checkpoints, the one above it)")
     parser.add_argument("--fields", nargs="*", default=[], help="more metrics.jsonl fields, a panel each")
     parser.add_argument("--smooth", type=int, default=1, help="average the training loss over N logged points")
     parser.add_argument("--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale")
@@ -228,7 +249,7 @@ def main(argv=None) -> int:
     try:
         paths = [metrics_path(run) for run in args.runs]
         runs = [read_run(path) for path in paths]
-        labels = args.labels or [p.parent.name if p.name == "metrics.jsonl" else p.stem for p in paths]
+        labels = args.labels or default_labels(paths)
         output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title,
                       args.relative)
         if args.table:

@@ -1,5 +1,5 @@
 """Training metrics: model FLOPs and MFU, throughput, memory, FP8 scale health, the logger
-that writes them (a Megatron-style line on stdout, `metrics.jsonl`, TensorBoard when installed,
+that writes them (a short line on stdout, `metrics.jsonl`, TensorBoard when installed,
 Weights & Biases when asked for, a progress bar on a terminal) and the end-of-run summary.
 
     throughput = Throughput(flops_per_token(config, seq_length), world_size, device=device)
@@ -290,25 +290,24 @@ class MetricsError(ValueError):
     """A logging option that cannot be honoured (a W&B project without wandb installed)."""
 
 
-# Megatron's labels for the keys the trainer sends, in the order they print; other keys follow.
+# The first line's fields after the iteration, in this order, then any other numeric key. The labels
+# "lm loss", "tokens/s", "MFU" and "memory (GiB)" (and "iteration N/") are Megatron's, which scripts grep.
 _LINE_FIELDS = (
-    ("consumed_samples", "consumed samples", "{:12d}"),
-    ("iteration_time_ms", "elapsed time per iteration (ms)", "{:.1f}"),
-    ("tokens_per_sec", "tokens/s", "{:.0f}"),
-    ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
-    ("hw_tflops_per_gpu", "with recompute (TFLOP/s/GPU)", "{:.1f}"),
-    ("mfu", "MFU", None),
-    ("lr", "learning rate", "{:.6E}"),
-    ("global_batch_size", "global batch size", "{:5d}"),
     ("loss", "lm loss", "{:.6E}"),
+    ("lr", "lr", "{:.2E}"),
     ("grad_norm", "grad norm", "{:.3f}"),
-    ("skipped_steps", "number of skipped iterations", "{:3d}"),
+    ("tokens_per_sec", "tokens/s", "{:.0f}"),
+    ("tflops_per_gpu", "TFLOP/s/GPU", "{:.1f}"),
+    ("hw_tflops_per_gpu", "with recompute", "{:.1f}"),
+    ("mfu", "MFU", None),
+    ("iteration_time_ms", "ms/iter", "{:.0f}"),
     ("memory_gib", "memory (GiB)", "{:.2f}"),
-    ("fp8_scale_min", None, None),
-    ("fp8_saturation", "fp8 saturated", "{:.2e}"),
-    ("fp8_underflow", "fp8 underflowed", "{:.2e}"),
 )
-_NOT_PRINTED = {"iteration", "train_iters", "fp8_scale_max", "fp8_layers"}
+# The second, indented line: FP8 health when the run has FP8 layers, skipped iterations when there are any.
+_FP8_FIELDS = (("fp8_saturation", "fp8 saturated"), ("fp8_underflow", "fp8 underflowed"))
+_SECOND_LINE = {"fp8_scale_min", "skipped_steps"} | {key for key, _ in _FP8_FIELDS}
+# In metrics.jsonl (and TensorBoard, W&B) only.
+_NOT_PRINTED = {"iteration", "train_iters", "fp8_scale_max", "fp8_layers", "consumed_samples"}
 # Printed only with log_throughput, as Megatron's --log-throughput; metrics.jsonl always has them.
 _THROUGHPUT_FIELDS = {"tflops_per_gpu", "hw_tflops_per_gpu"}
 # Figures of a GPU: printed only when the run is on one.
@@ -316,7 +315,8 @@ _GPU_FIELDS = {"tflops_per_gpu", "hw_tflops_per_gpu", "mfu"}
 
 
 class MetricsLogger:
-    """Writes one record per log step: a Megatron-style line on `stream`, a JSON line in
+    """Writes one record per log step: a short line on `stream` (a second, indented one with the FP8
+    health and the skipped iterations when there are any; Megatron's labels), a JSON line in
     `<run_dir>/metrics.jsonl` (flushed at once, so a crash keeps every logged step), scalars to
     TensorBoard under `tensorboard_dir` when `torch.utils.tensorboard` imports, and to a Weights &
     Biases run with `wandb_project`. On a TTY a tqdm bar follows the iterations (`progress(step)`
@@ -326,7 +326,8 @@ class MetricsLogger:
     moved aside; a run resuming from a checkpoint at `start_iteration` keeps the records up to it
     and drops the later ones, which it logs again. `device` is where the run computes: off CUDA the
     per-GPU figures (TFLOP/s, MFU) stay out of the line; TFLOP/s is printed only with
-    `log_throughput`. The file, TensorBoard and W&B get every number either way.
+    `log_throughput`; the consumed samples are not printed. The file, TensorBoard and W&B get every
+    number either way.
 
     W&B: `wandb.init(project=wandb_project, name=wandb_exp_name, dir=wandb_dir or <run_dir>/wandb,
     config=wandb_config)`; every numeric field is logged with the iteration as the step, and the
@@ -485,27 +486,31 @@ class MetricsLogger:
                 and (key not in _THROUGHPUT_FIELDS or self.log_throughput))
 
     def _line(self, step: int, record: dict) -> str:
+        """What a person reads of `record`: one short line; the FP8 health and the skipped
+        iterations on a second one, indented under the first's iteration, when there are any."""
         total = record.get("train_iters", self.total_iterations)
-        parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {step:8d}"
-                 + (f"/{total:8d}" if total else "")]
+        stamp = f"[{time.strftime('%H:%M:%S')}] "
+        first = [stamp + (f"iteration {step:{len(str(total))}d}/{total}" if total else f"iteration {step}")]
         for key, label, spec in _LINE_FIELDS:
             if key not in record or not self._printed(key):
                 continue
             value = record[key]
             if key == "mfu":
-                parts.append(f"MFU: {100 * value:.1f}%" if isinstance(value, (int, float)) else "MFU: n/a")
-            elif key == "fp8_scale_min":
-                if value is not None:
-                    parts.append(f"fp8 scale: [{value:.3g}, {record['fp8_scale_max']:.3g}]")
-            elif key in ("fp8_saturation", "fp8_underflow") and value is None and record.get("fp8_scale_min") is None:
-                continue  # no FP8 layer in this run
+                first.append(f"MFU: {100 * value:.1f}%" if isinstance(value, (int, float)) else "MFU: n/a")
             else:
-                parts.append(f"{label}: {_format(value, spec)}")
-        known = {key for key, _, _ in _LINE_FIELDS} | _NOT_PRINTED
+                first.append(f"{label}: {_format(value, spec)}")
+        known = {key for key, _, _ in _LINE_FIELDS} | _SECOND_LINE | _NOT_PRINTED
         for key, value in record.items():
             if key not in known and isinstance(value, (int, float)):
-                parts.append(f"{key}: {_format(value, '{:.6g}')}")
-        return " | ".join(parts) + " |"
+                first.append(f"{key}: {_format(value, '{:.6g}')}")
+        second = []
+        if record.get("fp8_scale_min") is not None:  # None: no FP8 layer in this run
+            second.append(f"fp8 scale: [{record['fp8_scale_min']:.3g}, {record['fp8_scale_max']:.3g}]")
+            second += [f"{label}: {_format(record[key], '{:.2e}')}" for key, label in _FP8_FIELDS if key in record]
+        if record.get("skipped_steps"):
+            second.append(f"skipped iterations: {record['skipped_steps']}")
+        line = " | ".join(first)
+        return line + "\n" + " " * len(stamp) + " | ".join(second) if second else line
 
     def close(self) -> None:
         for handle in (self._bar, self._writer, self._file):

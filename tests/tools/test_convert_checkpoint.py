@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -309,12 +310,17 @@ def checkpoint_with_tokenizer(tmp_path, tokenizer_args):
 
 
 @pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"])
-def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind):
+def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind, capsys):
     files = tokenizer_files[kind]
     ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": kind, **files})
-    convert.to_hf(ckpt, tmp_path / "out", progress=False)
+    convert.main(["--direction", "to-hf", "--load", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress"])
+    # The code the tool prints loads the model and its tokenizer.
+    hint = capsys.readouterr().err.split(f"wrote {tmp_path / 'out'}\nload it with transformers:\n")[1]
+    loaded = {}
+    exec(textwrap.dedent(hint), loaded)
     ours = build_tokenizer(kind, **files)
-    theirs = AutoTokenizer.from_pretrained(tmp_path / "out")
+    theirs = loaded["tokenizer"]
+    assert loaded["model"].config.eos_token_id == ours.eod
     for text in TEXTS:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.tokenize(text)
     assert theirs.eos_token_id == ours.eod
@@ -329,14 +335,17 @@ def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind)
         assert (tmp_path / "out" / name).read_bytes() == Path(files[key]).read_bytes()
 
 
-def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_path, tokenizer_files):
+def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_path, tokenizer_files, capsys):
     ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": "HuggingFaceTokenizer",
                                                 "tokenizer_model": str(tmp_path / "gone" / "tokenizer.json")})
     with pytest.raises(convert.ConversionError, match="gone/tokenizer.json.*--tokenizer-dir.*--no-tokenizer"):
         convert.to_hf(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()  # refused before anything was written
-    convert.to_hf(ckpt, tmp_path / "out", progress=False, no_tokenizer=True)
+    convert.main(["--direction", "to-hf", "--load", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress",
+                  "--no-tokenizer"])
     assert not (tmp_path / "out" / "tokenizer_config.json").exists()
+    hint = capsys.readouterr().err
+    assert "AutoModelForCausalLM.from_pretrained" in hint and "AutoTokenizer" not in hint.splitlines()[-1]
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the model itself is complete
     # --tokenizer-dir supplies them.
     bpe = tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"].rsplit("/", 1)[0]

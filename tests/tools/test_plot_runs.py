@@ -71,9 +71,10 @@ def test_an_unknown_field_names_the_known_ones(tmp_path, capsys):
     assert "--fields fp8_saturation: no run logged it" in err and "grad_norm" in err
 
 
-def test_label_count_must_match(tmp_path):
-    with pytest.raises(SystemExit):
+def test_label_count_must_match(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
         plot_runs.parse_args(["a", "b", "--output", "c.png", "--labels", "one"])
+    assert exit.value.code == 2 and "--labels: 1 labels for 2 runs" in capsys.readouterr().err
 
 
 def test_table_of_final_losses_against_the_first_run(tmp_path, capsys):
@@ -119,3 +120,22 @@ def test_relative_panel_compares_validation_losses_with_the_first_run(tmp_path, 
     capsys.readouterr()
     assert plot_runs.main([str(untested), str(bf16), "--output", str(output), "--relative"]) == 2
     assert "--relative: the first run (the baseline) logged no valid_loss" in capsys.readouterr().err
+
+
+def test_default_labels_are_the_runs_names(tmp_path):
+    def labels(*folders):
+        return plot_runs.default_labels([write_run(tmp_path / folder, []) / "metrics.jsonl" for folder in folders])
+
+    assert labels("runs/bf16", "runs/fp8") == ["bf16", "fp8"]
+    # The recipes and the quickstart save to WORKDIR/checkpoints: the run is WORKDIR.
+    assert labels("quickstart_run/checkpoints", "gpt_1b_fp8/checkpoints") == ["quickstart_run", "gpt_1b_fp8"]
+    assert labels("gpt/bf16", "lr2x/bf16", "lr2x/fp8") == ["gpt/bf16", "lr2x/bf16", "lr2x/fp8"]  # told apart
+    (tmp_path / "runs" / "bf16" / "metrics.jsonl").rename(tmp_path / "bf16_seed1.jsonl")
+    assert plot_runs.default_labels([tmp_path / "bf16_seed1.jsonl"]) == ["bf16_seed1"]
+
+
+def test_the_table_names_a_checkpoints_folder_by_its_run(tmp_path, capsys):
+    run = write_run(tmp_path / "quickstart_run" / "checkpoints", training_records(0.0))
+    table = tmp_path / "final.md"
+    assert plot_runs.main([str(run), "--output", str(tmp_path / "c.png"), "--table", str(table)]) == 0
+    assert table.read_text().splitlines()[2].startswith("| quickstart_run | 100 |")
