@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu: erf; gelu_tanh: GPT-2's approximation

@@ -21,6 +21,7 @@ from megafp8.collectives import group_size, rank_in
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
 from megafp8.fp8.autocast import current_fp8_context
 from megafp8.fp8.fused import GradHandoff
+from megafp8.messages import check_integer
 from megafp8.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -31,7 +32,6 @@ from megafp8.parallel import (
 )
 from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
 from megafp8.parallel.cuda_graphs import LayerGraphs
-from megafp8.validation import check_integer
 
 from .config import TransformerConfig
 from .documents import document_attention_mask

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megafp8.collectives import group_size, rank_in, reduce_scatter_into
 from megafp8.main_grad import accumulate_into_main_grad
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 # Gloo matches a receive to a send by (peer, tag); NCCL ignores the tag (see the order above).
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1

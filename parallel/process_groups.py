@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 # Grid dimensions, fastest-varying first. This is the only place the order is written down:
 # a context-parallel dimension would slot in between "tp" and "dp" here.

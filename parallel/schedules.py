@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 from .p2p import P2PCommunicator, pipeline_tensor_shape
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megafp8.collectives import group_size
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_stage_layers: Optional[int] = None,
                  last_stage_layers: Optional[int] = None) -> list[tuple[int, int]]:

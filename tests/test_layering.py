@@ -1,7 +1,7 @@
 """Dependencies point one way (docs/architecture.md, "Layers"), read from the code's own imports:
 
-    base (megafp8/collectives.py, collective_gemm.py, symmetric_memory.py, main_grad.py, triton_support.py, console.py,
-          validation.py)
+    base (megafp8/collectives.py, collective_gemm.py, symmetric_memory.py, main_grad.py, triton_support.py,
+          messages.py)
         <-  fp8  <-  parallel  <-  models  <-  training
                                            <-  planner (the layout planner's models; no trainer code uses it)
     data: independent of fp8, parallel, models, training and planner
@@ -24,7 +24,7 @@ PACKAGES = {
     "models": ROOT / "models",
     "data": ROOT / "data",
 }
-BASE_MODULES = ("collectives", "collective_gemm", "symmetric_memory", "main_grad", "triton_support", "console", "validation")
+BASE_MODULES = ("collectives", "collective_gemm", "symmetric_memory", "main_grad", "triton_support", "messages")
 FORBIDDEN = {
     "base": {"fp8", "parallel", "models", "training", "planner", "data"},
     "fp8": {"parallel", "models", "training", "planner", "data"},

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megafp8.console import show_warnings_as_messages
 from megafp8.data.tokenizers import build_tokenizer
+from megafp8.messages import show_warnings_as_messages
 from megafp8.models.config import RopeScaling, TransformerConfig
 from megafp8.models.hf_mapping import (HF_BUFFERS, HF_EMBEDDING, HF_LAYER, SUPPORTED, HFMappingError, config_from_hf,
                                        from_hf_gpt2, from_hf_llama, hf_architecture, hf_config, to_hf_gpt2,

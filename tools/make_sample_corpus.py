@@ -54,7 +54,7 @@ from pathlib import Path
 
 import zstandard
 
-from megafp8.console import show_warnings_as_messages
+from megafp8.messages import show_warnings_as_messages
 
 GITHUB, BOOK, WIKI = "RedPajamaGitHub", "RedPajamaBook", "RedPajamaWikipedia"
 SUBSETS = (GITHUB, BOOK, WIKI)

@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from megafp8.console import show_warnings_as_messages
 from megafp8.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, disable_tokenizers_parallelism
+from megafp8.messages import show_warnings_as_messages
 
 # Documents per task. Fixed (never derived from --workers) so batching cannot change the output;
 # large enough that a task's pickling and scheduling cost is small beside its tokenization.

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megafp8.console import show_warnings_as_messages
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import build_tokenizer
+from megafp8.messages import show_warnings_as_messages
 
 BPE_EOD = "<|endoftext|>"
 MIN_VOCAB = 384  # the 256 bytes, the special tokens and room for merges

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from megafp8.validation import check_integer
+from megafp8.messages import check_integer
 
 from .formats import Format
 

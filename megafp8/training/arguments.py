@@ -31,10 +31,10 @@ from megafp8.data.gpt_dataset import parse_split
 from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
+from megafp8.messages import check_integer
 from megafp8.models.config import PRESETS, TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from megafp8.training import checkpointing
-from megafp8.validation import check_integer
 
 
 class ArgumentsError(ValueError):

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from megafp8 import symmetric_memory
-from megafp8.console import show_warnings_as_messages
 from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets,
                           build_split_datasets, build_tokenizer, parse_split)
-from megafp8.fp8 import Fp8Linear, fp8_autocast
+from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_health
+from megafp8.messages import show_warnings_as_messages
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM, compile_layers
 from megafp8.parallel import ParallelGroups, PipelineStage, finalize_grads, forward_backward, stage_layers
@@ -523,7 +523,7 @@ class Trainer:
                               "loss": sum(losses) / len(losses), "lr": self.schedule(self.iteration - 1),
                               "grad_norm": grad_norm, "skipped_steps": self.skipped_steps,
                               **throughput.read(), **metrics.memory_stats(self.device),
-                              **metrics.fp8_health(self.model, group=world, per_layer=a.log_fp8_layers)}
+                              **fp8_health(self.model, group=world, per_layer=a.log_fp8_layers)}
                     losses = []
                     logger.log(self.iteration, record)
                 if a.eval_interval and self.valid_data is not None and self.iteration % a.eval_interval == 0:
