@@ -239,15 +239,15 @@ class Launcher:
             self.events[run] = last_time
 
     def poll(self) -> list[Run]:
-        done = []
+        done, parents = [], _process_parents()
         for run, (process, devices, start, log, started) in list(self.running.items()):
             self._event(run, process)
-            started |= _descendants(process.pid)  # the ranks, found while torchrun lives
+            started |= _descendants(process.pid, parents)  # the ranks, found while torchrun lives
             alive = process.poll() is None or _group_alive(process.pid) or any(map(_running, started))
             if alive and time.time() - start < RUN_TIMEOUT_S:
                 continue
             if alive:
-                _stop_hung(process.pid, started | _descendants(process.pid))
+                _stop_hung(process.pid, started)
                 process.wait()
             returncode = None if alive else process.returncode
             end = time.time()
@@ -347,15 +347,22 @@ def _without_core_files() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _descendants(pid: int) -> set:
-    """The live processes started under `pid`: torchrun starts each rank in a session of its own,
-    beyond the reach of the launch's process group."""
+def _process_parents() -> dict:
+    """{pid: parent pid} of every live process."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue  # it ended while being read
+    return parents
+
+
+def _descendants(pid: int, parents: dict | None = None) -> set:
+    """The live processes started under `pid` (`parents`: _process_parents(), read once for
+    several launches): torchrun starts each rank in a session of its own, beyond the reach of the
+    launch's process group."""
+    parents = _process_parents() if parents is None else parents
     found, frontier = set(), {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
