@@ -529,6 +529,7 @@ def from_hf(hf_dir, save, tensor_model_parallel_size: int = 1, pipeline_model_pa
     args = {**tokenizer, "bf16": bf16, "params_dtype": "bfloat16" if bf16 else "float32",
             "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     final = checkpointing.write_checkpoint(save, 0, state, train_state=TRAIN_STATE, args=args, model_config=config)
+    checkpointing.wait_for_checksums()  # recorded before the tool exits (or its caller copies the folder)
     flags = ["--load", str(save), "--finetune"]
     for key, value in (tokenizer or {"tokenizer_type": "..."}).items():
         flags += ["--" + key.replace("_", "-"), value]

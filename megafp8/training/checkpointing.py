@@ -601,8 +601,10 @@ _hashing: list = []  # threads hashing the files of checkpoints just saved
 def _checksum_in_background(checkpoint: Path) -> None:
     """Record the CRC-32s of the files this rank wrote into `checkpoint` (DCP names them
     __<rank>_<n>.distcp; the writing rank also wrote .metadata) in checksums/rank_<rank>.json,
-    on a thread: training goes on meanwhile, so the checksums cost the save no time. Python waits
-    for the thread at exit; a checkpoint whose record is missing (killed meanwhile) loads unchecked."""
+    on a thread: training goes on meanwhile, so the checksums cost the save no time. Whoever saves
+    calls `wait_for_checksums` before its process ends (at interpreter exit the thread could no
+    longer start its hashing threads); a checkpoint whose record is missing (killed meanwhile)
+    loads unchecked."""
     rank = dist.get_rank() if _distributed() else 0
     names = [path.name for path in sorted(checkpoint.glob(f"__{rank}_*.distcp"))]
     if _is_writer():
