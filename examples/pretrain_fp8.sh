@@ -19,6 +19,10 @@ TP=${TP:-1}; PP=${PP:-1}
 # the pipeline's bubble by VPP (measured at GPT-1.3B pp 2: 1.04x plain 1F1B; docs/tuning.md).
 # VPP=1: plain 1F1B (needed where the micro-batches per step are not a multiple of PP).
 VPP=${VPP:-2}
+# With pipeline stages, the last stage (which also runs the output layer and loss) gets fewer
+# layers and the first more, so every rank has about the same work (--balance-pipeline-split;
+# GPT-1.3B at pp 2: 7, 6, 6, 5 layers per virtual stage, 1.01x the even split; docs/tuning.md).
+BALANCE_PIPELINE=${BALANCE_PIPELINE:-1}
 # With tensor parallelism, its sequence-parallel all-gathers and reduce-scatters overlapped with
 # the GEMMs (--tp-comm-overlap: on the copy engines under CUDA graphs; GPT-1.3B at tp 2: 1.27x without it).
 # With data parallelism, the distributed optimizer (sharded states) with its parameter all-gather
@@ -77,6 +81,9 @@ ARGS=(--model "$MODEL" --seq-length "$SEQ" $MODEL_ARGS
       --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 if [ "$PP" -gt 1 ]; then
     ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+    if [ "$BALANCE_PIPELINE" = 1 ]; then
+        ARGS+=(--balance-pipeline-split)
+    fi
 fi
 if [ "$TP" -gt 1 ]; then
     ARGS+=(--sequence-parallel)

@@ -12,7 +12,8 @@ from .layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .p2p import P2PCommunicator, pipeline_tensor_shape
 from .process_groups import ParallelGroups, ParallelSizes
 from .schedules import SCHEDULES, forward_backward, get_schedule
-from .stages import PipelineStage, check_embeddings_in_sync, finalize_grads, stage_layers, tied_embedding
+from .stages import (PipelineStage, balanced_stage_split, check_embeddings_in_sync, finalize_grads, stage_layers,
+                     tied_embedding)
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "QKVParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "balanced_stage_split",
     "check_embeddings_in_sync",
     "finalize_grads",
     "forward_backward",

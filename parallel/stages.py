@@ -85,6 +85,49 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_sta
     return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
 
 
+def balanced_stage_split(num_layers: int, pp: int, vpp: int = 1,
+                         output_layer_cost: float = 0.0) -> tuple[Optional[int], Optional[int]]:
+    """The (first_stage_layers, last_stage_layers) for `stage_layers` that even out the pipeline
+    ranks' work when the last virtual stage also runs the output layer and the loss, costing
+    `output_layer_cost` layers' time; (None, None) where the even split is as good.
+
+    A step's pace is its busiest rank's: the split minimises the largest rank's work (its layers,
+    the output layer's cost on the last rank), then the largest virtual stage (the warm-up and
+    drain of the schedule), then the distance from the even split.
+
+        balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.7)   # (7, 5): stages of 7, 6, 6, 5
+        balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8)   # (None, None): 8 each is best
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
+        check_integer(name, value)
+    if not output_layer_cost >= 0:
+        raise ValueError(f"output_layer_cost must be a number >= 0, got {output_layer_cost!r}")
+    stages = pp * vpp
+    if pp == 1:
+        return None, None
+
+    def cost(counts):
+        ranks = [sum(counts[stage] for stage in range(rank, stages, pp)) for rank in range(pp)]
+        ranks[-1] += output_layer_cost
+        return max(ranks), max(counts), sum(abs(c - num_layers / stages) for c in counts)
+
+    best, best_cost = (None, None), None
+    if num_layers % stages == 0:
+        best_cost = cost([num_layers // stages] * stages)
+    for first in range(1, num_layers):
+        for last in range(1, num_layers - first + 1):
+            rest = num_layers - first - last
+            if stages == 2 and rest != 0 or stages > 2 and (rest < stages - 2 or rest % (stages - 2)):
+                continue
+            counts = [first] + [rest // (stages - 2)] * (stages - 2) + [last] if stages > 2 else [first, last]
+            if best_cost is None or cost(counts) < best_cost:
+                best, best_cost = (first, last), cost(counts)
+    if best == (None, None) and best_cost is None:
+        raise ValueError(f"num_layers={num_layers} cannot be split over pp={pp} x vpp={vpp} = {stages} pipeline "
+                         f"stages with at least one layer each and the middle ones equal")
+    return best
+
+
 class PipelineStage(nn.Module):
     """This rank's model chunks seen as one module whose parameter and state names are the
     whole model's (layers by global index), for the optimizer, checkpoints and metrics.

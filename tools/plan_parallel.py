@@ -72,8 +72,8 @@ def trainer_flags(args, layout: dict) -> list[str]:
         flags += ["--vocab-size", str(args.vocab_size)]
     if layout["tp"] > 1:
         flags.append("--sequence-parallel")
-    if layout["vpp"] > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(args.num_layers // (layout["pp"] * layout["vpp"]))]
+    if layout["pp"] > 1:  # as the recipes run pipelines: the output layer's rank given fewer layers
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout["vpp"]), "--balance-pipeline-split"]
     if layout["recompute"] != "none":
         flags += ["--recompute-granularity", layout["recompute"]]
     if layout["distributed_optimizer"]:  # as the recipes run it
@@ -85,15 +85,14 @@ def trainer_flags(args, layout: dict) -> list[str]:
 
 def check(args, layout: dict):
     """(config, memory layout, None) if the trainer accepts `layout`, else (None, None, its reason)."""
-    stages = layout["pp"] * layout["vpp"]
-    if layout["vpp"] > 1 and args.num_layers % stages:
-        return None, None, (f"{args.num_layers} layers do not split into {layout['pp']} pipeline stages x "
-                            f"{layout['vpp']} virtual stages")
     try:
         parsed = arguments.validate_args(arguments.parse_args(trainer_flags(args, layout)), args.gpus)
     except (arguments.ArgumentsError, SystemExit) as error:
         return None, None, str(error).split("\n")[0]
-    return arguments.model_config(parsed, parsed.vocab_size), MemoryLayout.from_args(parsed), None
+    config = arguments.model_config(parsed, parsed.vocab_size)
+    if parsed.balance_pipeline_split:
+        arguments.balance_pipeline_split(parsed, config)
+    return config, MemoryLayout.from_args(parsed), None
 
 
 def plan(args, calibration: Calibration | None = None) -> dict:

@@ -46,6 +46,8 @@ class MemoryLayout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    first_stage_layers: Optional[int] = None  # the first / last virtual stage's own layer count (stage_layers)
+    last_stage_layers: Optional[int] = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # no memory of its own: the throughput model's
@@ -72,11 +74,14 @@ class MemoryLayout:
 
     @classmethod
     def from_args(cls, args, norm_on_cuda: bool = True) -> "MemoryLayout":
-        """The layout of the trainer's arguments, as `arguments.validate_args` leaves them."""
+        """The layout of the trainer's arguments, as `arguments.validate_args` leaves them (and
+        `arguments.balance_pipeline_split`, with --balance-pipeline-split)."""
         return cls(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                    num_micro_batches=args.num_micro_batches, tp=args.tensor_model_parallel_size,
                    pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
-                   vpp=args.virtual_pipeline_model_parallel_size or 1, sequence_parallel=args.sequence_parallel,
+                   vpp=args.virtual_pipeline_model_parallel_size or 1,
+                   first_stage_layers=args.decoder_first_pipeline_num_layers,
+                   last_stage_layers=args.decoder_last_pipeline_num_layers, sequence_parallel=args.sequence_parallel,
                    distributed_optimizer=args.use_distributed_optimizer,
                    overlap_param_gather=args.overlap_param_gather, recompute=args.recompute_granularity or "none",
                    fp8=args.fp8_recipe if args.fp8_format else None, fp8_neighbour_fusion=args.fp8_neighbour_fusion,
@@ -86,7 +91,8 @@ class MemoryLayout:
 
 def stage_layer_indices(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> tuple[list, list]:
     """(the global indices of pipeline rank `pp_rank`'s layers, those of them that run in FP8)."""
-    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp)
+    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp, layout.first_stage_layers,
+                         layout.last_stage_layers)
     layers = [i for first, last in spans for i in range(first, last)]
     edge = layout.first_last_layers_bf16
     return layers, [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []

@@ -119,9 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved 1F1B: virtual stages per pipeline rank (1: not interleaved), the layers of a "
                         "rank split evenly among them; or give --num-layers-per-virtual-pipeline-stage")
     g.add_argument("--decoder-first-pipeline-num-layers", type=_POSITIVE,
-                   help="layers of the first pipeline stage (it also holds the embedding); the others split the rest")
+                   help="layers of the first pipeline stage, which also holds the embedding (interleaved: of the "
+                        "first virtual stage, the first rank's first chunk); the other stages split the rest evenly")
     g.add_argument("--decoder-last-pipeline-num-layers", type=_POSITIVE,
-                   help="layers of the last pipeline stage (it also holds the output layer and loss)")
+                   help="layers of the last pipeline stage, which also holds the output layer and loss "
+                        "(interleaved: of the last virtual stage, the last rank's last chunk)")
+    g.add_argument("--balance-pipeline-split", action="store_true",
+                   help="give the first and last virtual pipeline stages their own layer counts so that every "
+                        "pipeline rank has about the same work, the last one's output layer and loss counted at "
+                        "their FLOPs in layers (at FP8's speed-up where the layers run FP8); the split is printed")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="with --sequence-parallel: the tensor-parallel linears' all-gathers and reduce-scatters run "
@@ -538,40 +544,53 @@ def _check_pipeline(args) -> None:
     pp, vpp_layers = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     stages = args.num_virtual_stages_per_pipeline_rank
+    uneven = first is not None or last is not None
     if stages is not None and vpp_layers is not None:
         raise ArgumentsError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
                              "say the same thing; give one")
+    if args.balance_pipeline_split and uneven:
+        raise ArgumentsError("--balance-pipeline-split chooses the first and last stages' layers itself; give it or "
+                             "--decoder-first/last-pipeline-num-layers, not both")
+    if pp == 1:
+        for flag, value in ((f"--num-virtual-stages-per-pipeline-rank {stages}", (stages or 1) > 1),
+                            (f"--num-layers-per-virtual-pipeline-stage {vpp_layers}", vpp_layers is not None),
+                            ("--decoder-first/last-pipeline-num-layers", uneven),
+                            ("--balance-pipeline-split", args.balance_pipeline_split)):
+            if value:
+                raise ArgumentsError(f"{flag} needs --pipeline-model-parallel-size > 1")
+    args.virtual_pipeline_model_parallel_size = None
+    if uneven or args.balance_pipeline_split:
+        if vpp_layers is not None:
+            raise ArgumentsError("with stages of their own sizes (--decoder-first/last-pipeline-num-layers, "
+                                 "--balance-pipeline-split) virtual stages differ in layers: give their number per "
+                                 "rank, --num-virtual-stages-per-pipeline-rank, not "
+                                 "--num-layers-per-virtual-pipeline-stage")
+        vpp = stages or 1
+        from megafp8.parallel.stages import balanced_stage_split, stage_layers
+        try:  # the split the trainer will make (or, balanced, that one exists), before any process starts
+            if uneven:
+                stage_layers(args.num_layers, pp, 0, vpp, first, last)
+            else:
+                balanced_stage_split(args.num_layers, pp, vpp)
+        except ValueError as error:
+            flags = "--decoder-first/last-pipeline-num-layers" if uneven else "--balance-pipeline-split"
+            raise ArgumentsError(f"{flags}: {error}") from None
+        if vpp > 1:
+            args.virtual_pipeline_model_parallel_size = vpp
+        return _check_sequence_parallel(args)
     if stages is not None and stages > 1:
-        if pp == 1:
-            raise ArgumentsError(f"--num-virtual-stages-per-pipeline-rank {stages} needs "
-                                 "--pipeline-model-parallel-size > 1")
         per_rank = args.num_layers // pp
         if args.num_layers % pp == 0 and per_rank % stages:
             raise ArgumentsError(f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} = {per_rank} "
                                  f"layers per rank do not split into --num-virtual-stages-per-pipeline-rank "
-                                 f"{stages} equal virtual stages; give a divisor of {per_rank} (1: not interleaved)")
+                                 f"{stages} equal virtual stages; give a divisor of {per_rank} (1: not interleaved), "
+                                 "or --balance-pipeline-split")
         vpp_layers = args.num_layers_per_virtual_pipeline_stage = per_rank // stages
-    if first is not None or last is not None:
-        if pp == 1:
-            raise ArgumentsError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
-        if vpp_layers is not None:
-            raise ArgumentsError("--decoder-first/last-pipeline-num-layers and the interleaved schedule "
-                                 "(--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank) "
-                                 "cannot be combined; give one")
-        from megafp8.parallel.stages import stage_layers
-        try:  # the same split the trainer will make, checked before any process starts
-            stage_layers(args.num_layers, pp, 0, 1, first, last)
-        except ValueError as error:
-            raise ArgumentsError(f"--decoder-first/last-pipeline-num-layers: {error}") from None
-        args.virtual_pipeline_model_parallel_size = None
-        return _check_sequence_parallel(args)
     if args.num_layers % pp:
         raise ArgumentsError(f"--num-layers {args.num_layers} is not divisible by "
-                             f"--pipeline-model-parallel-size {pp}; every stage needs the same number of layers")
-    args.virtual_pipeline_model_parallel_size = None
+                             f"--pipeline-model-parallel-size {pp}; give --decoder-first/last-pipeline-num-layers "
+                             "or --balance-pipeline-split to size the first and last stages apart")
     if vpp_layers is not None:
-        if pp == 1:
-            raise ArgumentsError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
         if (args.num_layers // pp) % vpp_layers:
             raise ArgumentsError(
                 f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} = "
@@ -878,6 +897,20 @@ def model_config(args, vocab_size: int, saved: TransformerConfig | None = None) 
         fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq_length)
     fields["vocab_size"] = vocab_size
     return base.replace(**fields) if base is not None else TransformerConfig(**fields)
+
+
+def balance_pipeline_split(args, config: TransformerConfig) -> float:
+    """--balance-pipeline-split, once the model (its vocabulary) is known: set
+    --decoder-first/last-pipeline-num-layers to the split that evens out the pipeline ranks' work
+    (`balanced_stage_split`), the output layer counted at its estimated cost in layers
+    (`metrics.output_layer_cost`); returns that cost."""
+    from megafp8.parallel.stages import balanced_stage_split
+    from megafp8.training.metrics import output_layer_cost
+    cost = output_layer_cost(config, args.seq_length, args.tensor_model_parallel_size,
+                             fp8_layers=args.fp8_format is not None, fp8_output_layer=args.fp8_output_layer)
+    args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = balanced_stage_split(
+        config.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1, cost)
+    return cost
 
 
 def fp8_recipe(args) -> DelayedScaling | CurrentScaling | None:

@@ -47,21 +47,41 @@ def flops_per_token(config: TransformerConfig, seq_length: int, recompute: str =
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    check_integer("seq_length", seq_length)
-    h = config.hidden_size
-    attention_width = config.num_attention_heads * config.head_dim
-    kv_width = config.kv_heads * config.head_dim
-    attention_weights = h * (attention_width + 2 * kv_width) + attention_width * h
-    mlp_weights = (3 if config.activation == "swiglu" else 2) * h * config.ffn_size
-    layer_forward = 2 * (attention_weights + mlp_weights)
-    core_forward = 2 * 2 * seq_length * attention_width  # QK^T, then AV
-    output_forward = 2 * h * config.padded_vocab_size(tp_size)
+    layer_forward, core_forward, output_forward = _forward_flops(config, seq_length, tp_size)
     total = 3 * (config.num_layers * (layer_forward + core_forward) + output_forward)
     if recompute == "full":
         total += config.num_layers * (layer_forward + core_forward)
     elif recompute == "selective":
         total += config.num_layers * core_forward
     return total
+
+
+# An FP8 layer's step runs this much faster than bf16's (GPT-1.3B, graphed, H100 and H200: 1.29x at
+# micro-batch 1, 1.37x at 2 in benchmarks/results/2026-11-26_2xH200_planner), so a bf16 output layer
+# beside FP8 layers costs more layers' worth than its FLOPs say.
+FP8_LAYER_SPEEDUP = 1.35
+
+
+def output_layer_cost(config: TransformerConfig, seq_length: int, tp_size: int = 1, fp8_layers: bool = False,
+                      fp8_output_layer: bool = False) -> float:
+    """The output layer's time in layers' worth, estimated from FLOPs as `flops_per_token` counts
+    them (its GEMM's over one layer's GEMMs and attention core), times FP8_LAYER_SPEEDUP where the
+    layers run FP8 and the output layer does not. The loss beside it is left out."""
+    layer_forward, core_forward, output_forward = _forward_flops(config, seq_length, tp_size)
+    speedup = FP8_LAYER_SPEEDUP if fp8_layers and not fp8_output_layer else 1.0
+    return speedup * output_forward / (layer_forward + core_forward)
+
+
+def _forward_flops(config: TransformerConfig, seq_length: int, tp_size: int) -> tuple[int, int, int]:
+    """Forward FLOPs per token of a layer's GEMMs, of its attention core, of the output layer."""
+    check_integer("seq_length", seq_length)
+    h = config.hidden_size
+    attention_width = config.num_attention_heads * config.head_dim
+    kv_width = config.kv_heads * config.head_dim
+    attention_weights = h * (attention_width + 2 * kv_width) + attention_width * h
+    mlp_weights = (3 if config.activation == "swiglu" else 2) * h * config.ffn_size
+    core_forward = 2 * 2 * seq_length * attention_width  # QK^T, then AV
+    return 2 * (attention_weights + mlp_weights), core_forward, 2 * h * config.padded_vocab_size(tp_size)
 
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets; the first match wins.

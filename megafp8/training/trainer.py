@@ -122,6 +122,8 @@ class Trainer:
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.tp_comm_transport = _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
         vpp = args.virtual_pipeline_model_parallel_size or 1
+        if args.balance_pipeline_split:
+            self._balance_pipeline_split(vpp)
         self.chunks = [TransformerLM(
             self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
             tp_comm_overlap=args.tp_comm_overlap,
@@ -178,6 +180,18 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
 
+
+    def _balance_pipeline_split(self, vpp: int) -> None:
+        """--balance-pipeline-split: choose the first and last virtual stages' layers, and say so."""
+        a = self.args
+        cost = arguments.balance_pipeline_split(a, self.config)
+        if self.is_logger:
+            pp = a.pipeline_model_parallel_size
+            spans = sorted(span for rank in range(pp) for span in stage_layers(
+                self.config.num_layers, pp, rank, vpp, a.decoder_first_pipeline_num_layers,
+                a.decoder_last_pipeline_num_layers))
+            print(f"pipeline split: virtual stages of {', '.join(str(end - start) for start, end in spans)} layers "
+                  f"(the output layer counts as {cost:.1f} layers on the last)", flush=True)
     def _datasets(self):
         a = self.args
         evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_interval and a.eval_iters else 0
@@ -591,10 +605,13 @@ def pretrain(argv=None):
     try:
         # Before anything is written: one run at a time in a --save folder.
         with checkpointing.SaveFolderLock(args.save):
-            torch.manual_seed(args.seed)
-            trainer = Trainer(args, groups)
-            trainer.train()
-            trainer.release_cuda_graphs()
+            try:
+                torch.manual_seed(args.seed)
+                trainer = Trainer(args, groups)
+                trainer.train()
+                trainer.release_cuda_graphs()
+            finally:  # the last save's checksums, recorded while the folder is still ours
+                checkpointing.wait_for_checksums()
         failed = False
         return trainer
     finally:

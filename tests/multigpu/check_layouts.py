@@ -179,7 +179,7 @@ def failing_command(run: Run, work: Path, cpu: bool, flags=()) -> list[str]:
         command.append("--sequence-parallel")
     command += flags
     if pp > 1:
-        command += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
+        command += ["--num-virtual-stages-per-pipeline-rank", str(vpp), "--balance-pipeline-split"]
     if run.graphs:
         command.append("--enable-cuda-graph")
     return command
@@ -266,21 +266,45 @@ class Launcher:
 
     def run_all(self, runs: list[Run]) -> dict:
         """Every run, the largest first (they pack best), a resumed run once its straight run is
-        done; the outcomes so far are written after each run, so a check cut short keeps them."""
+        done; the outcomes so far are written after each run, so a check cut short keeps them.
+        A check stopped (SIGTERM, Ctrl-C, an error) stops its runs too: left running, they would
+        hold the GPUs and write into the next check's folders."""
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         waiting = sorted(runs, key=lambda r: -r.gpus)
-        while waiting or self.running:
-            for run in list(waiting):
-                if run.kind == "resumed" and run.straight not in self.outcomes:
-                    continue
-                if self.cpu and self.running:
-                    break  # one at a time on the CPU
-                if self.start(run):
-                    waiting.remove(run)
-            if self.poll():
-                self.record()
-            time.sleep(0.5)
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            while waiting or self.running:
+                for run in list(waiting):
+                    if run.kind == "resumed" and run.straight not in self.outcomes:
+                        continue
+                    if self.cpu and self.running:
+                        break  # one at a time on the CPU
+                    if self.start(run):
+                        waiting.remove(run)
+                if self.poll():
+                    self.record()
+                time.sleep(0.5)
+        finally:
+            self.stop_all()
+            signal.signal(signal.SIGTERM, previous)
         return self.outcomes
+
+    def stop_all(self) -> None:
+        """Kill every run still going, its launch's group and all the launch started."""
+        parents = _process_parents()
+        for process, _, _, log, started in self.running.values():
+            for pid in started | _descendants(process.pid, parents):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+            log.close()
+        self.running.clear()
 
     def record(self) -> None:
         (self.work / "check_layouts.json").write_text(json.dumps([asdict(o) for o in self.outcomes.values()],
@@ -393,6 +417,10 @@ def _stop_hung(pgid: int, started: set) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -86,3 +86,32 @@ def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path):
     process.wait(timeout=30)
     assert "in waiting_for_a_peer" in log_path.read_text()
     assert not any(map(check_layouts._running, started))
+
+
+def test_a_check_stopped_stops_its_runs(tmp_path):
+    """SIGTERM to the check (a job's time limit) ends its runs with it: left running, they would
+    hold the GPUs and write into the next check's folders."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    check = subprocess.Popen([sys.executable, "-m", "tests.multigpu.check_layouts", "--cpu", "--layouts", "dp2",
+                              "--precisions", "bf16", "--kinds", "sigterm", "--output", str(tmp_path)],
+                             cwd=check_layouts.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline, started = time.time() + 240, set()
+    while time.time() < deadline and check.poll() is None:  # until the run's ranks are up
+        started |= check_layouts._descendants(check.pid)
+        if any("torch.distributed.run" in _command(pid) or "torchrun" in _command(pid) for pid in started):
+            break
+        time.sleep(0.2)
+    assert check.poll() is None, "the check ended before its run started"
+    time.sleep(1.0)
+    started |= check_layouts._descendants(check.pid)
+    check.terminate()
+    assert check.wait(timeout=60) != 0
+    assert not [pid for pid in started if check_layouts._running(pid)]
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -382,9 +382,31 @@ def test_stage_layers():
     ((4, 2, 2), r"pp_rank must be an int in 0..1"),
     ((4, 2, 0, 1, 1, 1), r"add up to 2 layers, but the model has num_layers=4"),
 ])
+
 def test_stage_layers_errors(args, message):
     with pytest.raises(ValueError, match=message):
         stage_layers(*args)
+
+def test_balanced_stage_split_evens_out_the_ranks_work():
+    from megafp8.parallel import balanced_stage_split
+    # GPT-1.3B, pp 2 x vpp 2, the output layer ~1.7 layers' work: 6, 6, 6, 6 left the last rank
+    # 13.7 layers against 12; 7, 6, 6, 5 gives 13 and 12.7.
+    assert balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.7) == (7, 5)
+    assert balanced_stage_split(24, 2, output_layer_cost=1.7) == (13, 11)
+    assert balanced_stage_split(24, 4, vpp=2, output_layer_cost=1.7) == (4, 2)
+    # Where moving a layer costs the first rank more than it saves the last, the split stays even.
+    assert balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8) == (None, None)
+    assert balanced_stage_split(24, 2, vpp=2) == (None, None)
+    assert balanced_stage_split(24, 1) == (None, None)
+    # Not divisible evenly: the least uneven split that stage_layers accepts.
+    first, last = balanced_stage_split(6, 2, vpp=2)
+    spans = [stage_layers(6, 2, rank, 2, first, last) for rank in range(2)]
+    assert sorted(span for rank in spans for span in rank)[0][0] == 0 and max(e for r in spans for _, e in r) == 6
+    with pytest.raises(ValueError, match="num_layers=3 cannot be split over pp=2 x vpp=2"):
+        balanced_stage_split(3, 2, vpp=2)
+    with pytest.raises(ValueError, match="output_layer_cost"):
+        balanced_stage_split(24, 2, output_layer_cost=-1)
+
 
 
 def fake_groups(pp, tp=1):

@@ -200,9 +200,9 @@ def trainer_bytes(trainer):
 
 
 LAYOUTS = {  # name: (flags, MemoryLayout fields)
-    "tp2-pp2-fp8": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                     "--sequence-parallel", "--fp8-format", "hybrid"],
-                    dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed")),
+    "tp2-pp2-fp8-uneven": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                            "--sequence-parallel", "--fp8-format", "hybrid", "--decoder-last-pipeline-num-layers", "1"],
+                           dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1)),
     "pp2-dp2-vpp2-distributed": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                                   "--use-distributed-optimizer"],
                                  dict(pp=2, dp=2, vpp=2, distributed_optimizer=True)),

@@ -24,7 +24,8 @@ def test_a_plan_lists_what_fits_and_why_the_rest_does_not(tmp_path, capsys):
     # The trainer's own message for a micro-batch split that does not divide the batch ...
     assert any("--global-batch-size 48 is not divisible" in r for r in reasons), reasons
     # ... for layers that do not split into the stages, and the memory that does not fit.
-    assert any(r.startswith("32 layers do not split into 16 pipeline stages x 4 virtual stages") for r in reasons)
+    assert any(r.startswith("--balance-pipeline-split: num_layers=32 cannot be split over pp=16 x vpp=4")
+               for r in reasons), reasons
     assert any(r.startswith("needs ") and "GiB per GPU" in r and "over 72.0 GiB" in r for r in reasons)
     # A layout's memory is the memory model's for its fullest stage.
     entry = next(e for e in plan["fits"] if (e["tp"], e["pp"], e["vpp"], e["micro_batch_size"], e["recompute"],

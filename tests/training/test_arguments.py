@@ -219,9 +219,31 @@ def test_virtual_stages_per_pipeline_rank():
     fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
           "--num-layers-per-virtual-pipeline-stage 2", "give one")
     fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
-          "--decoder-last-pipeline-num-layers 3", "cannot be combined")
-    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
           "--global-batch-size 2", "multiple of", "VPP=1", world_size=2)
+
+
+def test_stages_of_their_own_sizes():
+    """--decoder-first/last-pipeline-num-layers size the first and last virtual stages, with or
+    without interleaving; --balance-pipeline-split has the trainer choose them."""
+    uneven = parse("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                   "--decoder-last-pipeline-num-layers 1 --decoder-first-pipeline-num-layers 3")
+    assert uneven.virtual_pipeline_model_parallel_size == 2 and uneven.num_layers_per_virtual_pipeline_stage is None
+    assert parse("--num-layers 7 --pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 3"
+                 ).virtual_pipeline_model_parallel_size is None
+    balanced = parse("--num-layers 6 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                     "--balance-pipeline-split")
+    assert balanced.virtual_pipeline_model_parallel_size == 2 and balanced.balance_pipeline_split
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+          "--decoder-last-pipeline-num-layers 4", "--decoder-first/last-pipeline-num-layers",
+          "the 4 layers left after last_stage_layers=4", "other 3")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+          "--decoder-last-pipeline-num-layers 3", "--num-virtual-stages-per-pipeline-rank, not")
+    fails("--num-layers 8 --pipeline-model-parallel-size 2 --balance-pipeline-split "
+          "--decoder-last-pipeline-num-layers 3", "not both")
+    fails("--balance-pipeline-split", "--balance-pipeline-split needs --pipeline-model-parallel-size > 1")
+    fails("--num-layers 3 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+          "--balance-pipeline-split", "--balance-pipeline-split", "num_layers=3 cannot be split")
+    fails("--num-layers 7 --pipeline-model-parallel-size 2", "--num-layers 7", "--balance-pipeline-split")
 
 
 def test_cuda_graphs_refuse_what_they_cannot_capture():

@@ -157,9 +157,14 @@ def test_a_run_resumes_from_its_checkpoint_without_shape_flags(tmp_path):
     assert (args["num_layers"], args["num_query_groups"], args["swiglu"], args["vocab_size"]) == (2, 2, True, 300)
 
 
-def test_a_vocabulary_other_than_the_checkpoints_is_refused(tmp_path):
+def test_a_vocabulary_other_than_the_checkpoints_is_refused(tmp_path, monkeypatch):
+    hash_file = checkpointing._file_checksum
+    monkeypatch.setattr(checkpointing, "_file_checksum", lambda *a, **k: time.sleep(0.5) or hash_file(*a, **k))
     pretrain(TINY + ["--train-iters", "3", "--save", str(tmp_path)])  # gpt-tiny: 1000 tokens
     checkpoint = tmp_path / "iter_0000003"
+    # The last save's checksums, however slow, are recorded before pretrain returns: hashing them
+    # at interpreter exit could no longer start its threads.
+    assert (checkpoint / checkpointing.CHECKSUMS / "rank_00000.json").exists()
     with pytest.raises(CheckpointError, match=rf"the tokenizer \(NullTokenizer\) has 500 tokens, but the model in "
                                               rf"{checkpoint} has a vocabulary of 1000: give the tokenizer it was"):
         pretrain(TINY + ["--train-iters", "4", "--load", str(tmp_path), "--tokenizer-type", "NullTokenizer",
@@ -381,11 +386,16 @@ def last_stage_losses(rank, world_size, argv):
     (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
+    # 6 layers over 4 virtual stages: the trainer sizes the first and last apart
+    (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+         "--balance-pipeline-split", "--num-layers", "6"]),
     (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 ])
 def test_pipeline_layouts_match_one_process(layout, extra):
     argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "8"]
-    reference = run_on_ranks(last_stage_losses, 1, argv + [x for x in extra if x in ("--fp8-format", "hybrid")])[0]
+    shared = [x for i, x in enumerate(extra)  # what the one process runs too: the model and its precision
+              if x in ("--fp8-format", "hybrid", "--num-layers") or i and extra[i - 1] == "--num-layers"]
+    reference = run_on_ranks(last_stage_losses, 1, argv + shared)[0]
     assert_last_stages_match(run_on_ranks(last_stage_losses, layout, argv + extra), reference, rel=1e-4)
 
 
