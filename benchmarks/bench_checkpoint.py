@@ -4,6 +4,7 @@ them adds to a load. One process, fresh random fp32 tensors written to `--folder
 
     python benchmarks/bench_checkpoint.py --gib 2 --folder /scratch/ckpt_bench
 """
+
 import argparse
 import shutil
 import tempfile
@@ -11,8 +12,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from megafp8.models import preset
+
 from megafp8.training import checkpointing
 
 
@@ -29,15 +30,18 @@ def main():
         print(f"{'GiB':>5s} {'save s':>7s} {'checksums s after':>18s} {'verify s':>9s}")
         for repeat in range(1, args.repeats + 1):
             start = time.perf_counter()
-            path = checkpointing.write_checkpoint(folder, repeat, state, train_state={}, args={},
-                                                  model_config=preset("gpt-tiny"))
+            path = checkpointing.write_checkpoint(
+                folder, repeat, state, train_state={}, args={}, model_config=preset("gpt-tiny")
+            )
             saved = time.perf_counter()
             checkpointing.wait_for_checksums()
             hashed = time.perf_counter()
             checkpointing.verify_checkpoint(path)
             verified = time.perf_counter()
             size = sum(p.stat().st_size for p in path.iterdir() if p.is_file()) / 2**30
-            print(f"{size:5.2f} {saved - start:7.2f} {hashed - saved:18.2f} {verified - hashed:9.2f}")
+            print(
+                f"{size:5.2f} {saved - start:7.2f} {hashed - saved:18.2f} {verified - hashed:9.2f}"
+            )
     finally:
         shutil.rmtree(folder)
 

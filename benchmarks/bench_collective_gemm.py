@@ -17,6 +17,7 @@ eager calls instead) after a warm-up, timed with CUDA events, the slowest rank's
 CPU (gloo) the GEMM is fp32 and only the nccl transport (gloo's) runs, eagerly: for testing.
 `--tokens` is the micro-batch's tokens (micro-batch x sequence), split over the ranks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,19 +34,26 @@ from megafp8.collectives import all_gather_into, group_size, reduce_scatter_into
 from megafp8.fp8.gemm import fp8_gemm
 
 TRANSPORTS = ("nccl", "copy-engine")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings' timing helpers (microseconds)
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # its siblings' timing helpers (microseconds)
 
 
 def shapes(hidden: int, ffn: int, tp: int) -> list:
     """(name, kind, in_features, out_features) of this rank's share of each linear of a layer."""
-    return [("QKV", "column", hidden, 3 * hidden // tp), ("fc1", "column", hidden, ffn // tp),
-            ("proj", "row", hidden // tp, hidden), ("fc2", "row", ffn // tp, hidden)]
+    return [
+        ("QKV", "column", hidden, 3 * hidden // tp),
+        ("fc1", "column", hidden, ffn // tp),
+        ("proj", "row", hidden // tp, hidden),
+        ("fc2", "row", ffn // tp, hidden),
+    ]
 
 
 def microseconds(fn, device, calls: int, graphed: bool) -> float:
     """The slowest rank's mean time of one `fn()`: eager calls, or `calls` calls replayed from one
     CUDA graph (bench_collectives' timing around bench_fp8_linear's capture)."""
     from bench_collectives import measure
+
     if not graphed:
         return 1000 * measure(fn, warmup=3, iters=calls, device=device)
     from bench_fp8_linear import graphed as captured  # triton: GPUs only
@@ -57,18 +65,28 @@ def microseconds(fn, device, calls: int, graphed: bool) -> float:
     return 1000 * measure(captured(many), warmup=1, iters=3, device=device) / calls
 
 
-def measure(group, device, hidden: int, ffn: int, tokens: int, transports, calls: int, graphed: bool) -> list:
+def measure(
+    group, device, hidden: int, ffn: int, tokens: int, transports, calls: int, graphed: bool
+) -> list:
     """One record per GEMM of the layer (module docstring): microseconds of each way to run it."""
     generator = torch.Generator(device=device).manual_seed(dist.get_rank())
-    return [_measure_gemm(group, device, name, kind, k, n, tokens, transports, calls, graphed, generator)
-            for name, kind, k, n in shapes(hidden, ffn, group_size(group))]
+    return [
+        _measure_gemm(
+            group, device, name, kind, k, n, tokens, transports, calls, graphed, generator
+        )
+        for name, kind, k, n in shapes(hidden, ffn, group_size(group))
+    ]
 
 
-def _measure_gemm(group, device, name, kind, k, n, tokens, transports, calls, graphed, generator) -> dict:
+def _measure_gemm(
+    group, device, name, kind, k, n, tokens, transports, calls, graphed, generator
+) -> dict:
     tp = group_size(group)
     rows = tokens // tp
     fp8 = device.type == "cuda"
-    dtype, out_dtype = (torch.float8_e4m3fn, torch.bfloat16) if fp8 else (torch.float32, torch.float32)
+    dtype, out_dtype = (
+        (torch.float8_e4m3fn, torch.bfloat16) if fp8 else (torch.float32, torch.float32)
+    )
     one = torch.ones((), device=device)
     weight = torch.randn(n, k, generator=generator, device=device).mul_(0.05).to(dtype)
 
@@ -112,10 +130,16 @@ def _measure_gemm(group, device, name, kind, k, n, tokens, transports, calls, gr
         def overlapped():
             collective_gemm.gemm_reduce_scatter(a, group, gemm, n, out_dtype)
 
-    record = {"gemm": name, "kind": kind, "rows": tp * rows, "in_features": k, "out_features": n,
-              "gemm_us": microseconds(alone, device, calls, graphed),
-              "transfer_us": microseconds(transfer, device, calls, graphed),
-              "plain_us": microseconds(plain, device, calls, graphed)}
+    record = {
+        "gemm": name,
+        "kind": kind,
+        "rows": tp * rows,
+        "in_features": k,
+        "out_features": n,
+        "gemm_us": microseconds(alone, device, calls, graphed),
+        "transfer_us": microseconds(transfer, device, calls, graphed),
+        "plain_us": microseconds(plain, device, calls, graphed),
+    }
     for transport in transports:
         if transport == "copy-engine":
             symmetric_memory.use_copy_engines(group)
@@ -123,18 +147,24 @@ def _measure_gemm(group, device, name, kind, k, n, tokens, transports, calls, gr
             record[f"{transport}_us"] = microseconds(overlapped, device, calls, graphed)
         finally:
             symmetric_memory.stop_using_copy_engines()
-        record[f"{transport}_hidden"] = (record["plain_us"] - record[f"{transport}_us"]) / record["transfer_us"]
+        record[f"{transport}_hidden"] = (record["plain_us"] - record[f"{transport}_us"]) / record[
+            "transfer_us"
+        ]
     return record
 
 
 def table(records: list, transports) -> str:
     """Markdown: each GEMM's microseconds, and the share of its transfer each transport hid."""
     header = "| GEMM | rows x in -> out | GEMM alone | transfer alone | plain |" + "".join(
-        f" overlapped, {t} | hidden, {t} |" for t in transports)
+        f" overlapped, {t} | hidden, {t} |" for t in transports
+    )
     lines = [header, "|" + "---|" * (5 + 2 * len(transports))]
     for r in records:
-        cells = [r["gemm"], f"{r['rows']} x {r['in_features']} -> {r['out_features']}",
-                 *(f"{r[key]:.1f}" for key in ("gemm_us", "transfer_us", "plain_us"))]
+        cells = [
+            r["gemm"],
+            f"{r['rows']} x {r['in_features']} -> {r['out_features']}",
+            *(f"{r[key]:.1f}" for key in ("gemm_us", "transfer_us", "plain_us")),
+        ]
         for t in transports:
             cells += [f"{r[f'{t}_us']:.1f}", f"{100 * r[f'{t}_hidden']:.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -142,15 +172,24 @@ def table(records: list, transports) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens of a micro-batch (micro-batch x sequence)")
-    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
-                        help="default: nccl, and copy-engine where the ranks can use it")
+    parser.add_argument(
+        "--tokens", type=int, default=8192, help="tokens of a micro-batch (micro-batch x sequence)"
+    )
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        choices=TRANSPORTS,
+        help="default: nccl, and copy-engine where the ranks can use it",
+    )
     parser.add_argument("--calls", type=int, default=20, help="calls per timing (per graph)")
-    parser.add_argument("--eager", action="store_true", help="time eager calls, not CUDA graph replays")
+    parser.add_argument(
+        "--eager", action="store_true", help="time eager calls, not CUDA graph replays"
+    )
     parser.add_argument("--output", type=Path, help="a JSON file for the records (rank 0)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -161,20 +200,40 @@ def main(argv=None) -> int:
         group, device = dist.group.WORLD, torch.device("cuda" if cuda else "cpu")
         tp = group_size(group)
         if tp < 2 or args.tokens % tp or args.hidden % tp or args.ffn % tp:
-            parser.error(f"needs at least 2 ranks dividing --tokens, --hidden and --ffn (got {tp} ranks)")
+            parser.error(
+                f"needs at least 2 ranks dividing --tokens, --hidden and --ffn (got {tp} ranks)"
+            )
         reason = symmetric_memory.unavailable_reason(group)
         if args.transports is None:
             args.transports = ["nccl"] + (["copy-engine"] if reason is None else [])
         elif "copy-engine" in args.transports and reason is not None:
             parser.error(f"--transports copy-engine: {reason}; give --transports nccl")
-        records = measure(group, device, args.hidden, args.ffn, args.tokens, args.transports, args.calls,
-                          graphed=cuda and not args.eager)
+        records = measure(
+            group,
+            device,
+            args.hidden,
+            args.ffn,
+            args.tokens,
+            args.transports,
+            args.calls,
+            graphed=cuda and not args.eager,
+        )
         if dist.get_rank() == 0:
             print(table(records, args.transports), flush=True)
             if args.output:
-                args.output.write_text(json.dumps({
-                    "device": torch.cuda.get_device_name() if cuda else "cpu", "ranks": tp, "torch": torch.__version__,
-                    "graphed": cuda and not args.eager, "records": records}, indent=1) + "\n")
+                args.output.write_text(
+                    json.dumps(
+                        {
+                            "device": torch.cuda.get_device_name() if cuda else "cpu",
+                            "ranks": tp,
+                            "torch": torch.__version__,
+                            "graphed": cuda and not args.eager,
+                            "records": records,
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
     finally:
         dist.destroy_process_group()
     return 0

@@ -11,6 +11,7 @@ quantization time, each GEMM alone, and the layer step three ways:
 - block: the four linears of one GPT-1.3B layer in one fp8_autocast, eager, as a model runs them.
 Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed between runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +38,33 @@ def ms(fn):
 
 def ceilings():
     n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = (
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+    )
     bf16 = 2 * n**3 / ms(lambda: a @ b) / 1e9
     one = torch.ones((), device="cuda")
     a8, b8 = a.to(E4M3), b.to(E4M3)
-    fp8 = {fast: 2 * n**3 / ms(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=fast)) / 1e9
-           for fast in (True, False)}
+    fp8 = {
+        fast: 2
+        * n**3
+        / ms(
+            lambda: torch._scaled_mm(
+                a8, b8.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+        )
+        / 1e9
+        for fast in (True, False)
+    }
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_tbps = 2 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9  # bytes read + written
-    return {"bf16_tflops": bf16, "fp8_fast_accum_tflops": fp8[True], "fp8_tflops": fp8[False], "copy_TBps": copy_tbps}
+    return {
+        "bf16_tflops": bf16,
+        "fp8_fast_accum_tflops": fp8[True],
+        "fp8_tflops": fp8[False],
+        "copy_TBps": copy_tbps,
+    }
 
 
 def quantize_times(tokens):
@@ -56,10 +74,21 @@ def quantize_times(tokens):
         scale = torch.tensor(10.0, device="cuda")
         moved = x.numel() * (2 + 1 + 1)
         eager = ms(lambda: quantize_torch(x, E4M3, scale, 0, True, True, None))
-        fused = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False))
-        current = ms(lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, None, False))
-        rows.append({"shape": f"{tokens}x{k}", "eager_ms": eager, "fused_ms": fused, "fused_current_ms": current,
-                     "fused_TBps": moved / fused / 1e9})
+        fused = ms(
+            lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False)
+        )
+        current = ms(
+            lambda: triton_kernels.quantize(x, E4M3, None, 0, True, True, None, None, False)
+        )
+        rows.append(
+            {
+                "shape": f"{tokens}x{k}",
+                "eager_ms": eager,
+                "fused_ms": fused,
+                "fused_current_ms": current,
+                "fused_TBps": moved / fused / 1e9,
+            }
+        )
     return rows
 
 
@@ -68,8 +97,17 @@ def sweep_tiles(tokens):
     scale = torch.tensor(10.0, device="cuda")
     saved = triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS
     rows = []
-    for bm, bn, warps in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4),
-                          (128, 128, 8), (64, 256, 8), (128, 256, 8), (32, 256, 4)]:
+    for bm, bn, warps in [
+        (32, 128, 4),
+        (64, 64, 4),
+        (64, 128, 4),
+        (64, 128, 8),
+        (128, 64, 4),
+        (128, 128, 8),
+        (64, 256, 8),
+        (128, 256, 8),
+        (32, 256, 4),
+    ]:
         triton_kernels.BLOCK_M, triton_kernels.BLOCK_N, triton_kernels.NUM_WARPS = bm, bn, warps
         t = ms(lambda: triton_kernels.quantize(x, E4M3, scale, 0, True, True, None, None, False))
         rows.append({"tile": f"{bm}x{bn}/w{warps}", "ms": t, "TBps": x.numel() * 4 / t / 1e9})
@@ -89,6 +127,7 @@ def layer_step(layers, xs, dys, recipe, recast_weight=False):
         with fp8_autocast(enabled=recipe is not None, recipe=recipe):
             ys = [layer(x) for layer, x in zip(layers, xs)]
         torch.autograd.backward(ys, dys)
+
     return step
 
 
@@ -156,15 +195,45 @@ def gemm_breakdown(tokens, k, n):
     qx, qw = quantize(x, E4M3, columnwise=True), quantize(w, E4M3, columnwise=True)
     qdy = quantize(dy, E5M2, columnwise=True)
     return {
-        "bf16_fprop": ms(lambda: x @ w.t()), "bf16_dgrad": ms(lambda: dy @ w), "bf16_wgrad": ms(lambda: dy.t() @ x),
-        "fp8_fprop": ms(lambda: fp8_gemm(qx.data, qw.data, qx.scale_inv, qw.scale_inv, torch.bfloat16, fast_accum=True)),
-        "fp8_dgrad": ms(lambda: fp8_gemm(qdy.data, qw.data_t, qdy.scale_inv, qw.scale_inv, torch.bfloat16)),
-        "fp8_wgrad": ms(lambda: fp8_gemm(qdy.data_t, qx.data_t, qdy.scale_inv, qx.scale_inv, torch.bfloat16)),
-        "fp8_dgrad_fast": ms(lambda: fp8_gemm(qdy.data, qw.data_t, qdy.scale_inv, qw.scale_inv, torch.bfloat16, fast_accum=True)),
-        "fp8_wgrad_fast": ms(lambda: fp8_gemm(qdy.data_t, qx.data_t, qdy.scale_inv, qx.scale_inv, torch.bfloat16, fast_accum=True)),
-        "quant_x": ms(lambda: quantize(x, E4M3, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True)),
-        "quant_dy": ms(lambda: quantize(dy, E5M2, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True)),
-        "quant_dy_bias": ms(lambda: quantize(dy, E5M2, x.new_ones((), dtype=torch.float32), columnwise=True, col_sum=True)),
+        "bf16_fprop": ms(lambda: x @ w.t()),
+        "bf16_dgrad": ms(lambda: dy @ w),
+        "bf16_wgrad": ms(lambda: dy.t() @ x),
+        "fp8_fprop": ms(
+            lambda: fp8_gemm(
+                qx.data, qw.data, qx.scale_inv, qw.scale_inv, torch.bfloat16, fast_accum=True
+            )
+        ),
+        "fp8_dgrad": ms(
+            lambda: fp8_gemm(qdy.data, qw.data_t, qdy.scale_inv, qw.scale_inv, torch.bfloat16)
+        ),
+        "fp8_wgrad": ms(
+            lambda: fp8_gemm(qdy.data_t, qx.data_t, qdy.scale_inv, qx.scale_inv, torch.bfloat16)
+        ),
+        "fp8_dgrad_fast": ms(
+            lambda: fp8_gemm(
+                qdy.data, qw.data_t, qdy.scale_inv, qw.scale_inv, torch.bfloat16, fast_accum=True
+            )
+        ),
+        "fp8_wgrad_fast": ms(
+            lambda: fp8_gemm(
+                qdy.data_t, qx.data_t, qdy.scale_inv, qx.scale_inv, torch.bfloat16, fast_accum=True
+            )
+        ),
+        "quant_x": ms(
+            lambda: quantize(
+                x, E4M3, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True
+            )
+        ),
+        "quant_dy": ms(
+            lambda: quantize(
+                dy, E5M2, x.new_ones((), dtype=torch.float32), rowwise=True, columnwise=True
+            )
+        ),
+        "quant_dy_bias": ms(
+            lambda: quantize(
+                dy, E5M2, x.new_ones((), dtype=torch.float32), columnwise=True, col_sum=True
+            )
+        ),
         "bias_grad": ms(lambda: dy.sum(0, dtype=torch.float32)),
     }
 
@@ -186,8 +255,11 @@ def make_layers(tokens, shapes):
 def variants(bf16, fp8, xs, dys, graph):
     """ms per step for bf16 and FP8 (delayed, current) eager, and graphed when `graph`."""
     row = {}
-    for name, layers, recipe in [("bf16", bf16, None), ("fp8_delayed", fp8, DelayedScaling()),
-                                 ("fp8_current", fp8, CurrentScaling())]:
+    for name, layers, recipe in [
+        ("bf16", bf16, None),
+        ("fp8_delayed", fp8, DelayedScaling()),
+        ("fp8_current", fp8, CurrentScaling()),
+    ]:
         step = layer_step(layers, xs, dys, recipe)
         row[f"{name}_ms"] = ms(step)
         if graph:
@@ -200,16 +272,22 @@ def layer_times(tokens):
     for k, n in SHAPES:
         bf16, fp8, xs, dys = make_layers(tokens, [(k, n)])
         row = {"shape": f"{k}->{n}", **variants(bf16, fp8, xs, dys, graph=True)}
-        row["fp8_delayed_recast_ms"] = ms(layer_step(fp8, xs, dys, DelayedScaling(), recast_weight=True))
-        row["host_ms"] = {"bf16": host_ms(layer_step(bf16, xs, dys, None)),
-                          "fp8_delayed": host_ms(layer_step(fp8, xs, dys, DelayedScaling())),
-                          "fp8_current": host_ms(layer_step(fp8, xs, dys, CurrentScaling()))}
+        row["fp8_delayed_recast_ms"] = ms(
+            layer_step(fp8, xs, dys, DelayedScaling(), recast_weight=True)
+        )
+        row["host_ms"] = {
+            "bf16": host_ms(layer_step(bf16, xs, dys, None)),
+            "fp8_delayed": host_ms(layer_step(fp8, xs, dys, DelayedScaling())),
+            "fp8_current": host_ms(layer_step(fp8, xs, dys, CurrentScaling())),
+        }
         flop = 6 * tokens * k * n
         for key in [k for k in row if k.endswith("_ms") and k != "host_ms"]:
             row[key.replace("_ms", "_tflops")] = flop / row[key] / 1e9
         for mode in ("", "_graphed"):
             for recipe in ("delayed", "current"):
-                row[f"speedup_{recipe}{mode}"] = row[f"bf16{mode}_ms"] / row[f"fp8_{recipe}{mode}_ms"]
+                row[f"speedup_{recipe}{mode}"] = (
+                    row[f"bf16{mode}_ms"] / row[f"fp8_{recipe}{mode}_ms"]
+                )
         row["breakdown"] = gemm_breakdown(tokens, k, n)
         rows.append(row)
     return rows
@@ -224,15 +302,25 @@ def block_times(tokens):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--json", help="write all figures here")
-    parser.add_argument("--sweep-tiles", action="store_true", help="time the quantize kernel's tile shapes")
+    parser.add_argument(
+        "--sweep-tiles", action="store_true", help="time the quantize kernel's tile shapes"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_linear needs a CUDA GPU")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "tokens": args.tokens, "ceilings": ceilings(), "quantize": quantize_times(args.tokens)}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "tokens": args.tokens,
+        "ceilings": ceilings(),
+        "quantize": quantize_times(args.tokens),
+    }
     if args.sweep_tiles:
         results["tiles"] = sweep_tiles(args.tokens)
     results["layers"] = layer_times(args.tokens)
@@ -241,29 +329,46 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 
-    print(f"\n{results['device']}  torch {results['torch']}  triton {results['triton']}  tokens {args.tokens}")
+    print(
+        f"\n{results['device']}  torch {results['torch']}  triton {results['triton']}  tokens {args.tokens}"
+    )
     c = results["ceilings"]
-    print(f"ceilings: bf16 {c['bf16_tflops']:.0f} TFLOP/s, fp8 {c['fp8_tflops']:.0f} "
-          f"(fast accum {c['fp8_fast_accum_tflops']:.0f}), copy {c['copy_TBps']:.2f} TB/s")
+    print(
+        f"ceilings: bf16 {c['bf16_tflops']:.0f} TFLOP/s, fp8 {c['fp8_tflops']:.0f} "
+        f"(fast accum {c['fp8_fast_accum_tflops']:.0f}), copy {c['copy_TBps']:.2f} TB/s"
+    )
     for q in results["quantize"]:
-        print(f"quantize {q['shape']} bf16 -> e4m3 + transpose: eager {q['eager_ms']:.3f} ms, fused {q['fused_ms']:.3f} ms "
-              f"({q['fused_TBps']:.2f} TB/s), fused current scaling {q['fused_current_ms']:.3f} ms")
+        print(
+            f"quantize {q['shape']} bf16 -> e4m3 + transpose: eager {q['eager_ms']:.3f} ms, fused {q['fused_ms']:.3f} ms "
+            f"({q['fused_TBps']:.2f} TB/s), fused current scaling {q['fused_current_ms']:.3f} ms"
+        )
     for t in results.get("tiles", []):
         print(f"  tile {t['tile']:>12}: {t['ms']:.3f} ms {t['TBps']:.2f} TB/s")
     print("\nforward+backward per step, ms (speedup over bf16); fp8 = delayed scaling unless named")
-    print(f"{'layer':>11} | {'eager: bf16':>11} {'fp8':>14} {'current':>14} {'recast':>7} | "
-          f"{'graphed: bf16':>13} {'fp8':>14} {'current':>14}")
+    print(
+        f"{'layer':>11} | {'eager: bf16':>11} {'fp8':>14} {'current':>14} {'recast':>7} | "
+        f"{'graphed: bf16':>13} {'fp8':>14} {'current':>14}"
+    )
     for r in results["layers"]:
-        print(f"{r['shape']:>11} | {r['bf16_ms']:11.3f} {r['fp8_delayed_ms']:7.3f} ({r['speedup_delayed']:.2f}x) "
-              f"{r['fp8_current_ms']:7.3f} ({r['speedup_current']:.2f}x) {r['fp8_delayed_recast_ms']:7.3f} | "
-              f"{r['bf16_graphed_ms']:13.3f} {r['fp8_delayed_graphed_ms']:7.3f} ({r['speedup_delayed_graphed']:.2f}x) "
-              f"{r['fp8_current_graphed_ms']:7.3f} ({r['speedup_current_graphed']:.2f}x)")
+        print(
+            f"{r['shape']:>11} | {r['bf16_ms']:11.3f} {r['fp8_delayed_ms']:7.3f} ({r['speedup_delayed']:.2f}x) "
+            f"{r['fp8_current_ms']:7.3f} ({r['speedup_current']:.2f}x) {r['fp8_delayed_recast_ms']:7.3f} | "
+            f"{r['bf16_graphed_ms']:13.3f} {r['fp8_delayed_graphed_ms']:7.3f} ({r['speedup_delayed_graphed']:.2f}x) "
+            f"{r['fp8_current_graphed_ms']:7.3f} ({r['speedup_current_graphed']:.2f}x)"
+        )
     b = results["block"]
-    print(f"{'1.3B layer':>11} | {b['bf16_ms']:11.3f} {b['fp8_delayed_ms']:7.3f} ({b['speedup_delayed']:.2f}x) "
-          f"{b['fp8_current_ms']:7.3f} ({b['speedup_current']:.2f}x)   (all four linears, one autocast)")
-    print("\nhost (launch) time per step, ms: " + "  ".join(
-        f"{r['shape']}: " + "/".join(f"{v:.2f}" for v in r["host_ms"].values()) for r in results["layers"])
-        + "  (bf16/fp8 delayed/fp8 current)")
+    print(
+        f"{'1.3B layer':>11} | {b['bf16_ms']:11.3f} {b['fp8_delayed_ms']:7.3f} ({b['speedup_delayed']:.2f}x) "
+        f"{b['fp8_current_ms']:7.3f} ({b['speedup_current']:.2f}x)   (all four linears, one autocast)"
+    )
+    print(
+        "\nhost (launch) time per step, ms: "
+        + "  ".join(
+            f"{r['shape']}: " + "/".join(f"{v:.2f}" for v in r["host_ms"].values())
+            for r in results["layers"]
+        )
+        + "  (bf16/fp8 delayed/fp8 current)"
+    )
     print("\nbreakdown (ms):")
     for r in results["layers"]:
         print(f"{r['shape']:>11} " + " ".join(f"{k}={v:.3f}" for k, v in r["breakdown"].items()))

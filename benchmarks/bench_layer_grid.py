@@ -42,6 +42,7 @@ tools/plan_parallel.py's throughput model reads.
 (delayed and current) with hidden size down and (sequence, micro-batch) across, in the seed's
 colours: red below 1x, blue 1-1.3x, green above 1.3x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,14 +52,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
 from megafp8.models.config import PRESETS, preset
+
 from megafp8.planner import layer_map
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
-HOST_STACK = 4  # layers in the stack whose eager host time splits into per-layer and per-pass shares
-BANDS = ((1.0, "below 1x", "#d73027"), (1.3, "1-1.3x", "#4575b4"), (float("inf"), "above 1.3x", "#1a9850"))
+HOST_STACK = (
+    4  # layers in the stack whose eager host time splits into per-layer and per-pass shares
+)
+BANDS = (
+    (1.0, "below 1x", "#d73027"),
+    (1.3, "1-1.3x", "#4575b4"),
+    (float("inf"), "above 1.3x", "#1a9850"),
+)
 
 
 def layer_config(arch: str, hidden: int, seq_length: int):
@@ -72,7 +79,9 @@ def layer_config(arch: str, hidden: int, seq_length: int):
     if arch == "llama":
         ffn = 256 * ((8 * hidden // 3 + 255) // 256)  # Llama's SwiGLU width, a multiple of 256
         kv_heads = 8 if hidden >= 8192 else heads
-        return llama_config(1, hidden, heads, kv_heads, ffn, vocab_size=32000, max_position_embeddings=seq_length)
+        return llama_config(
+            1, hidden, heads, kv_heads, ffn, vocab_size=32000, max_position_embeddings=seq_length
+        )
     raise ValueError(f"unknown architecture {arch!r}: give gpt or llama")
 
 
@@ -88,10 +97,17 @@ def shapes(args) -> list[tuple[str, int]]:
 def layer_flops(config, tokens: int, seq_length: int) -> float:
     """Forward + backward FLOPs of one layer over `tokens` in sequences of `seq_length` (linears
     and causal attention; backward twice forward)."""
-    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.kv_heads, config.head_dim
+    h, heads, kv, d = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.kv_heads,
+        config.head_dim,
+    )
     ffn = config.ffn_size * (3 if config.activation == "swiglu" else 2)
     linear = 2 * tokens * h * ((heads + 2 * kv) * d + heads * d + ffn)
-    attention = 2 * tokens * seq_length * heads * d  # QK^T and PV, half of each under the causal mask
+    attention = (
+        2 * tokens * seq_length * heads * d
+    )  # QK^T and PV, half of each under the causal mask
     return 3 * (linear + attention)
 
 
@@ -125,7 +141,9 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
     "host_pass_ms" (that of a HOST_STACK-layer stack, split per layer and per pass), "selective_ms" (the step with
     selective recomputation, the attention core run again in backward, graphed as the trainer
     graphs it) and "head" (the output end); `overlap`: the layers' --tp-comm-overlap."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared CUDA-graph helper
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent)
+    )  # the benchmarks' shared CUDA-graph helper
     from bench_fp8_linear import graphed
     from megafp8.models.rope import rotary_tables
     from megafp8.models.transformer import TransformerLayer
@@ -140,20 +158,54 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
     try:
         torch.manual_seed(0)
         overlap = overlap and tp > 1
-        layer = TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap)
-        selective = (TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", recompute="selective",
-                                      tp_comm_overlap=overlap) if planner else None)
-        stack = ([layer] + [TransformerLayer(config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap)
-                            for _ in range(HOST_STACK - 1)] if planner else None)
-        x = torch.randn(seq // tp, micro_batch, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        layer = TransformerLayer(
+            config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap
+        )
+        selective = (
+            TransformerLayer(
+                config,
+                tp_group,
+                tp > 1,
+                torch.bfloat16,
+                "cuda",
+                recompute="selective",
+                tp_comm_overlap=overlap,
+            )
+            if planner
+            else None
+        )
+        stack = (
+            [layer]
+            + [
+                TransformerLayer(
+                    config, tp_group, tp > 1, torch.bfloat16, "cuda", tp_comm_overlap=overlap
+                )
+                for _ in range(HOST_STACK - 1)
+            ]
+            if planner
+            else None
+        )
+        x = torch.randn(
+            seq // tp,
+            micro_batch,
+            config.hidden_size,
+            device="cuda",
+            dtype=torch.bfloat16,
+            requires_grad=True,
+        )
         dy = torch.randn_like(x)
-        rotary = (tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
-                  if config.position_embedding == "rope" else None)
+        rotary = (
+            tuple(t.cuda() for t in rotary_tables(seq, config.head_dim, config.rope_theta))
+            if config.position_embedding == "rope"
+            else None
+        )
         for name in recipes:
             recipe = scaling(name)
 
             def forward(modules=(layer,)):  # one pass through the layers, as a pipeline stage's
-                with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+                with fp8_autocast(
+                    enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group
+                ):
                     y = x
                     for module in modules:
                         y = module(y, rotary)
@@ -170,22 +222,35 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
                 if planner:  # eager, as pipeline-parallel layouts run (no graphs)
                     one, many = eager_host_ms(step), eager_host_ms(lambda: step(stack))
                     times["host_ms"][name] = one
-                    layer_share = None if one is None or many is None else max(0.0, (many - one) / (HOST_STACK - 1))
+                    layer_share = (
+                        None
+                        if one is None or many is None
+                        else max(0.0, (many - one) / (HOST_STACK - 1))
+                    )
                     times["host_layer_ms"][name] = layer_share
-                    times["host_pass_ms"][name] = None if layer_share is None else max(0.0, one - layer_share)
+                    times["host_pass_ms"][name] = (
+                        None if layer_share is None else max(0.0, one - layer_share)
+                    )
                 with graphed_transfers(tp_group, overlap):
                     times["ms"][name] = median_ms(graphed(step), tp_group)
                     times["fwd_ms"][name] = median_ms(graphed(forward), tp_group)
                     if planner:
-                        times["selective_ms"][name] = selective_ms(lambda: step((selective,)), tp_group)
+                        times["selective_ms"][name] = selective_ms(
+                            lambda: step((selective,)), tp_group
+                        )
             except torch.cuda.OutOfMemoryError:
                 for kind in kinds:
                     times[kind][name] = None
             torch.cuda.empty_cache()
         if planner:
-            times["head"] = time_head(config, seq, micro_batch, recipes, tp_group, times["ms"], overlap)
+            times["head"] = time_head(
+                config, seq, micro_batch, recipes, tp_group, times["ms"], overlap
+            )
     except torch.cuda.OutOfMemoryError:
-        times = {kind: {name: None for name in recipes} for kind in kinds + (("head",) if planner else ())}
+        times = {
+            kind: {name: None for name in recipes}
+            for kind in kinds + (("head",) if planner else ())
+        }
     return times
 
 
@@ -198,7 +263,10 @@ def selective_ms(step, tp_group) -> float | None:
     try:
         return median_ms(graphed(step), tp_group)
     except RuntimeError as error:
-        print(f"warning: the layer with selective recomputation was not timed: {error}", file=sys.stderr)
+        print(
+            f"warning: the layer with selective recomputation was not timed: {error}",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -243,8 +311,11 @@ def eager_host_ms(step, steps=10) -> float | None:
 
     times = host_step_times(step, steps, sleep_per_step=True)
     if max(times) >= HOST_WAIT_MS:
-        print(f"warning: an eager step took {max(times):.0f} ms of host time: it waits on the GPU "
-              "somewhere, so its host time is not recorded", file=sys.stderr)
+        print(
+            f"warning: an eager step took {max(times):.0f} ms of host time: it waits on the GPU "
+            "somewhere, so its host time is not recorded",
+            file=sys.stderr,
+        )
         return None
     return statistics.median(times)
 
@@ -260,8 +331,14 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times, overlap=
 
     tp = group_size(tp_group)
     torch.manual_seed(0)
-    model = TransformerLM(config.replace(num_layers=1), tp_group=tp_group, sequence_parallel=tp > 1,
-                          tp_comm_overlap=overlap and tp > 1, dtype=torch.bfloat16, device="cuda")
+    model = TransformerLM(
+        config.replace(num_layers=1),
+        tp_group=tp_group,
+        sequence_parallel=tp > 1,
+        tp_comm_overlap=overlap and tp > 1,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device="cuda")
     head_times = {}
     for name in recipes:
@@ -270,7 +347,9 @@ def time_head(config, seq, micro_batch, recipes, tp_group, layer_times, overlap=
         def step():
             for p in model.parameters():
                 p.grad = None
-            with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group):
+            with fp8_autocast(
+                enabled=recipe is not None, recipe=recipe, amax_reduction_group=tp_group
+            ):
                 loss = model(tokens, tokens).mean()
             loss.backward()
 
@@ -305,30 +384,68 @@ def run_grid(args) -> dict:
     tp = dist.get_world_size() if tp_group is not None else 1
     rank = dist.get_rank() if tp_group is not None else 0
     points = []
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "tp": tp, "points": points}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "tp": tp,
+        "points": points,
+    }
     for arch, hidden in shapes(args):
         for seq in args.seq_lengths:
             for micro_batch in args.micro_batches:
-                config = (preset(args.model, max_position_embeddings=max(seq, preset(args.model).max_position_embeddings))
-                          if args.model else layer_config(arch, hidden, seq))
-                measured = time_point(config, seq, micro_batch, RECIPES, tp_group, planner=args.model is not None,
-                                      overlap=args.tp_comm_overlap)
+                config = (
+                    preset(
+                        args.model,
+                        max_position_embeddings=max(
+                            seq, preset(args.model).max_position_embeddings
+                        ),
+                    )
+                    if args.model
+                    else layer_config(arch, hidden, seq)
+                )
+                measured = time_point(
+                    config,
+                    seq,
+                    micro_batch,
+                    RECIPES,
+                    tp_group,
+                    planner=args.model is not None,
+                    overlap=args.tp_comm_overlap,
+                )
                 times = measured["ms"]
-                point = layer_map.point(config, seq, micro_batch, tp, args.tp_comm_overlap and tp > 1,
-                                        {kind: per_recipe for kind, per_recipe in measured.items() if kind != "head"},
-                                        head=measured.get("head"), model=args.model,
-                                        flops=layer_flops(config, seq * micro_batch, seq) / tp)
+                point = layer_map.point(
+                    config,
+                    seq,
+                    micro_batch,
+                    tp,
+                    args.tp_comm_overlap and tp > 1,
+                    {kind: per_recipe for kind, per_recipe in measured.items() if kind != "head"},
+                    head=measured.get("head"),
+                    model=args.model,
+                    flops=layer_flops(config, seq * micro_batch, seq) / tp,
+                )
                 for name in ("delayed", "current"):
-                    point[f"speedup_{name}"] = (times["bf16"] / times[name]
-                                                if times["bf16"] and times[name] else None)
+                    point[f"speedup_{name}"] = (
+                        times["bf16"] / times[name] if times["bf16"] and times[name] else None
+                    )
                 points.append(point)
                 if rank == 0:
-                    layer_map.write(result, args.output)  # after every point: a grid cut short keeps what it measured
-                    print(f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
-                          + "  ".join(f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES)
-                          + "".join(f"  {n} {point[f'speedup_{n}']:.2f}x" for n in ("delayed", "current")
-                                    if point[f"speedup_{n}"]), flush=True)
+                    layer_map.write(
+                        result, args.output
+                    )  # after every point: a grid cut short keeps what it measured
+                    print(
+                        f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
+                        + "  ".join(
+                            f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES
+                        )
+                        + "".join(
+                            f"  {n} {point[f'speedup_{n}']:.2f}x"
+                            for n in ("delayed", "current")
+                            if point[f"speedup_{n}"]
+                        ),
+                        flush=True,
+                    )
     if args.model:
         result["copy_gbs"] = copy_bandwidth()
     if tp_group is not None:
@@ -354,16 +471,26 @@ def raw_table(points: list[dict]) -> str:
     """Every point as a Markdown table row (ms of forward + backward, speed-ups, FP8 delayed's
     TFLOP/s) and the GPU that measured it, by architecture, tensor-parallel size, width, sequence
     and micro-batch."""
+
     def number(value, spec):
         return "–" if value is None else format(value, spec)
 
-    lines = ["| layer | tp | hidden | sequence | micro-batch | bf16 ms | delayed ms | current ms | delayed / bf16 "
-             "| current / bf16 | delayed TFLOP/s | GPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p in sorted(points, key=lambda p: (p["arch"], p["tp"], p["hidden"], p["seq"], p["micro_batch"])):
-        lines.append(f"| {p.get('model', p['arch'])} | {p['tp']} | {p['hidden']} | {p['seq']} | {p['micro_batch']} | "
-                     + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in RECIPES) + " | "
-                     + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in ("delayed", "current")) + " | "
-                     + f"{number(p.get('delayed_tflops'), '.0f')} | {p.get('device', '?')} |")
+    lines = [
+        "| layer | tp | hidden | sequence | micro-batch | bf16 ms | delayed ms | current ms | delayed / bf16 "
+        "| current / bf16 | delayed TFLOP/s | GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in sorted(
+        points, key=lambda p: (p["arch"], p["tp"], p["hidden"], p["seq"], p["micro_batch"])
+    ):
+        lines.append(
+            f"| {p.get('model', p['arch'])} | {p['tp']} | {p['hidden']} | {p['seq']} | {p['micro_batch']} | "
+            + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in RECIPES)
+            + " | "
+            + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in ("delayed", "current"))
+            + " | "
+            + f"{number(p.get('delayed_tflops'), '.0f')} | {p.get('device', '?')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -389,31 +516,54 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
         columns = sorted({(p["seq"], p["micro_batch"]) for p in mine})
         devices = [p.get("device", "?") for p in mine]
         main_device = max(sorted(set(devices)), key=devices.count)
-        starred = {(p["hidden"], p["seq"], p["micro_batch"]) for p in mine if p.get("device", "?") != main_device}
-        figure, axes = plt.subplots(1, 2, figsize=(max(8, 0.55 * len(columns) * 2 + 3), 0.5 * len(hiddens) + 2.5))
+        starred = {
+            (p["hidden"], p["seq"], p["micro_batch"])
+            for p in mine
+            if p.get("device", "?") != main_device
+        }
+        figure, axes = plt.subplots(
+            1, 2, figsize=(max(8, 0.55 * len(columns) * 2 + 3), 0.5 * len(hiddens) + 2.5)
+        )
         for axis, recipe in zip(axes, ("delayed", "current")):
             grid = [[float("nan")] * len(columns) for _ in hiddens]
             for p in mine:
                 value = p.get(f"speedup_{recipe}")
                 grid[hiddens.index(p["hidden"])][columns.index((p["seq"], p["micro_batch"]))] = (
-                    value if value is not None else float("nan"))
+                    value if value is not None else float("nan")
+                )
             axis.set_facecolor("#d9d9d9")  # grey: not measured or did not fit
             axis.imshow(grid, cmap=colours, norm=norm, aspect="auto")
             for i, row in enumerate(grid):
                 for j, value in enumerate(row):
                     star = "*" * ((hiddens[i], *columns[j]) in starred)
-                    axis.text(j, i, "–" if value != value else f"{value:.2f}{star}", ha="center", va="center",
-                              fontsize=7, color="black" if value != value else "white")
-            axis.set_xticks(range(len(columns)), [f"{s // 1024}k x{b}" for s, b in columns], rotation=90, fontsize=7)
+                    axis.text(
+                        j,
+                        i,
+                        "–" if value != value else f"{value:.2f}{star}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="black" if value != value else "white",
+                    )
+            axis.set_xticks(
+                range(len(columns)),
+                [f"{s // 1024}k x{b}" for s, b in columns],
+                rotation=90,
+                fontsize=7,
+            )
             axis.set_yticks(range(len(hiddens)), [str(h) for h in hiddens], fontsize=8)
             axis.set_xlabel("sequence x micro-batch")
             axis.set_ylabel("hidden size")
             axis.set_title(f"FP8 {recipe} / bf16")
         handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for *_, colour in BANDS]
-        figure.legend(handles, [label for _, label, _ in BANDS], loc="lower center", ncol=3, fontsize=8)
+        figure.legend(
+            handles, [label for _, label, _ in BANDS], loc="lower center", ncol=3, fontsize=8
+        )
         others = sorted(set(devices) - {main_device})
-        figure.suptitle(f"{arch.upper()} layer, forward + backward, tp {tp}, {main_device}"
-                        + (f" (* measured on {', '.join(others)})" if others else ""))
+        figure.suptitle(
+            f"{arch.upper()} layer, forward + backward, tp {tp}, {main_device}"
+            + (f" (* measured on {', '.join(others)})" if others else "")
+        )
         figure.tight_layout(rect=(0, 0.06, 1, 1))
         out = plot_dir / f"layer_grid_{arch}_tp{tp}.png"
         figure.savefig(out, dpi=110)
@@ -423,20 +573,33 @@ def plot(points: list[dict], plot_dir: Path) -> list[Path]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--output", help="write the grid here (JSON)")
     parser.add_argument("--archs", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
-    parser.add_argument("--model", choices=sorted(PRESETS),
-                        help="time this preset's layer and output end instead of the GPT-3 family's widths")
+    parser.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        help="time this preset's layer and output end instead of the GPT-3 family's widths",
+    )
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=list(GPT3_HIDDEN_SIZES))
     parser.add_argument("--seq-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=True,
-                        help="with tp > 1, the layers' collectives beside their GEMMs, as the recipes run them "
-                             "(default: on)")
-    parser.add_argument("--plot", nargs="+", metavar="GRID_JSON", help="draw heat maps from grid files instead")
+    parser.add_argument(
+        "--tp-comm-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with tp > 1, the layers' collectives beside their GEMMs, as the recipes run them "
+        "(default: on)",
+    )
+    parser.add_argument(
+        "--plot", nargs="+", metavar="GRID_JSON", help="draw heat maps from grid files instead"
+    )
     parser.add_argument("--plot-dir", default=".", help="where --plot writes its PNGs")
-    parser.add_argument("--table", metavar="FILE", help="with --plot, also write every point as a Markdown table")
+    parser.add_argument(
+        "--table", metavar="FILE", help="with --plot, also write every point as a Markdown table"
+    )
     args = parser.parse_args(argv)
     if args.table and not args.plot:
         parser.error("--table goes with --plot GRID.json ... (the files it tabulates)")
@@ -451,7 +614,9 @@ def main(argv=None):
     if not args.output:
         parser.error("give --output GRID.json (or --plot GRID.json ...)")
     if not torch.cuda.is_available():
-        sys.exit("bench_layer_grid.py times layers on a CUDA GPU and this machine has none (--plot works anywhere)")
+        sys.exit(
+            "bench_layer_grid.py times layers on a CUDA GPU and this machine has none (--plot works anywhere)"
+        )
     result = run_grid(args)
     if result is not None:
         layer_map.write(result, args.output)

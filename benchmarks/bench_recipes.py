@@ -13,6 +13,7 @@ the recipe with GPUS, TP, PP, PRECISION and FP8_RECIPE set, `SAVE=` (no checkpoi
 (the recipe logs every ITERS / 2 iterations here). Every run's log and metrics stay under
 --output; the table is printed and written there as table.md, the records as runs.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRECISIONS = {"bf16": {"PRECISION": "bf16"}, "delayed": {"PRECISION": "fp8", "FP8_RECIPE": "delayed"},
-              "current": {"PRECISION": "fp8", "FP8_RECIPE": "current"}}
+PRECISIONS = {
+    "bf16": {"PRECISION": "bf16"},
+    "delayed": {"PRECISION": "fp8", "FP8_RECIPE": "delayed"},
+    "current": {"PRECISION": "fp8", "FP8_RECIPE": "current"},
+}
 
 
 def layout_sizes(name: str) -> dict:
@@ -44,17 +48,45 @@ def run_recipe(recipe: Path, layout: str, precision: str, args, folder: Path) ->
     sizes = layout_sizes(layout)
     folder.mkdir(parents=True, exist_ok=True)
     extra = f"{args.extra} --tensorboard-dir {folder}".strip()
-    env = {**os.environ, **dict(setting.split("=", 1) for setting in args.env), **PRECISIONS[precision],
-           "GPUS": str(sizes["gpus"]), "TP": str(sizes["tp"]), "PP": str(sizes["pp"]), "ITERS": str(args.iters),
-           "LOG_INTERVAL": str(max(args.iters // 2, 1)), "SAVE": "", "EXTRA_ARGS": extra,
-           "WORKDIR": str(args.output / "data")}
+    env = {
+        **os.environ,
+        **dict(setting.split("=", 1) for setting in args.env),
+        **PRECISIONS[precision],
+        "GPUS": str(sizes["gpus"]),
+        "TP": str(sizes["tp"]),
+        "PP": str(sizes["pp"]),
+        "ITERS": str(args.iters),
+        "LOG_INTERVAL": str(max(args.iters // 2, 1)),
+        "SAVE": "",
+        "EXTRA_ARGS": extra,
+        "WORKDIR": str(args.output / "data"),
+    }
     with open(folder / "run.log", "w") as log:
-        status = subprocess.run(["bash", str(recipe)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                check=False).returncode  # a failed run is a row of the table
-    speeds = [record["tokens_per_sec"] for record in _records(folder / "metrics.jsonl") if "tokens_per_sec" in record]
-    return {"layout": layout, "precision": precision, "label": args.label, "gpus": sizes["gpus"],
-            "returncode": status, "tokens_per_sec": speeds[-1] if speeds else None, "extra": args.extra,
-            "env": args.env, "recipe": str(recipe.relative_to(REPO)), "iters": args.iters}
+        status = subprocess.run(
+            ["bash", str(recipe)],
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+        ).returncode  # a failed run is a row of the table
+    speeds = [
+        record["tokens_per_sec"]
+        for record in _records(folder / "metrics.jsonl")
+        if "tokens_per_sec" in record
+    ]
+    return {
+        "layout": layout,
+        "precision": precision,
+        "label": args.label,
+        "gpus": sizes["gpus"],
+        "returncode": status,
+        "tokens_per_sec": speeds[-1] if speeds else None,
+        "extra": args.extra,
+        "env": args.env,
+        "recipe": str(recipe.relative_to(REPO)),
+        "iters": args.iters,
+    }
 
 
 def _records(path: Path) -> list:
@@ -64,27 +96,45 @@ def _records(path: Path) -> list:
 def table(records: list) -> str:
     """Markdown: each run's tokens/s, per GPU against one GPU of its precision, FP8 against bf16."""
     speed = {(r["layout"], r["precision"]): r["tokens_per_sec"] for r in records}
-    lines = ["| layout | precision | tokens/s | per GPU vs one GPU | FP8 / bf16 |", "|---|---|---|---|---|"]
+    lines = [
+        "| layout | precision | tokens/s | per GPU vs one GPU | FP8 / bf16 |",
+        "|---|---|---|---|---|",
+    ]
     for r in records:
         tokens = r["tokens_per_sec"]
         one_gpu = speed.get(("1gpu", r["precision"]))
         bf16 = speed.get((r["layout"], "bf16"))
-        cells = [f"{tokens:,.0f}" if tokens else f"failed (exit {r['returncode']})",
-                 f"{100 * tokens / r['gpus'] / one_gpu:.1f}%" if tokens and one_gpu and r["layout"] != "1gpu" else "",
-                 f"{tokens / bf16:.2f}x" if tokens and bf16 and r["precision"] != "bf16" else ""]
+        cells = [
+            f"{tokens:,.0f}" if tokens else f"failed (exit {r['returncode']})",
+            f"{100 * tokens / r['gpus'] / one_gpu:.1f}%"
+            if tokens and one_gpu and r["layout"] != "1gpu"
+            else "",
+            f"{tokens / bf16:.2f}x" if tokens and bf16 and r["precision"] != "bf16" else "",
+        ]
         lines.append(f"| {r['layout']} | {r['precision']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", type=Path, default=REPO / "examples" / "pretrain_gpt_1b_fp8.sh")
     parser.add_argument("--layouts", nargs="+", default=["1gpu", "dp2", "pp2", "tp2"])
-    parser.add_argument("--precisions", nargs="+", choices=tuple(PRECISIONS), default=["bf16", "delayed"])
+    parser.add_argument(
+        "--precisions", nargs="+", choices=tuple(PRECISIONS), default=["bf16", "delayed"]
+    )
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--extra", default="", help="trainer flags added to every run (the recipe's EXTRA_ARGS)")
-    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="the recipe's settings, e.g. GBS=32")
+    parser.add_argument(
+        "--extra", default="", help="trainer flags added to every run (the recipe's EXTRA_ARGS)"
+    )
+    parser.add_argument(
+        "--env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the recipe's settings, e.g. GBS=32",
+    )
     parser.add_argument("--label", default="", help="a name for this series, kept in each record")
     parser.add_argument("--output", type=Path, default=Path("runs/bench_recipes"))
     args = parser.parse_args(argv)
@@ -108,8 +158,15 @@ def main(argv=None) -> int:
             records.append(record)
             with open(args.output / "runs.jsonl", "a") as out:
                 out.write(json.dumps(record) + "\n")
-            print(f"{layout} {precision}: " + (f"{record['tokens_per_sec']:,.0f} tokens/s" if record["tokens_per_sec"]
-                                                else f"failed (exit {record['returncode']})"), flush=True)
+            print(
+                f"{layout} {precision}: "
+                + (
+                    f"{record['tokens_per_sec']:,.0f} tokens/s"
+                    if record["tokens_per_sec"]
+                    else f"failed (exit {record['returncode']})"
+                ),
+                flush=True,
+            )
     text = table(records)
     (args.output / "table.md").write_text(text + "\n")
     print(text)

@@ -19,6 +19,7 @@ shape instead (benchmarks/side_by_side.sh runs both). On a CPU, with the sizes s
     python benchmarks/peer_gpt.py --device cpu --variant bf16 --num-layers 2 --hidden-size 64 \\
         --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --vocab-size 1000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from megafp8.models.config import TransformerConfig, preset
+from torch import nn
 
 PRESET = "gpt-1.3b"
 # Per shape: the preset's fields changed, the sequence length and the micro-batch size.
 SHAPES = {
     "1b": ({}, 2048, 8),
-    "7b": ({"num_layers": 8, "hidden_size": 4096, "ffn_hidden_size": 16384, "num_attention_heads": 32}, 4096, 2),
+    "7b": (
+        {"num_layers": 8, "hidden_size": 4096, "ffn_hidden_size": 16384, "num_attention_heads": 32},
+        4096,
+        2,
+    ),
 }
 VARIANTS = ("bf16", "bf16_compile", "float8_tensorwise", "float8_rowwise")
 # The config fields the command line may override, each with the trainer's flag of the same name.
@@ -80,7 +84,9 @@ class GPT(nn.Module):
         self.output.weight = self.embedding.weight  # tied, as the preset's
 
     def forward(self, tokens):
-        x = self.embedding(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embedding(tokens) + self.positions(
+            torch.arange(tokens.shape[1], device=tokens.device)
+        )
         for block in self.blocks:
             x = block(x)
         return self.output(self.final_norm(x))
@@ -91,12 +97,19 @@ def parse(argv=None):
     parser.add_argument("--variant", choices=VARIANTS, default="bf16_compile")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="1b")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--warmup-steps", type=int, default=4, help="untimed steps first (compilation)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=4, help="untimed steps first (compilation)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="timed steps")
     parser.add_argument("--output", type=Path, help="JSON lines file to append the result to")
-    parser.add_argument("--trainer-flags", action="store_true",
-                        help="print megafp8's trainer flags for this shape and exit")
-    sizes = parser.add_argument_group("the shape's sizes, overridden (tests shrink them to run on a CPU)")
+    parser.add_argument(
+        "--trainer-flags",
+        action="store_true",
+        help="print megafp8's trainer flags for this shape and exit",
+    )
+    sizes = parser.add_argument_group(
+        "the shape's sizes, overridden (tests shrink them to run on a CPU)"
+    )
     for field in SIZE_FLAGS:
         sizes.add_argument("--" + field.replace("_", "-"), type=int)
     args = parser.parse_args(argv)
@@ -109,7 +122,9 @@ def shape_of(args) -> tuple[TransformerConfig, int, int]:
     """The model config, sequence length and micro-batch size of --shape with the overrides."""
     fields, seq_length, micro_batch_size = SHAPES[args.shape]
     seq_length = args.seq_length or seq_length
-    given = {field: getattr(args, field) for field in SIZE_FIELDS if getattr(args, field) is not None}
+    given = {
+        field: getattr(args, field) for field in SIZE_FIELDS if getattr(args, field) is not None
+    }
     config = preset(PRESET, **{**fields, **given, "max_position_embeddings": seq_length})
     return config, seq_length, args.micro_batch_size or micro_batch_size
 
@@ -121,8 +136,14 @@ def trainer_flags(config: TransformerConfig, seq_length: int, micro_batch_size: 
     for field in SIZE_FIELDS + ("max_position_embeddings",):
         if getattr(config, field) != getattr(base, field):
             flags += ["--" + field.replace("_", "-"), str(getattr(config, field))]
-    return flags + ["--seq-length", str(seq_length), "--micro-batch-size", str(micro_batch_size),
-                    "--global-batch-size", str(micro_batch_size)]
+    return flags + [
+        "--seq-length",
+        str(seq_length),
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--global-batch-size",
+        str(micro_batch_size),
+    ]
 
 
 def torchao_version() -> str | None:
@@ -136,8 +157,10 @@ def require_torchao(variant: str) -> None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError as error:
-        raise SystemExit(f"peer_gpt: --variant {variant} needs torchao ({error}): pip install 'megafp8[peer]', "
-                         "or offline its wheel: pip install --no-deps .whl/torchao-*.whl")
+        raise SystemExit(
+            f"peer_gpt: --variant {variant} needs torchao ({error}): pip install 'megafp8[peer]', "
+            "or offline its wheel: pip install --no-deps .whl/torchao-*.whl"
+        )
 
 
 def build(config: TransformerConfig, variant: str, device: torch.device) -> GPT:
@@ -145,8 +168,11 @@ def build(config: TransformerConfig, variant: str, device: torch.device) -> GPT:
     model = GPT(config).to(device)
     if variant.startswith("float8_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
         recipe = Float8LinearConfig.from_recipe_name(variant.removeprefix("float8_"))
-        convert_to_float8_training(model.blocks, config=recipe)  # the blocks only: the output layer stays bf16
+        convert_to_float8_training(
+            model.blocks, config=recipe
+        )  # the blocks only: the output layer stays bf16
     if variant != "bf16":
         for block in model.blocks:
             block.compile()
@@ -183,8 +209,12 @@ def measure(args) -> dict:
     model = build(config, args.variant, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     # Drawn before the clock starts; seq + 1 tokens: inputs and their next-token labels.
-    batches = torch.randint(0, config.vocab_size, (args.warmup_steps + args.steps, micro_batch_size, seq_length + 1),
-                            device=device)
+    batches = torch.randint(
+        0,
+        config.vocab_size,
+        (args.warmup_steps + args.steps, micro_batch_size, seq_length + 1),
+        device=device,
+    )
     losses = []
 
     def run(steps: range):
@@ -192,23 +222,35 @@ def measure(args) -> dict:
             losses.append(train_step(model, optimizer, batches[step]))
 
     warmup_ms = elapsed_ms(lambda: run(range(args.warmup_steps)), device)
-    step_ms = elapsed_ms(lambda: run(range(args.warmup_steps, args.warmup_steps + args.steps)), device) / args.steps
+    step_ms = (
+        elapsed_ms(lambda: run(range(args.warmup_steps, args.warmup_steps + args.steps)), device)
+        / args.steps
+    )
     cuda = device.type == "cuda"
     return {
-        "benchmark": "peer_gpt", "variant": args.variant, "shape": args.shape,
+        "benchmark": "peer_gpt",
+        "variant": args.variant,
+        "shape": args.shape,
         "resized": any(getattr(args, field) is not None for field in SIZE_FLAGS),
-        "num_layers": config.num_layers, "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_size,
-        "vocab_size": config.vocab_size, "padded_vocab_size": config.padded_vocab_size(),
-        "seq_length": seq_length, "micro_batch_size": micro_batch_size,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "ffn_hidden_size": config.ffn_size,
+        "vocab_size": config.vocab_size,
+        "padded_vocab_size": config.padded_vocab_size(),
+        "seq_length": seq_length,
+        "micro_batch_size": micro_batch_size,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "warmup_steps": args.warmup_steps, "steps": args.steps,
-        "tokens_per_sec": micro_batch_size * seq_length / (step_ms / 1e3), "step_ms": step_ms,
+        "warmup_steps": args.warmup_steps,
+        "steps": args.steps,
+        "tokens_per_sec": micro_batch_size * seq_length / (step_ms / 1e3),
+        "step_ms": step_ms,
         "warmup_s": warmup_ms / 1e3,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "loss": losses[-1].item(),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "torch": torch.__version__, "torchao": torchao_version(),
+        "torch": torch.__version__,
+        "torchao": torchao_version(),
     }
 
 
@@ -220,8 +262,10 @@ def main(argv=None):
     if args.variant.startswith("float8_"):
         require_torchao(args.variant)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("peer_gpt: no CUDA device (torch sees none); --device cpu runs it on the CPU, "
-                         "with the sizes shrunk (see --help)")
+        raise SystemExit(
+            "peer_gpt: no CUDA device (torch sees none); --device cpu runs it on the CPU, "
+            "with the sizes shrunk (see --help)"
+        )
     result = measure(args)
     line = json.dumps(result)
     if args.output is not None:

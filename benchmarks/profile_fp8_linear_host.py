@@ -8,6 +8,7 @@ The GPU is kept busy by a queued sleep kernel so the host never waits on it; the
 cProfile's, sorted by own time. Use it when a layer step is launch-bound (bench_fp8_linear.py
 reports host time per step next to GPU time).
 """
+
 import argparse
 import cProfile
 import pstats
@@ -15,10 +16,10 @@ import time
 
 import torch
 
-from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
-
 # The script's own folder is on sys.path when it runs: share the layer benchmark's measuring.
 from bench_fp8_linear import SHAPES, host_ms, layer_step, make_layers
+
+from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 
 
 def op_costs(repeat=200):
@@ -51,7 +52,9 @@ def op_costs(repeat=200):
         "torch.empty": lambda: torch.empty(64, 64, device="cuda"),
         "tensor.add_ (1 launch)": lambda: a.add_(0),
         "torch.mm bf16": lambda: torch.mm(a, a),
-        "torch._scaled_mm": lambda: torch._scaled_mm(a8, a8.t(), one, one, out_dtype=torch.bfloat16),
+        "torch._scaled_mm": lambda: torch._scaled_mm(
+            a8, a8.t(), one, one, out_dtype=torch.bfloat16
+        ),
         "quantize (fused, delayed)": lambda: quantize(a, E4M3_DTYPE, one, columnwise=True),
         "flush of a pass (2 states)": flush,
         "nn.Linear forward": lambda: linear(a),
@@ -68,9 +71,14 @@ def per_linear_costs(blocks=6, tokens=256, repeat=7):
     nn.Linear. Few tokens and a busy GPU keep the GPU's own time out of it; few blocks keep the
     launches queued behind the sleep under the ~1000 at which the host would wait for the GPU."""
     bf16, fp8, xs, dys = make_layers(tokens, SHAPES * blocks)
-    print(f"{'precision':12} host us per linear (forward + backward), {len(fp8)} linears, median of {repeat}")
-    for name, layers, recipe in [("bf16", bf16, None), ("fp8 delayed", fp8, DelayedScaling()),
-                                 ("fp8 current", fp8, CurrentScaling())]:
+    print(
+        f"{'precision':12} host us per linear (forward + backward), {len(fp8)} linears, median of {repeat}"
+    )
+    for name, layers, recipe in [
+        ("bf16", bf16, None),
+        ("fp8 delayed", fp8, DelayedScaling()),
+        ("fp8 current", fp8, CurrentScaling()),
+    ]:
         step = layer_step(layers, xs, dys, recipe)
         times = sorted(host_ms(step, steps=1) * 1e3 / len(layers) for _ in range(repeat))
         print(f"{name:12} {times[repeat // 2]:8.1f}")
@@ -82,7 +90,9 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", action="store_true", help="time each building block instead")
-    parser.add_argument("--per-linear", action="store_true", help="host time per linear in a model-like stack")
+    parser.add_argument(
+        "--per-linear", action="store_true", help="host time per linear in a model-like stack"
+    )
     args = parser.parse_args()
     if args.ops:
         return op_costs()
@@ -118,7 +128,9 @@ def main():
     elapsed = elapsed / (args.steps // window * window) * 1e3
     pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
     print(f"host time per step under cProfile: {elapsed:.3f} ms ({args.recipe})")
-    print("(cProfile roughly doubles Python-heavy code; bench_fp8_linear.py gives the unprofiled figure)")
+    print(
+        "(cProfile roughly doubles Python-heavy code; bench_fp8_linear.py gives the unprofiled figure)"
+    )
 
 
 if __name__ == "__main__":

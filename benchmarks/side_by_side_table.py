@@ -6,15 +6,24 @@ appears twice the later record counts. A run missing (failed, or not run) shows 
 
     python benchmarks/side_by_side_table.py benchmarks/results/DATE_side_by_side/1b.jsonl [7b.jsonl ...]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
-MEGAFP8_RUNS = {"bf16": "megafp8 bf16", "delayed": "megafp8 FP8 delayed", "current": "megafp8 FP8 current"}
-PEER_RUNS = {"bf16": "peer bf16 eager", "bf16_compile": "peer bf16 + compile",
-             "float8_tensorwise": "peer torchao float8 tensorwise", "float8_rowwise": "peer torchao float8 rowwise"}
+MEGAFP8_RUNS = {
+    "bf16": "megafp8 bf16",
+    "delayed": "megafp8 FP8 delayed",
+    "current": "megafp8 FP8 current",
+}
+PEER_RUNS = {
+    "bf16": "peer bf16 eager",
+    "bf16_compile": "peer bf16 + compile",
+    "float8_tensorwise": "peer torchao float8 tensorwise",
+    "float8_rowwise": "peer torchao float8 rowwise",
+}
 RUNS = tuple(MEGAFP8_RUNS.values()) + tuple(PEER_RUNS.values())
 # What side_by_side.sh runs: shown as "not run" when missing; the other peer variants only when run.
 EXPECTED = set(MEGAFP8_RUNS.values()) | {PEER_RUNS["bf16_compile"], PEER_RUNS["float8_tensorwise"]}
@@ -38,7 +47,9 @@ def run_name(record: dict) -> str:
 
 def tokens_per_sec(record: dict) -> float:
     # One GPU: bench_layouts.py's per-GPU figure is the run's.
-    return record["tokens_per_sec"] if "tokens_per_sec" in record else record["tokens_per_sec_per_gpu"]
+    return (
+        record["tokens_per_sec"] if "tokens_per_sec" in record else record["tokens_per_sec_per_gpu"]
+    )
 
 
 def step_ms(record: dict) -> float | None:
@@ -51,8 +62,16 @@ def latest_runs(records: list[dict]) -> dict[str, dict]:
 
 def ratios(runs: dict[str, dict]) -> list[tuple[str, str, float | None]]:
     """Each of RATIOS with its value, None where either run is missing."""
-    return [(top, bottom, tokens_per_sec(runs[top]) / tokens_per_sec(runs[bottom])
-             if top in runs and bottom in runs else None) for top, bottom in RATIOS]
+    return [
+        (
+            top,
+            bottom,
+            tokens_per_sec(runs[top]) / tokens_per_sec(runs[bottom])
+            if top in runs and bottom in runs
+            else None,
+        )
+        for top, bottom in RATIOS
+    ]
 
 
 def table(runs: dict[str, dict]) -> str:
@@ -64,14 +83,20 @@ def table(runs: dict[str, dict]) -> str:
                 lines.append(f"| {name} | not run | | | |")
             continue
         step, memory = step_ms(record), record.get("peak_memory_gib")
-        lines.append(f"| {name} | {tokens_per_sec(record):,.0f} | {'' if step is None else f'{step:.1f}'} | "
-                     f"{'' if memory is None else f'{memory:.2f}'} | {record.get('device', '')} |")
+        lines.append(
+            f"| {name} | {tokens_per_sec(record):,.0f} | {'' if step is None else f'{step:.1f}'} | "
+            f"{'' if memory is None else f'{memory:.2f}'} | {record.get('device', '')} |"
+        )
     lines += ["", "| ratio of tokens/s | |", "|---|---|"]
     for top, bottom, value in ratios(runs):
-        lines.append(f"| {top} / {bottom} | {'not run' if value is None else f'**{value:.3f}x**'} |")
+        lines.append(
+            f"| {top} / {bottom} | {'not run' if value is None else f'**{value:.3f}x**'} |"
+        )
     peer = next((record for record in runs.values() if record.get("benchmark") == "peer_gpt"), None)
     if peer is not None:
-        lines.append(f"\nThe peer ran on torch {peer['torch']}, torchao {peer['torchao'] or 'not installed'}.")
+        lines.append(
+            f"\nThe peer ran on torch {peer['torch']}, torchao {peer['torchao'] or 'not installed'}."
+        )
     return "\n".join(lines)
 
 

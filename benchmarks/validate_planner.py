@@ -18,6 +18,7 @@ Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh r
 and records must come from the same code: a map of today's code says nothing about layouts
 measured before its speed-ups.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ import sys
 from pathlib import Path
 
 from megafp8.models.config import preset
+
 from megafp8.planner.memory import MemoryLayout, estimate
 from megafp8.planner.throughput import Calibration, NotPredicted, predict
 
@@ -53,10 +55,17 @@ def layout_of(record: dict) -> tuple:
     config = preset(name, vocab_size=VOCAB)
     dp = record["dp"]
     return config, MemoryLayout(
-        seq_length=record["seq_length"], micro_batch_size=record["micro_batch_size"],
+        seq_length=record["seq_length"],
+        micro_batch_size=record["micro_batch_size"],
         num_micro_batches=record["global_batch_size"] // (dp * record["micro_batch_size"]),
-        tp=record["tp"], pp=record["pp"], dp=dp, vpp=record.get("vpp") or 1, sequence_parallel=record["tp"] > 1,
-        fp8=None if record["precision"] == "bf16" else record["precision"], **flags)
+        tp=record["tp"],
+        pp=record["pp"],
+        dp=dp,
+        vpp=record.get("vpp") or 1,
+        sequence_parallel=record["tp"] > 1,
+        fp8=None if record["precision"] == "bf16" else record["precision"],
+        **flags,
+    )
 
 
 def predicted_gib(record: dict) -> float:
@@ -88,7 +97,11 @@ def read_records(folders) -> list[list[dict]]:
     for folder in folders:
         for path in sorted(Path(folder).glob("*.jsonl")):
             lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            lines = [r for r in lines if r.get("tokens_per_sec_per_gpu") and r["label"].split("_")[0] in MODELS]
+            lines = [
+                r
+                for r in lines
+                if r.get("tokens_per_sec_per_gpu") and r["label"].split("_")[0] in MODELS
+            ]
             if lines:
                 launches.append(lines)
     return launches
@@ -102,8 +115,10 @@ def memory_table(launches) -> None:
         measured, predicted = record["peak_memory_gib"], predicted_gib(record)
         error = predicted / measured - 1
         worst = max(worst, abs(error))
-        print(f"| {run_name(record)} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} | "
-              f"{measured:.1f} | {predicted:.1f} | {100 * error:+.1f}% |")
+        print(
+            f"| {run_name(record)} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} | "
+            f"{measured:.1f} | {predicted:.1f} | {100 * error:+.1f}% |"
+        )
     print(f"\nlargest error {100 * worst:.1f}% over {len(firsts)} runs")
 
 
@@ -111,7 +126,9 @@ def throughput_table(launches, calibration: Calibration) -> tuple[bool, int, int
     """Predicted against measured tokens/s per GPU: whether every covered record is within the
     bar and every group's order is the measured one, and how many records were and were not
     covered."""
-    print("\n| run | precision | tp x pp x dp | measured tokens/s/GPU | predicted | error | stretched |")
+    print(
+        "\n| run | precision | tp x pp x dp | measured tokens/s/GPU | predicted | error | stretched |"
+    )
     print("|---|---|---|---|---|---|---|")
     groups, passed, uncovered = {}, True, 0
     for record in (r for launch in launches for r in launch):
@@ -119,18 +136,27 @@ def throughput_table(launches, calibration: Calibration) -> tuple[bool, int, int
         name = f"| {run_name(record)} | {record['precision']} | {record['tp']} x {record['pp']} x {record['dp']} |"
         measured = record["tokens_per_sec_per_gpu"]
         try:
-            result = predict(config, layout, calibration, record["global_batch_size"],
-                             model=preset_of(record), pipeline_graphs=pipeline_graphs(record))
+            result = predict(
+                config,
+                layout,
+                calibration,
+                record["global_batch_size"],
+                model=preset_of(record),
+                pipeline_graphs=pipeline_graphs(record),
+            )
         except NotPredicted as why:
             print(f"{name} {measured:,.0f} | not covered: {why} | | |")
             uncovered += 1
             continue
         error = result["tokens_per_s_per_gpu"] / measured - 1
         passed &= abs(error) <= THROUGHPUT_BAR
-        groups.setdefault((record["label"].split("_")[0], record["precision"], gpus_of(record)), []).append(
-            (run_name(record), measured, result["tokens_per_s_per_gpu"]))
-        print(f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
-              f"{'; '.join(result['extrapolated']) or '–'} |")
+        groups.setdefault(
+            (record["label"].split("_")[0], record["precision"], gpus_of(record)), []
+        ).append((run_name(record), measured, result["tokens_per_s_per_gpu"]))
+        print(
+            f"{name} {measured:,.0f} | {result['tokens_per_s_per_gpu']:,.0f} | {100 * error:+.1f}% | "
+            f"{'; '.join(result['extrapolated']) or '–'} |"
+        )
     for (model, precision, gpus), runs in sorted(groups.items()):
         if len(runs) < 2:
             continue
@@ -138,8 +164,11 @@ def throughput_table(launches, calibration: Calibration) -> tuple[bool, int, int
         predicted_order = predicted_ranking(runs)
         agrees = order_agrees(runs)
         passed &= agrees
-        verdict = ("predicted the same" if predicted_order == measured_order
-                   else f"predicted {predicted_order} ({'agrees: equals claim no order' if agrees else 'wrong'})")
+        verdict = (
+            "predicted the same"
+            if predicted_order == measured_order
+            else f"predicted {predicted_order} ({'agrees: equals claim no order' if agrees else 'wrong'})"
+        )
         print(f"\n{model} {precision} on {gpus} GPUs: measured order {measured_order}; {verdict}")
     return passed, sum(len(runs) for runs in groups.values()), uncovered
 
@@ -152,8 +181,10 @@ def order_agrees(runs) -> bool:
     """Whether every pair of (name, measured, predicted) runs that the prediction tells apart ran
     in that order. A pair predicted equal claims no order: the model times both alike (a bf16
     pipeline graphed or eager), so whichever measured faster is noise, not a miss."""
-    return all(same_prediction(p1, p2) or (m1 > m2) == (p1 > p2)
-               for (_, m1, p1), (_, m2, p2) in itertools.combinations(runs, 2))
+    return all(
+        same_prediction(p1, p2) or (m1 > m2) == (p1 > p2)
+        for (_, m1, p1), (_, m2, p2) in itertools.combinations(runs, 2)
+    )
 
 
 def predicted_ranking(runs) -> str:
@@ -167,33 +198,52 @@ def predicted_ranking(runs) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="*", default=[DEFAULT], help="folders of bench_layouts.py JSON lines")
-    parser.add_argument("--layer-maps", nargs="+", default=[], metavar="JSON",
-                        help="layer maps of the GPUs the records ran on (benchmarks/bench_layer_grid.py --model)")
-    parser.add_argument("--collectives", metavar="JSON", help="their collective bandwidths (bench_collectives.py)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "folders", nargs="*", default=[DEFAULT], help="folders of bench_layouts.py JSON lines"
+    )
+    parser.add_argument(
+        "--layer-maps",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="layer maps of the GPUs the records ran on (benchmarks/bench_layer_grid.py --model)",
+    )
+    parser.add_argument(
+        "--collectives", metavar="JSON", help="their collective bandwidths (bench_collectives.py)"
+    )
     args = parser.parse_args(argv)
     launches = read_records(args.folders)
     if not launches:
-        print(f"validate_planner.py: no bench_layouts.py records in {', '.join(map(str, args.folders))}",
-              file=sys.stderr)
+        print(
+            f"validate_planner.py: no bench_layouts.py records in {', '.join(map(str, args.folders))}",
+            file=sys.stderr,
+        )
         return 2
     memory_table(launches)
     if not args.layer_maps:
-        print("\n(throughput not checked: give --layer-maps and --collectives measured on the same GPUs and code)")
+        print(
+            "\n(throughput not checked: give --layer-maps and --collectives measured on the same GPUs and code)"
+        )
         return 0
     try:
         calibration = Calibration.load(args.layer_maps, args.collectives)
     except ValueError as error:
         print(f"validate_planner.py: {error}", file=sys.stderr)
         return 2
-    mixed = calibration.mixed_devices(*{record["device"] for launch in launches for record in launch
-                                         if "device" in record})
+    mixed = calibration.mixed_devices(
+        *{record["device"] for launch in launches for record in launch if "device" in record}
+    )
     if mixed:
         print(f"\nwarning: {mixed}")
     passed, covered, uncovered = throughput_table(launches, calibration)
-    print(f"\nthroughput within {100 * THROUGHPUT_BAR:.0f}% and in the measured order: {'yes' if passed else 'no'} "
-          f"({covered} runs predicted" + (f"; {uncovered} not covered, each with why, above)" if uncovered else ")"))
+    print(
+        f"\nthroughput within {100 * THROUGHPUT_BAR:.0f}% and in the measured order: {'yes' if passed else 'no'} "
+        f"({covered} runs predicted"
+        + (f"; {uncovered} not covered, each with why, above)" if uncovered else ")")
+    )
     return 0
 
 

@@ -5,12 +5,12 @@ sample is due when the blend reaches (k + 1) / w_d samples, and the blend takes 
 order of that due time. After any n samples each dataset has served within one sample of
 n * w_d, so realised proportions match the weights to within 1/n.
 """
+
 import math
 import warnings
 
 import numpy as np
 import torch
-
 from megafp8.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_ranges
 from megafp8.data.indexed_dataset import IndexedDataset
 
@@ -35,21 +35,30 @@ def parse_data_path(data_path):
     if len(items) % 2 == 0 and all(w is not None for w in weights):
         prefixes = items[1::2]
         if any(number(p) is not None for p in prefixes):
-            raise ValueError(f"--data-path {' '.join(items)}: expected W1 PREFIX1 W2 PREFIX2 ..., "
-                             "but a prefix position holds a number")
+            raise ValueError(
+                f"--data-path {' '.join(items)}: expected W1 PREFIX1 W2 PREFIX2 ..., "
+                "but a prefix position holds a number"
+            )
         bad = [text for text, w in zip(items[0::2], weights) if not 0 <= w < math.inf]
         if bad:
-            raise ValueError(f"--data-path weight {bad[0]} is not a finite non-negative number: give "
-                             "W1 PREFIX1 W2 PREFIX2 ... with weights such as 0.3")
+            raise ValueError(
+                f"--data-path weight {bad[0]} is not a finite non-negative number: give "
+                "W1 PREFIX1 W2 PREFIX2 ... with weights such as 0.3"
+            )
         if not 0 < sum(weights) < math.inf:
             raise ValueError(f"--data-path weights {weights} must have a positive, finite sum")
     elif all(number(item) is None for item in items):
         prefixes = items
-        weights = ([1.0] if len(prefixes) == 1 else
-                   [float(IndexedDataset(prefix).num_tokens) for prefix in prefixes])
+        weights = (
+            [1.0]
+            if len(prefixes) == 1
+            else [float(IndexedDataset(prefix).num_tokens) for prefix in prefixes]
+        )
     else:
-        raise ValueError(f"--data-path {' '.join(items)}: mix of weights and prefixes; give PREFIX, "
-                         "or W1 PREFIX1 W2 PREFIX2 ... with a weight before every prefix")
+        raise ValueError(
+            f"--data-path {' '.join(items)}: mix of weights and prefixes; give PREFIX, "
+            "or W1 PREFIX1 W2 PREFIX2 ... with a weight before every prefix"
+        )
     total = sum(weights)
     return [(w / total, prefix) for w, prefix in zip(weights, prefixes)]
 
@@ -84,7 +93,9 @@ class BlendedDataset(torch.utils.data.Dataset):
         for d, dataset in enumerate(self.datasets):
             needed = np.count_nonzero(self.dataset_index == d)
             if dataset is not None and needed > len(dataset):
-                raise ValueError(f"blended dataset {d} holds {len(dataset)} samples, {needed} needed")
+                raise ValueError(
+                    f"blended dataset {d} holds {len(dataset)} samples, {needed} needed"
+                )
 
     def __len__(self):
         return self.size
@@ -95,7 +106,9 @@ class BlendedDataset(torch.utils.data.Dataset):
         return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
 
 
-def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=None, vocab_size=None):
+def build_datasets(
+    data_path, split, seq_length, num_samples, seed, cache_dir=None, vocab_size=None
+):
     """Train / valid / test datasets (None where no samples are asked) from `--data-path`.
 
     Each prefix is split by documents with `split`; with several prefixes, each split blends the
@@ -108,18 +121,39 @@ def build_datasets(data_path, split, seq_length, num_samples, seed, cache_dir=No
     ranges = [split_ranges(len(ds), split) for ds in indexed]
     result = []
     for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        empty = [prefix for (_, prefix), split_range in zip(blend, ranges) if split_range[s][0] == split_range[s][1]]
+        empty = [
+            prefix
+            for (_, prefix), split_range in zip(blend, ranges)
+            if split_range[s][0] == split_range[s][1]
+        ]
         if count and empty and name != "train":
             # Too few documents for a small share (e.g. the test 1 of 969,30,1): evaluate without it.
-            warnings.warn(f"the {name} split of {', '.join(empty)} has no documents under --split {split}; "
-                          f"no {name} dataset")
+            warnings.warn(
+                f"the {name} split of {', '.join(empty)} has no documents under --split {split}; "
+                f"no {name} dataset"
+            )
             count = 0
-        result.append(_dataset(blend, indexed, [r[s] for r in ranges], name, count, seq_length, seed, cache_dir,
-                               vocab_size) if count else None)
+        result.append(
+            _dataset(
+                blend,
+                indexed,
+                [r[s] for r in ranges],
+                name,
+                count,
+                seq_length,
+                seed,
+                cache_dir,
+                vocab_size,
+            )
+            if count
+            else None
+        )
     return result
 
 
-def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=None, vocab_size=None):
+def build_split_datasets(
+    data_paths, seq_length, num_samples, seed, cache_dir=None, vocab_size=None
+):
     """Train / valid / test datasets from one data path each (Megatron's --train-data-path,
     --valid-data-path, --test-data-path): every document of a split's prefixes is in that split.
     None where a split has no path or is asked no samples; `vocab_size` as for `build_datasets`."""
@@ -130,8 +164,19 @@ def build_split_datasets(data_paths, seq_length, num_samples, seed, cache_dir=No
             continue
         blend = parse_data_path(data_path)
         indexed = [IndexedDataset(prefix) for _, prefix in blend]
-        result.append(_dataset(blend, indexed, [(0, len(ds)) for ds in indexed], name, count, seq_length, seed,
-                               cache_dir, vocab_size))
+        result.append(
+            _dataset(
+                blend,
+                indexed,
+                [(0, len(ds)) for ds in indexed],
+                name,
+                count,
+                seq_length,
+                seed,
+                cache_dir,
+                vocab_size,
+            )
+        )
     return result
 
 
@@ -140,13 +185,18 @@ def _dataset(blend, indexed, document_ranges, name, count, seq_length, seed, cac
     blend of each prefix's."""
     if len(blend) == 1:
         start, end = document_ranges[0]
-        return GPTDataset(indexed[0], np.arange(start, end), seq_length, count, seed, name, cache_dir, vocab_size)
+        return GPTDataset(
+            indexed[0], np.arange(start, end), seq_length, count, seed, name, cache_dir, vocab_size
+        )
     components, weights = [], []
     for (weight, _), ds, (start, end) in zip(blend, indexed, document_ranges):
         if weight == 0:
             continue
         share = int(np.ceil(weight * count * 1.005)) + 1
-        components.append(GPTDataset(ds, np.arange(start, end), seq_length, share, seed, name, cache_dir,
-                                     vocab_size))
+        components.append(
+            GPTDataset(
+                ds, np.arange(start, end), seq_length, share, seed, name, cache_dir, vocab_size
+            )
+        )
         weights.append(weight)
     return BlendedDataset(components, weights, count)

@@ -20,6 +20,7 @@ disk, an unwritable cache folder, another tokenizer's data) stops every rank wit
 not only the builder. Resuming is a matter of the consumed-samples count: sample k is the same
 in every run, so a sampler that starts at k serves the same next batch (see `samplers.py`).
 """
+
 import hashlib
 import json
 import math
@@ -29,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from megafp8.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -40,9 +40,13 @@ def parse_split(split):
     try:
         parts = [float(part) for part in str(split).replace("/", ",").split(",")]
     except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
+        raise ValueError(
+            f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1"
+        ) from None
     if not 1 <= len(parts) <= 3 or not all(0 <= p < math.inf for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three finite non-negative numbers with a positive sum")
+        raise ValueError(
+            f"--split {split!r}: expected up to three finite non-negative numbers with a positive sum"
+        )
     parts = np.array(parts + [0.0] * (3 - len(parts)))
     # numpy's plain sum, as megatron-core normalises (Python >= 3.12's sum() rounds differently).
     return (parts / parts.sum()).tolist()
@@ -76,7 +80,9 @@ def build_indices(sizes, documents, seq_length, num_samples, seed):
     num_epochs = _epochs_needed(tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed)
     dtype = np.int32 if documents.max(initial=0) < 2**31 else np.int64
-    document_index = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(dtype)
+    document_index = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(
+        dtype
+    )
 
     # Where each document of the stream ends, in tokens; sample i starts at token i * seq_length.
     ends = np.cumsum(sizes[document_index], dtype=np.int64)
@@ -107,9 +113,17 @@ def check_token_ids(indexed, vocab_size, folder):
     """
     bin_path = indexed.prefix + ".bin"
     stat = os.stat(bin_path)
-    key = {"class": "TokenRange", "version": 1, "bin": os.path.abspath(bin_path), "size": stat.st_size,
-           "mtime_ns": stat.st_mtime_ns}
-    cache = folder / f"{hashlib.md5(json.dumps(key, sort_keys=True).encode()).hexdigest()}-token_range.json"
+    key = {
+        "class": "TokenRange",
+        "version": 1,
+        "bin": os.path.abspath(bin_path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
+    cache = (
+        folder
+        / f"{hashlib.md5(json.dumps(key, sort_keys=True).encode()).hexdigest()}-token_range.json"
+    )
     if cache.exists():
         token_range = json.loads(cache.read_text())["token_range"]
     else:
@@ -120,8 +134,10 @@ def check_token_ids(indexed, vocab_size, folder):
             tmp.write_text(json.dumps({**key, "token_range": token_range}))
             os.replace(tmp, cache)
         except OSError as error:  # a read-only folder of index caches built elsewhere still trains
-            warnings.warn(f"cannot cache the token range of {bin_path} in {folder} ({error}), so it is scanned "
-                          "again at every start; point --data-cache-path at a writable folder to keep it")
+            warnings.warn(
+                f"cannot cache the token range of {bin_path} in {folder} ({error}), so it is scanned "
+                "again at every start; point --data-cache-path at a writable folder to keep it"
+            )
     if token_range is None:  # no tokens
         return
     smallest, largest = token_range
@@ -129,10 +145,13 @@ def check_token_ids(indexed, vocab_size, folder):
         raise IndexedDatasetError(
             f"{bin_path}: its largest token id is {largest}, past the vocabulary of {vocab_size} tokens (ids 0 "
             f"to {vocab_size - 1}): the data was made with another tokenizer. Re-tokenize it with this run's "
-            "tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data was made with")
+            "tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data was made with"
+        )
     if smallest < 0:
-        raise IndexedDatasetError(f"{bin_path}: token id {smallest} is negative: a corrupt or foreign file; "
-                                  "make the data again with tools/preprocess_data.py")
+        raise IndexedDatasetError(
+            f"{bin_path}: token id {smallest} is negative: a corrupt or foreign file; "
+            "make the data again with tools/preprocess_data.py"
+        )
 
 
 class DatasetBuildError(RuntimeError):
@@ -156,36 +175,59 @@ def _share_build_outcome(name, error):
         raise error  # the builder's own error, with its traceback
     if failed:
         rank, message = failed[0]
-        raise DatasetBuildError(f"rank {rank} failed to build the {name} dataset index, so this rank "
-                                f"stops too: {message}")
+        raise DatasetBuildError(
+            f"rank {rank} failed to build the {name} dataset index, so this rank "
+            f"stops too: {message}"
+        )
 
 
 class GPTDataset(torch.utils.data.Dataset):
     """`len()` samples of `seq_length + 1` tokens (int64) drawn from `documents` of `indexed`;
     with `vocab_size`, only if every token id of `indexed` lies in [0, vocab_size)."""
 
-    def __init__(self, indexed, documents, seq_length, num_samples, seed, name="train",
-                 cache_dir=None, vocab_size=None):
+    def __init__(
+        self,
+        indexed,
+        documents,
+        seq_length,
+        num_samples,
+        seed,
+        name="train",
+        cache_dir=None,
+        vocab_size=None,
+    ):
         if seq_length < 1 or num_samples < 1:
-            raise ValueError(f"seq_length and num_samples must be positive, got {seq_length}, {num_samples}")
+            raise ValueError(
+                f"seq_length and num_samples must be positive, got {seq_length}, {num_samples}"
+            )
         if not isinstance(indexed, IndexedDataset):
             indexed = IndexedDataset(indexed)
         documents = np.asarray(documents, dtype=np.int64)
         if len(documents) == 0:
-            raise ValueError(f"{indexed.prefix}: the {name} split has no documents; "
-                             "give it a share in --split or ask for no samples from it")
+            raise ValueError(
+                f"{indexed.prefix}: the {name} split has no documents; "
+                "give it a share in --split or ask for no samples from it"
+            )
         self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
         self.name = name
         description = {
-            "class": "GPTDataset", "version": 1, "dataset": os.path.abspath(indexed.prefix),
-            "num_sequences": len(indexed), "num_tokens": indexed.num_tokens, "name": name,
+            "class": "GPTDataset",
+            "version": 1,
+            "dataset": os.path.abspath(indexed.prefix),
+            "num_sequences": len(indexed),
+            "num_tokens": indexed.num_tokens,
+            "name": name,
             "documents": [int(documents[0]), int(documents[-1]), len(documents)],
-            "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+            "seq_length": seq_length,
+            "num_samples": num_samples,
+            "seed": seed,
         }
         digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
         folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent / "index_cache"
-        self.cache_files = {kind: folder / f"{digest}-{name}-{kind}_index.npy"
-                            for kind in ("document", "sample", "shuffle")}
+        self.cache_files = {
+            kind: folder / f"{digest}-{name}-{kind}_index.npy"
+            for kind in ("document", "sample", "shuffle")
+        }
         arrays = self._load_or_build(folder, description, documents, seed, vocab_size)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
@@ -200,11 +242,14 @@ class GPTDataset(torch.utils.data.Dataset):
             except Exception as failure:  # shared with the other ranks before it is raised
                 error = failure
         _share_build_outcome(self.name, error)
-        return tuple(np.load(path, mmap_mode="r", allow_pickle=False)
-                     for path in self.cache_files.values())
+        return tuple(
+            np.load(path, mmap_mode="r", allow_pickle=False) for path in self.cache_files.values()
+        )
 
     def _build(self, folder, description, documents, seed):
-        arrays = build_indices(self.indexed.sizes, documents, self.seq_length, self.num_samples, seed)
+        arrays = build_indices(
+            self.indexed.sizes, documents, self.seq_length, self.num_samples, seed
+        )
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for (kind, path), array in zip(self.cache_files.items(), arrays):
@@ -215,8 +260,10 @@ class GPTDataset(torch.utils.data.Dataset):
             with open(self.cache_files["document"].with_suffix(".json"), "w") as f:
                 json.dump(description, f, indent=1)
         except OSError as error:
-            raise OSError(f"cannot write the {self.name} index cache in {folder} ({error}); "
-                          "point --data-cache-path at a writable folder") from error
+            raise OSError(
+                f"cannot write the {self.name} index cache in {folder} ({error}); "
+                "point --data-cache-path at a writable folder"
+            ) from error
 
     def __len__(self):
         return self.num_samples
@@ -237,4 +284,3 @@ class GPTDataset(torch.utils.data.Dataset):
             position += 1
             offset = 0
         return {"tokens": np.concatenate(pieces).astype(np.int64)}
-

@@ -5,6 +5,7 @@ the other way round. `.idx` layout (little-endian): 9-byte magic, u64 version 1,
 u64 sequence count, u64 document count, int32 sequence lengths, int64 byte pointers into `.bin`,
 int64 document indices (0, the first sequence of each later document, ..., the sequence count).
 """
+
 import functools
 import operator
 import os
@@ -14,8 +15,16 @@ import numpy as np
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-           7: np.float32, 8: np.uint16}
+_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _CODES = {np.dtype(dtype): code for code, dtype in _DTYPES.items()}
 # magic, version, dtype code, sequence count, document count; "<" means no padding: 34 bytes.
 _HEADER = struct.Struct("<9sQBQQ")
@@ -44,9 +53,13 @@ class IndexedDatasetBuilder:
     def __init__(self, prefix, dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        if self.dtype not in _CODES or self.dtype.kind not in "iu":  # the reader refuses float tokens
-            raise ValueError(f"unsupported token dtype {self.dtype}; one of "
-                             f"{sorted(str(dtype) for dtype in _CODES if dtype.kind in 'iu')}")
+        if (
+            self.dtype not in _CODES or self.dtype.kind not in "iu"
+        ):  # the reader refuses float tokens
+            raise ValueError(
+                f"unsupported token dtype {self.dtype}; one of "
+                f"{sorted(str(dtype) for dtype in _CODES if dtype.kind in 'iu')}"
+            )
         self._tmp_bin = self.prefix + ".bin.tmp"
         self._tmp_idx = self.prefix + ".idx.tmp"
         self._bin = open(self._tmp_bin, "wb")
@@ -83,7 +96,11 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(sizes), dtype="<i8")
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, _CODES[self.dtype], len(sizes), len(document_indices)))
+            f.write(
+                _HEADER.pack(
+                    _MAGIC, _VERSION, _CODES[self.dtype], len(sizes), len(document_indices)
+                )
+            )
             f.write(sizes.tobytes())
             f.write(pointers.tobytes())
             f.write(np.array(document_indices, dtype="<i8").tobytes())
@@ -125,23 +142,35 @@ class IndexedDataset:
 
         with open(idx_path, "rb") as f:
             header = f.read(_HEADER.size)
-        if header[:len(_MAGIC)] != _MAGIC:
-            fail(idx_path, f"wrong magic {header[:len(_MAGIC)]!r}: not a Megatron/megafp8 indexed dataset")
+        if header[: len(_MAGIC)] != _MAGIC:
+            fail(
+                idx_path,
+                f"wrong magic {header[: len(_MAGIC)]!r}: not a Megatron/megafp8 indexed dataset",
+            )
         if len(header) < _HEADER.size:
-            fail(idx_path, f"truncated: {len(header)} bytes, shorter than the {_HEADER.size}-byte header")
+            fail(
+                idx_path,
+                f"truncated: {len(header)} bytes, shorter than the {_HEADER.size}-byte header",
+            )
         _, version, code, n_seq, n_doc = _HEADER.unpack(header)
         if version != _VERSION:
             fail(idx_path, f"unsupported version {version} (only {_VERSION})")
         if code not in _DTYPES:
             fail(idx_path, f"unknown dtype code {code} (known: {sorted(_DTYPES)})")
         if np.dtype(_DTYPES[code]).kind == "f":  # token ids are integers; this is a foreign file
-            fail(idx_path, f"dtype code {code} ({np.dtype(_DTYPES[code])}): token data must be integers; "
-                           "this is not a token dataset (make one with tools/preprocess_data.py)")
+            fail(
+                idx_path,
+                f"dtype code {code} ({np.dtype(_DTYPES[code])}): token data must be integers; "
+                "this is not a token dataset (make one with tools/preprocess_data.py)",
+            )
         idx_size = os.path.getsize(idx_path)
         expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
         if idx_size < expected:
-            fail(idx_path, f"truncated: {idx_size} bytes, but its header claims {n_seq} sequences "
-                           f"and {n_doc} document indices ({expected} bytes)")
+            fail(
+                idx_path,
+                f"truncated: {idx_size} bytes, but its header claims {n_seq} sequences "
+                f"and {n_doc} document indices ({expected} bytes)",
+            )
         if idx_size > expected:
             fail(idx_path, f"{idx_size - expected} unexpected bytes after the document indices")
 
@@ -166,13 +195,18 @@ class IndexedDataset:
         nbytes = self.sizes.astype(np.int64) * self.dtype.itemsize
         # Sequences lie back to back, so each pointer is the sum of the bytes before it; anything
         # else means a corrupt index, and checking it keeps every read inside the .bin.
-        if n_seq and (self._pointers[0] != 0 or np.any(self._pointers[1:] != np.cumsum(nbytes[:-1]))):
+        if n_seq and (
+            self._pointers[0] != 0 or np.any(self._pointers[1:] != np.cumsum(nbytes[:-1]))
+        ):
             fail(idx_path, "byte pointers do not match the sequence lengths")
         total = int(nbytes.sum())
         bin_size = os.path.getsize(bin_path)
         if bin_size != total:
-            fail(bin_path, f"{bin_size} bytes, but {idx_path} describes {total}: "
-                           "truncated, or the .bin of another dataset")
+            fail(
+                bin_path,
+                f"{bin_size} bytes, but {idx_path} describes {total}: "
+                "truncated, or the .bin of another dataset",
+            )
         # numpy cannot memory-map an empty file (a dataset of empty sequences has one).
         data = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
         self._tokens = np.frombuffer(data, dtype=self.dtype)
@@ -190,7 +224,7 @@ class IndexedDataset:
         step = _SCAN_CHUNK_BYTES // self.dtype.itemsize
         smallest, largest = [], []
         for start in range(0, self.num_tokens, step):
-            chunk = self._tokens[start:start + step]
+            chunk = self._tokens[start : start + step]
             smallest.append(chunk.min())
             largest.append(chunk.max())
         return int(min(smallest)), int(max(largest))
@@ -212,6 +246,7 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(
-                f"offset {offset}, length {length} out of range of sequence {i} of {size} tokens")
+                f"offset {offset}, length {length} out of range of sequence {i} of {size} tokens"
+            )
         start = int(self._pointers[i]) // self.dtype.itemsize + offset
-        return self._tokens[start:start + length]
+        return self._tokens[start : start + length]

@@ -17,6 +17,7 @@ A file named twice (say by a folder and a glob) is read once.
 Missing keys and empty or whitespace-only texts are counted per key in `SourceStats` and come out
 as None, never silently dropped; a malformed JSON line is a `SourceError` naming file and line.
 """
+
 import glob
 import io
 import json
@@ -89,11 +90,13 @@ def _folder_files(folder):
 
 def _resolve_one(spec):
     if spec.startswith(HF_PREFIX):
-        return [Source("hf", spec[len(HF_PREFIX):])]
+        return [Source("hf", spec[len(HF_PREFIX) :])]
     path = Path(spec)
     if path.is_file():
         if not _file_kind(path.name):
-            raise SourceError(f"{spec}: unsupported file type; expected one of {list(SUPPORTED_EXTENSIONS)}")
+            raise SourceError(
+                f"{spec}: unsupported file type; expected one of {list(SUPPORTED_EXTENSIONS)}"
+            )
         return [Source(_file_kind(path.name), str(path))]
     if path.is_dir():
         if _is_saved_hf_dataset(path):
@@ -111,7 +114,9 @@ def _resolve_one(spec):
             elif _file_kind(match):
                 sources.append(Source(_file_kind(match), match))
         if not sources:
-            raise SourceError(f"{spec}: no {'/'.join(SUPPORTED_EXTENSIONS)} files matched the pattern")
+            raise SourceError(
+                f"{spec}: no {'/'.join(SUPPORTED_EXTENSIONS)} files matched the pattern"
+            )
         return sources
     if _file_kind(spec) or spec.startswith((".", "/", "~")):
         # Looks like a path, not a dataset name: say so rather than ask the Hub for it.
@@ -132,7 +137,10 @@ def resolve_inputs(inputs):
     sources, seen = [], set()
     for spec in inputs:
         for source in _resolve_one(spec):
-            key = (source.kind, os.path.realpath(source.path) if source.kind != "hf" else source.path)
+            key = (
+                source.kind,
+                os.path.realpath(source.path) if source.kind != "hf" else source.path,
+            )
             if key not in seen:
                 seen.add(key)
                 sources.append(source)
@@ -160,10 +168,13 @@ def _json_lines(lines, path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise SourceError(f"{path}:{lineno}: malformed JSON ({error}); expected one JSON object "
-                              "per line") from None
+            raise SourceError(
+                f"{path}:{lineno}: malformed JSON ({error}); expected one JSON object per line"
+            ) from None
         if not isinstance(record, dict):
-            raise SourceError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            raise SourceError(
+                f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}"
+            )
         yield record, f"{path}:{lineno}"
 
 
@@ -177,6 +188,7 @@ def _read_json(path):
 
 def _read_zst(path):
     import zstandard
+
     with open(path, "rb") as raw:
         # read_across_frames: a chunk may hold several zstd frames (e.g. concatenated files).
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
@@ -190,6 +202,7 @@ def _read_zst(path):
 
 def _read_parquet(path, json_keys):
     import pyarrow.parquet as pq
+
     parquet = pq.ParquetFile(path)
     # Only the columns needed: a wide table's other columns are never decoded.
     columns = [name for name in (*json_keys, "meta") if name in parquet.schema_arrow.names]
@@ -204,9 +217,11 @@ def _read_hf(source, split, config):
     try:
         import datasets
     except ImportError:
-        raise SourceError(f"{source.path!r} is not an existing file, folder or glob match, and "
-                          "reading it as a Hugging Face dataset needs the datasets package: "
-                          "pip install datasets") from None
+        raise SourceError(
+            f"{source.path!r} is not an existing file, folder or glob match, and "
+            "reading it as a Hugging Face dataset needs the datasets package: "
+            "pip install datasets"
+        ) from None
     if source.kind == "hf_disk":
         dataset = datasets.load_from_disk(source.path)  # memory-mapped Arrow, not read into memory
         if isinstance(dataset, datasets.DatasetDict):

@@ -13,13 +13,18 @@ Types:
 
 `files` lists the files a tokenizer was built from, so a run can ship them with its checkpoint.
 """
+
 import os
 from pathlib import Path
 
 # End-of-document tokens of the common vocabularies, most specific first.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
-                   "NullTokenizer")
+TOKENIZER_TYPES = (
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "NullTokenizer",
+)
 
 
 class Tokenizer:
@@ -58,18 +63,23 @@ class HuggingFaceTokenizer(Tokenizer):
                 self._eod = token_id
                 break
         else:
-            raise ValueError(f"{self.files[0]}: none of the end-of-document tokens {list(candidates)} "
-                             "is in the vocabulary; name it with eod_token (--eod-token)")
+            raise ValueError(
+                f"{self.files[0]}: none of the end-of-document tokens {list(candidates)} "
+                "is in the vocabulary; name it with eod_token (--eod-token)"
+            )
 
     @classmethod
     def from_file(cls, path, eod_token=None):
         from tokenizers import Tokenizer as HFTokenizer
+
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}: give the file or the folder that "
-                                    "holds it (train one with tools/train_tokenizer.py)")
+            raise FileNotFoundError(
+                f"no tokenizer.json at {path}: give the file or the folder that "
+                "holds it (train one with tools/train_tokenizer.py)"
+            )
         try:
             tokenizer = HFTokenizer.from_file(str(path))
         except Exception as error:  # `tokenizers` raises a bare Exception for a malformed file
@@ -78,16 +88,21 @@ class HuggingFaceTokenizer(Tokenizer):
 
     @classmethod
     def from_gpt2_files(cls, vocab_file, merge_file, eod_token=None):
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
         for name, path in (("vocab_file", vocab_file), ("merge_file", merge_file)):
             if not path or not Path(path).is_file():
-                raise FileNotFoundError(f"GPT2BPETokenizer needs {name} (--{name.replace('_', '-')}), "
-                                        f"got {path!r}")
+                raise FileNotFoundError(
+                    f"GPT2BPETokenizer needs {name} (--{name.replace('_', '-')}), got {path!r}"
+                )
         try:
             tokenizer = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
         except Exception as error:  # a bare Exception, as above
-            raise ValueError(f"{vocab_file}, {merge_file}: not a readable GPT-2 vocab.json and "
-                             f"merges.txt ({error})") from None
+            raise ValueError(
+                f"{vocab_file}, {merge_file}: not a readable GPT-2 vocab.json and "
+                f"merges.txt ({error})"
+            ) from None
         # GPT-2's byte-level BPE: no prefix space, bytes mapped to printable characters.
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -117,15 +132,18 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             import sentencepiece
         except ImportError as error:
-            raise ImportError("SentencePieceTokenizer needs the sentencepiece package: "
-                              "pip install sentencepiece") from error
+            raise ImportError(
+                "SentencePieceTokenizer needs the sentencepiece package: pip install sentencepiece"
+            ) from error
         if not Path(model_file).is_file():
             raise FileNotFoundError(f"no SentencePiece model at {model_file}")
         self.files = (str(model_file),)
         try:
             self.backend = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
         except (RuntimeError, OSError) as error:
-            raise ValueError(f"{model_file}: not a readable SentencePiece model ({error})") from None
+            raise ValueError(
+                f"{model_file}: not a readable SentencePiece model ({error})"
+            ) from None
         if eod_token:
             self._eod = self.backend.piece_to_id(eod_token)
             if self._eod == self.backend.unk_id():
@@ -158,7 +176,9 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size):
         if not vocab_size or vocab_size < 2:
-            raise ValueError(f"NullTokenizer needs vocab_size >= 2 (--vocab-size), got {vocab_size}")
+            raise ValueError(
+                f"NullTokenizer needs vocab_size >= 2 (--vocab-size), got {vocab_size}"
+            )
         self._vocab_size = int(vocab_size)
 
     @property
@@ -180,12 +200,20 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None,
-                    vocab_size=None, eod_token=None) -> Tokenizer:
+def build_tokenizer(
+    tokenizer_type,
+    tokenizer_model=None,
+    vocab_file=None,
+    merge_file=None,
+    vocab_size=None,
+    eod_token=None,
+) -> Tokenizer:
     """Megatron-LM's `--tokenizer-type` with its file flags."""
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its folder)")
+            raise ValueError(
+                "HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its folder)"
+            )
         return HuggingFaceTokenizer.from_file(tokenizer_model, eod_token)
     if tokenizer_type == "GPT2BPETokenizer":
         return HuggingFaceTokenizer.from_gpt2_files(vocab_file, merge_file, eod_token)

@@ -13,6 +13,7 @@ several minutes on the same cores while other processes kept them busy.
 
 This is the FP8 core alone; examples/quickstart.sh runs the whole pretraining pipeline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ CONTEXT = 32
 
 
 def corpus() -> torch.Tensor:
-    text = "\n".join(inspect.getsource(module) for module in (argparse, collections, json, textwrap))
+    text = "\n".join(
+        inspect.getsource(module) for module in (argparse, collections, json, textwrap)
+    )
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
@@ -60,7 +63,9 @@ def batches(data: torch.Tensor, batch: int, steps: int, device, seed: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=256, help="a multiple of 16 (FP8 GEMM shapes)")
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
@@ -69,23 +74,32 @@ def main(argv=None):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    recipe = (DelayedScaling(fp8_format=args.format, amax_history_len=16) if args.recipe == "delayed"
-              else CurrentScaling(fp8_format=args.format))
+    recipe = (
+        DelayedScaling(fp8_format=args.format, amax_history_len=16)
+        if args.recipe == "delayed"
+        else CurrentScaling(fp8_format=args.format)
+    )
     data = corpus()
-    print(f"megafp8 FP8 demo on {device} ({dtype}): {len(data) / 1e6:.2f} MB of text, "
-          f"{args.recipe} scaling, {args.format} format")
+    print(
+        f"megafp8 FP8 demo on {device} ({dtype}): {len(data) / 1e6:.2f} MB of text, "
+        f"{args.recipe} scaling, {args.format} format"
+    )
 
     torch.manual_seed(0)
     fp8_model = NextByteModel().to(device, dtype)
     reference = NextByteModel().to(device, dtype)
     reference.load_state_dict(fp8_model.state_dict())
     runs = {"fp8": (fp8_model, True), "reference": (reference, False)}
-    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=2e-3) for name, (model, _) in runs.items()}
+    optimizers = {
+        name: torch.optim.AdamW(model.parameters(), lr=2e-3) for name, (model, _) in runs.items()
+    }
     losses = {name: [] for name in runs}
 
     print(f"{'step':>6} {'fp8 loss':>9} {'ref loss':>9}")
     start = time.time()
-    for step, (context, target) in enumerate(batches(data, args.batch, args.steps, device, seed=1), 1):
+    for step, (context, target) in enumerate(
+        batches(data, args.batch, args.steps, device, seed=1), 1
+    ):
         for name, (model, fp8) in runs.items():
             with fp8_autocast(enabled=fp8, recipe=recipe):
                 logits = model(context)
@@ -100,11 +114,16 @@ def main(argv=None):
     tail = max(1, args.steps // 10)
     fp8_final = sum(losses["fp8"][-tail:]) / tail
     ref_final = sum(losses["reference"][-tail:]) / tail
-    print(f"\nmean loss over the last {tail} steps: fp8 {fp8_final:.4f}, reference {ref_final:.4f} "
-          f"(from {losses['fp8'][0]:.2f}; gap {100 * (fp8_final - ref_final) / ref_final:+.2f}%), "
-          f"{time.time() - start:.0f} s")
+    print(
+        f"\nmean loss over the last {tail} steps: fp8 {fp8_final:.4f}, reference {ref_final:.4f} "
+        f"(from {losses['fp8'][0]:.2f}; gap {100 * (fp8_final - ref_final) / ref_final:+.2f}%), "
+        f"{time.time() - start:.0f} s"
+    )
     scaling = fp8_model.fc2.fp8_scaling
-    print("fc2 scales: " + ", ".join(f"{role} {state.scale.item():.4g}" for role, state in scaling.items()))
+    print(
+        "fc2 scales: "
+        + ", ".join(f"{role} {state.scale.item():.4g}" for role, state in scaling.items())
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ where the group was given to `megafp8.symmetric_memory.use_copy_engines` (there 
 is no ring: each rank copies its block's partial sums from every peer beside its own block's
 GEMM), ordered against the compute stream by events, so both work inside CUDA graphs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,13 +29,26 @@ import torch
 
 from . import symmetric_memory
 from .collectives import all_gather_columns as _nccl_all_gather_columns
-from .collectives import all_gather_into, exchange, group_size, rank_in, reduce_scatter, side_by_side
+from .collectives import (
+    all_gather_into,
+    exchange,
+    group_size,
+    rank_in,
+    reduce_scatter,
+    side_by_side,
+)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], object]
 
 
-def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
-                  after_gather: Callable[[], object] | None = None, keep_gathered: bool = True) -> torch.Tensor | None:
+def gathered_gemm(
+    local: torch.Tensor,
+    group,
+    gemm: Gemm,
+    out: torch.Tensor,
+    after_gather: Callable[[], object] | None = None,
+    keep_gathered: bool = True,
+) -> torch.Tensor | None:
     """`all_gather(local) @ W` into `out` (rows in rank order), the gather overlapped with the GEMM
     of this rank's own rows. `after_gather` is called once the gather is in, before the GEMM of
     the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered
@@ -42,8 +56,11 @@ def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
     size, rank, rows = group_size(group), rank_in(group), local.shape[0]
     gathered = local.new_empty((size * rows, *local.shape[1:]))
     copy_engines = symmetric_memory.workspace(group)
-    work = (copy_engines.all_gather_into(gathered, local, own_block=keep_gathered) if copy_engines is not None
-            else all_gather_into(gathered, local, group, async_op=True))
+    work = (
+        copy_engines.all_gather_into(gathered, local, own_block=keep_gathered)
+        if copy_engines is not None
+        else all_gather_into(gathered, local, group, async_op=True)
+    )
     mine = slice(rank * rows, (rank + 1) * rows)
     gemm(local, out[mine])
     work.wait()
@@ -55,7 +72,9 @@ def gathered_gemm(local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor,
     return gathered if keep_gathered else None
 
 
-def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+def gemm_reduce_scatter(
+    a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype
+) -> torch.Tensor:
     """This rank's block of rows of `sum over ranks (a @ W)` (a reduce-scatter of the GEMM's
     output), each block's transfer overlapped with the GEMM of the next (module docstring)."""
     size, rank = group_size(group), rank_in(group)
@@ -70,7 +89,7 @@ def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, d
     for step in range(size):
         block = (rank - step - 1) % size
         partial = torch.empty((rows, out_features), dtype=dtype, device=a.device)
-        gemm(a[block * rows:(block + 1) * rows], partial)
+        gemm(a[block * rows : (block + 1) * rows], partial)
         for handle in handles:
             handle.wait()
         if received is not None:
@@ -81,14 +100,18 @@ def gemm_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, d
     return partial
 
 
-def gemm_then_reduce_scatter(a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype):
+def gemm_then_reduce_scatter(
+    a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype
+):
     """A handle whose wait() returns this rank's block of rows of `sum over ranks (a @ W)`: the
     GEMM runs now, the reduce-scatter of its output while the caller computes until wait() (the
     weight-gradient GEMM, in the backward of a column-parallel linear). On the copy engines the
     GEMM writes straight into the buffer the peers read."""
     copy_engines = symmetric_memory.workspace(group)
     if copy_engines is not None:
-        return copy_engines.reduce_scatter_after(lambda out: gemm(a, out), a.shape[0], out_features, dtype)
+        return copy_engines.reduce_scatter_after(
+            lambda out: gemm(a, out), a.shape[0], out_features, dtype
+        )
     out = torch.empty((a.shape[0], out_features), dtype=dtype, device=a.device)
     gemm(a, out)
     return reduce_scatter(out, group, async_op=True)

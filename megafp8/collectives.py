@@ -6,6 +6,7 @@ parallel engines, the optimizer and checkpoints use it too) and keeps no state b
 Tensors are split along dim 0 unless a dim is given. One-byte tensors (FP8) travel as raw
 bytes: every backend moves uint8, and an FP8 all-gather moves half of what a bf16 one does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,7 @@ def rank_in(group) -> int:
 
 
 # -- into preallocated outputs (flat buffers, asynchronous) --------------------------------------
+
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
     """Every rank's `tensor` concatenated along dim 0 into `out` (size x as many rows)."""
@@ -83,19 +85,26 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op
 def exchange(send: torch.Tensor, to: int, receive: torch.Tensor, source: int, group) -> list:
     """Send `send` to rank `to` of `group` while receiving into `receive` from rank `source`
     (ranks within the group), asynchronously: the handles to wait for."""
-    ops = [dist.P2POp(dist.isend, _bytes(send), dist.get_global_rank(group, to), group),
-           dist.P2POp(dist.irecv, _bytes(receive), dist.get_global_rank(group, source), group)]
+    ops = [
+        dist.P2POp(dist.isend, _bytes(send), dist.get_global_rank(group, to), group),
+        dist.P2POp(dist.irecv, _bytes(receive), dist.get_global_rank(group, source), group),
+    ]
     return dist.batch_isend_irecv(ops)
 
 
 # -- returning new tensors ------------------------------------------------------------------------
+
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order."""
     size = group_size(group)
     if size == 1:
         return x
-    out = x.new_empty((size * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((size, *x.shape))
+    out = (
+        x.new_empty((size * x.shape[0], *x.shape[1:]))
+        if dim == 0
+        else x.new_empty((size, *x.shape))
+    )
     all_gather_into(out, x.contiguous() if dim == 0 else x.unsqueeze(0).contiguous(), group)
     return out if dim == 0 else torch.cat(out.unbind(0), dim=dim)
 
@@ -146,7 +155,9 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if size == 1:
         return x
     if x.shape[dim] % size:
-        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {size} equal parts")
+        raise ValueError(
+            f"cannot split dimension {dim} of size {x.shape[dim]} into {size} equal parts"
+        )
     return x.chunk(size, dim=dim)[rank_in(group)].contiguous()
 
 

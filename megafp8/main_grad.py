@@ -8,9 +8,8 @@ overwrites it). The layers that write their gradients there themselves (gradient
 fusion in megafp8.fp8.linear, the backward of megafp8.parallel.cuda_graphs) and the buffer's own
 hook all go through these two functions.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -24,7 +23,7 @@ def accumulate_into_main_grad(param, grad: torch.Tensor) -> None:
         param.main_grad.add_(grad)
 
 
-def claim_empty_main_grad(param) -> Optional[torch.Tensor]:
+def claim_empty_main_grad(param) -> torch.Tensor | None:
     """`param.main_grad` if it holds no gradient of this step yet, to be overwritten with the
     gradient (claimed: it counts as written from now on); else None."""
     if not getattr(param, "main_grad_empty", False):

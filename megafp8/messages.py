@@ -8,6 +8,7 @@
       from megafp8.messages import show_warnings_as_messages
       show_warnings_as_messages("preprocess_data")   # first thing in main()
 """
+
 from __future__ import annotations
 
 import warnings

@@ -15,6 +15,7 @@ reading) stays on the copy stream, off the compute stream's path: a CUDA graph c
 while the process lives (captured graphs keep its address). Each rank of a group must call the
 same transfers in the same order, as the overlapped layers do.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,8 +41,10 @@ def unavailable_reason(group) -> str | None:
         return f"torch {torch.__version__} has no symmetric memory"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if local % group_size(group):
-        return (f"the group's {group_size(group)} ranks are not all on one node ({local} processes per node): "
-                f"symmetric memory maps the peers' GPU memory, within a node")
+        return (
+            f"the group's {group_size(group)} ranks are not all on one node ({local} processes per node): "
+            f"symmetric memory maps the peers' GPU memory, within a node"
+        )
     return None
 
 
@@ -114,17 +117,27 @@ class _Workspace:
         if gather_bytes <= self.gather_bytes and scatter_bytes <= self.scatter_bytes:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the copy-engine workspace must grow during a CUDA graph capture: run the same "
-                               "shapes eagerly first (--cuda-graph-warmup-steps), as the trainer does")
+            raise RuntimeError(
+                "the copy-engine workspace must grow during a CUDA graph capture: run the same "
+                "shapes eagerly first (--cuda-graph-warmup-steps), as the trainer does"
+            )
         symmetric = importlib.import_module("torch.distributed._symmetric_memory")
         self.gather_bytes = _aligned(max(gather_bytes, self.gather_bytes))
         self.scatter_bytes = _aligned(max(scatter_bytes, self.scatter_bytes))
         if self.mine is not None:
             self._kept.append(self.mine)
-        self.mine = symmetric.empty(self.gather_bytes + self.scatter_bytes, dtype=torch.uint8,
-                                    device=torch.cuda.current_device())
-        self.handle = symmetric.rendezvous(self.mine, self.group.group_name)  # collective over the group
-        self.peers = [self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8) for rank in range(self.size)]
+        self.mine = symmetric.empty(
+            self.gather_bytes + self.scatter_bytes,
+            dtype=torch.uint8,
+            device=torch.cuda.current_device(),
+        )
+        self.handle = symmetric.rendezvous(
+            self.mine, self.group.group_name
+        )  # collective over the group
+        self.peers = [
+            self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8)
+            for rank in range(self.size)
+        ]
 
     def _fork(self) -> torch.cuda.Stream:
         self.forked_in_capture |= torch.cuda.is_current_stream_capturing()
@@ -136,7 +149,9 @@ class _Workspace:
         done.record(self.stream)
         return done
 
-    def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, own_block: bool = True) -> _Pending:
+    def all_gather_into(
+        self, out: torch.Tensor, local: torch.Tensor, own_block: bool = True
+    ) -> _Pending:
         """Every rank's `local` into `out`'s dim-0 blocks in rank order, on the copy stream; the
         handle returns `out`. Without `own_block` this rank's block of `out` is left unwritten
         (for a caller that reads it from `local`)."""
@@ -148,30 +163,36 @@ class _Workspace:
             self.handle.barrier(channel=0)  # every rank's block is in
             for step in range(1, self.size):
                 peer = (self.rank + step) % self.size
-                received[peer * n:(peer + 1) * n].copy_(self.peers[peer][:n])
+                received[peer * n : (peer + 1) * n].copy_(self.peers[peer][:n])
             if own_block:
-                received[self.rank * n:(self.rank + 1) * n].copy_(mine)
+                received[self.rank * n : (self.rank + 1) * n].copy_(mine)
             done = self._join()
             # Every peer has read this rank's block before the copy stream writes the region
             # again; the compute stream need not wait for it.
             self.handle.barrier(channel=1)
         return _Pending(done, out, keep=(local,))
 
-    def gemm_reduce_scatter(self, a: torch.Tensor, gemm, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    def gemm_reduce_scatter(
+        self, a: torch.Tensor, gemm, out_features: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """This rank's block of rows of `sum over ranks (a @ W)`: the GEMM writes the other ranks'
         blocks into the scatter region, each rank copies its own from every peer while it
         multiplies its own rows, and adds them."""
         rows = a.shape[0] // self.size
         region = self._scatter_region(a.shape[0], out_features, dtype)
-        for step in range(1, self.size):  # the previous call's reads are done: its barrier was joined
+        for step in range(
+            1, self.size
+        ):  # the previous call's reads are done: its barrier was joined
             peer = (self.rank + step) % self.size
-            gemm(a[peer * rows:(peer + 1) * rows], region[peer * rows:(peer + 1) * rows])
+            gemm(a[peer * rows : (peer + 1) * rows], region[peer * rows : (peer + 1) * rows])
         pulled = self._pull_partials(rows, out_features, dtype)
         out = torch.empty((rows, out_features), dtype=dtype, device=a.device)
-        gemm(a[self.rank * rows:(self.rank + 1) * rows], out)
+        gemm(a[self.rank * rows : (self.rank + 1) * rows], out)
         return pulled.then(lambda received: _sum_into(out, received)).wait()
 
-    def reduce_scatter_after(self, gemm, rows: int, out_features: int, dtype: torch.dtype) -> _Pending:
+    def reduce_scatter_after(
+        self, gemm, rows: int, out_features: int, dtype: torch.dtype
+    ) -> _Pending:
         """A handle whose wait() returns this rank's block of rows of the sum over ranks of what
         `gemm(out)` writes into `out` (`rows` x `out_features`): the GEMM runs now, into the
         scatter region, and the peers' partial sums of this rank's block are copied while
@@ -179,32 +200,41 @@ class _Workspace:
         region = self._scatter_region(rows, out_features, dtype)
         gemm(region)  # the previous call's reads are done: its barrier was joined
         block = rows // self.size
-        mine = region[self.rank * block:(self.rank + 1) * block]
+        mine = region[self.rank * block : (self.rank + 1) * block]
         return self._pull_partials(block, out_features, dtype).then(
-            lambda received: _sum_into(mine + received[0], received[1:]))
+            lambda received: _sum_into(mine + received[0], received[1:])
+        )
 
     def _scatter_region(self, rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's scatter region as a `rows` x `out_features` matrix of `dtype`, `rows` split
         in one block per rank."""
         if rows % self.size:
             raise ValueError(f"cannot reduce-scatter {rows} rows over {self.size} ranks")
-        self._reserve(scatter_bytes=rows * out_features * torch.empty((), dtype=dtype).element_size())
-        return self.peers[self.rank][self.gather_bytes:self.gather_bytes + self.scatter_bytes].view(dtype)[
-            :rows * out_features].view(rows, out_features)
+        self._reserve(
+            scatter_bytes=rows * out_features * torch.empty((), dtype=dtype).element_size()
+        )
+        return (
+            self.peers[self.rank][self.gather_bytes : self.gather_bytes + self.scatter_bytes]
+            .view(dtype)[: rows * out_features]
+            .view(rows, out_features)
+        )
 
     def _pull_partials(self, block_rows: int, out_features: int, dtype: torch.dtype) -> _Pending:
         """On the copy stream, once every rank's scatter region is written: this rank's block of
         each peer's region, (peers, block_rows, out_features). Its handle waits for the closing
         barrier too, after which the compute stream may write the region again."""
         block = block_rows * out_features * torch.empty((), dtype=dtype).element_size()
-        received = torch.empty((self.size - 1, block_rows, out_features), dtype=dtype,
-                               device=torch.cuda.current_device())
+        received = torch.empty(
+            (self.size - 1, block_rows, out_features),
+            dtype=dtype,
+            device=torch.cuda.current_device(),
+        )
         with torch.cuda.stream(self._fork()):
             self.handle.barrier(channel=0)  # every rank's partial sums are in
             for step in range(1, self.size):
                 peer = (self.rank - step) % self.size
                 start = self.gather_bytes + self.rank * block
-                _bytes(received[step - 1]).copy_(self.peers[peer][start:start + block])
+                _bytes(received[step - 1]).copy_(self.peers[peer][start : start + block])
             self.handle.barrier(channel=1)
             done = self._join()
         return _Pending(done, received)
@@ -217,7 +247,9 @@ def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(size: int) -> int:
-    return -(-size // 256) * 256  # regions start on 256-byte boundaries, as the GEMMs writing them expect
+    return (
+        -(-size // 256) * 256
+    )  # regions start on 256-byte boundaries, as the GEMMs writing them expect
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ vocabulary-parallel cross-entropy): whether Triton is there, whether its CPU int
 kernels, int64 offsets for huge tensors, and rounding that is exact in the interpreter too (the
 base layer: imports nothing of megafp8).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,14 +40,17 @@ def wide_offsets(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        reach = t.numel() if t.is_contiguous() else 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
+        reach = (
+            t.numel()
+            if t.is_contiguous()
+            else 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
+        )
         if reach >= OFFSET_LIMIT:
             return True
     return False
 
 
 if triton is not None:
-
     if not INTERPRETING:
 
         @triton.jit
@@ -60,7 +64,9 @@ if triton is not None:
 
         @triton.jit
         def round_to(y, dtype: tl.constexpr):
-            if dtype == tl.bfloat16:  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
+            if (
+                dtype == tl.bfloat16
+            ):  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
                 bits = y.to(tl.uint32, bitcast=True)
                 bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
                 y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)

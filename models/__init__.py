@@ -3,6 +3,7 @@ config) built from tensor-parallel FP8 layers; Hugging Face weight mapping in hf
 
 Installed as `megafp8.models`; never import it as a bare `models`.
 """
+
 from .config import PRESETS, RopeScaling, TransformerConfig, preset
 from .transformer import TransformerLM
 

@@ -3,12 +3,12 @@
 Field names follow Megatron-LM; the shapes map one-to-one to Hugging Face's GPT2LMHeadModel and
 LlamaForCausalLM so that checkpoints convert exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from megafp8.messages import check_integer
 
@@ -25,8 +25,10 @@ def _check_choice(name: str, value, allowed: tuple) -> None:
 def _check_keys(what: str, values: dict, cls) -> None:
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise ValueError(f"{what} has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
-                         "(written by a newer megafp8?)")
+        raise ValueError(
+            f"{what} has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+            "(written by a newer megafp8?)"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class RopeScaling:
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"low_freq_factor={self.low_freq_factor!r}, high_freq_factor={self.high_freq_factor!r}"
             )
-        check_integer("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        check_integer(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        )
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,14 @@ class TransformerConfig:
     num_attention_heads: int
     vocab_size: int  # the tokenizer's vocabulary, unpadded
     max_position_embeddings: int  # longest sequence (GPT: size of the learned position table)
-    num_kv_heads: Optional[int] = None  # None -> num_attention_heads (no GQA)
-    ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden_size
+    num_kv_heads: int | None = None  # None -> num_attention_heads (no GQA)
+    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
     normalization: str = "layernorm"
     norm_epsilon: float = 1e-5
     activation: str = "gelu_tanh"
     position_embedding: str = "learned"
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True
     bias: bool = True  # in the linear layers; LayerNorm keeps its own bias regardless
     init_method_std: float = 0.02
@@ -75,8 +79,14 @@ class TransformerConfig:
     make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                     "max_position_embeddings", "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+        ):
             check_integer(name, getattr(self, name))
         for name in ("num_kv_heads", "ffn_hidden_size"):
             if getattr(self, name) is not None:
@@ -96,7 +106,9 @@ class TransformerConfig:
         _check_choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         if self.position_embedding == "rope":
             if self.head_dim % 2:
-                raise ValueError(f"head_dim={self.head_dim} must be even for rope (it rotates pairs of channels)")
+                raise ValueError(
+                    f"head_dim={self.head_dim} must be even for rope (it rotates pairs of channels)"
+                )
             if not self.rope_theta > 0:
                 raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         elif self.rope_scaling is not None:
@@ -131,8 +143,11 @@ class TransformerConfig:
     def validate_tensor_parallel(self, tp_size: int) -> None:
         """Raise ValueError unless tp_size splits the heads, key/value heads and MLP evenly."""
         check_integer("tp_size", tp_size)
-        sizes = {"num_attention_heads": self.num_attention_heads, "kv_heads": self.kv_heads,
-                 "ffn_size": self.ffn_size}
+        sizes = {
+            "num_attention_heads": self.num_attention_heads,
+            "kv_heads": self.kv_heads,
+            "ffn_size": self.ffn_size,
+        }
         for name, size in sizes.items():
             if size % tp_size:
                 common = math.gcd(*sizes.values())
@@ -157,10 +172,15 @@ class TransformerConfig:
         the model built would not be the one saved. Fields missing from `values` that have a
         default (added since it was saved) take it."""
         if not isinstance(values, dict):
-            raise ValueError(f"a model config is a mapping of field names to values, not a {type(values).__name__}")
+            raise ValueError(
+                f"a model config is a mapping of field names to values, not a {type(values).__name__}"
+            )
         _check_keys("model config", values, cls)
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.name not in values and f.default is dataclasses.MISSING]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in values and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}")
         scaling = values.get("rope_scaling")
@@ -177,29 +197,53 @@ class TransformerConfig:
         norm = 2 * h if self.normalization == "layernorm" else h
         qkv_out = (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
         attention = h * qkv_out + h * h + (qkv_out + h if self.bias else 0)
-        up_out = 2 * self.ffn_size if self.activation == "swiglu" else self.ffn_size  # swiglu: gate and up
+        up_out = (
+            2 * self.ffn_size if self.activation == "swiglu" else self.ffn_size
+        )  # swiglu: gate and up
         mlp = h * up_out + self.ffn_size * h + (up_out + h if self.bias else 0)
         layer = 2 * norm + attention + mlp
-        embeddings = vocab * h + (self.max_position_embeddings * h if self.position_embedding == "learned" else 0)
+        embeddings = vocab * h + (
+            self.max_position_embeddings * h if self.position_embedding == "learned" else 0
+        )
         output = 0 if self.tie_embeddings else vocab * h
         return embeddings + self.num_layers * layer + norm + output
 
 
-def gpt_config(num_layers: int, hidden_size: int, num_attention_heads: int, **overrides) -> TransformerConfig:
+def gpt_config(
+    num_layers: int, hidden_size: int, num_attention_heads: int, **overrides
+) -> TransformerConfig:
     """GPT-2/GPT-3 style: learned positions, LayerNorm, tanh GELU, biases, tied embeddings."""
-    return TransformerConfig(num_layers=num_layers, hidden_size=hidden_size,
-                             num_attention_heads=num_attention_heads,
-                             **{"vocab_size": 50257, "max_position_embeddings": 2048, **overrides})
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        **{"vocab_size": 50257, "max_position_embeddings": 2048, **overrides},
+    )
 
 
-def llama_config(num_layers: int, hidden_size: int, num_attention_heads: int, num_kv_heads: int,
-                 ffn_hidden_size: int, **overrides) -> TransformerConfig:
+def llama_config(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_kv_heads: int,
+    ffn_hidden_size: int,
+    **overrides,
+) -> TransformerConfig:
     """Llama style: RoPE, RMSNorm, SwiGLU, no biases, untied output layer."""
     return TransformerConfig(
-        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        num_kv_heads=num_kv_heads, ffn_hidden_size=ffn_hidden_size,
-        **{"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
-           "bias": False, "tie_embeddings": False, **overrides},
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        ffn_hidden_size=ffn_hidden_size,
+        **{
+            "normalization": "rmsnorm",
+            "activation": "swiglu",
+            "position_embedding": "rope",
+            "bias": False,
+            "tie_embeddings": False,
+            **overrides,
+        },
     )
 
 
@@ -220,8 +264,9 @@ PRESETS: dict[str, TransformerConfig] = {
     "llama3-8b": llama_config(32, 4096, 32, 8, 14336, **_LLAMA3),
     "llama3-70b": llama_config(80, 8192, 64, 8, 28672, **_LLAMA3),
     # A Llama the size of GPT-125M for convergence studies (GQA 12:4, RoPE, SwiGLU, a 32k vocabulary).
-    "llama-120m": llama_config(12, 768, 12, 4, 2048, vocab_size=32000, max_position_embeddings=2048,
-                               rope_theta=10000.0),
+    "llama-120m": llama_config(
+        12, 768, 12, 4, 2048, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0
+    ),
     # For tests: sizes are multiples of 16 (FP8 GEMMs) and split over tp = 2.
     "gpt-tiny": gpt_config(2, 64, 4, vocab_size=1000, max_position_embeddings=128),
     "llama-tiny": llama_config(2, 64, 4, 2, 128, vocab_size=1000, max_position_embeddings=128),

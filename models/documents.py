@@ -1,6 +1,7 @@
 """Documents packed into one sequence: positions that restart after each end-of-document token,
 and the attention mask that keeps every token inside its own document (Megatron's
 --reset-position-ids and --reset-attention-mask)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,5 +22,7 @@ def document_layout(tokens: torch.Tensor, eod_token: int):
 def document_attention_mask(documents: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq] boolean: query i may attend key j iff j <= i in the same document."""
     same = documents[:, :, None] == documents[:, None, :]
-    causal = torch.ones(documents.shape[1], documents.shape[1], dtype=torch.bool, device=documents.device).tril()
+    causal = torch.ones(
+        documents.shape[1], documents.shape[1], dtype=torch.bool, device=documents.device
+    ).tril()
     return (same & causal)[:, None]

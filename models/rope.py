@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE), in the rotate-half convention of Llama and Hugging Face:
 dimension i of the first half of each head pairs with dimension i of the second half."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,9 @@ from . import rope_kernel
 from .config import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """theta^(-2i/head_dim) for i < head_dim/2, with Llama 3's frequency scaling when given: long
     wavelengths (low frequencies) are slowed down by `factor`, short ones kept, and the band in
     between interpolated smoothly."""
@@ -22,7 +25,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     long_wavelength = original / scaling.low_freq_factor
     short_wavelength = original / scaling.high_freq_factor
     slowed = torch.where(wavelength > long_wavelength, inv / scaling.factor, inv)
-    blend = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blend = (original / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - blend) * slowed / scaling.factor + blend * slowed
     between = (wavelength >= short_wavelength) & (wavelength <= long_wavelength)
     return torch.where(between, smoothed, slowed).float()
@@ -30,7 +35,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 def rotary_tables(positions: int, head_dim: int, theta: float, scaling: RopeScaling | None = None):
     """cos and sin tables [positions, head_dim] for `apply_rotary`."""
-    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inverse_frequencies(head_dim, theta, scaling))
+    angles = torch.outer(
+        torch.arange(positions, dtype=torch.float32), inverse_frequencies(head_dim, theta, scaling)
+    )
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

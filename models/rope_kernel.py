@@ -8,6 +8,7 @@ tables once and writes the rotated x in x's dtype; backward is the same kernel a
 transposed rotation to the gradient. The arithmetic is the torch form's, in fp32, rounded once to
 x's dtype at the end, with any tables (not only the equal-halves ones `rotary_tables` builds).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,24 @@ BLOCK_HEADS = 16
 if triton is not None:
 
     @triton.jit
-    def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, batch, heads,
-                       stride_xs, stride_xb, stride_xh, stride_cs, stride_cb,
-                       HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                       TRANSPOSED: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    def _rotary_kernel(
+        x_ptr,
+        out_ptr,
+        cos_ptr,
+        sin_ptr,
+        batch,
+        heads,
+        stride_xs,
+        stride_xb,
+        stride_xh,
+        stride_cs,
+        stride_cb,
+        HALF: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
+    ):
         # One program: one token (sequence position s, batch entry b) and BLOCK_H of its heads.
         token = tl.program_id(0)
         s = token // batch
@@ -47,7 +62,13 @@ if triton is not None:
         cos_second = tl.load(cos_ptr + table + HALF + d, mask=in_half, other=0.0)[None, :]
         sin_first = tl.load(sin_ptr + table + d, mask=in_half, other=0.0)[None, :]
         sin_second = tl.load(sin_ptr + table + HALF + d, mask=in_half, other=0.0)[None, :]
-        x_at = x_ptr + s.to(tl.int64) * stride_xs + b.to(tl.int64) * stride_xb + h[:, None] * stride_xh + d[None, :]
+        x_at = (
+            x_ptr
+            + s.to(tl.int64) * stride_xs
+            + b.to(tl.int64) * stride_xb
+            + h[:, None] * stride_xh
+            + d[None, :]
+        )
         first = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
         second = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
         if TRANSPOSED:  # backward: the gradient through x*cos + [-second, first]*sin
@@ -61,20 +82,43 @@ if triton is not None:
         tl.store(out_at, round_to(out_first, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
         tl.store(out_at + HALF, round_to(out_second, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
 
-    _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    _TRITON_DTYPES = {
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float32: tl.float32,
+    }
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     seq, batch, heads, head_dim = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((seq, batch, heads, head_dim), dtype=x.dtype, device=x.device)
-    cos_batch_stride = cos.stride(1) if cos.dim() == 3 else 0  # per-token tables, or one per position
+    cos_batch_stride = (
+        cos.stride(1) if cos.dim() == 3 else 0
+    )  # per-token tables, or one per position
     grid = (seq * batch, triton.cdiv(heads, BLOCK_HEADS))
-    _rotary_kernel[grid](x, out, cos, sin, batch, heads, x.stride(0), x.stride(1), x.stride(2),
-                         cos.stride(0), cos_batch_stride, HALF=head_dim // 2,
-                         BLOCK_D=triton.next_power_of_2(head_dim // 2), BLOCK_H=BLOCK_HEADS,
-                         TRANSPOSED=transposed, OUT_DTYPE=_TRITON_DTYPES[x.dtype], num_warps=4)
+    _rotary_kernel[grid](
+        x,
+        out,
+        cos,
+        sin,
+        batch,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        cos.stride(0),
+        cos_batch_stride,
+        HALF=head_dim // 2,
+        BLOCK_D=triton.next_power_of_2(head_dim // 2),
+        BLOCK_H=BLOCK_HEADS,
+        TRANSPOSED=transposed,
+        OUT_DTYPE=_TRITON_DTYPES[x.dtype],
+        num_warps=4,
+    )
     return out
 
 

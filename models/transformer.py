@@ -6,6 +6,7 @@ parallelism splits along the sequence); the model takes token ids [batch, sequen
     with fp8_autocast(recipe=DelayedScaling(), amax_reduction_group=groups.amax_reduction_group):
         loss = model(tokens, labels=labels).mean()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,14 +15,6 @@ import math
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from megafp8.collectives import group_size, rank_in
-from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
-from megafp8.fp8.autocast import current_fp8_context
-from megafp8.fp8.fused import GradHandoff
-from megafp8.messages import check_integer
 from megafp8.parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -32,6 +25,14 @@ from megafp8.parallel import (
 )
 from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
 from megafp8.parallel.cuda_graphs import LayerGraphs
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megafp8.collectives import group_size, rank_in
+from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_recompute
+from megafp8.fp8.autocast import current_fp8_context
+from megafp8.fp8.fused import GradHandoff
+from megafp8.messages import check_integer
 
 from .config import TransformerConfig
 from .documents import document_attention_mask
@@ -49,17 +50,43 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, recompute_core=False,
-                 tp_comm_overlap=False):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group,
+        sp,
+        output_init,
+        dtype,
+        device,
+        recompute_core=False,
+        tp_comm_overlap=False,
+    ):
         super().__init__()
-        self.qkv = QKVParallelLinear(config.hidden_size, config.num_attention_heads, config.kv_heads,
-                                     config.head_dim, tp_group=tp_group, bias=config.bias, sequence_parallel=sp,
-                                     tp_comm_overlap=tp_comm_overlap, init_method=normal_init(config.init_method_std),
-                                     dtype=dtype, device=device)
-        self.proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                                      tp_group=tp_group, bias=config.bias, input_is_parallel=True,
-                                      sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap, init_method=output_init,
-                                      dtype=dtype, device=device)
+        self.qkv = QKVParallelLinear(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.kv_heads,
+            config.head_dim,
+            tp_group=tp_group,
+            bias=config.bias,
+            sequence_parallel=sp,
+            tp_comm_overlap=tp_comm_overlap,
+            init_method=normal_init(config.init_method_std),
+            dtype=dtype,
+            device=device,
+        )
+        self.proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            tp_group=tp_group,
+            bias=config.bias,
+            input_is_parallel=True,
+            sequence_parallel=sp,
+            tp_comm_overlap=tp_comm_overlap,
+            init_method=output_init,
+            dtype=dtype,
+            device=device,
+        )
         self.dropout = config.attention_dropout
         self.recompute_core = recompute_core
 
@@ -72,8 +99,15 @@ class Attention(nn.Module):
             # Selective recomputation: keep only q, k, v and redo the attention core in backward.
             # The RNG state is kept for the recomputation only when dropout draws from it: reading
             # it is not allowed while a CUDA graph is captured.
-            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False,
-                             preserve_rng_state=self.training and self.dropout > 0)
+            out = checkpoint(
+                self._core,
+                q,
+                k,
+                v,
+                mask,
+                use_reentrant=False,
+                preserve_rng_state=self.training and self.dropout > 0,
+            )
         else:
             out = self._core(q, k, v, mask)
         return self.proj(out)
@@ -81,26 +115,56 @@ class Attention(nn.Module):
     def _core(self, q, k, v, mask):
         """Causal attention; `mask` [b, 1, s, s] (documents) replaces the plain causal mask."""
         q, k, v = (rearrange(t, "s b heads d -> b heads s d") for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1],
-                                             dropout_p=self.dropout if self.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=k.shape[1] != q.shape[1],
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
 
 class MLP(nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group, sp, output_init, dtype, device, tp_comm_overlap=False):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group,
+        sp,
+        output_init,
+        dtype,
+        device,
+        tp_comm_overlap=False,
+    ):
         super().__init__()
         self.gated = config.activation == "swiglu"
         # SwiGLU's gate and up projections run as one GEMM: two stacked column-parallel matrices.
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if self.gated else 1),
-                                        tp_group=tp_group, bias=config.bias, stack=2 if self.gated else 1,
-                                        sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap,
-                                        init_method=normal_init(config.init_method_std),
-                                        dtype=dtype, device=device)
-        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, tp_group=tp_group, bias=config.bias,
-                                     input_is_parallel=True, sequence_parallel=sp, tp_comm_overlap=tp_comm_overlap,
-                                     init_method=output_init,
-                                     dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            config.ffn_size * (2 if self.gated else 1),
+            tp_group=tp_group,
+            bias=config.bias,
+            stack=2 if self.gated else 1,
+            sequence_parallel=sp,
+            tp_comm_overlap=tp_comm_overlap,
+            init_method=normal_init(config.init_method_std),
+            dtype=dtype,
+            device=device,
+        )
+        self.fc2 = RowParallelLinear(
+            config.ffn_size,
+            config.hidden_size,
+            tp_group=tp_group,
+            bias=config.bias,
+            input_is_parallel=True,
+            sequence_parallel=sp,
+            tp_comm_overlap=tp_comm_overlap,
+            init_method=output_init,
+            dtype=dtype,
+            device=device,
+        )
         self.activation = config.activation  # one of megafp8.fp8.activation_kernels.KINDS
 
     def forward(self, x, norm=None):
@@ -117,22 +181,43 @@ class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
     With `high_precision`, its linears stay out of FP8 even under fp8_autocast."""
 
-    def __init__(self, config: TransformerConfig, tp_group, sp, dtype, device, recompute="none",
-                 high_precision=False, tp_comm_overlap=False):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group,
+        sp,
+        dtype,
+        device,
+        recompute="none",
+        high_precision=False,
+        tp_comm_overlap=False,
+    ):
         super().__init__()
         # Megatron's scaled init for the layers that write into the residual stream.
         output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
         self.input_norm = make_norm(config, dtype, device)
-        self.attention = Attention(config, tp_group, sp, output_init, dtype, device,
-                                   recompute_core=recompute == "selective", tp_comm_overlap=tp_comm_overlap)
+        self.attention = Attention(
+            config,
+            tp_group,
+            sp,
+            output_init,
+            dtype,
+            device,
+            recompute_core=recompute == "selective",
+            tp_comm_overlap=tp_comm_overlap,
+        )
         self.mlp_norm = make_norm(config, dtype, device)
-        self.mlp = MLP(config, tp_group, sp, output_init, dtype, device, tp_comm_overlap=tp_comm_overlap)
+        self.mlp = MLP(
+            config, tp_group, sp, output_init, dtype, device, tp_comm_overlap=tp_comm_overlap
+        )
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
 
     def forward(self, x, rotary, mask=None):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
-            x = x + F.dropout(self.attention(x, rotary, mask, norm=self.input_norm), self.dropout, self.training)
+            x = x + F.dropout(
+                self.attention(x, rotary, mask, norm=self.input_norm), self.dropout, self.training
+            )
             return x + F.dropout(self.mlp(x, norm=self.mlp_norm), self.dropout, self.training)
 
 
@@ -147,9 +232,18 @@ def run_recomputed(layers, x, rotary, mask):
         return x
 
     context, scales = current_fp8_context(), {}
-    draws = any(layer.training and (layer.dropout > 0 or layer.attention.dropout > 0) for layer in layers)
-    out = checkpoint(run, x, rotary, mask, use_reentrant=False, preserve_rng_state=draws,
-                     context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)))
+    draws = any(
+        layer.training and (layer.dropout > 0 or layer.attention.dropout > 0) for layer in layers
+    )
+    out = checkpoint(
+        run,
+        x,
+        rotary,
+        mask,
+        use_reentrant=False,
+        preserve_rng_state=draws,
+        context_fn=lambda: (contextlib.nullcontext(), fp8_recompute(context, scales)),
+    )
     if context is not None:
         for linear in (m for layer in layers for m in layer.modules() if isinstance(m, Fp8Linear)):
             scales[id(linear.fp8_scaling["input"])] = linear.fp8_scaling["input"].scale.clone()
@@ -198,25 +292,44 @@ class TransformerLM(nn.Module):
     builds the same model.
     """
 
-    def __init__(self, config: TransformerConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False, layers: tuple[int, int] | None = None, seed: int = 0, fp8_output_layer: bool = False,
-                 first_last_layers_bf16: int = 0, recompute: str = "none", recompute_method: str = "uniform",
-                 recompute_num_layers: int = 1, dtype=None, device=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
+        layers: tuple[int, int] | None = None,
+        seed: int = 0,
+        fp8_output_layer: bool = False,
+        first_last_layers_bf16: int = 0,
+        recompute: str = "none",
+        recompute_method: str = "uniform",
+        recompute_num_layers: int = 1,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         tp = group_size(tp_group)
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
         first, last = layers if layers is not None else (0, config.num_layers)
         if not 0 <= first < last <= config.num_layers:
-            raise ValueError(f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}")
+            raise ValueError(
+                f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}"
+            )
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if recompute_method not in RECOMPUTE_METHODS:
-            raise ValueError(f"recompute_method must be one of {RECOMPUTE_METHODS}, got {recompute_method!r}")
+            raise ValueError(
+                f"recompute_method must be one of {RECOMPUTE_METHODS}, got {recompute_method!r}"
+            )
         check_integer("recompute_num_layers", recompute_num_layers)
         if not 0 <= first_last_layers_bf16 <= config.num_layers:
-            raise ValueError(f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
-                             f"num_layers={config.num_layers}")
+            raise ValueError(
+                f"first_last_layers_bf16={first_last_layers_bf16} must be between 0 and "
+                f"num_layers={config.num_layers}"
+            )
         self.config, self.tp_group, self.fp8_output_layer = config, tp_group, fp8_output_layer
         # A pipeline stage: the first owns the embedding, the last the final norm, output and loss.
         self.pre_process, self.post_process = first == 0, last == config.num_layers
@@ -236,32 +349,79 @@ class TransformerLM(nn.Module):
         if self.pre_process or (self.post_process and config.tie_embeddings):
             # A last stage with tied embeddings holds its own copy, initialised identically
             # (kept in sync with the first stage's through the embedding group).
-            self.embedding = seeded(0, lambda: VocabParallelEmbedding(
-                self.vocab_size, config.hidden_size, tp_group=tp_group, sequence_parallel=sp,
-                init_method=normal_init(std), dtype=dtype, device=device))
+            self.embedding = seeded(
+                0,
+                lambda: VocabParallelEmbedding(
+                    self.vocab_size,
+                    config.hidden_size,
+                    tp_group=tp_group,
+                    sequence_parallel=sp,
+                    init_method=normal_init(std),
+                    dtype=dtype,
+                    device=device,
+                ),
+            )
         if self.pre_process and config.position_embedding == "learned":
-            master = seeded(1, lambda: torch.empty(config.max_position_embeddings, config.hidden_size,
-                                                   device=device).normal_(0, std))
-            self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                   dtype=dtype, device="meta")
-            self.position_embedding.weight = nn.Parameter(master.to(device=device, dtype=dtype or torch.float32))
+            master = seeded(
+                1,
+                lambda: torch.empty(
+                    config.max_position_embeddings, config.hidden_size, device=device
+                ).normal_(0, std),
+            )
+            self.position_embedding = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta"
+            )
+            self.position_embedding.weight = nn.Parameter(
+                master.to(device=device, dtype=dtype or torch.float32)
+            )
         if config.position_embedding == "rope":
-            cos, sin = rotary_tables(config.max_position_embeddings, config.head_dim, config.rope_theta,
-                                     config.rope_scaling)
+            cos, sin = rotary_tables(
+                config.max_position_embeddings,
+                config.head_dim,
+                config.rope_theta,
+                config.rope_scaling,
+            )
             self.register_buffer("rotary_cos", cos.to(device), persistent=False)
             self.register_buffer("rotary_sin", sin.to(device), persistent=False)
         edge = first_last_layers_bf16
         # Keyed by the global layer index: parameter names are the same under any pipeline layout.
-        self.layers = nn.ModuleDict({
-            str(i): seeded(3 + i, lambda i=i: TransformerLayer(
-                config, tp_group, sp, dtype, device, recompute,
-                high_precision=i < edge or i >= config.num_layers - edge, tp_comm_overlap=tp_comm_overlap))
-            for i in range(first, last)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): seeded(
+                    3 + i,
+                    lambda i=i: TransformerLayer(
+                        config,
+                        tp_group,
+                        sp,
+                        dtype,
+                        device,
+                        recompute,
+                        high_precision=i < edge or i >= config.num_layers - edge,
+                        tp_comm_overlap=tp_comm_overlap,
+                    ),
+                )
+                for i in range(first, last)
+            }
+        )
         if self.post_process:
             self.final_norm = make_norm(config, dtype, device)
-            self.output_layer = None if config.tie_embeddings else seeded(2, lambda: ColumnParallelLinear(
-                config.hidden_size, self.vocab_size, tp_group=tp_group, bias=False, sequence_parallel=sp,
-                init_method=normal_init(std), dtype=dtype, device=device))
+            self.output_layer = (
+                None
+                if config.tie_embeddings
+                else seeded(
+                    2,
+                    lambda: ColumnParallelLinear(
+                        config.hidden_size,
+                        self.vocab_size,
+                        tp_group=tp_group,
+                        bias=False,
+                        sequence_parallel=sp,
+                        init_method=normal_init(std),
+                        dtype=dtype,
+                        device=device,
+                    ),
+                )
+            )
         self.cuda_graphs = None  # enable_cuda_graphs
         # params_needed(params), if set, is called before the forward reads each group of its
         # parameters (the embedding, each unit's layers, the final norm and output): a distributed
@@ -272,7 +432,7 @@ class TransformerLM(nn.Module):
         if recompute != "full":
             self.units = [([layer], False) for layer in layer_list]
         elif recompute_method == "uniform":
-            self.units = [(layer_list[i:i + n], True) for i in range(0, len(layer_list), n)]
+            self.units = [(layer_list[i : i + n], True) for i in range(0, len(layer_list), n)]
         else:
             self.units = [([layer], i < n) for i, layer in enumerate(layer_list)]
         for module in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
@@ -281,11 +441,18 @@ class TransformerLM(nn.Module):
         if sp:  # used on the sequence shard: each rank's gradient covers only its shard
             shard_modules = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
             for param in [p for m in shard_modules for p in m.parameters()] + (
-                    [self.position_embedding.weight] if hasattr(self, "position_embedding") else []):
+                [self.position_embedding.weight] if hasattr(self, "position_embedding") else []
+            ):
                 param.sequence_parallel = True
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
-                document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The first stage takes token ids [batch, seq]; later stages the previous stage's
         hidden states [seq, batch, hidden] (this rank's sequence shard with sequence
         parallelism). Stages before the last return hidden states; the last returns this
@@ -296,8 +463,16 @@ class TransformerLM(nn.Module):
         the whole sequence, on every stage) keep attention inside each document and restart
         positions at each one."""
         if self.pre_process:
-            self._need([self.embedding.weight, *([self.position_embedding.weight]
-                                                 if self.config.position_embedding == "learned" else [])])
+            self._need(
+                [
+                    self.embedding.weight,
+                    *(
+                        [self.position_embedding.weight]
+                        if self.config.position_embedding == "learned"
+                        else []
+                    ),
+                ]
+            )
         x = self._embed(inputs, position_ids) if self.pre_process else inputs
         rotary = None
         if self.config.position_embedding == "rope":
@@ -311,13 +486,23 @@ class TransformerLM(nn.Module):
         x = graphed if graphed is not None else self._run_units(x, rotary, mask)
         if not self.post_process:
             return x
-        self._need([*self.final_norm.parameters(), *(self.output_layer.parameters() if self.output_layer is not None
-                                                      else [self.embedding.weight])])
+        self._need(
+            [
+                *self.final_norm.parameters(),
+                *(
+                    self.output_layer.parameters()
+                    if self.output_layer is not None
+                    else [self.embedding.weight]
+                ),
+            ]
+        )
         logits = self._logits(self.final_norm(x)).transpose(0, 1)  # [b, s, vocab/tp]
         if labels is None:
             return self._mask_padding(logits)
         # The loss leaves the padded vocabulary out itself, without a masked copy of the logits.
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=self.config.vocab_size)
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.tp_group, vocab_size=self.config.vocab_size
+        )
 
     def _run_units(self, x, rotary, mask):
         for layers, recomputed in self.units:
@@ -342,10 +527,14 @@ class TransformerLM(nn.Module):
             def run(x, rotary_cos, rotary_sin, mask):
                 rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
                 return run_unit(layers, recomputed, x, rotary, mask)
+
             return run, nn.ModuleList(layers)
 
-        self.cuda_graphs = LayerGraphs([unit(layers, recomputed) for layers, recomputed in self.units], grads_ready,
-                                       self.params_needed)
+        self.cuda_graphs = LayerGraphs(
+            [unit(layers, recomputed) for layers, recomputed in self.units],
+            grads_ready,
+            self.params_needed,
+        )
 
     def disable_cuda_graphs(self) -> None:
         """Back to eager layers; the graphs and their memory pools are freed. A graph that captured
@@ -356,8 +545,10 @@ class TransformerLM(nn.Module):
     def _embed(self, tokens, position_ids):
         tp = group_size(self.tp_group)
         if self.sequence_parallel and tokens.shape[1] % tp:
-            raise ValueError(f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
-                             f"ranks (sequence parallelism needs it to)")
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} does not split over {tp} tensor-parallel "
+                f"ranks (sequence parallelism needs it to)"
+            )
         x = self.embedding(tokens.t())  # [s, b, h], or this rank's [s / tp, b, h] shard
         if self.config.position_embedding == "learned":
             start = rank_in(self.tp_group) * x.shape[0] if self.sequence_parallel else 0
@@ -372,7 +563,9 @@ class TransformerLM(nn.Module):
             if self.output_layer is not None:
                 logits = self.output_layer(x)
             elif self.sequence_parallel:
-                logits = F.linear(gather_from_sequence_parallel(x, self.tp_group), self.embedding.weight)
+                logits = F.linear(
+                    gather_from_sequence_parallel(x, self.tp_group), self.embedding.weight
+                )
             else:
                 logits = F.linear(copy_to_tensor_parallel(x, self.tp_group), self.embedding.weight)
         return logits
@@ -382,6 +575,9 @@ class TransformerLM(nn.Module):
         start = rank_in(self.tp_group) * logits.shape[-1]
         padding = start + logits.shape[-1] - self.config.vocab_size
         if padding > 0:
-            mask = torch.arange(start, start + logits.shape[-1], device=logits.device) >= self.config.vocab_size
+            mask = (
+                torch.arange(start, start + logits.shape[-1], device=logits.device)
+                >= self.config.vocab_size
+            )
             logits = logits.masked_fill(mask, float("-inf"))
         return logits

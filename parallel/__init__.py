@@ -7,13 +7,20 @@ megafp8.collectives.
 
 Installed as `megafp8.parallel`; never import it as a bare `parallel`.
 """
+
 from .initialization import master_slice, normal_init
 from .layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .p2p import P2PCommunicator, pipeline_tensor_shape
 from .process_groups import ParallelGroups, ParallelSizes
 from .schedules import SCHEDULES, forward_backward, get_schedule
-from .stages import (PipelineStage, balanced_stage_split, check_embeddings_in_sync, finalize_grads, stage_layers,
-                     tied_embedding)
+from .stages import (
+    PipelineStage,
+    balanced_stage_split,
+    check_embeddings_in_sync,
+    finalize_grads,
+    stage_layers,
+    tied_embedding,
+)
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [

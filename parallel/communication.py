@@ -5,6 +5,7 @@ All take the process group as an argument; none keeps global state. Sequence-par
 tensors are split along dim 0 (Megatron's [sequence, batch, hidden] layout), tensor-parallel
 outputs along the last dim.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ gradient in the logits' dtype.
 Both kernels run one program per token (a row of the logits) and walk its columns in blocks of
 BLOCK_V, in fp32 whatever the logits' dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,19 @@ if triton is not None:
 
     @triton.jit
     def _statistics_kernel(
-        logits_ptr, target_ptr, stats_ptr, rows, inner, stride_outer, stride_inner, vocab_start, vocab_local, valid,
-        SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+        logits_ptr,
+        target_ptr,
+        stats_ptr,
+        rows,
+        inner,
+        stride_outer,
+        stride_inner,
+        vocab_start,
+        vocab_local,
+        valid,
+        SMOOTHING: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr,
     ):
         # stats rows: max and sum of exp (relative to that max) over this shard's valid columns,
         # the target logit (0 where another rank owns the target), the sum of the valid logits.
@@ -75,10 +87,26 @@ if triton is not None:
 
     @triton.jit
     def _gradient_kernel(
-        logits_ptr, target_ptr, logits_max_ptr, sum_exp_ptr, grad_loss_ptr, grad_ptr,
-        inner, stride_outer, stride_inner, grad_stride_outer, grad_stride_inner,
-        vocab_start, vocab_local, valid, ignore_index, target_weight, smoothing_per_column,
-        SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+        logits_ptr,
+        target_ptr,
+        logits_max_ptr,
+        sum_exp_ptr,
+        grad_loss_ptr,
+        grad_ptr,
+        inner,
+        stride_outer,
+        stride_inner,
+        grad_stride_outer,
+        grad_stride_inner,
+        vocab_start,
+        vocab_local,
+        valid,
+        ignore_index,
+        target_weight,
+        smoothing_per_column,
+        SMOOTHING: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr,
     ):
         # (softmax − target_weight·one_hot − smoothing_per_column) · grad_loss, with the torch path's
         # order of operations; padding columns load as -inf, so their softmax and gradient are 0.
@@ -95,10 +123,16 @@ if triton is not None:
             cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
             in_vocab = cols < valid
             x = tl.where(in_vocab, _load_fp32(logits_row, cols, vocab_local), float("-inf"))
-            grad = tl.exp(x - logits_max) * inverse_sum_exp - tl.where(cols == local_target, target_weight, 0.0)
+            grad = tl.exp(x - logits_max) * inverse_sum_exp - tl.where(
+                cols == local_target, target_weight, 0.0
+            )
             if SMOOTHING:
                 grad -= tl.where(in_vocab, smoothing_per_column, 0.0)
-            tl.store(grad_row + cols, (grad * grad_loss).to(grad_ptr.dtype.element_ty), mask=cols < vocab_local)
+            tl.store(
+                grad_row + cols,
+                (grad * grad_loss).to(grad_ptr.dtype.element_ty),
+                mask=cols < vocab_local,
+            )
 
 
 def as_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -116,7 +150,9 @@ def _blocks(vocab_local: int) -> dict:
     return dict(BLOCK_V=block, NUM_BLOCKS=triton.cdiv(vocab_local, block))
 
 
-def statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int, valid: int, smoothing: bool):
+def statistics(
+    rows: torch.Tensor, target: torch.Tensor, vocab_start: int, valid: int, smoothing: bool
+):
     """Per token of `rows` (from as_rows) and `target` [tokens] (contiguous, global ids): this
     shard's max and sum of exp(logit − max) over its `valid` first columns, the target logit
     (0 where the target is another shard's) and, with `smoothing`, the sum of the valid logits
@@ -125,15 +161,35 @@ def statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int, valid
     tokens = outer * inner
     stats = torch.empty((4, tokens), device=rows.device, dtype=torch.float32)
     _statistics_kernel[(tokens,)](
-        rows, target, stats, tokens, inner, rows.stride(0), rows.stride(1), vocab_start, vocab_local, valid,
-        SMOOTHING=smoothing, num_warps=NUM_WARPS, **_blocks(vocab_local),
+        rows,
+        target,
+        stats,
+        tokens,
+        inner,
+        rows.stride(0),
+        rows.stride(1),
+        vocab_start,
+        vocab_local,
+        valid,
+        SMOOTHING=smoothing,
+        num_warps=NUM_WARPS,
+        **_blocks(vocab_local),
     )
     return stats
 
 
-def gradient(rows: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor, sum_exp: torch.Tensor,
-             grad_loss: torch.Tensor, vocab_start: int, valid: int, vocab: int, ignore_index: int,
-             label_smoothing: float) -> torch.Tensor:
+def gradient(
+    rows: torch.Tensor,
+    target: torch.Tensor,
+    logits_max: torch.Tensor,
+    sum_exp: torch.Tensor,
+    grad_loss: torch.Tensor,
+    vocab_start: int,
+    valid: int,
+    vocab: int,
+    ignore_index: int,
+    label_smoothing: float,
+) -> torch.Tensor:
     """The gradient of the loss with respect to `rows`, in their dtype and memory layout, from
     the global per-token max and sum of exp of forward. `target`, `logits_max`, `sum_exp` and
     `grad_loss` are contiguous [tokens]."""
@@ -143,9 +199,25 @@ def gradient(rows: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
     # logits' dtype is already no more than the torch path's fp32 softmax.
     grad = torch.empty_like(rows)
     _gradient_kernel[(outer * inner,)](
-        rows, target, logits_max, sum_exp, grad_loss, grad,
-        inner, rows.stride(0), rows.stride(1), grad.stride(0), grad.stride(1),
-        vocab_start, vocab_local, valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab,
-        SMOOTHING=label_smoothing > 0, num_warps=NUM_WARPS, **_blocks(vocab_local),
+        rows,
+        target,
+        logits_max,
+        sum_exp,
+        grad_loss,
+        grad,
+        inner,
+        rows.stride(0),
+        rows.stride(1),
+        grad.stride(0),
+        grad.stride(1),
+        vocab_start,
+        vocab_local,
+        valid,
+        ignore_index,
+        1.0 - label_smoothing,
+        label_smoothing / vocab,
+        SMOOTHING=label_smoothing > 0,
+        num_warps=NUM_WARPS,
+        **_blocks(vocab_local),
     )
     return grad

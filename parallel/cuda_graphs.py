@@ -32,19 +32,23 @@ and write in place. A capture is made at the first call with a new signature (FP
 reduction group, saturation counting, which gradients are still empty, shapes); calls a graph
 cannot serve return None.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from megafp8 import symmetric_memory
-
 from megafp8.fp8 import Fp8Linear
-from megafp8.fp8.autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
+from megafp8.fp8.autocast import (
+    current_fp8_context,
+    record_amaxes,
+    replay_backward_amaxes,
+    replay_forward_amaxes,
+)
 from megafp8.main_grad import accumulate_into_main_grad
-
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
 # allocating pinned memory while a step captures, which the default ("global") would fail on.
@@ -57,7 +61,9 @@ class _GraphSet:
     def __init__(self, count: int, slot: int):
         self.forward_graphs: list = [None] * count
         self.backward_graphs: list = [None] * count
-        self.inputs: list = [None] * count  # static input of each unit (unit i+1's is unit i's output)
+        self.inputs: list = [
+            None
+        ] * count  # static input of each unit (unit i+1's is unit i's output)
         self.outputs: list = [None] * count
         self.extras: tuple = ()  # static extra arguments, shared by the units
         self.grad_outputs: list = [None] * count  # unit i's is unit i+1's grad_input
@@ -104,17 +110,24 @@ class LayerGraphs:
     distributed optimizer that gathers them beside the forward waits there).
     """
 
-    def __init__(self, units: Sequence[tuple[Callable, nn.Module]],
-                 grads_ready: Optional[Callable[[list], None]] = None,
-                 params_needed: Optional[Callable[[list], None]] = None):
+    def __init__(
+        self,
+        units: Sequence[tuple[Callable, nn.Module]],
+        grads_ready: Callable[[list], None] | None = None,
+        params_needed: Callable[[list], None] | None = None,
+    ):
         self.functions = [function for function, _ in units]
         self.params = [[p for p in module.parameters() if p.requires_grad] for _, module in units]
         self.all_params = [p for params in self.params for p in params]
-        self.linears = [[m for m in module.modules() if isinstance(m, Fp8Linear)] for _, module in units]
+        self.linears = [
+            [m for m in module.modules() if isinstance(m, Fp8Linear)] for _, module in units
+        ]
         missing = [p for p in self.all_params if not hasattr(p, "main_grad")]
         if missing:
-            raise ValueError("LayerGraphs adds gradients into param.main_grad: build the GradientBuffer "
-                             f"before graphing ({len(missing)} parameters have none)")
+            raise ValueError(
+                "LayerGraphs adds gradients into param.main_grad: build the GradientBuffer "
+                f"before graphing ({len(missing)} parameters have none)"
+            )
         self.grads_ready, self.params_needed = grads_ready, params_needed
         self.sets: dict = {}
         self.slots = MicroBatchSlots()
@@ -123,18 +136,24 @@ class LayerGraphs:
         for linear in (m for linears in self.linears for m in linears):
             linear.keep_weight_cast_addresses = True
 
-    def __call__(self, x: torch.Tensor, *extras) -> Optional[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, *extras) -> torch.Tensor | None:
         context = current_fp8_context()
         if not (torch.is_grad_enabled() and x.is_cuda and x.requires_grad) or (
-                context is not None and context.replay_scales is not None):
+            context is not None and context.replay_scales is not None
+        ):
             return None
         slot, follows_another = self.slots.take()  # following another, its backward accumulates
         if slot == len(self.pools):
             self.pools.append(torch.cuda.graph_pool_handle())
-        key = (slot, None if context is None else (context.recipe, id(context.amax_reduction_group),
-                                                   context.collect_saturation),
-               None if follows_another else self._empty_main_grads(), _layout(x),
-               tuple(None if e is None else _layout(e) for e in extras))
+        key = (
+            slot,
+            None
+            if context is None
+            else (context.recipe, id(context.amax_reduction_group), context.collect_saturation),
+            None if follows_another else self._empty_main_grads(),
+            _layout(x),
+            tuple(None if e is None else _layout(e) for e in extras),
+        )
         graphs = self.sets.get(key)
         if graphs is None:
             if self.params_needed is not None:  # the capture runs every unit first
@@ -201,25 +220,41 @@ class LayerGraphs:
             inputs = first_input
             for index, function in enumerate(self.functions):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE
+                ):
                     output = function(inputs, *graphs.extras)
                     symmetric_memory.join_copy_streams()
-                graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = graph, inputs, output
+                graphs.forward_graphs[index], graphs.inputs[index], graphs.outputs[index] = (
+                    graph,
+                    inputs,
+                    output,
+                )
                 graphs.forward_amaxes[index], _ = recording.take()
-                inputs = output.detach().requires_grad_()  # the next unit reads this output in place
+                inputs = (
+                    output.detach().requires_grad_()
+                )  # the next unit reads this output in place
             grad_output = torch.empty_like(graphs.outputs[-1])
             for index in reversed(range(len(self.functions))):
                 graph, params = torch.cuda.CUDAGraph(), self.params[index]
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE):
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=self.stream, capture_error_mode=_CAPTURE_MODE
+                ):
                     empty = [p.main_grad_empty for p in params]
-                    grads = torch.autograd.grad(graphs.outputs[index], (graphs.inputs[index], *params),
-                                                grad_outputs=grad_output, allow_unused=True)
+                    grads = torch.autograd.grad(
+                        graphs.outputs[index],
+                        (graphs.inputs[index], *params),
+                        grad_outputs=grad_output,
+                        allow_unused=True,
+                    )
                     for param, grad in zip(params, grads[1:]):
                         if grad is not None:
                             accumulate_into_main_grad(param, grad)
                     symmetric_memory.join_copy_streams()
                 # Written: by the layers themselves (claimed), or from autograd's gradient.
-                graphs.written[index] = [p for p, was_empty in zip(params, empty) if was_empty and not p.main_grad_empty]
+                graphs.written[index] = [
+                    p for p, was_empty in zip(params, empty) if was_empty and not p.main_grad_empty
+                ]
                 graphs.backward_graphs[index], graphs.grad_outputs[index] = graph, grad_output
                 graphs.grad_inputs[index] = grad_output = grads[0]
                 _, graphs.backward_amaxes[index] = recording.take()
@@ -236,7 +271,12 @@ class LayerGraphs:
         scaling state it touches and the CUDA generator are restored, no gradient is kept (the
         linears do not write main_grad meanwhile)."""
         linears = [m for linears in self.linears for m in linears]
-        states = [t for m in linears for s in m.fp8_scaling.values() for t in (s.scale, s.amax, s.cast_counts)]
+        states = [
+            t
+            for m in linears
+            for s in m.fp8_scaling.values()
+            for t in (s.scale, s.amax, s.cast_counts)
+        ]
         saved, rng = [t.clone() for t in states], torch.cuda.get_rng_state()
         fused = [m.fuse_wgrad_accumulation for m in linears]
         for m in linears:
@@ -246,8 +286,12 @@ class LayerGraphs:
             inputs = first_input
             for function, params in zip(self.functions, self.params):
                 output = function(inputs, *extras)
-                torch.autograd.grad(output, (inputs, *params), grad_outputs=torch.ones_like(output),
-                                    allow_unused=True)
+                torch.autograd.grad(
+                    output,
+                    (inputs, *params),
+                    grad_outputs=torch.ones_like(output),
+                    allow_unused=True,
+                )
                 inputs = output.detach().requires_grad_()
         torch.cuda.current_stream().wait_stream(self.stream)
         torch._foreach_copy_(states, saved)
@@ -267,7 +311,13 @@ class _ReplayUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return None, None, None, None, ctx.owner.replay_backward(ctx.graphs, ctx.index, grad_output).detach()
+        return (
+            None,
+            None,
+            None,
+            None,
+            ctx.owner.replay_backward(ctx.graphs, ctx.index, grad_output).detach(),
+        )
 
 
 def _layout(t: torch.Tensor) -> tuple:

@@ -27,6 +27,7 @@ A parameter given in `own_bucket` gets a bucket to itself. The tied embedding ne
 copies on the first and last pipeline stage are summed element by element after the reduction,
 so each dp rank must own the same slice of both copies, whatever else each stage holds.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -51,8 +52,15 @@ class _Bucket:
 class GradientBuffer:
     """The fp32 `main_grad` buffer of `params`, with bucketed, overlapped reduction over `group`."""
 
-    def __init__(self, params, group=None, bucket_size=DEFAULT_BUCKET_SIZE, shard=False,
-                 overlap=True, own_bucket=()):
+    def __init__(
+        self,
+        params,
+        group=None,
+        bucket_size=DEFAULT_BUCKET_SIZE,
+        shard=False,
+        overlap=True,
+        own_bucket=(),
+    ):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters")
@@ -88,7 +96,7 @@ class GradientBuffer:
         self.bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:
-                p.main_grad = self.data[layout[p]:layout[p] + p.numel()].view_as(p)
+                p.main_grad = self.data[layout[p] : layout[p] + p.numel()].view_as(p)
                 p.main_grad_offset = layout[p]
                 p.main_grad_empty = True
                 self.bucket_of[p] = bucket
@@ -130,10 +138,12 @@ class GradientBuffer:
 
     def _launch(self, bucket):
         self._zero_empty(bucket.params)
-        flat = self.data[bucket.start:bucket.end]
+        flat = self.data[bucket.start : bucket.end]
         flat.div_(self.size)
         if self.shard:
-            bucket.handle = reduce_scatter_into(flat[self.owned_slice(bucket)], flat, self.group, async_op=True)
+            bucket.handle = reduce_scatter_into(
+                flat[self.owned_slice(bucket)], flat, self.group, async_op=True
+            )
         else:
             bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
 
@@ -179,7 +189,9 @@ class GradientBuffer:
     def owned_slice(self, bucket) -> slice:
         """This rank's slice of `bucket`, relative to the bucket's start."""
         rank = rank_in(self.group)
-        length = (bucket.end - bucket.start) // self.size if self.shard else bucket.end - bucket.start
+        length = (
+            (bucket.end - bucket.start) // self.size if self.shard else bucket.end - bucket.start
+        )
         start = rank * length if self.shard else 0
         return slice(start, start + length)
 
@@ -195,4 +207,3 @@ class GradientBuffer:
                 if start < end:
                     ranges.append((p, start, end))
         return ranges
-

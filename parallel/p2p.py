@@ -19,9 +19,8 @@ from the next. A rank's activations to its peer then always precede its gradient
 peer, and the peer posts its receives in the same order. Gloo matches by tag as well: the
 two directions carry different tags.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -32,18 +31,29 @@ from megafp8.messages import check_integer
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
-def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int = 1,
-                          sequence_parallel: bool = False) -> tuple[int, int, int]:
+def pipeline_tensor_shape(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+) -> tuple[int, int, int]:
     """The shape of every activation and gradient exchanged between stages:
     `(seq_length / tp, micro_batch_size, hidden_size)` with sequence parallelism over tp > 1
     ranks (each rank sends its own sequence shard), else `(seq_length, micro_batch_size, hidden_size)`."""
-    for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
-                        ("hidden_size", hidden_size), ("tp_size", tp_size)):
+    for name, value in (
+        ("seq_length", seq_length),
+        ("micro_batch_size", micro_batch_size),
+        ("hidden_size", hidden_size),
+        ("tp_size", tp_size),
+    ):
         check_integer(name, value)
     if sequence_parallel and tp_size > 1:
         if seq_length % tp_size:
-            raise ValueError(f"seq_length={seq_length} does not split over tp_size={tp_size} tensor-parallel "
-                             f"ranks (sequence parallelism needs it to)")
+            raise ValueError(
+                f"seq_length={seq_length} does not split over tp_size={tp_size} tensor-parallel "
+                f"ranks (sequence parallelism needs it to)"
+            )
         seq_length //= tp_size
     return (seq_length, micro_batch_size, hidden_size)
 
@@ -67,7 +77,7 @@ class P2PCommunicator:
     tests that check the pairing of sends and receives.
     """
 
-    def __init__(self, groups, shape, dtype: torch.dtype, device, log: Optional[list] = None):
+    def __init__(self, groups, shape, dtype: torch.dtype, device, log: list | None = None):
         self.group = groups.pp_group
         self.next_rank, self.prev_rank = groups.next_stage_rank, groups.prev_stage_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
@@ -84,14 +94,21 @@ class P2PCommunicator:
             raise ValueError(
                 f"pipeline {what} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, but the pipeline "
                 f"exchanges {self.shape} [seq (/ tp with sequence parallelism), micro_batch, hidden] in "
-                f"{self.dtype}: check seq_length, micro_batch_size, hidden_size, dtype and sequence_parallel")
+                f"{self.dtype}: check seq_length, micro_batch_size, hidden_size, dtype and sequence_parallel"
+            )
         return tensor.detach().contiguous()
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def communicate(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                    recv_prev: bool = False, recv_next: bool = False, requires_grad: bool = True):
+    def communicate(
+        self,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        requires_grad: bool = True,
+    ):
         """Post the given transfers as one batch and wait for all of them.
 
         send_next: this stage's output activation, to the next stage.
@@ -104,23 +121,38 @@ class P2PCommunicator:
         ops, from_prev, from_next = [], None, None
         # The fixed order that makes NCCL's in-order matching pair them up (module docstring).
         if send_next is not None:
-            ops.append(("send", self._check(send_next, "output activation"), self.next_rank, ACTIVATION_TAG))
+            ops.append(
+                (
+                    "send",
+                    self._check(send_next, "output activation"),
+                    self.next_rank,
+                    ACTIVATION_TAG,
+                )
+            )
         if recv_prev:
             from_prev = self._buffer()
             ops.append(("recv", from_prev, self.prev_rank, ACTIVATION_TAG))
         if send_prev is not None:
-            ops.append(("send", self._check(send_prev, "input gradient"), self.prev_rank, GRADIENT_TAG))
+            ops.append(
+                ("send", self._check(send_prev, "input gradient"), self.prev_rank, GRADIENT_TAG)
+            )
         if recv_next:
             from_next = self._buffer()
             ops.append(("recv", from_next, self.next_rank, GRADIENT_TAG))
         if ops:
-            p2p_ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer, self.group, tag)
-                       for op, tensor, peer, tag in ops]
+            p2p_ops = [
+                dist.P2POp(
+                    dist.isend if op == "send" else dist.irecv, tensor, peer, self.group, tag
+                )
+                for op, tensor, peer, tag in ops
+            ]
             for request in dist.batch_isend_irecv(p2p_ops):
                 request.wait()
             if self.log is not None:
-                self.log.extend((op, peer, "activation" if tag == ACTIVATION_TAG else "gradient")
-                                for op, _, peer, tag in ops)
+                self.log.extend(
+                    (op, peer, "activation" if tag == ACTIVATION_TAG else "gradient")
+                    for op, _, peer, tag in ops
+                )
         if from_prev is not None and requires_grad:
             from_prev.requires_grad_(True)
         return from_prev, from_next

@@ -7,12 +7,12 @@ Tensor parallel varies fastest, then data, then pipeline:
 so a tensor-parallel group is `tp` consecutive ranks (inside one node, on its fast links, when
 tp is at most the GPUs per node), and pipeline stages, whose traffic is the lightest, span nodes.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ _NAMES = {"tp": "tensor-model-parallel", "pp": "pipeline-model-parallel", "dp": 
 class ParallelSizes:
     """The grid's sizes, checked against the world size; pure, no process group needed.
 
-        ParallelSizes.resolve(8, tp=2, pp=2)   # ParallelSizes(world_size=8, tp=2, pp=2, dp=2)
-        ParallelSizes.resolve(8, tp=3)         # ValueError: ... = 3 does not divide the world size 8
+    ParallelSizes.resolve(8, tp=2, pp=2)   # ParallelSizes(world_size=8, tp=2, pp=2, dp=2)
+    ParallelSizes.resolve(8, tp=3)         # ValueError: ... = 3 does not divide the world size 8
     """
 
     world_size: int
@@ -43,7 +43,9 @@ class ParallelSizes:
     dp: int
 
     @classmethod
-    def resolve(cls, world_size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ParallelSizes":
+    def resolve(
+        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None
+    ) -> ParallelSizes:
         """Derive dp as world_size // (tp * pp), or check the given one; ValueError saying which size is wrong."""
         check_integer("world size", world_size)
         given = {"tp": tp, "pp": pp} if dp is None else {"tp": tp, "pp": pp, "dp": dp}
@@ -53,7 +55,9 @@ class ParallelSizes:
         if world_size % (tp * pp):
             raise ValueError(f"{model} = {tp * pp} does not divide the world size {world_size}")
         if dp is not None and dp * tp * pp != world_size:
-            raise ValueError(f"{model} x {_NAMES['dp']} size {dp} = {tp * pp * dp} is not the world size {world_size}")
+            raise ValueError(
+                f"{model} x {_NAMES['dp']} size {dp} = {tp * pp * dp} is not the world size {world_size}"
+            )
         return cls(world_size, tp, pp, world_size // (tp * pp))
 
     def coordinates(self, rank: int) -> dict:
@@ -68,7 +72,9 @@ class ParallelSizes:
         groups = {}
         for rank in range(self.world_size):
             coords = self.coordinates(rank)
-            groups.setdefault(tuple(coords[d] for d in GRID_ORDER if d not in dims), []).append(rank)
+            groups.setdefault(tuple(coords[d] for d in GRID_ORDER if d not in dims), []).append(
+                rank
+            )
         return [tuple(ranks) for ranks in groups.values()]
 
 
@@ -104,16 +110,30 @@ class ParallelGroups:
             around (the last stage's next is the first) as the interleaved schedule needs.
     """
 
-    def __init__(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 data_parallel_size: Optional[int] = None, *, backend: Optional[str] = None):
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+        *,
+        backend: str | None = None,
+    ):
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first, "
-                               "or use ParallelGroups.from_torchrun under torchrun")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call dist.init_process_group first, "
+                "or use ParallelGroups.from_torchrun under torchrun"
+            )
         # Checked before any group is created, so bad sizes fail here with a message that says
         # which, not as a hang or an obscure error inside new_group.
         self.sizes = sizes = ParallelSizes.resolve(
-            dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
-        self.world_size, self.tp_size, self.pp_size, self.dp_size = sizes.world_size, sizes.tp, sizes.pp, sizes.dp
+            dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+        )
+        self.world_size, self.tp_size, self.pp_size, self.dp_size = (
+            sizes.world_size,
+            sizes.tp,
+            sizes.pp,
+            sizes.dp,
+        )
         self.rank = dist.get_rank()
         coords = sizes.coordinates(self.rank)
         self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
@@ -123,12 +143,14 @@ class ParallelGroups:
         self.dp_ranks, self.dp_group = self._new_groups(sizes.groups_along("dp"), backend)
         self.pp_ranks, self.pp_group = self._new_groups(pipelines, backend)
         self.model_parallel_ranks, self.model_parallel_group = self._new_groups(
-            sizes.groups_along("tp", "pp"), backend)
+            sizes.groups_along("tp", "pp"), backend
+        )
         ends = [(ranks[0], ranks[-1]) if sizes.pp > 1 else ranks for ranks in pipelines]
         self.embedding_ranks = ends[pipelines.index(self.pp_ranks)]
         _, self.embedding_group = self._new_groups(ends, backend)
         self.amax_reduction_ranks, self.amax_reduction_group = self._new_groups(
-            sizes.groups_along("tp", "dp"), backend)
+            sizes.groups_along("tp", "dp"), backend
+        )
 
         self.is_first_stage = self.pp_rank == 0
         self.is_last_stage = self.pp_rank == sizes.pp - 1
@@ -136,27 +158,43 @@ class ParallelGroups:
         self.prev_stage_rank = self.pp_ranks[(self.pp_rank - 1) % sizes.pp]
 
     @classmethod
-    def from_torchrun(cls, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                      data_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
-                      timeout: Optional[timedelta] = None) -> "ParallelGroups":
+    def from_torchrun(
+        cls,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+        *,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> ParallelGroups:
         """Initialise torch.distributed from torchrun's environment unless it already is, then build the
         groups. `timeout`: how long a collective waits for the other ranks before the run fails
         (torch's default when None)."""
         if not dist.is_initialized():
             missing = [name for name in TORCHRUN_ENV if name not in os.environ]
             if missing:
-                raise RuntimeError(f"torch.distributed is not initialised and the torchrun environment lacks "
-                                   f"{', '.join(missing)}: launch with torchrun, or call dist.init_process_group first")
+                raise RuntimeError(
+                    f"torch.distributed is not initialised and the torchrun environment lacks "
+                    f"{', '.join(missing)}: launch with torchrun, or call dist.init_process_group first"
+                )
             # Fail on bad sizes now, not after the rendezvous has waited for every rank.
-            ParallelSizes.resolve(int(os.environ["WORLD_SIZE"]), tensor_parallel_size, pipeline_parallel_size,
-                                  data_parallel_size)
+            ParallelSizes.resolve(
+                int(os.environ["WORLD_SIZE"]),
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                data_parallel_size,
+            )
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL binds to a GPU
-            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
-                                    **({"timeout": timeout} if timeout is not None else {}))
-        return cls(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, backend=backend)
+            dist.init_process_group(
+                backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                **({"timeout": timeout} if timeout is not None else {}),
+            )
+        return cls(
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, backend=backend
+        )
 
-    def _new_groups(self, rank_lists: list, backend: Optional[str]) -> tuple:
+    def _new_groups(self, rank_lists: list, backend: str | None) -> tuple:
         """Create every group of `rank_lists`; return (ranks, group) of the one holding this rank, or (None, None)."""
         own = None, None
         for ranks in rank_lists:
@@ -167,5 +205,7 @@ class ParallelGroups:
         return own
 
     def __repr__(self) -> str:
-        return (f"ParallelGroups(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")
+        return (
+            f"ParallelGroups(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
+            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})"
+        )

@@ -50,10 +50,11 @@ because every rank of a stage runs the same sequence of forward and backward pas
 order depends only on (schedule, pp, pp_rank, vpp, num_micro_batches), never on data or on
 tp/dp rank. `stats["order"]` records it; the tests check it is identical within a stage.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -67,8 +68,19 @@ class _Step:
     """What every schedule shares: running forward and backward passes of the model chunks,
     the micro-batches, point-to-point communication, gradient-buffer sync and statistics."""
 
-    def __init__(self, model_chunks, data_iterator, forward_step, num_micro_batches, groups, shape, dtype,
-                 forward_only, grad_buffers, stats):
+    def __init__(
+        self,
+        model_chunks,
+        data_iterator,
+        forward_step,
+        num_micro_batches,
+        groups,
+        shape,
+        dtype,
+        forward_only,
+        grad_buffers,
+        stats,
+    ):
         self.chunks, self.forward_step, self.groups = model_chunks, forward_step, groups
         self.num_micro_batches, self.forward_only = num_micro_batches, forward_only
         self.pp = groups.pp_size if groups is not None else 1
@@ -80,7 +92,9 @@ class _Step:
         self.losses: list = []
         device = next(iter(model_chunks[0].parameters())).device
         self.p2p_log = stats.setdefault("p2p", []) if stats is not None else None
-        self.p2p = P2PCommunicator(groups, shape, dtype, device, self.p2p_log) if self.pp > 1 else None
+        self.p2p = (
+            P2PCommunicator(groups, shape, dtype, device, self.p2p_log) if self.pp > 1 else None
+        )
         self.stats = stats
         self.live = self.max_live = 0
         self.forwards = [0] * len(model_chunks)
@@ -99,8 +113,10 @@ class _Step:
             try:
                 self.batches[self.fetched] = next(self.data)
             except StopIteration:
-                raise ValueError(f"data_iterator ran out after {self.fetched} of num_micro_batches="
-                                 f"{self.num_micro_batches} micro-batches") from None
+                raise ValueError(
+                    f"data_iterator ran out after {self.fetched} of num_micro_batches="
+                    f"{self.num_micro_batches} micro-batches"
+                ) from None
             self.fetched += 1
         batch = self.batches[index]
         if chunk == len(self.chunks) - 1:
@@ -109,7 +125,9 @@ class _Step:
 
     def forward(self, chunk: int, index: int, input_tensor):
         """Run forward_step on one micro-batch; the output to send on (None on the last virtual stage)."""
-        result = self.forward_step(chunk, self.chunks[chunk], input_tensor, self.micro_batch(index, chunk))
+        result = self.forward_step(
+            chunk, self.chunks[chunk], input_tensor, self.micro_batch(index, chunk)
+        )
         self.forwards[chunk] += 1
         self.order.append(("F", chunk, index))
         if not self.forward_only:
@@ -117,13 +135,17 @@ class _Step:
             self.max_live = max(self.max_live, self.live)
         if not self.is_last(chunk):
             if not isinstance(result, torch.Tensor):
-                raise TypeError(f"forward_step of chunk {chunk} (not the last pipeline stage) must return the "
-                                f"output hidden states as one tensor, got {type(result).__name__}")
+                raise TypeError(
+                    f"forward_step of chunk {chunk} (not the last pipeline stage) must return the "
+                    f"output hidden states as one tensor, got {type(result).__name__}"
+                )
             return result
         loss, report = result if isinstance(result, tuple) else (result, None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("forward_step on the last pipeline stage must return the micro-batch's loss (a "
-                            "one-element tensor, divided by num_micro_batches) or a tuple (loss, report)")
+            raise TypeError(
+                "forward_step on the last pipeline stage must return the micro-batch's loss (a "
+                "one-element tensor, divided by num_micro_batches) or a tuple (loss, report)"
+            )
         self.losses.append(loss.detach() if report is None else report)
         return loss
 
@@ -149,7 +171,9 @@ class _Step:
         elif getattr(output, "values_freed", False):
             # From the output's gradient edge: its shape is the one autograd recorded, not the
             # one-element stand-in's.
-            torch.autograd.backward(torch.autograd.graph.get_gradient_edge(output), grad_tensors=output_grad)
+            torch.autograd.backward(
+                torch.autograd.graph.get_gradient_edge(output), grad_tensors=output_grad
+            )
         else:
             torch.autograd.backward(output, grad_tensors=output_grad)
         self.live -= 1
@@ -160,11 +184,17 @@ class _Step:
             buffer.set_sync(True)  # the buffer's default, whatever runs next
         expected = [self.num_micro_batches] * len(self.chunks)
         # Every rank of a stage must have run the same passes (the FP8 amax collectives).
-        assert self.forwards == expected and (self.forward_only or self.backwards == expected), \
-            (self.forwards, self.backwards)
+        assert self.forwards == expected and (self.forward_only or self.backwards == expected), (
+            self.forwards,
+            self.backwards,
+        )
         if self.stats is not None:
-            self.stats.update(max_live_forwards=self.max_live, forwards=list(self.forwards),
-                              backwards=list(self.backwards), order=list(self.order))
+            self.stats.update(
+                max_live_forwards=self.max_live,
+                forwards=list(self.forwards),
+                backwards=list(self.backwards),
+                order=list(self.order),
+            )
         return self.losses
 
 
@@ -232,8 +262,9 @@ def one_f_one_b(step: _Step) -> list:
         _, output_grad = step.communicate(send_next=None if last else output, recv_next=not last)
         input_grad = run_backward(output_grad)
         # Send its input gradient back and receive the input of the next micro-batch.
-        input_tensor, _ = step.communicate(send_prev=None if first else input_grad,
-                                          recv_prev=not first and i < remaining - 1)
+        input_tensor, _ = step.communicate(
+            send_prev=None if first else input_grad, recv_prev=not first and i < remaining - 1
+        )
 
     if not forward_only:
         for _ in range(warmup):
@@ -301,13 +332,15 @@ def interleaved_one_f_one_b(step: _Step) -> list:
         send = None if step.is_last(chunk_of(k, True)) else output
         if k == warmup - 1 and not all_warmup:
             # The last warm-up forward also receives the first gradient.
-            input_tensor, output_grad = step.communicate(send_next=send, recv_prev=recv_prev,
-                                                        recv_next=not last_rank)
+            input_tensor, output_grad = step.communicate(
+                send_next=send, recv_prev=recv_prev, recv_next=not last_rank
+            )
             if not last_rank:
                 output_grads[chunks - 1].append(output_grad)
         else:
-            input_tensor, _ = step.communicate(send_next=send, recv_prev=recv_prev,
-                                              requires_grad=not forward_only)
+            input_tensor, _ = step.communicate(
+                send_next=send, recv_prev=recv_prev, requires_grad=not forward_only
+            )
         if recv_prev:
             inputs[next_chunk].append(input_tensor)
 
@@ -336,8 +369,9 @@ def interleaved_one_f_one_b(step: _Step) -> list:
             next_backward_chunk = chunk_of(backward_k + 1, False)
         if i == remaining - 1:
             recv_prev = False
-        input_tensor, output_grad = step.communicate(send_next=send_next, send_prev=send_prev,
-                                                    recv_prev=recv_prev, recv_next=recv_next)
+        input_tensor, output_grad = step.communicate(
+            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next
+        )
         if recv_prev:
             inputs[next_forward_chunk].append(input_tensor)
         if recv_next:
@@ -373,11 +407,23 @@ def get_schedule(pp_size: int, num_chunks: int = 1) -> str:
     return "1f1b" if num_chunks == 1 else "interleaved_1f1b"
 
 
-def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[nn.Module, Sequence[nn.Module]], *,
-                     data_iterator: Iterable, forward_step: Callable, num_micro_batches: int, groups,
-                     seq_length: int, micro_batch_size: int, hidden_size: int, dtype: torch.dtype,
-                     sequence_parallel: bool = False, forward_only: bool = False, grad_buffers=None,
-                     stats: Optional[dict] = None) -> list:
+def forward_backward(
+    schedule: str | Callable | None,
+    model_chunks: nn.Module | Sequence[nn.Module],
+    *,
+    data_iterator: Iterable,
+    forward_step: Callable,
+    num_micro_batches: int,
+    groups,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    sequence_parallel: bool = False,
+    forward_only: bool = False,
+    grad_buffers=None,
+    stats: dict | None = None,
+) -> list:
     """Run one step's `num_micro_batches` micro-batches forward (and backward) through this
     rank's pipeline stage; return the per-micro-batch losses on the last stage ([] elsewhere).
 
@@ -415,16 +461,22 @@ def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[n
     name = get_schedule(pp, len(chunks)) if schedule is None else schedule
     if isinstance(name, str):
         if name not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+            )
         function = SCHEDULES[name]
     else:
         function = name
     if function is no_pipelining and (pp > 1 or len(chunks) > 1):
-        raise ValueError(f"the no_pipelining schedule runs one model chunk on a single pipeline stage; "
-                         f"got pp={pp} and {len(chunks)} chunks (use 1f1b or interleaved_1f1b)")
+        raise ValueError(
+            f"the no_pipelining schedule runs one model chunk on a single pipeline stage; "
+            f"got pp={pp} and {len(chunks)} chunks (use 1f1b or interleaved_1f1b)"
+        )
     if function is one_f_one_b and len(chunks) > 1:
-        raise ValueError(f"the 1f1b schedule runs one model chunk per rank, got {len(chunks)} "
-                         f"(use interleaved_1f1b for virtual pipeline stages)")
+        raise ValueError(
+            f"the 1f1b schedule runs one model chunk per rank, got {len(chunks)} "
+            f"(use interleaved_1f1b for virtual pipeline stages)"
+        )
     if function is interleaved_one_f_one_b:
         if pp == 1:
             raise ValueError("the interleaved_1f1b schedule needs pipeline parallelism (pp > 1)")
@@ -432,7 +484,8 @@ def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[n
             raise ValueError(
                 f"the interleaved pipeline schedule needs num_micro_batches divisible by the pipeline-parallel "
                 f"size: num_micro_batches={num_micro_batches} % pp={pp} = {num_micro_batches % pp} (micro-batches "
-                f"go through the {len(chunks)} virtual stages of each rank in groups of pp)")
+                f"go through the {len(chunks)} virtual stages of each rank in groups of pp)"
+            )
     tp = groups.tp_size if groups is not None else 1
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp, sequence_parallel)
     if grad_buffers is None:
@@ -442,7 +495,17 @@ def forward_backward(schedule: Union[str, Callable, None], model_chunks: Union[n
     if stats is not None:
         stats.clear()
         stats["schedule"] = getattr(function, "__name__", str(function))
-    step = _Step(chunks, data_iterator, forward_step, num_micro_batches, groups, shape, dtype, forward_only,
-                 list(grad_buffers), stats)
+    step = _Step(
+        chunks,
+        data_iterator,
+        forward_step,
+        num_micro_batches,
+        groups,
+        shape,
+        dtype,
+        forward_only,
+        list(grad_buffers),
+        stats,
+    )
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return function(step)

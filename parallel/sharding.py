@@ -7,6 +7,7 @@ along `dim`, and this rank holds its slice of each. Parameters without `partitio
 replicated over the tensor-parallel group. `unpadded_rows` on a vocabulary-parallel weight is
 the real vocabulary size: the rows past it are padding, dropped from checkpoints.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,11 @@ class Partition:
             return tensor
         shape = list(tensor.shape)
         shape[self.dim] //= self.stack
-        return tensor.reshape(shape[:self.dim] + [self.stack] + shape[self.dim:]) if self.dim == 0 \
+        return (
+            tensor.reshape(shape[: self.dim] + [self.stack] + shape[self.dim :])
+            if self.dim == 0
             else tensor.unflatten(self.dim, (self.stack, shape[self.dim]))
+        )
 
 
 def mark_partitioned(param, dim: int, stack: int = 1):

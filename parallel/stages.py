@@ -15,9 +15,10 @@ The chunks are duck-typed: modules with `layers` (a ModuleDict named by global l
 `config.tie_embeddings`, and where they hold them `embedding`, `position_embedding`,
 `final_norm` and `output_layer`, as megafp8.models.TransformerLM has.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,15 @@ from torch import nn
 from megafp8.collectives import group_size
 from megafp8.messages import check_integer
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_stage_layers: Optional[int] = None,
-                 last_stage_layers: Optional[int] = None) -> list[tuple[int, int]]:
+
+def stage_layers(
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[tuple[int, int]]:
     """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
     ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
 
@@ -49,35 +57,48 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_sta
     stages = pp * vpp
     what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
     fixed = {}  # virtual stage -> its given layer count
-    for name, value, stage in (("first_stage_layers", first_stage_layers, 0),
-                               ("last_stage_layers", last_stage_layers, stages - 1)):
+    for name, value, stage in (
+        ("first_stage_layers", first_stage_layers, 0),
+        ("last_stage_layers", last_stage_layers, stages - 1),
+    ):
         if value is None:
             continue
         check_integer(name, value, note=" (every stage holds at least one layer)")
         if stages == 1:
             if value != num_layers:
-                raise ValueError(f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}")
+                raise ValueError(
+                    f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}"
+                )
             continue
         fixed[stage] = value
     rest, others = num_layers - sum(fixed.values()), stages - len(fixed)
-    given = " and ".join(f"{name}={value}" for name, value in
-                         (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers))
-                         if value is not None and stages > 1)
+    given = " and ".join(
+        f"{name}={value}"
+        for name, value in (
+            ("first_stage_layers", first_stage_layers),
+            ("last_stage_layers", last_stage_layers),
+        )
+        if value is not None and stages > 1
+    )
     if others == 0:
         if rest != 0:
-            raise ValueError(f"{given} add up to {num_layers - rest} layers, but the model has "
-                             f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})")
+            raise ValueError(
+                f"{given} add up to {num_layers - rest} layers, but the model has "
+                f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})"
+            )
         per_stage = 0
     elif rest < others or rest % others:
         if given:
             raise ValueError(
                 f"the {rest} layers left after {given} do not split evenly over the other {others} "
                 f"pipeline stages ({what} stages, num_layers={num_layers}): {rest} % {others} = "
-                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer")
+                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer"
+            )
         raise ValueError(
             f"num_layers={num_layers} does not split evenly over {what} pipeline stages "
             f"({num_layers} % {stages} = {num_layers % stages}{', fewer layers than stages' if rest < others else ''}): "
-            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers")
+            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers"
+        )
     else:
         per_stage = rest // others
     counts = [fixed.get(stage, per_stage) for stage in range(stages)]
@@ -85,8 +106,9 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first_sta
     return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
 
 
-def balanced_stage_split(num_layers: int, pp: int, vpp: int = 1,
-                         output_layer_cost: float = 0.0) -> tuple[Optional[int], Optional[int]]:
+def balanced_stage_split(
+    num_layers: int, pp: int, vpp: int = 1, output_layer_cost: float = 0.0
+) -> tuple[int | None, int | None]:
     """The (first_stage_layers, last_stage_layers) for `stage_layers` that even out the pipeline
     ranks' work when the last virtual stage also runs the output layer and the loss, costing
     `output_layer_cost` layers' time; (None, None) where the even split is as good.
@@ -117,14 +139,25 @@ def balanced_stage_split(num_layers: int, pp: int, vpp: int = 1,
     for first in range(1, num_layers):
         for last in range(1, num_layers - first + 1):
             rest = num_layers - first - last
-            if stages == 2 and rest != 0 or stages > 2 and (rest < stages - 2 or rest % (stages - 2)):
+            if (
+                stages == 2
+                and rest != 0
+                or stages > 2
+                and (rest < stages - 2 or rest % (stages - 2))
+            ):
                 continue
-            counts = [first] + [rest // (stages - 2)] * (stages - 2) + [last] if stages > 2 else [first, last]
+            counts = (
+                [first] + [rest // (stages - 2)] * (stages - 2) + [last]
+                if stages > 2
+                else [first, last]
+            )
             if best_cost is None or cost(counts) < best_cost:
                 best, best_cost = (first, last), cost(counts)
     if best == (None, None) and best_cost is None:
-        raise ValueError(f"num_layers={num_layers} cannot be split over pp={pp} x vpp={vpp} = {stages} pipeline "
-                         f"stages with at least one layer each and the middle ones equal")
+        raise ValueError(
+            f"num_layers={num_layers} cannot be split over pp={pp} x vpp={vpp} = {stages} pipeline "
+            f"stages with at least one layer each and the middle ones equal"
+        )
     return best
 
 
@@ -139,7 +172,9 @@ class PipelineStage(nn.Module):
 
     def __init__(self, chunks: Sequence[nn.Module], groups=None):
         super().__init__()
-        self.layers = nn.ModuleDict({name: layer for chunk in chunks for name, layer in chunk.layers.items()})
+        self.layers = nn.ModuleDict(
+            {name: layer for chunk in chunks for name, layer in chunk.layers.items()}
+        )
         for part in ("embedding", "position_embedding", "final_norm", "output_layer"):
             owners = [chunk for chunk in chunks if getattr(chunk, part, None) is not None]
             if owners:
@@ -151,7 +186,7 @@ class PipelineStage(nn.Module):
         self.own_buckets = [tied] if tied is not None else []
 
 
-def finalize_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups, grad_buffers=()) -> None:
+def finalize_grads(model_chunks: nn.Module | Sequence[nn.Module], groups, grad_buffers=()) -> None:
     """Finish a step's gradients after its last backward: wait for the data-parallel reductions
     (`grad_buffers`, a GradientBuffer or a list of them), sum the gradients of parameters used
     on a sequence shard (`param.sequence_parallel`: norms, row-parallel biases, positions) over
@@ -164,7 +199,9 @@ def finalize_grads(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups, 
         for chunk in model_chunks:
             for param in chunk.parameters():
                 if getattr(param, "sequence_parallel", False) and param.requires_grad:
-                    dist.all_reduce(_gradient(param), group=groups.tp_group)  # each rank saw one shard
+                    dist.all_reduce(
+                        _gradient(param), group=groups.tp_group
+                    )  # each rank saw one shard
     _sum_tied_embedding_grads(model_chunks, groups)
 
 
@@ -177,7 +214,7 @@ def _gradient(param: nn.Parameter) -> torch.Tensor:
     return grad
 
 
-def tied_embedding(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups) -> Optional[nn.Parameter]:
+def tied_embedding(model_chunks: nn.Module | Sequence[nn.Module], groups) -> nn.Parameter | None:
     """This rank's copy of the tied embedding weight, if it holds one and pp > 1: the first
     stage's input embedding (chunk 0) or the last stage's output-layer copy (last chunk).
     Give it its own gradient bucket (`GradientBuffer(own_bucket=...)`)."""
@@ -210,8 +247,9 @@ def _sum_tied_embedding_grads(model_chunks, groups) -> None:
     dist.all_reduce(_gradient(weight), group=groups.embedding_group)
 
 
-def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]], groups,
-                             atol: float = 0.0) -> float:
+def check_embeddings_in_sync(
+    model_chunks: nn.Module | Sequence[nn.Module], groups, atol: float = 0.0
+) -> float:
     """Check that the first and last stage's copies of the tied embedding are equal; return
     the largest absolute difference (0.0 where there is nothing to compare).
 
@@ -232,5 +270,6 @@ def check_embeddings_in_sync(model_chunks: Union[nn.Module, Sequence[nn.Module]]
         raise RuntimeError(
             f"the tied embedding differs between the first and last pipeline stage (global ranks "
             f"{groups.embedding_ranks}): largest difference {difference:g} > {atol:g}. Build every stage "
-            f"from the same config and seed, and load checkpoints into both copies")
+            f"from the same config and seed, and load checkpoints into both copies"
+        )
     return difference

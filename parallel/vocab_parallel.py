@@ -5,6 +5,7 @@ ranks (rank r holds token ids [r·V/tp, (r+1)·V/tp)).
 Neither ever holds the full vocabulary on one rank: the embedding sums partial lookups, and the
 cross-entropy combines per-token statistics (max, sum of exp, target logit), never the logits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,19 +31,40 @@ class VocabParallelEmbedding(nn.Module):
     [sequence/tp, batch, embedding_dim]; without it every rank gets the full [..., embedding_dim].
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, sequence_parallel: bool = False,
-                 init_method: InitMethod = normal_init(0.02), dtype=None, device=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        init_method: InitMethod = normal_init(0.02),
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         tp = group_size(tp_group)
         if num_embeddings % tp:
-            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} does not divide over "
-                             f"{tp} tensor-parallel ranks (pad the vocabulary)")
+            raise ValueError(
+                f"VocabParallelEmbedding: num_embeddings={num_embeddings} does not divide over "
+                f"{tp} tensor-parallel ranks (pad the vocabulary)"
+            )
         rows = num_embeddings // tp
         self.vocab_start = rank_in(tp_group) * rows
         self.vocab_end = self.vocab_start + rows
-        self.weight = mark_partitioned(nn.Parameter(master_slice(
-            (num_embeddings, embedding_dim), 0, rank_in(tp_group), tp, init_method,
-            dtype or torch.get_default_dtype(), device)), 0)
+        self.weight = mark_partitioned(
+            nn.Parameter(
+                master_slice(
+                    (num_embeddings, embedding_dim),
+                    0,
+                    rank_in(tp_group),
+                    tp,
+                    init_method,
+                    dtype or torch.get_default_dtype(),
+                    device,
+                )
+            ),
+            0,
+        )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_group, self.tp_size = tp_group, tp
         self.sequence_parallel = sequence_parallel
@@ -60,8 +82,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel(out, self.tp_group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
-                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+            f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def _shard(logits, group, vocab_size):
@@ -102,7 +126,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(~owned, 0)
         # Per-token partial sums, all-reduced together: target logit (from its owner only),
         # [sum of logits, for label smoothing,] sum of exp.
-        partial = [shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)]
+        partial = [
+            shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        ]
         if label_smoothing:
             partial.append(shifted[..., :valid].sum(dim=-1))
         exp = shifted.exp_()
@@ -114,7 +140,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(sums[-1].unsqueeze(-1))
         ctx.save_for_backward(softmax, owned, local_target, ignored)
-        ctx.dtype, ctx.vocab, ctx.valid, ctx.label_smoothing = logits.dtype, vocab, valid, label_smoothing
+        ctx.dtype, ctx.vocab, ctx.valid, ctx.label_smoothing = (
+            logits.dtype,
+            vocab,
+            valid,
+            label_smoothing,
+        )
         return loss
 
     @staticmethod
@@ -123,9 +154,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # (a second backward through this graph then fails autograd's version check, loudly).
         grad, owned, local_target, ignored = ctx.saved_tensors
         smoothing = ctx.label_smoothing
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype) * -(1 - smoothing))
+        grad.scatter_add_(
+            -1, local_target.unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype) * -(1 - smoothing)
+        )
         if smoothing:
-            grad[..., :ctx.valid].sub_(smoothing / ctx.vocab)
+            grad[..., : ctx.valid].sub_(smoothing / ctx.vocab)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None, None
 
@@ -140,7 +173,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         start, vocab_local, vocab, valid = _shard(logits, group, vocab_size)
         flat_target = target.reshape(-1).contiguous()
         local_max, local_sum_exp, target_logit, logit_sum = cross_entropy_kernels.statistics(
-            cross_entropy_kernels.as_rows(logits), flat_target, start, valid, label_smoothing > 0)
+            cross_entropy_kernels.as_rows(logits), flat_target, start, valid, label_smoothing > 0
+        )
 
         # As the torch path, shift by the global max; each rank rescales its sum of exp to it.
         logits_max = max_over(local_max, group)
@@ -160,14 +194,28 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, flat_target, logits_max, sum_exp = ctx.saved_tensors
         grad = cross_entropy_kernels.gradient(
-            cross_entropy_kernels.as_rows(logits), flat_target, logits_max, sum_exp, grad_loss.reshape(-1).contiguous(),
-            ctx.start, ctx.valid, ctx.vocab, ctx.ignore_index, ctx.label_smoothing)
+            cross_entropy_kernels.as_rows(logits),
+            flat_target,
+            logits_max,
+            sum_exp,
+            grad_loss.reshape(-1).contiguous(),
+            ctx.start,
+            ctx.valid,
+            ctx.vocab,
+            ctx.ignore_index,
+            ctx.label_smoothing,
+        )
         return grad.view(logits.shape), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group=None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
     """Per-token cross-entropy, as F.cross_entropy(reduction="none") on the full logits.
 
     `logits` [..., vocab/tp] is this rank's contiguous vocabulary shard (any dtype; computed in
@@ -181,8 +229,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} is not in [0, 1]")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} without "
-                         f"their last (vocabulary) dimension")
+        raise ValueError(
+            f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)} without "
+            f"their last (vocabulary) dimension"
+        )
     fused = logits.is_cuda and triton_available()
     function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
     return function.apply(logits, target, tp_group, ignore_index, label_smoothing, vocab_size)

@@ -10,6 +10,7 @@ test), or NCCL with one GPU per process (GPU tests).
 An exception on any rank fails the test with that rank's traceback. Each worker runs with one
 OpenMP thread (OMP_NUM_THREADS=1), so N workers do not fight over the CI machine's cores.
 """
+
 from __future__ import annotations
 
 import io
@@ -46,7 +47,9 @@ def _worker(rank, world_size, store_path, results, fn, args, backend):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo") -> list:
+def run_on_ranks(
+    fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"
+) -> list:
     """Call `fn(rank, world_size, *args)` on `world_size` ranks; return their results by rank.
 
     `backend="nccl"` runs rank r on GPU r (for GPU tests; needs world_size GPUs)."""
@@ -57,7 +60,10 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
     with tempfile.TemporaryDirectory() as tmp:
         try:
             workers = [
-                context.Process(target=_worker, args=(rank, world_size, os.path.join(tmp, "store"), results, fn, args, backend))
+                context.Process(
+                    target=_worker,
+                    args=(rank, world_size, os.path.join(tmp, "store"), results, fn, args, backend),
+                )
                 for rank in range(world_size)
             ]
             for worker in workers:
@@ -77,7 +83,11 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
                 except queue.Empty:
                     # A worker that died without reporting (segfault, OOM kill) fails the test
                     # now, not at the timeout; the others may be waiting on it in a collective.
-                    dead = [r for r, w in enumerate(workers) if r not in outcomes and w.exitcode not in (None, 0)]
+                    dead = [
+                        r
+                        for r, w in enumerate(workers)
+                        if r not in outcomes and w.exitcode not in (None, 0)
+                    ]
                     if dead:
                         stopped_because = f"rank {dead[0]} died"
                         break
@@ -96,12 +106,18 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_
             for worker in workers:
                 if worker.is_alive():
                     worker.kill()
-    problems = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+    problems = [
+        f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok
+    ]
     for rank in sorted(set(range(world_size)) - set(outcomes)):
         if exit_codes[rank] is None:
-            problems.append(f"rank {rank} gave no result: still running when stopped ({stopped_because})")
+            problems.append(
+                f"rank {rank} gave no result: still running when stopped ({stopped_because})"
+            )
         else:
             problems.append(f"rank {rank} gave no result: died with exit code {exit_codes[rank]}")
     if problems:
         raise AssertionError("a distributed test body failed\n" + "\n".join(problems))
-    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
+    return [
+        torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)
+    ]

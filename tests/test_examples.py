@@ -1,6 +1,7 @@
 """The example scripts as a user runs them: the quickstart run again in the same folder resumes
 (one metrics file, one run); a GPU recipe on a machine without a GPU stops at once and says why;
 a bad flag or size is the trainer's one line and exit status 2, before anything is prepared or launched."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def example(script, **env):
     # `python` and `torchrun` in the scripts must be this interpreter's (the one with megafp8 installed).
-    env = {**os.environ, **env, "OMP_NUM_THREADS": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    env = {
+        **os.environ,
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    }
     return subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True)
 
 
@@ -30,23 +35,36 @@ def test_running_the_quickstart_again_resumes_it(tmp_path):
     first = quickstart(tmp_path, 3)
     assert "starting from scratch" in first and "run summary:" in first
     assert "nothing to do: the checkpoint in" in (again := quickstart(tmp_path, 3))
-    assert "is at iteration 3 and ITERS is 3; set a larger ITERS" in again and "--train-iters" not in again
+    assert (
+        "is at iteration 3 and ITERS is 3; set a larger ITERS" in again
+        and "--train-iters" not in again
+    )
     more = quickstart(tmp_path, 5)
     assert "loaded" in more and "at iteration 3" in more
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text() == "5"
-    records = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in records if "loss" in r] == [3, 5]  # one run, not two
-    assert not list(checkpoints.glob("metrics.*.jsonl"))  # nothing was moved aside: it is the same run
+    assert not list(
+        checkpoints.glob("metrics.*.jsonl")
+    )  # nothing was moved aside: it is the same run
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-@pytest.mark.parametrize("recipe,model", [("pretrain_gpt_1b_fp8.sh", "gpt-1.3b"),
-                                          ("pretrain_llama2_7b_fp8.sh", "llama2-7b")])
+@pytest.mark.parametrize(
+    "recipe,model",
+    [("pretrain_gpt_1b_fp8.sh", "gpt-1.3b"), ("pretrain_llama2_7b_fp8.sh", "llama2-7b")],
+)
 def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, recipe, model):
     done = example(recipe, WORKDIR=str(tmp_path / "run"))
     assert done.returncode == 1
-    assert f"{model} needs NVIDIA GPUs" in done.stderr and "quickstart.sh" in done.stderr and "CPU=1" in done.stderr
+    assert (
+        f"{model} needs NVIDIA GPUs" in done.stderr
+        and "quickstart.sh" in done.stderr
+        and "CPU=1" in done.stderr
+    )
     assert not (tmp_path / "run").exists()  # before preparing any data
 
 
@@ -55,53 +73,110 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     tokenizer, the GPT group (bf16, FP8 delayed, FP8 current) and the 2x-LR Llama group; run again,
     it keeps what is done; with too little time left it starts nothing and says so."""
     repo = EXAMPLES.parent
-    tiny = dict(CPU="1", ITERS="4", SENS_ITERS="2", SEQ="64", MBS="2", GBS="4", EVAL_INTERVAL="2",
-                EVAL_ITERS="1", LOG_INTERVAL="1", VOCAB="512", CORPUS_ROOTS=f"{repo / 'megafp8'} {repo / 'tools'}",
-                CORPUS_SOURCES=f"{repo / 'examples'} {tmp_path / 'absent'}",  # shell scripts; absent: skipped
-                MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
-                           "--ffn-hidden-size 128")
+    tiny = dict(
+        CPU="1",
+        ITERS="4",
+        SENS_ITERS="2",
+        SEQ="64",
+        MBS="2",
+        GBS="4",
+        EVAL_INTERVAL="2",
+        EVAL_ITERS="1",
+        LOG_INTERVAL="1",
+        VOCAB="512",
+        CORPUS_ROOTS=f"{repo / 'megafp8'} {repo / 'tools'}",
+        CORPUS_SOURCES=f"{repo / 'examples'} {tmp_path / 'absent'}",  # shell scripts; absent: skipped
+        MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+        "--ffn-hidden-size 128",
+    )
 
     def study(*groups, **env):
-        return subprocess.run(["bash", str(EXAMPLES / "convergence_study.sh"), str(tmp_path), *groups],
-                              env={**os.environ, **tiny, **env, "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(
-                                  sys.executable) + os.pathsep + os.environ["PATH"]}, capture_output=True, text=True)
+        return subprocess.run(
+            ["bash", str(EXAMPLES / "convergence_study.sh"), str(tmp_path), *groups],
+            env={
+                **os.environ,
+                **tiny,
+                **env,
+                "OMP_NUM_THREADS": "1",
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+            },
+            capture_output=True,
+            text=True,
+        )
 
     done = study("gpt", "lr2x")
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
-        f"lr2x/{p}": 2 for p in ("bf16", "fp8_delayed", "bf16_seed1235", "bf16_init1235", "fp8_delayed_init1235")}
+        f"lr2x/{p}": 2
+        for p in ("bf16", "fp8_delayed", "bf16_seed1235", "bf16_init1235", "fp8_delayed_init1235")
+    }
     for name, iterations in runs.items():
-        records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in records if "valid_loss" in r] == list(range(2, iterations + 1, 2))
+        records = [
+            json.loads(line)
+            for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["iteration"] for r in records if "valid_loss" in r] == list(
+            range(2, iterations + 1, 2)
+        )
         assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
-        assert ("fp8_layers" in records[0]) == name.startswith("lr2x/fp8")  # per-layer health: lr groups' FP8
-    assert "peak LR 0.0012, 2 iterations" in done.stdout  # twice the default peak, the shorter schedule
-    assert "lr2x/bf16_init1235 (llama-120m, bf16, peak LR 0.0012, 2 iterations, seed 1235, data seed 1234)" \
+        assert ("fp8_layers" in records[0]) == name.startswith(
+            "lr2x/fp8"
+        )  # per-layer health: lr groups' FP8
+    assert (
+        "peak LR 0.0012, 2 iterations" in done.stdout
+    )  # twice the default peak, the shorter schedule
+    assert (
+        "lr2x/bf16_init1235 (llama-120m, bf16, peak LR 0.0012, 2 iterations, seed 1235, data seed 1234)"
         in done.stdout
+    )
     table = (tmp_path / "report" / "gpt.md").read_text().splitlines()
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| fp8_current"]
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| bf16",
+        "| fp8_delayed",
+        "| fp8_current",
+    ]
     assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
     table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # with its seed yardsticks
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| bf16_seed1235",
-                                                         "| bf16_init1235", "| fp8_delayed_init1235"]
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| bf16",
+        "| fp8_delayed",
+        "| bf16_seed1235",
+        "| bf16_init1235",
+        "| fp8_delayed_init1235",
+    ]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study("gpt", "lr2x")
     assert again.returncode == 0 and "starting from scratch" not in again.stdout
-    assert again.stdout.count("(finished)") == 8 and "kept" in again.stdout and "tokenizer" in again.stdout
+    assert (
+        again.stdout.count("(finished)") == 8
+        and "kept" in again.stdout
+        and "tokenizer" in again.stdout
+    )
 
     # The seed group: both models' bf16 runs again from the next seed, with its data order and with the
     # first run's (--data-seed), GPT's set beside the first.
     seeded = study("seed")
     assert seeded.returncode == 0, seeded.stdout + seeded.stderr
-    assert "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1235)" in seeded.stdout
-    assert "seed/llama_bf16_init (llama-120m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1234)" \
+    assert (
+        "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1235)"
         in seeded.stdout
+    )
+    assert (
+        "seed/llama_bf16_init (llama-120m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1234)"
+        in seeded.stdout
+    )
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| seed 1234", "| seed 1235", "| seed 1235, same data"]
-    first, second = (json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-                     for name in ("gpt/bf16", "seed/gpt_bf16"))
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| seed 1234",
+        "| seed 1235",
+        "| seed 1235, same data",
+    ]
+    first, second = (
+        json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+        for name in ("gpt/bf16", "seed/gpt_bf16")
+    )
     assert first != second
 
     short = study("lr4x", MINUTES="1")  # less than the two minutes a run is given at least
@@ -111,21 +186,43 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     unknown = study("gtp")
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr
     not_minutes = study("gpt", MINUTES="soon")
-    assert not_minutes.returncode == 2 and "MINUTES=soon is not a positive number" in not_minutes.stderr
+    assert (
+        not_minutes.returncode == 2
+        and "MINUTES=soon is not a positive number" in not_minutes.stderr
+    )
 
 
-@pytest.mark.parametrize("script,env,error", [
-    ("pretrain_gpt_1b_fp8.sh", dict(EXTRA_ARGS="--no-such-flag"),
-     "megafp8-train: error: unknown flag --no-such-flag; see --help for the flags\n"),
-    # The check sees the world size the script launches: GPUS, NPROC.
-    ("pretrain_llama2_7b_fp8.sh", dict(GPUS="6", PP="4"),
-     "megafp8-train: error: --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 4 = 4 does not divide "
-     "the world size 6; choose sizes whose product divides the number of GPUs\n"),
-    ("quickstart.sh", dict(NPROC="3"), "megafp8-train: error: --global-batch-size 16 is not divisible by "),
-    ("quickstart.sh", dict(ITERS="0"), "quickstart.sh: ITERS=0: give the number of training iterations "),
-])
+@pytest.mark.parametrize(
+    "script,env,error",
+    [
+        (
+            "pretrain_gpt_1b_fp8.sh",
+            dict(EXTRA_ARGS="--no-such-flag"),
+            "megafp8-train: error: unknown flag --no-such-flag; see --help for the flags\n",
+        ),
+        # The check sees the world size the script launches: GPUS, NPROC.
+        (
+            "pretrain_llama2_7b_fp8.sh",
+            dict(GPUS="6", PP="4"),
+            "megafp8-train: error: --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 4 = 4 does not divide "
+            "the world size 6; choose sizes whose product divides the number of GPUs\n",
+        ),
+        (
+            "quickstart.sh",
+            dict(NPROC="3"),
+            "megafp8-train: error: --global-batch-size 16 is not divisible by ",
+        ),
+        (
+            "quickstart.sh",
+            dict(ITERS="0"),
+            "quickstart.sh: ITERS=0: give the number of training iterations ",
+        ),
+    ],
+)
 def test_a_bad_flag_is_one_line_and_status_2_before_anything_runs(tmp_path, script, env, error):
     done = example(script, CPU="1", WORKDIR=str(tmp_path / "run"), **env)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr  # no torchrun report after it
+    assert done.stderr.startswith(error) and done.stderr.count("\n") == 1, (
+        done.stderr
+    )  # no torchrun report after it
     assert not (tmp_path / "run").exists()  # nothing prepared, nothing launched

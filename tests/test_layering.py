@@ -8,6 +8,7 @@
 
 and no module takes a private name (`_name`) of another package, by import or through a module.
 """
+
 import ast
 from pathlib import Path
 
@@ -24,7 +25,14 @@ PACKAGES = {
     "models": ROOT / "models",
     "data": ROOT / "data",
 }
-BASE_MODULES = ("collectives", "collective_gemm", "symmetric_memory", "main_grad", "triton_support", "messages")
+BASE_MODULES = (
+    "collectives",
+    "collective_gemm",
+    "symmetric_memory",
+    "main_grad",
+    "triton_support",
+    "messages",
+)
 FORBIDDEN = {
     "base": {"fp8", "parallel", "models", "training", "planner", "data"},
     "fp8": {"parallel", "models", "training", "planner", "data"},
@@ -99,9 +107,15 @@ def _violations(sources, root=ROOT):
             if _package_of(submodule) is not None:
                 modules_bound[name] = _package_of(submodule)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
-                    and modules_bound.get(node.value.id, layer) != layer):
-                found.append(f"{where}:{node.lineno}: takes the private {node.value.id}.{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and modules_bound.get(node.value.id, layer) != layer
+            ):
+                found.append(
+                    f"{where}:{node.lineno}: takes the private {node.value.id}.{node.attr}"
+                )
     return found
 
 
@@ -109,14 +123,25 @@ def test_dependencies_point_one_way_and_private_names_stay_home():
     assert _violations(_sources()) == []
 
 
-@pytest.mark.parametrize("layer, source, complaint", [
-    ("fp8", "from megafp8.parallel.communication import all_gather", "the fp8 layer imports"),
-    ("parallel", "import megafp8.models.config", "the parallel layer imports"),
-    ("data", "from megafp8.fp8 import fp8_autocast", "the data layer imports"),
-    ("base", "from megafp8.fp8.formats import fp8_max", "the base layer imports"),
-    ("models", "from megafp8.fp8.scaling import _Observation", "takes the private _Observation"),
-    ("training", "from megafp8 import collectives\ncollectives._bytes(x)", "takes the private collectives._bytes"),
-])
+@pytest.mark.parametrize(
+    "layer, source, complaint",
+    [
+        ("fp8", "from megafp8.parallel.communication import all_gather", "the fp8 layer imports"),
+        ("parallel", "import megafp8.models.config", "the parallel layer imports"),
+        ("data", "from megafp8.fp8 import fp8_autocast", "the data layer imports"),
+        ("base", "from megafp8.fp8.formats import fp8_max", "the base layer imports"),
+        (
+            "models",
+            "from megafp8.fp8.scaling import _Observation",
+            "takes the private _Observation",
+        ),
+        (
+            "training",
+            "from megafp8 import collectives\ncollectives._bytes(x)",
+            "takes the private collectives._bytes",
+        ),
+    ],
+)
 def test_the_check_sees_each_kind_of_violation(tmp_path, layer, source, complaint):
     bad = tmp_path / "bad.py"
     bad.write_text(source + "\n")

@@ -1,4 +1,5 @@
 """The gloo multi-process helper that every parallel test uses."""
+
 import os
 
 import pytest
@@ -11,7 +12,11 @@ from .multiprocess import run_on_ranks
 def all_reduce_rank(rank, world_size, base):
     t = torch.tensor([float(rank + base)])
     dist.all_reduce(t)
-    return {"sum": t.item(), "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"]}
+    return {
+        "sum": t.item(),
+        "threads": torch.get_num_threads(),
+        "omp": os.environ["OMP_NUM_THREADS"],
+    }
 
 
 def raise_on_rank_one(rank, world_size):

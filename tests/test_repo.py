@@ -1,4 +1,5 @@
 """The README's two commands are the ones CI runs."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,7 +13,9 @@ def readme_commands():
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_them():
     commands = readme_commands()
-    assert len(commands) == 2 and "examples/quickstart.sh" in commands[0] and "pytest" in commands[1]
+    assert (
+        len(commands) == 2 and "examples/quickstart.sh" in commands[0] and "pytest" in commands[1]
+    )
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in commands:
         assert command in ci, f"CI does not run the README's command: {command}"
@@ -29,5 +32,8 @@ def test_every_package_folder_is_installed():
     folders = {name: ROOT / path for name, path in setuptools["package-dir"].items()}
     found = set()
     for name, folder in folders.items():
-        found |= {".".join([name, *init.parent.relative_to(folder).parts]) for init in folder.rglob("__init__.py")}
+        found |= {
+            ".".join([name, *init.parent.relative_to(folder).parts])
+            for init in folder.rglob("__init__.py")
+        }
     assert found == set(setuptools["packages"])

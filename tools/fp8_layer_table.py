@@ -10,6 +10,7 @@ to zero (nonzero values below half the format's smallest subnormal once scaled),
 largest of each fraction over the whole run. Rows are sorted worst first by `--sort` (the
 smallest scales first for `scale`); `--top K` keeps the first K.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ def layer_records(run: str) -> list[dict]:
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
-        raise TableError(f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save, or the file)")
+        raise TableError(
+            f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save, or the file)"
+        )
     by_iteration = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -43,14 +46,20 @@ def layer_records(run: str) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("fp8_layers"), dict):
             by_iteration[record.get("iteration")] = record
     if not by_iteration:
-        raise TableError(f"{path}: no per-layer FP8 record in it; train with --fp8-format ... --log-fp8-layers")
+        raise TableError(
+            f"{path}: no per-layer FP8 record in it; train with --fp8-format ... --log-fp8-layers"
+        )
     return [by_iteration[i] for i in sorted(by_iteration, key=lambda i: (i is None, i))]
 
 
 def rows(records: list[dict], iteration: int | None) -> tuple[int, list[dict]]:
     """(the iteration shown, one row per layer and role: scale, saturation, underflow at it, and
     the largest saturation and underflow over all records)."""
-    chosen = records[-1] if iteration is None else next((r for r in records if r.get("iteration") == iteration), None)
+    chosen = (
+        records[-1]
+        if iteration is None
+        else next((r for r in records if r.get("iteration") == iteration), None)
+    )
     if chosen is None:
         logged = ", ".join(str(r.get("iteration")) for r in records)
         raise TableError(f"no per-layer record at iteration {iteration}; logged at: {logged}")
@@ -65,16 +74,25 @@ def rows(records: list[dict], iteration: int | None) -> tuple[int, list[dict]]:
     table = []
     for layer, health in chosen["fp8_layers"].items():
         for role, numbers in health.get("roles", {}).items():
-            table.append({"layer": layer, "role": role, "scale": numbers.get("scale"),
-                          "saturation": numbers.get("saturation"), "underflow": numbers.get("underflow"),
-                          "max_saturation": worst[(layer, role)]["saturation"],
-                          "max_underflow": worst[(layer, role)]["underflow"]})
+            table.append(
+                {
+                    "layer": layer,
+                    "role": role,
+                    "scale": numbers.get("scale"),
+                    "saturation": numbers.get("saturation"),
+                    "underflow": numbers.get("underflow"),
+                    "max_saturation": worst[(layer, role)]["saturation"],
+                    "max_underflow": worst[(layer, role)]["underflow"],
+                }
+            )
     return chosen.get("iteration"), table
 
 
 def markdown(iteration, table: list[dict], sort: str, top: int | None) -> str:
     if sort == "scale":
-        table = sorted(table, key=lambda row: row["scale"] if row["scale"] is not None else float("inf"))
+        table = sorted(
+            table, key=lambda row: row["scale"] if row["scale"] is not None else float("inf")
+        )
     else:
         table = sorted(table, key=lambda row: -(row[sort] or 0.0))
     if top is not None:
@@ -83,17 +101,25 @@ def markdown(iteration, table: list[dict], sort: str, top: int | None) -> str:
     def number(value, spec):
         return "–" if value is None else format(value, spec)
 
-    lines = [f"FP8 casts per layer and role at iteration {iteration} (worst {sort} first)", "",
-             "| layer | role | scale | saturated | underflowed | run's max saturated | run's max underflowed |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {row['layer']} | {row['role']} | {number(row['scale'], '.4g')} | "
-              f"{number(row['saturation'], '.2e')} | {number(row['underflow'], '.2e')} | "
-              f"{number(row['max_saturation'], '.2e')} | {number(row['max_underflow'], '.2e')} |" for row in table]
+    lines = [
+        f"FP8 casts per layer and role at iteration {iteration} (worst {sort} first)",
+        "",
+        "| layer | role | scale | saturated | underflowed | run's max saturated | run's max underflowed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row['layer']} | {row['role']} | {number(row['scale'], '.4g')} | "
+        f"{number(row['saturation'], '.2e')} | {number(row['underflow'], '.2e')} | "
+        f"{number(row['max_saturation'], '.2e')} | {number(row['max_underflow'], '.2e')} |"
+        for row in table
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run", help="a run folder or its metrics.jsonl")
     parser.add_argument("--iteration", type=int, help="the logged step to show (default: the last)")
     parser.add_argument("--sort", choices=SORTS, default="underflow")

@@ -38,6 +38,7 @@ Usage: ``python tools/make_sample_corpus.py --output ./sample_corpus [--max-mb 4
        ``python tools/make_sample_corpus.py --output ./packages_corpus --packages [ROOT ...]
        --max-mb 800 [--test-suites] [--validation-fraction 0.02] [--workers 8]``
 """
+
 import argparse
 import ast
 import codecs
@@ -76,12 +77,75 @@ MIN_DOC_CHARS = 200
 # of RedPajama-Data v1), which these follow, plus CUDA and Python's stubs and Cython. Markdown and
 # reStructuredText are DOC_SUFFIXES here: a package's documentation, the Wikipedia-like prose.
 SOURCE_SUFFIXES = (
-    ".c", ".h", ".C", ".H", ".cc", ".hh", ".cpp", ".hpp", ".cxx", ".c++", ".h++", ".cu", ".cuh",  # C, C++, CUDA
-    ".pyi", ".pyx", ".pxd", ".cs", ".java", ".scala", ".go", ".rs", ".hs", ".jl", ".lua", ".m", ".vb", ".smali",
-    ".js", ".ts", ".tsx", ".html", ".css", ".xml", ".php", ".php3", ".php4", ".php5", ".phps", ".phpt",
-    ".sh", ".bash", ".zsh", ".command", ".bat", ".cmd", ".ps1", ".psd1", ".psm1", ".pl", ".pm", ".pod", ".perl",
-    ".rb", ".sql", ".tex", ".asm", ".f", ".f77", ".f90", ".f95", ".f03", ".f08", ".for", ".fpp",
-    ".cmake", ".dockerfile", "Dockerfile", "Makefile")
+    ".c",
+    ".h",
+    ".C",
+    ".H",
+    ".cc",
+    ".hh",
+    ".cpp",
+    ".hpp",
+    ".cxx",
+    ".c++",
+    ".h++",
+    ".cu",
+    ".cuh",  # C, C++, CUDA
+    ".pyi",
+    ".pyx",
+    ".pxd",
+    ".cs",
+    ".java",
+    ".scala",
+    ".go",
+    ".rs",
+    ".hs",
+    ".jl",
+    ".lua",
+    ".m",
+    ".vb",
+    ".smali",
+    ".js",
+    ".ts",
+    ".tsx",
+    ".html",
+    ".css",
+    ".xml",
+    ".php",
+    ".php3",
+    ".php4",
+    ".php5",
+    ".phps",
+    ".phpt",
+    ".sh",
+    ".bash",
+    ".zsh",
+    ".command",
+    ".bat",
+    ".cmd",
+    ".ps1",
+    ".psd1",
+    ".psm1",
+    ".pl",
+    ".pm",
+    ".pod",
+    ".perl",
+    ".rb",
+    ".sql",
+    ".tex",
+    ".asm",
+    ".f",
+    ".f77",
+    ".f90",
+    ".f95",
+    ".f03",
+    ".f08",
+    ".for",
+    ".fpp",
+    ".cmake",
+    ".dockerfile",
+    "Dockerfile",
+    "Makefile",
+)
 # RedPajama's GitHub filters, in spirit: generated, minified or data files are not code someone wrote.
 MAX_CODE_BYTES = 1_000_000
 MAX_LINE_CHARS, MAX_MEAN_LINE_CHARS, MIN_ALNUM_FRACTION = 1000, 100, 0.25
@@ -133,7 +197,9 @@ def _docstrings(tree) -> str:
     if doc := ast.get_docstring(tree):
         parts.append(doc)
     defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    nodes = sorted((n for n in ast.walk(tree) if isinstance(n, defs)), key=lambda n: (n.lineno, n.col_offset))
+    nodes = sorted(
+        (n for n in ast.walk(tree) if isinstance(n, defs)), key=lambda n: (n.lineno, n.col_offset)
+    )
     for node in nodes:
         if doc := ast.get_docstring(node):
             parts.append(f"{node.name}\n\n{doc}")
@@ -182,7 +248,11 @@ def default_package_roots(stdlib: Path) -> list[Path]:
     packages, which the environment hides from imports but which are installed all the same);
     those that exist."""
     paths = sysconfig.get_paths()
-    candidates = [Path(paths["purelib"]), Path(paths["platlib"]), *map(Path, site.getsitepackages())]
+    candidates = [
+        Path(paths["purelib"]),
+        Path(paths["platlib"]),
+        *map(Path, site.getsitepackages()),
+    ]
     if sys.prefix != sys.base_prefix:
         candidates += map(Path, site.getsitepackages([sys.base_prefix]))
     return [root for root in [*candidates, stdlib] if root.is_dir()]
@@ -198,8 +268,13 @@ def packages(roots: list[Path], test_suites: bool = False) -> list[tuple[str, Pa
     for root in roots:
         for child in sorted(root.iterdir(), key=lambda p: p.name):
             name = child.name.removesuffix(".py") if child.is_file() else child.name
-            if (name in found or name in skip or name.startswith(".") or "." in name
-                    or (child.is_file() and not child.name.endswith(".py"))):
+            if (
+                name in found
+                or name in skip
+                or name.startswith(".")
+                or "." in name
+                or (child.is_file() and not child.name.endswith(".py"))
+            ):
                 continue
             if child.is_file() or _files(child, (".py",), skip):
                 found[name] = child
@@ -269,8 +344,13 @@ def _package_documents(item):
     return package_documents(*item)
 
 
-def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1, test_suites: bool = False,
-                     sources: list[Path] = ()) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
+def collect_packages(
+    roots: list[Path],
+    stdlib: Path,
+    workers: int = 1,
+    test_suites: bool = False,
+    sources: list[Path] = (),
+) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
     """(subset, package, text) of every document of every package under `roots`, package by
     package in name order, then of every project of `sources` (`source_projects`); with the
     standard library among the roots, its reference prose too (as the package "python-docs"). A
@@ -312,6 +392,7 @@ def collect_packages(roots: list[Path], stdlib: Path, workers: int = 1, test_sui
 def validation_packages(names: list[str], fraction: float) -> set[str]:
     """The packages held out whole: those whose name hashes under `fraction` (stable across
     runs, machines and package sets), and at least one when `fraction` > 0 and there are two."""
+
     def position(name):
         return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2**64
 
@@ -339,8 +420,12 @@ def select(subsets: dict[str, list], max_bytes: int) -> list[tuple[str, object]]
     return chosen
 
 
-def write(docs: list[tuple[str, object]], output: Path, docs_per_chunk: int,
-          pattern: str = "chunk1/example_train_{k}.jsonl.zst") -> list[Path]:
+def write(
+    docs: list[tuple[str, object]],
+    output: Path,
+    docs_per_chunk: int,
+    pattern: str = "chunk1/example_train_{k}.jsonl.zst",
+) -> list[Path]:
     """Write the chunk files, streaming through zstd so memory stays small. A (package, text)
     document's meta also names its package."""
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
@@ -382,17 +467,32 @@ def move_into(built: Path, output: Path) -> None:
         os.rename(built, output)
         return
     patterns = (CHUNKS, TRAIN_CHUNKS, VALIDATION_CHUNKS)
-    for stale in [*(p for pattern in patterns for p in output.glob(pattern)), output / "README.txt"]:
+    for stale in [
+        *(p for pattern in patterns for p in output.glob(pattern)),
+        output / "README.txt",
+    ]:
         stale.unlink(missing_ok=True)  # a new corpus may have fewer chunks than the old one
-    for path in [*sorted(p for pattern in patterns for p in built.glob(pattern)), built / "README.txt"]:
+    for path in [
+        *sorted(p for pattern in patterns for p in built.glob(pattern)),
+        built / "README.txt",
+    ]:
         target = output / path.relative_to(built)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
     shutil.rmtree(built)
 
 
-def packages_readme(roots: list[Path], train, validation, held: set, left_out: dict, mb: float, n_files: int,
-                    test_suites: bool = False, sources: list[Path] = ()) -> str:
+def packages_readme(
+    roots: list[Path],
+    train,
+    validation,
+    held: set,
+    left_out: dict,
+    mb: float,
+    n_files: int,
+    test_suites: bool = False,
+    sources: list[Path] = (),
+) -> str:
     def counts(docs):
         return ", ".join(f"{name} {sum(1 for n, _ in docs if n == name)}" for name in SUBSETS)
 
@@ -420,31 +520,68 @@ def packages_readme(roots: list[Path], train, validation, held: set, left_out: d
 def main(argv=None) -> int:
     show_warnings_as_messages("make_sample_corpus")
     parser = argparse.ArgumentParser(description=DESCRIPTION)
-    parser.add_argument("--output", type=Path, default=Path("sample_corpus"),
-                        help="output folder (default ./sample_corpus); new or empty unless --overwrite")
-    parser.add_argument("--max-mb", type=float, default=4.0,
-                        help="cap on the total text, in MB of UTF-8 (10^6 bytes; default 4)")
-    parser.add_argument("--docs-per-chunk", type=int, default=1000,
-                        help="documents per .jsonl.zst file (default 1000)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace the corpus files ({CHUNKS} or the --packages splits, README.txt) "
-                             "in an --output folder that holds files; other files there are kept")
-    parser.add_argument("--packages", nargs="*", type=Path, metavar="ROOT",
-                        help="build from the Python packages under these folders instead (none given: "
-                             "every site-packages folder of this interpreter and, in a virtual environment, of its base "
-                             "interpreter, and the standard library), with whole "
-                             "packages held out in validation/ (SlimPajama's train/validation layout)")
-    parser.add_argument("--sources", nargs="+", type=Path, default=[], metavar="ROOT",
-                        help="with --packages: also the code in other languages under these folders (such as "
-                             "the C and C++ headers of /usr/include), each folder in them one project, held out "
-                             "whole like a package")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="with --packages: processes reading the packages (the output is the same for any number)")
-    parser.add_argument("--test-suites", action="store_true",
-                        help="with --packages: the packages' test suites (test/, tests/) too: more code, "
-                             "as SlimPajama's GitHub subset has")
-    parser.add_argument("--validation-fraction", type=float, default=0.02,
-                        help="--packages: the share of packages held out for validation (default 0.02)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("sample_corpus"),
+        help="output folder (default ./sample_corpus); new or empty unless --overwrite",
+    )
+    parser.add_argument(
+        "--max-mb",
+        type=float,
+        default=4.0,
+        help="cap on the total text, in MB of UTF-8 (10^6 bytes; default 4)",
+    )
+    parser.add_argument(
+        "--docs-per-chunk",
+        type=int,
+        default=1000,
+        help="documents per .jsonl.zst file (default 1000)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace the corpus files ({CHUNKS} or the --packages splits, README.txt) "
+        "in an --output folder that holds files; other files there are kept",
+    )
+    parser.add_argument(
+        "--packages",
+        nargs="*",
+        type=Path,
+        metavar="ROOT",
+        help="build from the Python packages under these folders instead (none given: "
+        "every site-packages folder of this interpreter and, in a virtual environment, of its base "
+        "interpreter, and the standard library), with whole "
+        "packages held out in validation/ (SlimPajama's train/validation layout)",
+    )
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="ROOT",
+        help="with --packages: also the code in other languages under these folders (such as "
+        "the C and C++ headers of /usr/include), each folder in them one project, held out "
+        "whole like a package",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --packages: processes reading the packages (the output is the same for any number)",
+    )
+    parser.add_argument(
+        "--test-suites",
+        action="store_true",
+        help="with --packages: the packages' test suites (test/, tests/) too: more code, "
+        "as SlimPajama's GitHub subset has",
+    )
+    parser.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.02,
+        help="--packages: the share of packages held out for validation (default 0.02)",
+    )
     args = parser.parse_args(argv)
     if args.docs_per_chunk < 1:
         parser.error("--docs-per-chunk must be at least 1")
@@ -453,9 +590,13 @@ def main(argv=None) -> int:
     if not 0 <= args.validation_fraction < 1:
         parser.error(f"--validation-fraction {args.validation_fraction}: give a share in [0, 1)")
     if args.test_suites and args.packages is None:
-        parser.error("--test-suites goes with --packages (the standard-library sample has no test suites)")
+        parser.error(
+            "--test-suites goes with --packages (the standard-library sample has no test suites)"
+        )
     if args.sources and args.packages is None:
-        parser.error("--sources goes with --packages (the standard-library sample is the standard library alone)")
+        parser.error(
+            "--sources goes with --packages (the standard-library sample is the standard library alone)"
+        )
     output = args.output
     if output.exists() and not output.is_dir():
         parser.error(f"--output {output} is a file; give a folder")
@@ -463,13 +604,18 @@ def main(argv=None) -> int:
     if held and not args.overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         # A refusal, not a usage mistake: the message alone, without the usage text.
-        parser.exit(2, f"{parser.prog}: error: --output {output} already holds files ({shown}); pass "
-                       f"--overwrite to replace the corpus files there ({CHUNKS}, README.txt; "
-                       "other files are kept), or give a new or empty folder\n")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --output {output} already holds files ({shown}); pass "
+            f"--overwrite to replace the corpus files there ({CHUNKS}, README.txt; "
+            "other files are kept), or give a new or empty folder\n",
+        )
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if args.packages is not None:
-        roots = list(dict.fromkeys(r.resolve() for r in args.packages or default_package_roots(stdlib)))
+        roots = list(
+            dict.fromkeys(r.resolve() for r in args.packages or default_package_roots(stdlib))
+        )
         sources = list(dict.fromkeys(r.resolve() for r in args.sources))
         for flag, folders in (("--packages", roots), ("--sources", sources)):
             missing = [str(r) for r in folders if not r.is_dir()]
@@ -477,11 +623,18 @@ def main(argv=None) -> int:
                 parser.exit(2, f"{parser.prog}: error: {flag}: no folder {', '.join(missing)}\n")
         found, left_out = collect_packages(roots, stdlib, args.workers, args.test_suites, sources)
         if not found:
-            parser.exit(2, f"{parser.prog}: error: --packages: no Python package or module under "
-                           f"{', '.join(map(str, roots))}\n")
-        docs = select({name: [(p, text) for n, p, text in found if n == name] for name in SUBSETS},
-                      int(args.max_mb * 1_000_000))
-        held = validation_packages(sorted({package for _, (package, _) in docs}), args.validation_fraction)
+            parser.exit(
+                2,
+                f"{parser.prog}: error: --packages: no Python package or module under "
+                f"{', '.join(map(str, roots))}\n",
+            )
+        docs = select(
+            {name: [(p, text) for n, p, text in found if n == name] for name in SUBSETS},
+            int(args.max_mb * 1_000_000),
+        )
+        held = validation_packages(
+            sorted({package for _, (package, _) in docs}), args.validation_fraction
+        )
         train = [doc for doc in docs if doc[1][0] not in held]
         validation = [doc for doc in docs if doc[1][0] in held]
         mb = sum(len(text.encode("utf-8")) for _, (_, text) in docs) / 1_000_000
@@ -496,10 +649,18 @@ def main(argv=None) -> int:
     try:
         built.mkdir(parents=True)
         if args.packages is not None:
-            files = write(train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst")
-            files += write(validation, built, args.docs_per_chunk, "validation/chunk1/example_holdout_{k}.jsonl.zst")
-            text = packages_readme(roots, train, validation, held, left_out, mb, len(files),
-                                   args.test_suites, sources)
+            files = write(
+                train, built, args.docs_per_chunk, "train/chunk1/example_train_{k}.jsonl.zst"
+            )
+            files += write(
+                validation,
+                built,
+                args.docs_per_chunk,
+                "validation/chunk1/example_holdout_{k}.jsonl.zst",
+            )
+            text = packages_readme(
+                roots, train, validation, held, left_out, mb, len(files), args.test_suites, sources
+            )
         else:
             files = write(docs, built, args.docs_per_chunk)
             text = readme(counts, mb, len(files))
@@ -511,11 +672,15 @@ def main(argv=None) -> int:
         shutil.rmtree(built, ignore_errors=True)
 
     if args.packages is not None:
-        print(f"packages corpus: {len(train)} training documents, {len(validation)} validation documents "
-              f"({len(held)} packages held out); {mb:.2f} MB of text in {len(files)} files under {output}")
+        print(
+            f"packages corpus: {len(train)} training documents, {len(validation)} validation documents "
+            f"({len(held)} packages held out); {mb:.2f} MB of text in {len(files)} files under {output}"
+        )
         return 0
     summary = ", ".join(f"{name} {counts[name]}" for name in SUBSETS)
-    print(f"sample corpus: {summary} documents; {mb:.2f} MB of text in {len(files)} files under {output}")
+    print(
+        f"sample corpus: {summary} documents; {mb:.2f} MB of text in {len(files)} files under {output}"
+    )
     return 0
 
 

@@ -27,6 +27,7 @@ GPUs in tp x pp, then no virtual stages, then no recomputation (then selective, 
 the largest micro-batch, then the least memory. Layouts that do not fit are counted by reason,
 those out of memory with the range of memory they need and the nearest miss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,28 +53,58 @@ def candidates(args) -> list[dict]:
     for tp in [t for t in divisors(min(args.gpus_per_node, args.gpus)) if args.gpus % t == 0]:
         for pp in divisors(args.gpus // tp):
             dp = args.gpus // (tp * pp)
-            for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
+            for vpp in VIRTUAL_STAGES if pp > 1 else (1,):
                 for mbs in args.micro_batch_sizes:
                     for recompute in RECOMPUTE:
-                        for distributed in ((False, True) if dp > 1 else (False,)):
-                            out.append(dict(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
-                                            recompute=recompute, distributed_optimizer=distributed))
+                        for distributed in (False, True) if dp > 1 else (False,):
+                            out.append(
+                                dict(
+                                    tp=tp,
+                                    pp=pp,
+                                    dp=dp,
+                                    vpp=vpp,
+                                    micro_batch_size=mbs,
+                                    recompute=recompute,
+                                    distributed_optimizer=distributed,
+                                )
+                            )
     return out
 
 
 def trainer_flags(args, layout: dict) -> list[str]:
     """The trainer's flags for `layout` (what `python -m megafp8.train` would be given)."""
-    flags = ["--model", args.model, "--seq-length", str(args.seq_length), "--global-batch-size",
-             str(args.global_batch_size), "--micro-batch-size", str(layout["micro_batch_size"]),
-             "--tensor-model-parallel-size", str(layout["tp"]),
-             "--pipeline-model-parallel-size", str(layout["pp"]), "--train-iters", "1", "--mock-data",
-             "--bf16", "--lr", "1e-4", "--lr-warmup-iters", "0"]
+    flags = [
+        "--model",
+        args.model,
+        "--seq-length",
+        str(args.seq_length),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--micro-batch-size",
+        str(layout["micro_batch_size"]),
+        "--tensor-model-parallel-size",
+        str(layout["tp"]),
+        "--pipeline-model-parallel-size",
+        str(layout["pp"]),
+        "--train-iters",
+        "1",
+        "--mock-data",
+        "--bf16",
+        "--lr",
+        "1e-4",
+        "--lr-warmup-iters",
+        "0",
+    ]
     if args.vocab_size:
         flags += ["--vocab-size", str(args.vocab_size)]
     if layout["tp"] > 1:
         flags.append("--sequence-parallel")
     if layout["pp"] > 1:  # as the recipes run pipelines: the output layer's rank given fewer layers
-        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout["vpp"]), "--balance-pipeline-split"]
+        flags += [
+            "--num-virtual-stages-per-pipeline-rank",
+            str(layout["vpp"]),
+            "--balance-pipeline-split",
+        ]
     if layout["recompute"] != "none":
         flags += ["--recompute-granularity", layout["recompute"]]
     if layout["distributed_optimizer"]:  # as the recipes run it
@@ -86,7 +117,9 @@ def trainer_flags(args, layout: dict) -> list[str]:
 def check(args, layout: dict):
     """(config, memory layout, None) if the trainer accepts `layout`, else (None, None, its reason)."""
     try:
-        parsed = arguments.validate_args(arguments.parse_args(trainer_flags(args, layout)), args.gpus)
+        parsed = arguments.validate_args(
+            arguments.parse_args(trainer_flags(args, layout)), args.gpus
+        )
     except (arguments.ArgumentsError, SystemExit) as error:
         return None, None, str(error).split("\n")[0]
     config = arguments.model_config(parsed, parsed.vocab_size)
@@ -105,36 +138,73 @@ def plan(args, calibration: Calibration | None = None) -> dict:
             continue
         stages = estimate(config, memory)
         fullest = max(stages, key=lambda s: s["total"])
-        entry = {**layout, "memory_gib": fullest["total"] / 2**30,
-                 "memory_by_kind_gib": {k: v / 2**30 for k, v in fullest.items() if k not in ("pp_rank", "total")}}
+        entry = {
+            **layout,
+            "memory_gib": fullest["total"] / 2**30,
+            "memory_by_kind_gib": {
+                k: v / 2**30 for k, v in fullest.items() if k not in ("pp_rank", "total")
+            },
+        }
         if fullest["total"] > budget:
-            rejected.append({**entry, "reason": f"needs {entry['memory_gib']:.1f} GiB per GPU (pipeline stage "
-                                                f"{fullest['pp_rank']}), over {budget / 2**30:.1f} GiB"})
+            rejected.append(
+                {
+                    **entry,
+                    "reason": f"needs {entry['memory_gib']:.1f} GiB per GPU (pipeline stage "
+                    f"{fullest['pp_rank']}), over {budget / 2**30:.1f} GiB",
+                }
+            )
         elif calibration is None:
             fits.append(entry)
         else:
             try:
-                fits.append({**entry, **predict(config, memory, calibration, args.global_batch_size,
-                                                args.gpus_per_node, args.model, not args.eager_pipelines)})
+                fits.append(
+                    {
+                        **entry,
+                        **predict(
+                            config,
+                            memory,
+                            calibration,
+                            args.global_batch_size,
+                            args.gpus_per_node,
+                            args.model,
+                            not args.eager_pipelines,
+                        ),
+                    }
+                )
             except NotPredicted as why:
                 unpredicted.append({**entry, "reason": str(why)})
     if calibration is not None:  # fastest first; equals in the simplicity order
         fits.sort(key=lambda e: (-round(e["tokens_per_s_per_gpu"], 6), *simplicity(e)))
     else:
         fits.sort(key=simplicity)
-    return {"model": args.model, "gpus": args.gpus, "fp8": args.fp8, "budget_gib": budget / 2**30,
-            "calibration": calibration.sources if calibration else None,
-            "fits": fits, "not_predicted": unpredicted, "rejected": rejected}
+    return {
+        "model": args.model,
+        "gpus": args.gpus,
+        "fp8": args.fp8,
+        "budget_gib": budget / 2**30,
+        "calibration": calibration.sources if calibration else None,
+        "fits": fits,
+        "not_predicted": unpredicted,
+        "rejected": rejected,
+    }
 
 
-SIMPLEST_FIRST = ("the fewest GPUs in tp x pp, then no virtual stages, then no recomputation (then selective, then "
-                  "full), then the largest micro-batch, then the least memory")
+SIMPLEST_FIRST = (
+    "the fewest GPUs in tp x pp, then no virtual stages, then no recomputation (then selective, then "
+    "full), then the largest micro-batch, then the least memory"
+)
 
 
 def simplicity(entry: dict) -> tuple:
     """The sort key of SIMPLEST_FIRST."""
-    return (entry["tp"] * entry["pp"], entry["vpp"], entry["recompute"] != "none", entry["recompute"] == "full",
-            -entry["micro_batch_size"], entry["memory_gib"])
+    return (
+        entry["tp"] * entry["pp"],
+        entry["vpp"],
+        entry["recompute"] != "none",
+        entry["recompute"] == "full",
+        -entry["micro_batch_size"],
+        entry["memory_gib"],
+    )
 
 
 def print_by_reason(heading: str, entries: list, key, describe=None) -> None:
@@ -161,9 +231,15 @@ def describe_rejected(members: list, gpu_memory: float, budget_gib: float) -> st
     nearest = min(members, key=lambda e: e["memory_gib"])
     least, most = f"{nearest['memory_gib']:.1f}", f"{max(e['memory_gib'] for e in members):.1f}"
     needs = f"needs {least}" if least == most else f"need {least} to {most}"
-    within = f", within the GPU's {gpu_memory:g} GiB but not its margin" if nearest["memory_gib"] <= gpu_memory else ""
-    return (f"{needs} GiB per GPU, over {budget_gib:.1f} GiB  (the nearest miss: {layout_name(nearest)}, "
-            f"{least} GiB{within})")
+    within = (
+        f", within the GPU's {gpu_memory:g} GiB but not its margin"
+        if nearest["memory_gib"] <= gpu_memory
+        else ""
+    )
+    return (
+        f"{needs} GiB per GPU, over {budget_gib:.1f} GiB  (the nearest miss: {layout_name(nearest)}, "
+        f"{least} GiB{within})"
+    )
 
 
 def layout_name(entry: dict) -> str:
@@ -179,27 +255,50 @@ def layout_name(entry: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="a preset (megafp8.models.config.PRESETS)")
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
     parser.add_argument("--seq-length", type=int, required=True)
     parser.add_argument("--global-batch-size", type=int, required=True)
-    parser.add_argument("--fp8", choices=("delayed", "current"), help="FP8 HYBRID with this scaling (absent: bf16)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="tensor parallelism stays within a node")
+    parser.add_argument(
+        "--fp8", choices=("delayed", "current"), help="FP8 HYBRID with this scaling (absent: bf16)"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="tensor parallelism stays within a node"
+    )
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary (default: the preset's)")
-    parser.add_argument("--memory-margin", type=float, default=0.1,
-                        help="the share of GPU memory kept free for what the memory model leaves out (default 0.1)")
+    parser.add_argument(
+        "--vocab-size", type=int, help="the tokenizer's vocabulary (default: the preset's)"
+    )
+    parser.add_argument(
+        "--memory-margin",
+        type=float,
+        default=0.1,
+        help="the share of GPU memory kept free for what the memory model leaves out (default 0.1)",
+    )
     parser.add_argument("--top", type=int, default=20, help="layouts to print (default 20)")
     parser.add_argument("--json", help="write the whole plan here")
-    parser.add_argument("--layer-maps", nargs="+", default=[], metavar="JSON",
-                        help="measured layer maps (benchmarks/bench_layer_grid.py --model MODEL): rank by throughput")
-    parser.add_argument("--collectives", metavar="JSON",
-                        help="measured collective bandwidths (benchmarks/bench_collectives.py)")
-    parser.add_argument("--eager-pipelines", action="store_true",
-                        help="pipeline stages run without CUDA graphs (the recipes' CUDA_GRAPH=0; default: graphed, "
-                             "as the recipes run them)")
+    parser.add_argument(
+        "--layer-maps",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="measured layer maps (benchmarks/bench_layer_grid.py --model MODEL): rank by throughput",
+    )
+    parser.add_argument(
+        "--collectives",
+        metavar="JSON",
+        help="measured collective bandwidths (benchmarks/bench_collectives.py)",
+    )
+    parser.add_argument(
+        "--eager-pipelines",
+        action="store_true",
+        help="pipeline stages run without CUDA graphs (the recipes' CUDA_GRAPH=0; default: graphed, "
+        "as the recipes run them)",
+    )
     args = parser.parse_args(argv)
     for name in ("gpus", "gpus_per_node", "seq_length", "global_batch_size"):
         if getattr(args, name) < 1:
@@ -208,51 +307,72 @@ def main(argv=None) -> int:
         parser.error("--gpu-memory must be positive and --memory-margin in [0, 1)")
     try:
         from megafp8.models.config import PRESETS
+
         args.num_layers = PRESETS[args.model].num_layers
     except KeyError:
         parser.error(f"--model {args.model!r} is not a preset; give one of {', '.join(PRESETS)}")
     if args.collectives and not args.layer_maps:
         parser.error("--collectives goes with --layer-maps (the layer times the ranking needs)")
     try:
-        calibration = Calibration.load(args.layer_maps, args.collectives) if args.layer_maps else None
+        calibration = (
+            Calibration.load(args.layer_maps, args.collectives) if args.layer_maps else None
+        )
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     result = plan(args, calibration)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     fits = result["fits"]
-    print(f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GiB ({'FP8 ' + args.fp8 if args.fp8 else 'bf16'}), "
-          f"sequence {args.seq_length}, global batch {args.global_batch_size}: "
-          f"{len(fits) + len(result['not_predicted'])} layouts fit in {result['budget_gib']:.1f} GiB per GPU, "
-          f"{len(result['rejected'])} do not")
+    print(
+        f"{args.model} on {args.gpus} GPUs of {args.gpu_memory:g} GiB ({'FP8 ' + args.fp8 if args.fp8 else 'bf16'}), "
+        f"sequence {args.seq_length}, global batch {args.global_batch_size}: "
+        f"{len(fits) + len(result['not_predicted'])} layouts fit in {result['budget_gib']:.1f} GiB per GPU, "
+        f"{len(result['rejected'])} do not"
+    )
     if calibration is None:
-        print(f"(listed, not ranked by throughput: give --layer-maps and --collectives measured on these GPUs; "
-              f"simplest first: {SIMPLEST_FIRST})")
+        print(
+            f"(listed, not ranked by throughput: give --layer-maps and --collectives measured on these GPUs; "
+            f"simplest first: {SIMPLEST_FIRST})"
+        )
     else:
-        print(f"ranked by predicted tokens/s per GPU from {'; '.join(calibration.sources)}; "
-              f"{len(result['not_predicted'])} fitting layouts not covered by the measurements")
+        print(
+            f"ranked by predicted tokens/s per GPU from {'; '.join(calibration.sources)}; "
+            f"{len(result['not_predicted'])} fitting layouts not covered by the measurements"
+        )
         mixed = calibration.mixed_devices()
         if mixed:
             print(f"warning: {mixed}")
-    for entry in fits[:args.top]:
-        kinds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in entry["memory_by_kind_gib"].items() if v)
+    for entry in fits[: args.top]:
+        kinds = ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}" for k, v in entry["memory_by_kind_gib"].items() if v
+        )
         speed = ""
         if calibration is not None:
-            stretched = f", {len(entry['extrapolated'])} extrapolated" if entry["extrapolated"] else ""
+            stretched = (
+                f", {len(entry['extrapolated'])} extrapolated" if entry["extrapolated"] else ""
+            )
             speed = f"{entry['tokens_per_s_per_gpu']:9,.0f} tokens/s/GPU  {entry['step_ms']:8.1f} ms/step{stretched}  "
         print(f"  {layout_name(entry):<60} {speed}{entry['memory_gib']:6.1f} GiB  ({kinds})")
-    stretches = sorted({note for entry in fits[:args.top] for note in entry.get("extrapolated", ())})
+    stretches = sorted(
+        {note for entry in fits[: args.top] for note in entry.get("extrapolated", ())}
+    )
     if stretches:
         print("where the predictions above stretch the measurements:")
         for note in stretches:
             print(f"  - {note}")
     if result["not_predicted"]:
         print_by_reason("fit, not predicted:", result["not_predicted"], key=lambda e: e["reason"])
-    print_by_reason("rejected:", result["rejected"],
-                    key=lambda e: "out of memory" if "memory_gib" in e else e["reason"].split(":")[0],
-                    describe=lambda members: describe_rejected(members, args.gpu_memory, result["budget_gib"]))
+    print_by_reason(
+        "rejected:",
+        result["rejected"],
+        key=lambda e: "out of memory" if "memory_gib" in e else e["reason"].split(":")[0],
+        describe=lambda members: describe_rejected(members, args.gpu_memory, result["budget_gib"]),
+    )
     if not fits and not result["not_predicted"]:
-        print("no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may", file=sys.stderr)
+        print(
+            "no layout fits: more GPUs, a shorter sequence or FP8's smaller activations may",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

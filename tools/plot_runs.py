@@ -26,6 +26,7 @@ matplotlib is an optional dependency (`pip install matplotlib`, or megafp8's `pl
 the figure is drawn off-screen (Agg) and written as PNG (or any format matplotlib infers from
 the output's suffix).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ def metrics_path(run: str) -> Path:
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
-        raise PlotError(f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save or "
-                        f"--tensorboard-dir, or the metrics.jsonl file itself)")
+        raise PlotError(
+            f"{run}: no metrics.jsonl there (give a run folder, the trainer's --save or "
+            f"--tensorboard-dir, or the metrics.jsonl file itself)"
+        )
     return path
 
 
@@ -95,21 +98,26 @@ def read_run(path: Path) -> dict:
                 raise PlotError(f"{path}, line {number}: not JSON ({error.msg})") from None
             iteration = record.get("iteration") if isinstance(record, dict) else None
             if not isinstance(iteration, int):
-                raise PlotError(f"{path}, line {number}: a record without an integer \"iteration\"")
+                raise PlotError(f'{path}, line {number}: a record without an integer "iteration"')
             for field, value in record.items():
                 value = _number(value)
                 if field not in ("iteration", "time") and value is not None:
                     latest.setdefault(field, {})[iteration] = value
     if not latest:
-        raise PlotError(f"{path}: no logged iteration in it (is the run still before its first --log-interval?)")
-    return {field: (sorted(points), [points[i] for i in sorted(points)]) for field, points in latest.items()}
+        raise PlotError(
+            f"{path}: no logged iteration in it (is the run still before its first --log-interval?)"
+        )
+    return {
+        field: (sorted(points), [points[i] for i in sorted(points)])
+        for field, points in latest.items()
+    }
 
 
 def moving_average(values: list, window: int) -> list:
     """The mean of each value with the up to `window - 1` before it (NaN where any of them is)."""
     out = []
     for i in range(len(values)):
-        part = values[max(0, i - window + 1):i + 1]
+        part = values[max(0, i - window + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
 
@@ -126,16 +134,20 @@ def final_losses(run: dict, points: int) -> dict:
         if iteration > start and lowest < math.inf:
             spike = max(spike, loss / lowest - 1)
         lowest = min(lowest, loss)
-    return {"iteration": iterations[-1], "train": sum(tail) / len(tail), "spike": spike,
-            "valid": run[VALID][1][-1] if VALID in run else None,
-            "valid_iteration": run[VALID][0][-1] if VALID in run else None}
+    return {
+        "iteration": iterations[-1],
+        "train": sum(tail) / len(tail),
+        "spike": spike,
+        "valid": run[VALID][1][-1] if VALID in run else None,
+        "valid_iteration": run[VALID][0][-1] if VALID in run else None,
+    }
 
 
 def table(runs: list, labels: list, points: int = 10) -> str:
     """The final losses of the runs as Markdown, each against the first run's."""
     missing = [label for run, label in zip(runs, labels) if TRAIN not in run]
     if missing:
-        raise PlotError(f"--table: {', '.join(missing)} logged no training loss (\"loss\")")
+        raise PlotError(f'--table: {", ".join(missing)} logged no training loss ("loss")')
     rows = [final_losses(run, points) for run in runs]
     base = rows[0]
 
@@ -147,15 +159,23 @@ def table(runs: list, labels: list, points: int = 10) -> str:
     def number(value):
         return "–" if value is None else f"{value:.4f}"
 
-    lines = ["| run | iterations | final validation loss | vs " + labels[0]
-             + f" | final training loss (mean of last {points} logged) | vs {labels[0]} | largest spike |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | iterations | final validation loss | vs "
+        + labels[0]
+        + f" | final training loss (mean of last {points} logged) | vs {labels[0]} | largest spike |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, row in zip(labels, rows):
-        early = row["valid_iteration"] not in (None, row["iteration"])  # no evaluation at the last iteration
-        lines.append(f"| {label} | {row['iteration']} | {number(row['valid'])}"
-                     + (f" (at {row['valid_iteration']})" if early else "")
-                     + f" | {versus(row['valid'], base['valid'])} | {number(row['train'])}"
-                     + f" | {versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |")
+        early = row["valid_iteration"] not in (
+            None,
+            row["iteration"],
+        )  # no evaluation at the last iteration
+        lines.append(
+            f"| {label} | {row['iteration']} | {number(row['valid'])}"
+            + (f" (at {row['valid_iteration']})" if early else "")
+            + f" | {versus(row['valid'], base['valid'])} | {number(row['train'])}"
+            + f" | {versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -168,29 +188,49 @@ def relative_to_first(runs: list, field: str = VALID) -> list:
     curves = []
     for run in runs:
         shared = [(i, v) for i, v in zip(*run[field]) if i in base] if field in run else []
-        curves.append(([i for i, _ in shared], [100 * (v / base[i] - 1) for i, v in shared]) if shared else None)
+        curves.append(
+            ([i for i, _ in shared], [100 * (v / base[i] - 1) for i, v in shared])
+            if shared
+            else None
+        )
     return curves
 
 
-def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, log_y=(), title=None,
-         relative: bool = False) -> Path:
+def plot(
+    runs: list,
+    labels: list,
+    fields: list,
+    output: Path,
+    smooth: int = 1,
+    log_y=(),
+    title=None,
+    relative: bool = False,
+) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise PlotError("matplotlib is not installed: pip install matplotlib (or megafp8's plot extra)") from None
+        raise PlotError(
+            "matplotlib is not installed: pip install matplotlib (or megafp8's plot extra)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     if not any(TRAIN in run for run in runs):
-        raise PlotError("no run logged a training loss (\"loss\")")
+        raise PlotError('no run logged a training loss ("loss")')
     curves = {RELATIVE: relative_to_first(runs)} if relative else {}
-    panels = ([TRAIN] + ([VALID] if any(VALID in run for run in runs) else []) + ([RELATIVE] if relative else [])
-              + list(fields))
+    panels = (
+        [TRAIN]
+        + ([VALID] if any(VALID in run for run in runs) else [])
+        + ([RELATIVE] if relative else [])
+        + list(fields)
+    )
     for field in fields:
         if not any(field in run for run in runs):
             known = sorted({f for run in runs for f in run})
             raise PlotError(f"--fields {field}: no run logged it; the runs have {', '.join(known)}")
-    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False)
+    figure, axes = plt.subplots(
+        len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True, squeeze=False
+    )
     for axis, field in zip(axes[:, 0], panels):
         for index, (run, label) in enumerate(zip(runs, labels)):
             curve = curves[field][index] if field in curves else run.get(field)
@@ -199,10 +239,18 @@ def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, 
             iterations, values = curve
             if field == TRAIN and smooth > 1:
                 values = moving_average(values, smooth)
-            axis.plot(iterations, values, label=label, color=f"C{index % 10}",
-                      marker="o" if len(iterations) == 1 else None)
-        name = {TRAIN: "training loss" + (f" (mean of {smooth} points)" if smooth > 1 else ""),
-                VALID: "validation loss", RELATIVE: f"validation loss vs {labels[0]} (%)"}.get(field, field)
+            axis.plot(
+                iterations,
+                values,
+                label=label,
+                color=f"C{index % 10}",
+                marker="o" if len(iterations) == 1 else None,
+            )
+        name = {
+            TRAIN: "training loss" + (f" (mean of {smooth} points)" if smooth > 1 else ""),
+            VALID: "validation loss",
+            RELATIVE: f"validation loss vs {labels[0]} (%)",
+        }.get(field, field)
         axis.set_ylabel(name)
         if field in log_y:
             axis.set_yscale("log")
@@ -219,21 +267,44 @@ def plot(runs: list, labels: list, fields: list, output: Path, smooth: int = 1, 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Draw training and validation loss (and any other "
-                                                 "metrics.jsonl field) of several runs on shared axes.")
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run folder holding metrics.jsonl, or the file")
+    parser = argparse.ArgumentParser(
+        description="Draw training and validation loss (and any other "
+        "metrics.jsonl field) of several runs on shared axes."
+    )
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="a run folder holding metrics.jsonl, or the file"
+    )
     parser.add_argument("--output", required=True, help="the picture to write (PNG by its suffix)")
-    parser.add_argument("--labels", nargs="+", help="one legend label per run (default: the run folders' names; "
-                                                     "for a folder named checkpoints, the one above it)")
-    parser.add_argument("--fields", nargs="*", default=[], help="more metrics.jsonl fields, a panel each")
-    parser.add_argument("--smooth", type=int, default=1, help="average the training loss over N logged points")
-    parser.add_argument("--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale")
-    parser.add_argument("--relative", action="store_true",
-                        help="add a panel of each run's validation loss against the first run's, in percent")
+    parser.add_argument(
+        "--labels",
+        nargs="+",
+        help="one legend label per run (default: the run folders' names; "
+        "for a folder named checkpoints, the one above it)",
+    )
+    parser.add_argument(
+        "--fields", nargs="*", default=[], help="more metrics.jsonl fields, a panel each"
+    )
+    parser.add_argument(
+        "--smooth", type=int, default=1, help="average the training loss over N logged points"
+    )
+    parser.add_argument(
+        "--log-y", nargs="*", default=[], help="panels (fields) drawn on a log scale"
+    )
+    parser.add_argument(
+        "--relative",
+        action="store_true",
+        help="add a panel of each run's validation loss against the first run's, in percent",
+    )
     parser.add_argument("--title")
-    parser.add_argument("--table", help="also write the final losses, against the first run's, as Markdown here")
-    parser.add_argument("--final-points", type=int, default=10,
-                        help="the final training loss is the mean of this many last logged points")
+    parser.add_argument(
+        "--table", help="also write the final losses, against the first run's, as Markdown here"
+    )
+    parser.add_argument(
+        "--final-points",
+        type=int,
+        default=10,
+        help="the final training loss is the mean of this many last logged points",
+    )
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
@@ -250,8 +321,16 @@ def main(argv=None) -> int:
         paths = [metrics_path(run) for run in args.runs]
         runs = [read_run(path) for path in paths]
         labels = args.labels or default_labels(paths)
-        output = plot(runs, labels, args.fields, Path(args.output), args.smooth, set(args.log_y), args.title,
-                      args.relative)
+        output = plot(
+            runs,
+            labels,
+            args.fields,
+            Path(args.output),
+            args.smooth,
+            set(args.log_y),
+            args.title,
+            args.relative,
+        )
         if args.table:
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
             Path(args.table).write_text(table(runs, labels, args.final_points))

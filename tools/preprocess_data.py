@@ -18,6 +18,7 @@ Existing outputs are never replaced without --overwrite.
 A bad input (a malformed line, text the tokenizer refuses) or a refusal ends the run with a
 one-line message and exit code 2; a failure to write (a full disk) with one line and code 1.
 """
+
 import argparse
 import glob
 import multiprocessing
@@ -31,11 +32,11 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from megafp8.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, disable_tokenizers_parallelism
+from tqdm import tqdm
+
 from megafp8.messages import show_warnings_as_messages
 
 # Documents per task. Fixed (never derived from --workers) so batching cannot change the output;
@@ -68,8 +69,9 @@ class Encoder:
                 try:
                     self.tokenizer.tokenize(text)
                 except Exception as error:
-                    raise InputError(f"{doc.where}: tokenizing {key!r} failed: "
-                                     f"{type(error).__name__}: {error}") from None
+                    raise InputError(
+                        f"{doc.where}: tokenizing {key!r} failed: {type(error).__name__}: {error}"
+                    ) from None
             raise
 
     def encode(self, batch):
@@ -81,9 +83,14 @@ class Encoder:
                 if self.append_eod:
                     ids = list(ids) + [self.tokenizer.eod]
                 tokens[i][key] = np.array(ids, dtype=self.dtype)
-        return [(doc.subset, tokens[i],
-                 sum(len(text.encode("utf-8")) for text in doc.texts.values() if text is not None))
-                for i, doc in enumerate(batch)]
+        return [
+            (
+                doc.subset,
+                tokens[i],
+                sum(len(text.encode("utf-8")) for text in doc.texts.values() if text is not None),
+            )
+            for i, doc in enumerate(batch)
+        ]
 
 
 _encoder = None
@@ -124,8 +131,10 @@ class _Outputs:
         name = UNKNOWN_SET if subset is None else subset
         part = _file_part(name)
         if self._set_files.setdefault(part, name) != name:
-            raise InputError(f"subsets {self._set_files[part]!r} and {name!r} would share the file "
-                             f"name part {part!r}; rename one in the corpus")
+            raise InputError(
+                f"subsets {self._set_files[part]!r} and {name!r} would share the file "
+                f"name part {part!r}; rename one in the corpus"
+            )
         return f"{self.prefix}_{part}_{_file_part(key)}_document"
 
     def builder(self, subset, key):
@@ -147,41 +156,72 @@ class _Outputs:
 def _existing_outputs(prefix, json_keys, split_by_set):
     """The files under `prefix` that this run could write; with --split-by-set, those of any subset."""
     subset = "_*" if split_by_set else ""
-    patterns = [f"{glob.escape(prefix)}{subset}_{_file_part(key)}_document.{ext}"
-                for key in json_keys for ext in ("bin", "idx")]
+    patterns = [
+        f"{glob.escape(prefix)}{subset}_{_file_part(key)}_document.{ext}"
+        for key in json_keys
+        for ext in ("bin", "idx")
+    ]
     return sorted({path for pattern in patterns for path in glob.glob(pattern)})
 
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input")
-    group.add_argument("--input", nargs="+", required=True,
-                       help="files (.jsonl, .json, .jsonl.zst, .parquet), folders (recursive), "
-                            "globs, or a Hugging Face dataset name or path (hf:PATH forces it)")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="keys to tokenize, one dataset each (default: text)")
-    group.add_argument("--split-by-set", action="store_true",
-                       help="one dataset per SlimPajama subset (meta.redpajama_set_name)")
-    group.add_argument("--hf-split", default="train", help="Hugging Face dataset split (default train)")
+    group.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files (.jsonl, .json, .jsonl.zst, .parquet), folders (recursive), "
+        "globs, or a Hugging Face dataset name or path (hf:PATH forces it)",
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys to tokenize, one dataset each (default: text)",
+    )
+    group.add_argument(
+        "--split-by-set",
+        action="store_true",
+        help="one dataset per SlimPajama subset (meta.redpajama_set_name)",
+    )
+    group.add_argument(
+        "--hf-split", default="train", help="Hugging Face dataset split (default train)"
+    )
     group.add_argument("--hf-config", default=None, help="Hugging Face dataset configuration")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", help="tokenizer.json (or its folder), or a SentencePiece .model")
+    group.add_argument(
+        "--tokenizer-model", help="tokenizer.json (or its folder), or a SentencePiece .model"
+    )
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer: vocabulary size")
     group.add_argument("--eod-token", help="end-of-document token (default: the vocabulary's own)")
-    group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document token to every document")
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document",
+    )
     group = parser.add_argument_group("output")
-    group.add_argument("--output-prefix", required=True,
-                       help="path prefix of the outputs: <prefix>_<key>_document.{bin,idx}")
-    group.add_argument("--overwrite", action="store_true",
-                       help="replace outputs that already exist (without it they are refused)")
+    group.add_argument(
+        "--output-prefix",
+        required=True,
+        help="path prefix of the outputs: <prefix>_<key>_document.{bin,idx}",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace outputs that already exist (without it they are refused)",
+    )
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-    group.add_argument("--log-interval", type=int, default=100,
-                       help="refresh the progress rates every N documents (default 100)")
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=100,
+        help="refresh the progress rates every N documents (default 100)",
+    )
     args = parser.parse_args(argv)
 
     if args.workers < 1:
@@ -189,9 +229,13 @@ def _parse_args(argv):
     if args.log_interval < 1:
         parser.error(f"--log-interval must be at least 1, got {args.log_interval}")
     args.tokenizer_kwargs = dict(
-        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-        eod_token=args.eod_token)
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        eod_token=args.eod_token,
+    )
     try:
         args.tokenizer = build_tokenizer(**args.tokenizer_kwargs)
     except (ValueError, OSError, ImportError) as error:
@@ -202,21 +246,30 @@ def _parse_args(argv):
         parser.error(str(error))
     args.existing_outputs = _existing_outputs(args.output_prefix, args.json_keys, args.split_by_set)
     if args.existing_outputs and not args.overwrite:
-        shown = ", ".join(args.existing_outputs[:6]) + (", ..." if len(args.existing_outputs) > 6 else "")
+        shown = ", ".join(args.existing_outputs[:6]) + (
+            ", ..." if len(args.existing_outputs) > 6 else ""
+        )
         # A refusal, not a usage mistake: the message alone, without the usage text.
-        parser.exit(2, f"{parser.prog}: error: {len(args.existing_outputs)} output files already exist "
-                       f"({shown}); pass --overwrite to replace them, or choose another --output-prefix\n")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: {len(args.existing_outputs)} output files already exist "
+            f"({shown}); pass --overwrite to replace them, or choose another --output-prefix\n",
+        )
     return args
 
 
 def _summary_lines(summary, split_by_set):
-    yield (f"processed {summary['documents']} documents, {summary['tokens']} tokens, "
-           f"{summary['bytes'] / 1e6:.2f} MB of text in {summary['elapsed_s']:.1f} s: "
-           f"{summary['docs_per_s']:.1f} docs/s, {summary['tokens_per_s']:.0f} tokens/s, "
-           f"{summary['mb_per_s']:.2f} MB/s")
+    yield (
+        f"processed {summary['documents']} documents, {summary['tokens']} tokens, "
+        f"{summary['bytes'] / 1e6:.2f} MB of text in {summary['elapsed_s']:.1f} s: "
+        f"{summary['docs_per_s']:.1f} docs/s, {summary['tokens_per_s']:.0f} tokens/s, "
+        f"{summary['mb_per_s']:.2f} MB/s"
+    )
     for key, counts in summary["keys"].items():
-        yield (f"  {key!r}: {counts['documents']} documents, {counts['tokens']} tokens; skipped "
-               f"{counts['empty']} empty, {counts['missing']} missing")
+        yield (
+            f"  {key!r}: {counts['documents']} documents, {counts['tokens']} tokens; skipped "
+            f"{counts['empty']} empty, {counts['missing']} missing"
+        )
     if split_by_set:
         for name, counts in summary["subsets"].items():
             yield f"  {name}: {counts['documents']} documents, {counts['tokens']} tokens"
@@ -230,8 +283,9 @@ def main(argv=None):
     args = _parse_args(argv)
     tokenizer = args.tokenizer
     stats = SourceStats(tuple(args.json_keys))
-    documents = iter_documents(args.input, args.json_keys, stats=stats,
-                               hf_split=args.hf_split, hf_config=args.hf_config)
+    documents = iter_documents(
+        args.input, args.json_keys, stats=stats, hf_split=args.hf_split, hf_config=args.hf_config
+    )
     outputs = _Outputs(args.output_prefix, best_dtype(tokenizer.vocab_size), args.split_by_set)
 
     written, key_tokens, no_tokens = Counter(), Counter(), Counter()
@@ -239,7 +293,8 @@ def main(argv=None):
     n_tokens = n_bytes = n_docs = 0
     # fork: workers inherit the loaded modules (this script need not be importable by name).
     context = multiprocessing.get_context(
-        "fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    )
     start = time.perf_counter()
     bar = tqdm(desc="tokenizing", unit="doc", file=sys.stderr, mininterval=1.0, smoothing=0.1)
     try:
@@ -247,13 +302,17 @@ def main(argv=None):
         if not args.split_by_set:
             for key in args.json_keys:  # a dataset per key even if every document lacks it
                 outputs.builder(None, key)
-        with context.Pool(args.workers, _init_worker,
-                          (args.tokenizer_kwargs, tuple(args.json_keys), args.append_eod)) as pool:
+        with context.Pool(
+            args.workers,
+            _init_worker,
+            (args.tokenizer_kwargs, tuple(args.json_keys), args.append_eod),
+        ) as pool:
             # chunksize 1: each task is already a batch of documents; imap keeps their order.
             for results in pool.imap(_encode, _batches(documents), chunksize=1):
                 for subset, tokens, nbytes in results:
-                    counts = subsets.setdefault(UNKNOWN_SET if subset is None else subset,
-                                                {"documents": 0, "tokens": 0})
+                    counts = subsets.setdefault(
+                        UNKNOWN_SET if subset is None else subset, {"documents": 0, "tokens": 0}
+                    )
                     counts["documents"] += 1
                     for key, ids in tokens.items():
                         if not len(ids):  # text that tokenizes to nothing: skip like an empty one
@@ -271,8 +330,10 @@ def main(argv=None):
                 bar.update(len(results))
                 if n_docs % args.log_interval < len(results):
                     elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"{n_tokens / elapsed:.0f} tok/s, {n_bytes / elapsed / 1e6:.2f} MB/s",
-                                        refresh=False)
+                    bar.set_postfix_str(
+                        f"{n_tokens / elapsed:.0f} tok/s, {n_bytes / elapsed / 1e6:.2f} MB/s",
+                        refresh=False,
+                    )
         files = outputs.finalize()
     except BaseException as error:
         outputs.abort()
@@ -285,17 +346,25 @@ def main(argv=None):
     # --split-by-set with --overwrite: an earlier run's subsets that this corpus lacks stay behind.
     untouched = sorted(set(args.existing_outputs) - set(files))
     if untouched:
-        warnings.warn(f"{len(untouched)} files of an earlier run under this --output-prefix were not "
-                      f"replaced, as this corpus has no such subset: {', '.join(untouched)}; delete "
-                      "them unless they belong with these outputs")
+        warnings.warn(
+            f"{len(untouched)} files of an earlier run under this --output-prefix were not "
+            f"replaced, as this corpus has no such subset: {', '.join(untouched)}; delete "
+            "them unless they belong with these outputs"
+        )
 
     summary = {
         "documents": n_docs,
         "tokens": n_tokens,
         "bytes": n_bytes,
-        "keys": {key: {"documents": written[key], "tokens": key_tokens[key],
-                       "empty": stats.empty[key] + no_tokens[key], "missing": stats.missing[key]}
-                 for key in args.json_keys},
+        "keys": {
+            key: {
+                "documents": written[key],
+                "tokens": key_tokens[key],
+                "empty": stats.empty[key] + no_tokens[key],
+                "missing": stats.missing[key],
+            }
+            for key in args.json_keys
+        },
         "subsets": dict(sorted(subsets.items())),
         "elapsed_s": elapsed,
         "docs_per_s": n_docs / elapsed,

@@ -12,6 +12,7 @@ Training is deterministic: the same corpus and flags give byte-identical files. 
 are never replaced without --overwrite; the new ones are moved into place only once all are
 written (tokenizer.json last), so an interrupted run leaves no tokenizer that looks finished.
 """
+
 import argparse
 import io
 import itertools
@@ -23,33 +24,44 @@ import time
 import warnings
 from pathlib import Path
 
-from tqdm import tqdm
-
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 from megafp8.data.tokenizers import build_tokenizer
+from tqdm import tqdm
+
 from megafp8.messages import show_warnings_as_messages
 
 BPE_EOD = "<|endoftext|>"
 MIN_VOCAB = 384  # the 256 bytes, the special tokens and room for merges
 # The files each --type writes. Moved into place last to first: the first is what
 # --tokenizer-model reads, so it appears only when the others are there.
-FILES = {"bpe": ("tokenizer.json", "vocab.json", "merges.txt"), "sentencepiece": ("tokenizer.model",)}
+FILES = {
+    "bpe": ("tokenizer.json", "vocab.json", "merges.txt"),
+    "sentencepiece": ("tokenizer.model",),
+}
 
 
 def _texts(args, stats):
     """The non-empty texts of every json key, document by document, behind a progress bar."""
-    documents = iter_documents(args.input, args.json_keys, stats=stats,
-                               hf_split=args.hf_split, hf_config=args.hf_config)
+    documents = iter_documents(
+        args.input, args.json_keys, stats=stats, hf_split=args.hf_split, hf_config=args.hf_config
+    )
     # islice stops before reading document N + 1, so the counts cover exactly what trained.
     documents = itertools.islice(documents, args.max_documents)
-    with tqdm(documents, total=args.max_documents, desc="reading", unit="doc", file=sys.stderr,
-              mininterval=1.0) as bar:
+    with tqdm(
+        documents,
+        total=args.max_documents,
+        desc="reading",
+        unit="doc",
+        file=sys.stderr,
+        mininterval=1.0,
+    ) as bar:
         for doc in bar:
             yield from (text for text in doc.texts.values() if text is not None)
 
 
 def train_bpe(args, texts, folder):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     # The same pieces from_gpt2_files assembles around vocab.json + merges.txt, so both load alike.
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -67,6 +79,7 @@ def train_bpe(args, texts, folder):
 
 def train_sentencepiece(args, texts, parser, folder):
     import sentencepiece
+
     # SentencePiece trains on sentences: give it lines (whole documents would pass its length cap).
     lines = (line for text in texts for line in text.split("\n") if line.strip())
     # Written from memory: with model_prefix the model would embed the output path, and two
@@ -98,20 +111,38 @@ def train_sentencepiece(args, texts, parser, folder):
 def main(argv=None):
     show_warnings_as_messages("train_tokenizer")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="files (.jsonl, .json, .jsonl.zst, .parquet), folders, globs or a "
-                             "Hugging Face dataset")
-    parser.add_argument("--type", choices=("bpe", "sentencepiece"), default="bpe",
-                        help="bpe: byte-level BPE as GPT-2 (default); sentencepiece: as Llama")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files (.jsonl, .json, .jsonl.zst, .parquet), folders, globs or a "
+        "Hugging Face dataset",
+    )
+    parser.add_argument(
+        "--type",
+        choices=("bpe", "sentencepiece"),
+        default="bpe",
+        help="bpe: byte-level BPE as GPT-2 (default); sentencepiece: as Llama",
+    )
     parser.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, e.g. 8192")
     parser.add_argument("--output", type=Path, required=True, help="output folder")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the tokenizer files already in --output (without it they are refused)")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
-                        help="keys whose texts train the tokenizer (default: text)")
-    parser.add_argument("--max-documents", type=int, default=None,
-                        help="train on the first N documents only")
-    parser.add_argument("--hf-split", default="train", help="Hugging Face dataset split (default train)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the tokenizer files already in --output (without it they are refused)",
+    )
+    parser.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys whose texts train the tokenizer (default: text)",
+    )
+    parser.add_argument(
+        "--max-documents", type=int, default=None, help="train on the first N documents only"
+    )
+    parser.add_argument(
+        "--hf-split", default="train", help="Hugging Face dataset split (default train)"
+    )
     parser.add_argument("--hf-config", default=None, help="Hugging Face dataset configuration")
     args = parser.parse_args(argv)
     if args.vocab_size < MIN_VOCAB:
@@ -126,9 +157,12 @@ def main(argv=None):
     existing = [str(path) for path in files if path.exists()]
     if existing and not args.overwrite:
         # A refusal, not a usage mistake: the message alone, without the usage text.
-        parser.exit(2, f"{parser.prog}: error: {', '.join(existing)} already "
-                       f"{'exists' if len(existing) == 1 else 'exist'}; pass --overwrite to replace "
-                       "the tokenizer, or choose another --output\n")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: {', '.join(existing)} already "
+            f"{'exists' if len(existing) == 1 else 'exist'}; pass --overwrite to replace "
+            "the tokenizer, or choose another --output\n",
+        )
     if args.output.exists() and not args.output.is_dir():
         parser.error(f"--output {args.output} is a file; give a folder")
     args.output.mkdir(parents=True, exist_ok=True)
@@ -160,18 +194,25 @@ def main(argv=None):
         "elapsed_s": round(elapsed, 3),
         "files": [str(path) for path in files],
     }
-    print(f"trained {args.type} tokenizer: vocabulary {tokenizer.vocab_size}, end of document "
-          f"{tokenizer.eod}, {summary['documents']} documents in {elapsed:.1f} s", file=sys.stderr)
+    print(
+        f"trained {args.type} tokenizer: vocabulary {tokenizer.vocab_size}, end of document "
+        f"{tokenizer.eod}, {summary['documents']} documents in {elapsed:.1f} s",
+        file=sys.stderr,
+    )
     for key in args.json_keys:
         if stats.missing[key] or stats.empty[key]:
-            print(f"  {key!r}: {stats.missing[key]} missing, {stats.empty[key]} empty (skipped)",
-                  file=sys.stderr)
+            print(
+                f"  {key!r}: {stats.missing[key]} missing, {stats.empty[key]} empty (skipped)",
+                file=sys.stderr,
+            )
     print("  files: " + ", ".join(summary["files"]), file=sys.stderr)
     if tokenizer.vocab_size < args.vocab_size:
-        warnings.warn(f"this corpus yields only {tokenizer.vocab_size} tokens, fewer than --vocab-size "
-                      f"{args.vocab_size}, so the tokenizer has {tokenizer.vocab_size}. Nothing else "
-                      "needs changing (preprocess_data and the trainer take the vocabulary size from "
-                      f"the tokenizer); for {args.vocab_size} tokens, train on more text")
+        warnings.warn(
+            f"this corpus yields only {tokenizer.vocab_size} tokens, fewer than --vocab-size "
+            f"{args.vocab_size}, so the tokenizer has {tokenizer.vocab_size}. Nothing else "
+            "needs changing (preprocess_data and the trainer take the vocabulary size from "
+            f"the tokenizer); for {args.vocab_size} tokens, train on more text"
+        )
     return summary
 
 

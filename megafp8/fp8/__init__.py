@@ -6,6 +6,7 @@ come in as arguments (fp8_autocast's amax-reduction group; Fp8Linear.fp8_linear'
 over which a sequence-parallel input is all-gathered in FP8), and the collectives themselves
 are megafp8.collectives.
 """
+
 from .autocast import fp8_autocast, fp8_recompute
 from .formats import Format, fp8_max
 from .gemm import fp8_gemm

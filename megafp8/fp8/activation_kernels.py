@@ -15,6 +15,7 @@ fewer instructions and no cancellation: a value one rounding away from aten's, n
 Off CUDA the unfused torch ops run: `activation_torch`, `activation_backward_torch`, then
 `quantize_torch`.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megafp8.triton_support import INTERPRETING as _INTERPRETING, wide_offsets
+from megafp8.triton_support import INTERPRETING as _INTERPRETING
+from megafp8.triton_support import wide_offsets
 
 from .quantize import check_cast_counts, quantize_torch
 from .tensor import Fp8Tensor, saturation_bound, underflow_bound
@@ -34,7 +36,8 @@ try:
 
     from megafp8.triton_support import round_to as _round_to
 
-    from .triton_kernels import to_fp8 as _to_fp8, transpose_stored_tile
+    from .triton_kernels import to_fp8 as _to_fp8
+    from .triton_kernels import transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -54,7 +57,11 @@ def _f32(value: float) -> float:
 
 
 # aten's constants (ActivationGeluKernel.cu), products of the <cmath> doubles rounded to fp32 once.
-_M_SQRT2, _M_2_SQRTPI, _M_SQRT1_2 = 1.41421356237309504880, 1.12837916709551257390, 0.707106781186547524401
+_M_SQRT2, _M_2_SQRTPI, _M_SQRT1_2 = (
+    1.41421356237309504880,
+    1.12837916709551257390,
+    0.707106781186547524401,
+)
 _SQRT1_2_F32 = _f32(_M_SQRT1_2)
 _PDF_SCALE_F32 = _f32(_M_2_SQRTPI * _M_SQRT1_2 * 0.5)  # 1 / sqrt(2 pi)
 _TANH_BETA_F32 = _f32(_M_SQRT2 * _M_2_SQRTPI * 0.5)  # sqrt(2 / pi)
@@ -86,7 +93,6 @@ if triton is not None:
             return libdevice.tanh(x)
 
     else:
-
         # In fp64, rounded once: like libdevice and torch's CPU kernels, within an ulp of exact.
         @triton.jit
         def _exp(x):
@@ -176,8 +182,17 @@ if triton is not None:
         return d_gate, d_up
 
     @triton.jit
-    def _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION: tl.constexpr,
-                 BOUND_INCLUSIVE: tl.constexpr):
+    def _observe(
+        y,
+        mask,
+        scale,
+        amax_ptr,
+        saturation_ptr,
+        saturation_bound,
+        flush_bound,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+    ):
         # amax and the saturation and underflow counts of a tile of the rounded output (0 in the
         # padding: never the max, never counted). A NaN counts as +inf, as in triton_kernels._quantize_kernel.
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
@@ -186,27 +201,73 @@ if triton is not None:
             scaled = tl.abs(y * scale)
             hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
             flushed = (scaled != 0.0) & (scaled <= flush_bound)
-            tl.atomic_add(saturation_ptr, tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0).to(tl.int64))
-            tl.atomic_add(saturation_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64))
-            tl.atomic_add(saturation_ptr + 2, tl.sum(tl.sum(flushed.to(tl.int32), axis=1), axis=0).to(tl.int64))
+            tl.atomic_add(
+                saturation_ptr, tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0).to(tl.int64)
+            )
+            tl.atomic_add(
+                saturation_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
+            )
+            tl.atomic_add(
+                saturation_ptr + 2,
+                tl.sum(tl.sum(flushed.to(tl.int32), axis=1), axis=0).to(tl.int64),
+            )
 
     @triton.jit
-    def _cast_gradient_tile(g, out_ptrs, mask, sum_ptrs, col_mask, SUM_AXIS: tl.constexpr, scale, amax_ptr,
-                            saturation_ptr, saturation_bound, flush_bound, COL_SUM: tl.constexpr,
-                            SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr):
+    def _cast_gradient_tile(
+        g,
+        out_ptrs,
+        mask,
+        sum_ptrs,
+        col_mask,
+        SUM_AXIS: tl.constexpr,
+        scale,
+        amax_ptr,
+        saturation_ptr,
+        saturation_bound,
+        flush_bound,
+        COL_SUM: tl.constexpr,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+    ):
         # A tile of dh cast to FP8 at out_ptrs, its statistics taken, and its column sums (the
         # columns of dh lie along SUM_AXIS of the tile) stored at sum_ptrs.
         tl.store(out_ptrs, _to_fp8(g * scale, out_ptrs.dtype.element_ty), mask=mask)
-        _observe(g, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION, BOUND_INCLUSIVE)
+        _observe(
+            g,
+            mask,
+            scale,
+            amax_ptr,
+            saturation_ptr,
+            saturation_bound,
+            flush_bound,
+            SATURATION,
+            BOUND_INCLUSIVE,
+        )
         if COL_SUM:
             tl.store(sum_ptrs, tl.sum(g, axis=SUM_AXIS), mask=col_mask)
 
     @triton.jit
     def _activation_quantize_kernel(
-        h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, saturation_ptr, M, F, K, saturation_bound,
+        h_ptr,
+        q_ptr,
+        qt_ptr,
+        scale_ptr,
+        amax_ptr,
+        scale_inv_ptr,
+        saturation_ptr,
+        M,
+        F,
+        K,
+        saturation_bound,
         flush_bound,
-        KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr,
-        BOUND_INCLUSIVE: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        KIND: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+        WIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         # One [BLOCK_M, BLOCK_N] tile of act(h) [M, F]; h is [M, K], K = 2F for SwiGLU ([gate | up]).
         pid_m = tl.program_id(0)
@@ -220,28 +281,71 @@ if triton is not None:
         if ROWWISE:
             mask = (rows[:, None] < M) & (cols[None, :] < F)
             y = _activation(h_ptr, rows[:, None], cols[None, :], mask, F, K, KIND)
-            _observe(y, mask, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION,
-                     BOUND_INCLUSIVE)
-            tl.store(q_ptr + rows[:, None] * F + cols[None, :], _to_fp8(y * scale, q_ptr.dtype.element_ty), mask=mask)
+            _observe(
+                y,
+                mask,
+                scale,
+                amax_ptr,
+                saturation_ptr,
+                saturation_bound,
+                flush_bound,
+                SATURATION,
+                BOUND_INCLUSIVE,
+            )
+            tl.store(
+                q_ptr + rows[:, None] * F + cols[None, :],
+                _to_fp8(y * scale, q_ptr.dtype.element_ty),
+                mask=mask,
+            )
         if COLUMNWISE:
             mask_t = (cols[:, None] < F) & (rows[None, :] < M)
             if ROWWISE:
                 transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], cols[:, None], mask_t, M, F)
             else:
                 y_t = _activation(h_ptr, rows[None, :], cols[:, None], mask_t, F, K, KIND)
-                _observe(y_t, mask_t, scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, SATURATION,
-                         BOUND_INCLUSIVE)
-                tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8(y_t * scale, qt_ptr.dtype.element_ty),
-                         mask=mask_t)
+                _observe(
+                    y_t,
+                    mask_t,
+                    scale,
+                    amax_ptr,
+                    saturation_ptr,
+                    saturation_bound,
+                    flush_bound,
+                    SATURATION,
+                    BOUND_INCLUSIVE,
+                )
+                tl.store(
+                    qt_ptr + cols[:, None] * M + rows[None, :],
+                    _to_fp8(y_t * scale, qt_ptr.dtype.element_ty),
+                    mask=mask_t,
+                )
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
     @triton.jit
     def _activation_backward_quantize_kernel(
-        dout_ptr, h_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, col_sum_ptr, saturation_ptr,
-        M, F, K, saturation_bound, flush_bound,
-        KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, COL_SUM: tl.constexpr,
-        SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        dout_ptr,
+        h_ptr,
+        q_ptr,
+        qt_ptr,
+        scale_ptr,
+        amax_ptr,
+        scale_inv_ptr,
+        col_sum_ptr,
+        saturation_ptr,
+        M,
+        F,
+        K,
+        saturation_bound,
+        flush_bound,
+        KIND: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        COL_SUM: tl.constexpr,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+        WIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         # One [BLOCK_M, BLOCK_N] tile of dout [M, F]: the tile of dh [M, K] at the same place, and
@@ -263,35 +367,104 @@ if triton is not None:
         if ROWWISE:
             mask = (rows[:, None] < M) & col_mask[None, :]
             if GATED:
-                g, g_up = _swiglu_grad_tiles(dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, F, K)
+                g, g_up = _swiglu_grad_tiles(
+                    dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, F, K
+                )
             else:
-                g = _gelu_grad_tile(dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, K, KIND == "gelu_tanh")
+                g = _gelu_grad_tile(
+                    dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, K, KIND == "gelu_tanh"
+                )
             offsets = rows[:, None] * K + cols[None, :]
-            _cast_gradient_tile(g, q_ptr + offsets, mask, sums_ptr + cols, col_mask, 0, scale, amax_ptr,
-                                saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
+            _cast_gradient_tile(
+                g,
+                q_ptr + offsets,
+                mask,
+                sums_ptr + cols,
+                col_mask,
+                0,
+                scale,
+                amax_ptr,
+                saturation_ptr,
+                saturation_bound,
+                flush_bound,
+                COL_SUM,
+                SATURATION,
+                BOUND_INCLUSIVE,
+            )
             if GATED:
-                _cast_gradient_tile(g_up, q_ptr + offsets + F, mask, sums_ptr + F + cols, col_mask, 0, scale,
-                                    amax_ptr, saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION,
-                                    BOUND_INCLUSIVE)
+                _cast_gradient_tile(
+                    g_up,
+                    q_ptr + offsets + F,
+                    mask,
+                    sums_ptr + F + cols,
+                    col_mask,
+                    0,
+                    scale,
+                    amax_ptr,
+                    saturation_ptr,
+                    saturation_bound,
+                    flush_bound,
+                    COL_SUM,
+                    SATURATION,
+                    BOUND_INCLUSIVE,
+                )
         if COLUMNWISE:
             mask_t = col_mask[:, None] & (rows[None, :] < M)
             if ROWWISE:
                 transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], cols[:, None], mask_t, M, K)
                 if GATED:
-                    transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], F + cols[:, None], mask_t, M, K)
+                    transpose_stored_tile(
+                        q_ptr, qt_ptr, rows[None, :], F + cols[:, None], mask_t, M, K
+                    )
             else:
                 if GATED:
-                    g, g_up = _swiglu_grad_tiles(dout_ptr, h_ptr, rows[None, :], cols[:, None], mask_t, F, K)
+                    g, g_up = _swiglu_grad_tiles(
+                        dout_ptr, h_ptr, rows[None, :], cols[:, None], mask_t, F, K
+                    )
                 else:
-                    g = _gelu_grad_tile(dout_ptr, h_ptr, rows[None, :], cols[:, None], mask_t, K,
-                                        KIND == "gelu_tanh")
+                    g = _gelu_grad_tile(
+                        dout_ptr,
+                        h_ptr,
+                        rows[None, :],
+                        cols[:, None],
+                        mask_t,
+                        K,
+                        KIND == "gelu_tanh",
+                    )
                 offsets_t = cols[:, None] * M + rows[None, :]
-                _cast_gradient_tile(g, qt_ptr + offsets_t, mask_t, sums_ptr + cols, col_mask, 1, scale, amax_ptr,
-                                    saturation_ptr, saturation_bound, flush_bound, COL_SUM, SATURATION, BOUND_INCLUSIVE)
+                _cast_gradient_tile(
+                    g,
+                    qt_ptr + offsets_t,
+                    mask_t,
+                    sums_ptr + cols,
+                    col_mask,
+                    1,
+                    scale,
+                    amax_ptr,
+                    saturation_ptr,
+                    saturation_bound,
+                    flush_bound,
+                    COL_SUM,
+                    SATURATION,
+                    BOUND_INCLUSIVE,
+                )
                 if GATED:
-                    _cast_gradient_tile(g_up, qt_ptr + offsets_t + F * M, mask_t, sums_ptr + F + cols, col_mask, 1,
-                                        scale, amax_ptr, saturation_ptr, saturation_bound, flush_bound, COL_SUM,
-                                        SATURATION, BOUND_INCLUSIVE)
+                    _cast_gradient_tile(
+                        g_up,
+                        qt_ptr + offsets_t + F * M,
+                        mask_t,
+                        sums_ptr + F + cols,
+                        col_mask,
+                        1,
+                        scale,
+                        amax_ptr,
+                        saturation_ptr,
+                        saturation_bound,
+                        flush_bound,
+                        COL_SUM,
+                        SATURATION,
+                        BOUND_INCLUSIVE,
+                    )
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
@@ -319,11 +492,14 @@ def activation_backward_torch(dout: torch.Tensor, h: torch.Tensor, kind: str) ->
         d_up = dout * F.silu(gate)
         d_gate = torch.ops.aten.silu_backward(dout * up, gate)
         return torch.cat([d_gate, d_up], dim=-1)
-    return torch.ops.aten.gelu_backward(dout, h, approximate="tanh" if kind == "gelu_tanh" else "none")
+    return torch.ops.aten.gelu_backward(
+        dout, h, approximate="tanh" if kind == "gelu_tanh" else "none"
+    )
 
 
-def activation_quantize(h, kind, fp8_dtype, scale, *, rowwise=True, columnwise=True, amax_out=None,
-                        saturation_out=None) -> Fp8Tensor:
+def activation_quantize(
+    h, kind, fp8_dtype, scale, *, rowwise=True, columnwise=True, amax_out=None, saturation_out=None
+) -> Fp8Tensor:
     """`quantize_torch(activation_torch(h, kind), fp8_dtype, scale, ...)` of the 2-D h [M, K]
     (output [M, F], F = K / 2 for SwiGLU): `scale` a 0-dim fp32 tensor (delayed scaling),
     `rowwise`/`columnwise` ask for `data`/`data_t`, `amax_out` and `saturation_out` as in
@@ -332,14 +508,36 @@ def activation_quantize(h, kind, fp8_dtype, scale, *, rowwise=True, columnwise=T
     check_cast_counts(saturation_out, h, "activation_quantize")
     h = h.contiguous()
     if _use_triton(h):
-        return _activation_quantize_triton(h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out,
-                                           saturation_out)
-    return quantize_torch(activation_torch(h, kind), fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out,
-                          False, saturation_out)
+        return _activation_quantize_triton(
+            h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, saturation_out
+        )
+    return quantize_torch(
+        activation_torch(h, kind),
+        fp8_dtype,
+        scale,
+        0,
+        rowwise,
+        columnwise,
+        None,
+        amax_out,
+        False,
+        saturation_out,
+    )
 
 
-def activation_backward_quantize(dout, h, kind, fp8_dtype, scale, *, rowwise=True, columnwise=True, amax_out=None,
-                                 col_sum=False, saturation_out=None) -> Fp8Tensor:
+def activation_backward_quantize(
+    dout,
+    h,
+    kind,
+    fp8_dtype,
+    scale,
+    *,
+    rowwise=True,
+    columnwise=True,
+    amax_out=None,
+    col_sum=False,
+    saturation_out=None,
+) -> Fp8Tensor:
     """`quantize_torch(activation_backward_torch(dout, h, kind), fp8_dtype, scale, ...)`: the
     gradient dh [M, K] at h [M, K] of the activation whose output gradient is `dout` [M, F],
     cast to FP8, with `col_sum` its fp32 column sums (the bias gradient of the linear that
@@ -348,15 +546,28 @@ def activation_backward_quantize(dout, h, kind, fp8_dtype, scale, *, rowwise=Tru
     _check_input(h, kind, scale, rowwise, columnwise)
     expected = (h.shape[0], h.shape[1] // 2 if kind == "swiglu" else h.shape[1])
     if tuple(dout.shape) != expected or dout.dtype != h.dtype:
-        raise ValueError(f"activation_backward_quantize: dout must be {expected} in {h.dtype}, got "
-                         f"{tuple(dout.shape)} in {dout.dtype}")
+        raise ValueError(
+            f"activation_backward_quantize: dout must be {expected} in {h.dtype}, got "
+            f"{tuple(dout.shape)} in {dout.dtype}"
+        )
     check_cast_counts(saturation_out, h, "activation_backward_quantize")
     h, dout = h.contiguous(), dout.contiguous()
     if _use_triton(h):
-        return _activation_backward_quantize_triton(dout, h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out,
-                                                    col_sum, saturation_out)
-    return quantize_torch(activation_backward_torch(dout, h, kind), fp8_dtype, scale, 0, rowwise, columnwise, None,
-                          amax_out, col_sum, saturation_out)
+        return _activation_backward_quantize_triton(
+            dout, h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, col_sum, saturation_out
+        )
+    return quantize_torch(
+        activation_backward_torch(dout, h, kind),
+        fp8_dtype,
+        scale,
+        0,
+        rowwise,
+        columnwise,
+        None,
+        amax_out,
+        col_sum,
+        saturation_out,
+    )
 
 
 def _check_kind(kind):
@@ -373,7 +584,9 @@ def _check_input(h, kind, scale, rowwise, columnwise):
     if scale is None:
         raise ValueError("the fused activation casts with a given scale (delayed scaling)")
     if not (rowwise or columnwise):
-        raise ValueError("the fused activation cast: ask for at least one of rowwise and columnwise")
+        raise ValueError(
+            "the fused activation cast: ask for at least one of rowwise and columnwise"
+        )
 
 
 def _use_triton(h: torch.Tensor) -> bool:
@@ -387,38 +600,81 @@ def _launch_outputs(M, N, fp8_dtype, rowwise, columnwise, amax_out, device):
     return q, qt, amax, torch.empty((), device=device, dtype=torch.float32)
 
 
-def _activation_quantize_triton(h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, saturation_out):
+def _activation_quantize_triton(
+    h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, saturation_out
+):
     M, K = h.shape
     F = K // 2 if kind == "swiglu" else K
-    q, qt, amax, scale_inv = _launch_outputs(M, F, fp8_dtype, rowwise, columnwise, amax_out, h.device)
+    q, qt, amax, scale_inv = _launch_outputs(
+        M, F, fp8_dtype, rowwise, columnwise, amax_out, h.device
+    )
     bound, inclusive = saturation_bound(fp8_dtype)
     grid = (triton.cdiv(M, FWD_BLOCK_M), triton.cdiv(F, FWD_BLOCK_N))
     _activation_quantize_kernel[grid](
-        h, q if rowwise else qt, qt if columnwise else q, scale, amax, scale_inv,
-        saturation_out if saturation_out is not None else scale_inv, M, F, K, bound, underflow_bound(fp8_dtype),
-        KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, SATURATION=saturation_out is not None,
-        BOUND_INCLUSIVE=inclusive, WIDE=wide_offsets(h, q, qt), BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N,
+        h,
+        q if rowwise else qt,
+        qt if columnwise else q,
+        scale,
+        amax,
+        scale_inv,
+        saturation_out if saturation_out is not None else scale_inv,
+        M,
+        F,
+        K,
+        bound,
+        underflow_bound(fp8_dtype),
+        KIND=kind,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        SATURATION=saturation_out is not None,
+        BOUND_INCLUSIVE=inclusive,
+        WIDE=wide_offsets(h, q, qt),
+        BLOCK_M=FWD_BLOCK_M,
+        BLOCK_N=FWD_BLOCK_N,
         num_warps=NUM_WARPS,
         enable_reflect_ftz=False,  # libdevice without flush-to-zero, as nvcc builds aten's kernels
     )
     return Fp8Tensor(q, qt, scale_inv, amax)
 
 
-def _activation_backward_quantize_triton(dout, h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, col_sum,
-                                         saturation_out):
+def _activation_backward_quantize_triton(
+    dout, h, kind, fp8_dtype, scale, rowwise, columnwise, amax_out, col_sum, saturation_out
+):
     M, K = h.shape
     F = dout.shape[1]
-    q, qt, amax, scale_inv = _launch_outputs(M, K, fp8_dtype, rowwise, columnwise, amax_out, h.device)
+    q, qt, amax, scale_inv = _launch_outputs(
+        M, K, fp8_dtype, rowwise, columnwise, amax_out, h.device
+    )
     bound, inclusive = saturation_bound(fp8_dtype)
     grid = (triton.cdiv(M, BWD_BLOCK_M), triton.cdiv(F, BWD_BLOCK_N))
-    partial_sums = torch.empty((grid[0], K), device=h.device, dtype=torch.float32) if col_sum else None
+    partial_sums = (
+        torch.empty((grid[0], K), device=h.device, dtype=torch.float32) if col_sum else None
+    )
     _activation_backward_quantize_kernel[grid](
-        dout, h, q if rowwise else qt, qt if columnwise else q, scale, amax, scale_inv,
-        partial_sums if col_sum else scale_inv, saturation_out if saturation_out is not None else scale_inv,
-        M, F, K, bound, underflow_bound(fp8_dtype),
-        KIND=kind, ROWWISE=rowwise, COLUMNWISE=columnwise, COL_SUM=col_sum, SATURATION=saturation_out is not None,
-        BOUND_INCLUSIVE=inclusive, WIDE=wide_offsets(dout, h, q, qt, partial_sums), BLOCK_M=BWD_BLOCK_M,
-        BLOCK_N=BWD_BLOCK_N, num_warps=NUM_WARPS,
+        dout,
+        h,
+        q if rowwise else qt,
+        qt if columnwise else q,
+        scale,
+        amax,
+        scale_inv,
+        partial_sums if col_sum else scale_inv,
+        saturation_out if saturation_out is not None else scale_inv,
+        M,
+        F,
+        K,
+        bound,
+        underflow_bound(fp8_dtype),
+        KIND=kind,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        COL_SUM=col_sum,
+        SATURATION=saturation_out is not None,
+        BOUND_INCLUSIVE=inclusive,
+        WIDE=wide_offsets(dout, h, q, qt, partial_sums),
+        BLOCK_M=BWD_BLOCK_M,
+        BLOCK_N=BWD_BLOCK_N,
+        num_warps=NUM_WARPS,
         enable_reflect_ftz=False,
     )
     return Fp8Tensor(q, qt, scale_inv, amax, partial_sums.sum(0) if col_sum else None)

@@ -3,13 +3,13 @@
 Forward amaxes are applied when the context exits; backward amaxes when the autograd pass
 that produced them ends (an engine callback). Either way, one collective per pass.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,9 @@ class Fp8Context:
     backward)."""
 
     recipe: Recipe
-    amax_reduction_group: Optional[dist.ProcessGroup]
+    amax_reduction_group: dist.ProcessGroup | None
     forward_pass: AmaxPass
-    replay_scales: Optional[dict] = None
+    replay_scales: dict | None = None
     collect_saturation: bool = False
 
 
@@ -41,7 +41,7 @@ def _stack() -> list:
     return _local.stack
 
 
-def current_fp8_context() -> Optional[Fp8Context]:
+def current_fp8_context() -> Fp8Context | None:
     """The innermost enabled fp8_autocast, or None when FP8 is off here."""
     stack = _stack()
     return stack[-1] if stack else None
@@ -50,8 +50,8 @@ def current_fp8_context() -> Optional[Fp8Context]:
 @contextlib.contextmanager
 def fp8_autocast(
     enabled: bool = True,
-    recipe: Optional[Recipe] = None,
-    amax_reduction_group: Optional[dist.ProcessGroup] = None,
+    recipe: Recipe | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
     collect_saturation: bool = False,
 ):
     """Run every Fp8Linear inside in FP8 with `recipe` (default: DelayedScaling()).
@@ -73,8 +73,14 @@ def fp8_autocast(
             f"fp8_autocast: recipe must be a Recipe (DelayedScaling or CurrentScaling), got {type(recipe).__name__}"
         )
     context = (
-        Fp8Context(recipe, amax_reduction_group, AmaxPass(amax_reduction_group), collect_saturation=collect_saturation)
-        if enabled else None
+        Fp8Context(
+            recipe,
+            amax_reduction_group,
+            AmaxPass(amax_reduction_group),
+            collect_saturation=collect_saturation,
+        )
+        if enabled
+        else None
     )
     stack = _stack()
     stack.append(context)
@@ -87,7 +93,7 @@ def fp8_autocast(
 
 
 @contextlib.contextmanager
-def fp8_recompute(context: Optional[Fp8Context], scales: dict):
+def fp8_recompute(context: Fp8Context | None, scales: dict):
     """Recompute a forward that ran under `context` (None: without FP8) exactly as it ran: the
     same recipe and group, each cast with the scale it used then (`scales`, filled after that
     forward), and no amax recorded twice. For activation checkpointing."""
@@ -96,7 +102,9 @@ def fp8_recompute(context: Optional[Fp8Context], scales: dict):
             yield
         return
     stack = _stack()
-    stack.append(Fp8Context(context.recipe, context.amax_reduction_group, AmaxPass(), replay_scales=scales))
+    stack.append(
+        Fp8Context(context.recipe, context.amax_reduction_group, AmaxPass(), replay_scales=scales)
+    )
     try:
         yield
     finally:
@@ -108,7 +116,7 @@ _backward_passes: dict = {}
 _backward_lock = threading.Lock()
 
 
-def backward_pass(group: Optional[dist.ProcessGroup]) -> AmaxPass:
+def backward_pass(group: dist.ProcessGroup | None) -> AmaxPass:
     """The AmaxPass collecting gradient amaxes of the autograd pass now running.
 
     Must be called from within a backward. Its first call in a pass queues the flush that
@@ -149,16 +157,19 @@ class AmaxRecording:
     def take(self) -> tuple[list, list]:
         """(forward observations, [(group, backward observations)]) since the last call."""
         forward = list(self.forward.observations.values())
-        backward = [(group, list(amax_pass.observations.values())) for group, amax_pass in self.backward.values()]
+        backward = [
+            (group, list(amax_pass.observations.values()))
+            for group, amax_pass in self.backward.values()
+        ]
         self.forward.observations, self.backward = {}, {}
         return forward, backward
 
 
-_recording: Optional[AmaxRecording] = None  # global: backward runs on autograd's own threads
+_recording: AmaxRecording | None = None  # global: backward runs on autograd's own threads
 
 
 @contextlib.contextmanager
-def record_amaxes(context: Optional[Fp8Context]):
+def record_amaxes(context: Fp8Context | None):
     """Run forwards (under `context`, or without FP8 when None) and backwards whose amax
     observations go to the AmaxRecording yielded instead of the passes they belong to: nothing
     is flushed, no end-of-pass callback is queued. For capturing CUDA graphs, whose kernels do
@@ -168,7 +179,9 @@ def record_amaxes(context: Optional[Fp8Context]):
         raise RuntimeError("record_amaxes does not nest")
     recording = AmaxRecording(None if context is None else context.amax_reduction_group)
     stack = _stack()
-    stack.append(None if context is None else dataclasses.replace(context, forward_pass=recording.forward))
+    stack.append(
+        None if context is None else dataclasses.replace(context, forward_pass=recording.forward)
+    )
     _recording = recording
     try:
         yield recording
@@ -177,7 +190,7 @@ def record_amaxes(context: Optional[Fp8Context]):
         stack.pop()
 
 
-def replay_forward_amaxes(context: Optional[Fp8Context], observations: list) -> None:
+def replay_forward_amaxes(context: Fp8Context | None, observations: list) -> None:
     """Record, in `context`'s forward pass, what a captured forward observed (`AmaxRecording.take`)."""
     for o in observations:
         context.forward_pass.record(o.state, o.fp8_max, o.recipe, o.keep_amax)

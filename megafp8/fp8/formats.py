@@ -1,4 +1,5 @@
 """FP8 formats: which torch dtype each tensor role is cast to, and its largest finite value."""
+
 from __future__ import annotations
 
 import enum

@@ -10,10 +10,10 @@ high precision and casts as usual (current scaling and the first cast of a histo
 the tensor's amax before its scale). On CUDA the kernels are Triton (norm_kernels,
 activation_kernels); elsewhere their torch references run, so the CPU tests cover the same path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -42,15 +42,36 @@ class NormSource(_Source):
         self.mean = self.rstd = None
 
     def materialize(self) -> torch.Tensor:
-        y, self.mean, self.rstd = norm_kernels.norm_forward_torch(self.x, self.weight, self.bias, self.eps, self.rms)
+        y, self.mean, self.rstd = norm_kernels.norm_forward_torch(
+            self.x, self.weight, self.bias, self.eps, self.rms
+        )
         return y
 
-    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
-                 col_sum=False) -> Fp8Tensor:
+    def quantize(
+        self,
+        fp8_dtype,
+        scale,
+        *,
+        rowwise=True,
+        columnwise=False,
+        amax_out=None,
+        saturation_out=None,
+        col_sum=False,
+    ) -> Fp8Tensor:
         assert not col_sum, "a norm's output is no gradient: it has no bias sum to give"
         q, self.mean, self.rstd = norm_kernels.norm_quantize(
-            self.x, self.weight, self.bias, self.eps, self.rms, fp8_dtype, scale, rowwise=rowwise,
-            columnwise=columnwise, amax_out=amax_out, saturation_out=saturation_out)
+            self.x,
+            self.weight,
+            self.bias,
+            self.eps,
+            self.rms,
+            fp8_dtype,
+            scale,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_out=amax_out,
+            saturation_out=saturation_out,
+        )
         return q
 
 
@@ -64,12 +85,28 @@ class ActivationSource(_Source):
     def materialize(self) -> torch.Tensor:
         return activation_kernels.activation_torch(self.h, self.kind)
 
-    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
-                 col_sum=False) -> Fp8Tensor:
+    def quantize(
+        self,
+        fp8_dtype,
+        scale,
+        *,
+        rowwise=True,
+        columnwise=False,
+        amax_out=None,
+        saturation_out=None,
+        col_sum=False,
+    ) -> Fp8Tensor:
         assert not col_sum, "an activation is no gradient: it has no bias sum to give"
-        return activation_kernels.activation_quantize(self.h, self.kind, fp8_dtype, scale, rowwise=rowwise,
-                                                      columnwise=columnwise, amax_out=amax_out,
-                                                      saturation_out=saturation_out)
+        return activation_kernels.activation_quantize(
+            self.h,
+            self.kind,
+            fp8_dtype,
+            scale,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_out=amax_out,
+            saturation_out=saturation_out,
+        )
 
 
 class ActivationGradSource(_Source):
@@ -84,11 +121,29 @@ class ActivationGradSource(_Source):
         # autograd over a recomputed activation: that would run the forward again.
         return activation_kernels.activation_backward_torch(self.dout, self.h, self.kind)
 
-    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
-                 col_sum=False) -> Fp8Tensor:
+    def quantize(
+        self,
+        fp8_dtype,
+        scale,
+        *,
+        rowwise=True,
+        columnwise=False,
+        amax_out=None,
+        saturation_out=None,
+        col_sum=False,
+    ) -> Fp8Tensor:
         return activation_kernels.activation_backward_quantize(
-            self.dout, self.h, self.kind, fp8_dtype, scale, rowwise=rowwise, columnwise=columnwise,
-            amax_out=amax_out, col_sum=col_sum, saturation_out=saturation_out)
+            self.dout,
+            self.h,
+            self.kind,
+            fp8_dtype,
+            scale,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_out=amax_out,
+            col_sum=col_sum,
+            saturation_out=saturation_out,
+        )
 
 
 class HeadGradsSource(_Source):
@@ -104,16 +159,52 @@ class HeadGradsSource(_Source):
 
     def materialize(self) -> torch.Tensor:
         tokens, groups = self.dq.shape[0], self.dk.shape[1] // self.head_dim
-        per_group = (t.reshape(tokens, groups, -1, self.head_dim) for t in (self.dq, self.dk, self.dv))
+        per_group = (
+            t.reshape(tokens, groups, -1, self.head_dim) for t in (self.dq, self.dk, self.dv)
+        )
         return torch.cat(tuple(per_group), dim=2).reshape(tokens, -1)
 
-    def quantize(self, fp8_dtype, scale, *, rowwise=True, columnwise=False, amax_out=None, saturation_out=None,
-                 col_sum=False) -> Fp8Tensor:
-        if self.is_cuda and triton_support.available() and all(t.stride(1) == 1 for t in (self.dq, self.dk, self.dv)):
-            return triton_kernels.quantize_heads(self.dq, self.dk, self.dv, self.head_dim, fp8_dtype, scale, rowwise,
-                                                 columnwise, amax_out, col_sum, saturation_out)
-        return quantize_torch(self.materialize(), fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out, col_sum,
-                              saturation_out)
+    def quantize(
+        self,
+        fp8_dtype,
+        scale,
+        *,
+        rowwise=True,
+        columnwise=False,
+        amax_out=None,
+        saturation_out=None,
+        col_sum=False,
+    ) -> Fp8Tensor:
+        if (
+            self.is_cuda
+            and triton_support.available()
+            and all(t.stride(1) == 1 for t in (self.dq, self.dk, self.dv))
+        ):
+            return triton_kernels.quantize_heads(
+                self.dq,
+                self.dk,
+                self.dv,
+                self.head_dim,
+                fp8_dtype,
+                scale,
+                rowwise,
+                columnwise,
+                amax_out,
+                col_sum,
+                saturation_out,
+            )
+        return quantize_torch(
+            self.materialize(),
+            fp8_dtype,
+            scale,
+            0,
+            rowwise,
+            columnwise,
+            None,
+            amax_out,
+            col_sum,
+            saturation_out,
+        )
 
 
 @dataclass(frozen=True)
@@ -126,15 +217,25 @@ class Norm:
     @property
     def eps(self) -> float:
         eps = self.module.eps
-        return torch.finfo(self.module.weight.dtype).eps if eps is None else eps  # nn.RMSNorm's default
+        return (
+            torch.finfo(self.module.weight.dtype).eps if eps is None else eps
+        )  # nn.RMSNorm's default
 
     @staticmethod
-    def of(module: nn.Module) -> Optional["Norm"]:
+    def of(module: nn.Module) -> Norm | None:
         """The fusable description of `module`, or None: an affine LayerNorm or RMSNorm over
         the last dimension."""
-        if isinstance(module, nn.LayerNorm) and module.elementwise_affine and len(module.normalized_shape) == 1:
+        if (
+            isinstance(module, nn.LayerNorm)
+            and module.elementwise_affine
+            and len(module.normalized_shape) == 1
+        ):
             return Norm(module, rms=False)
-        if isinstance(module, nn.RMSNorm) and module.elementwise_affine and len(module.normalized_shape) == 1:
+        if (
+            isinstance(module, nn.RMSNorm)
+            and module.elementwise_affine
+            and len(module.normalized_shape) == 1
+        ):
             return Norm(module, rms=True)
         return None
 
@@ -147,8 +248,8 @@ class GradHandoff:
     instead of casting its incoming gradient, which carries no values (`placeholder`)."""
 
     context: object = None  # the fp8_autocast context of the taking linear's forward (set there)
-    gradient: Optional[Fp8Tensor] = None
-    placeholder: Optional[torch.Tensor] = field(default=None, repr=False)
+    gradient: Fp8Tensor | None = None
+    placeholder: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:
@@ -162,14 +263,16 @@ class GradHandoff:
         self.placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
         return self.placeholder
 
-    def take(self, incoming: torch.Tensor) -> Optional[Fp8Tensor]:
+    def take(self, incoming: torch.Tensor) -> Fp8Tensor | None:
         """The handed-over gradient (`incoming` is its stand-in), or None if none was."""
         placeholder, gradient = self.placeholder, self.gradient
         self.gradient = self.placeholder = None
         if placeholder is None:
             return None
         if incoming.data_ptr() != placeholder.data_ptr() or incoming.numel() != placeholder.numel():
-            raise RuntimeError("a linear whose output gradient was handed over in FP8 got another gradient "
-                               "as well: its output must feed the fused activation alone (for QKV, the split "
-                               "into q, k, v alone)")
+            raise RuntimeError(
+                "a linear whose output gradient was handed over in FP8 got another gradient "
+                "as well: its output must feed the fused activation alone (for QKV, the split "
+                "into q, k, v alone)"
+            )
         return gradient

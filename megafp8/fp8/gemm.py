@@ -1,7 +1,6 @@
 """The FP8 GEMM: `torch._scaled_mm`, on Hopper GPUs and on the CPU alike."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -14,9 +13,9 @@ def fp8_gemm(
     a_scale_inv: torch.Tensor,
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     fast_accum: bool = False,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`(a * a_scale_inv) @ (b * b_scale_inv).T` for row-major FP8 `a` [M, K] and `b` [N, K].
 
@@ -27,9 +26,16 @@ def fp8_gemm(
     of a larger output.
     """
     fuse_bias = bias is not None and out_dtype in _FUSED_BIAS_DTYPES and bias.dtype == out_dtype
-    result = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias if fuse_bias else None,
-                              out_dtype=out_dtype, use_fast_accum=fast_accum,
-                              **({} if out is None else {"out": out}))
+    result = torch._scaled_mm(
+        a,
+        b.t(),
+        scale_a=a_scale_inv,
+        scale_b=b_scale_inv,
+        bias=bias if fuse_bias else None,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+        **({} if out is None else {"out": out}),
+    )
     if bias is not None and not fuse_bias:
         if out is None:
             return result + bias.to(out_dtype)

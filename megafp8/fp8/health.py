@@ -6,10 +6,10 @@ the trainer logs beside the loss, and `tools/fp8_layer_table.py` reads).
         ...
     fp8_health(model)   # {"fp8_scale_min", "fp8_scale_max", "fp8_saturation", "fp8_underflow", "fp8_layers"}
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,9 @@ def fp8_health(model: nn.Module, group=None, per_layer: bool = True) -> dict:
         if state.update_count == 0 and cast == 0 and scale == 1.0:
             continue
         path, _, role = name.rpartition(".")
-        path = "" if path == "fp8_scaling" else path.removesuffix(".fp8_scaling")  # the layer's own path
+        path = (
+            "" if path == "fp8_scaling" else path.removesuffix(".fp8_scaling")
+        )  # the layer's own path
         layers.setdefault(path, {})[role] = (scale, saturated, cast, flushed)
 
     distributed = group is not None and dist.get_world_size(group) > 1
@@ -78,17 +80,23 @@ def _layer_health(roles: dict) -> dict:
         "scale_max": max(s for s, *_ in roles.values()),
         "saturation": _fraction(sum(n for _, n, _, _ in roles.values()), cast),
         "underflow": _fraction(sum(f for *_, f in roles.values()), cast),
-        "roles": {role: {"scale": s, "saturation": _fraction(n, c), "underflow": _fraction(f, c)}
-                  for role, (s, n, c, f) in roles.items()},
+        "roles": {
+            role: {"scale": s, "saturation": _fraction(n, c), "underflow": _fraction(f, c)}
+            for role, (s, n, c, f) in roles.items()
+        },
     }
 
 
-def _fraction(part: int, whole: int) -> Optional[float]:
+def _fraction(part: int, whole: int) -> float | None:
     return part / whole if whole else None
 
 
 def _reduce_health(scale_min, scale_max, totals, group):
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else None
+    )
     extremes = torch.tensor([-scale_min, scale_max], dtype=torch.float64, device=device)
     summed = torch.tensor(totals, dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
@@ -108,9 +116,16 @@ def _merge_layers(layers: dict, group) -> dict:
         for path, roles in rank_layers.items():
             for role, (scale, saturated, cast, flushed) in roles.items():
                 entry = merged.setdefault(path, {}).get(role)
-                merged[path][role] = ((scale, saturated, cast, flushed) if entry is None else
-                                      (min(entry[0], scale), entry[1] + saturated, entry[2] + cast,
-                                       entry[3] + flushed))
+                merged[path][role] = (
+                    (scale, saturated, cast, flushed)
+                    if entry is None
+                    else (
+                        min(entry[0], scale),
+                        entry[1] + saturated,
+                        entry[2] + cast,
+                        entry[3] + flushed,
+                    )
+                )
     return dict(sorted(merged.items(), key=lambda item: _path_key(item[0])))
 
 

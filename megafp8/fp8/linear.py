@@ -1,10 +1,10 @@
 """Fp8Linear: a drop-in nn.Linear whose three GEMMs run in FP8 under fp8_autocast."""
+
 from __future__ import annotations
 
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ def _watch_optimizer_steps() -> None:
         _optimizer_step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_fp8_tensor_cores(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
@@ -62,11 +62,11 @@ class Fusion:
     - `grad_from`: this linear takes its output gradient from this GradHandoff, already in FP8.
     """
 
-    norm: Optional[Norm] = None
+    norm: Norm | None = None
     input_grad_group: object = None
-    activation: Optional[str] = None
-    grad_to: Optional[tuple] = None
-    grad_from: Optional[GradHandoff] = None
+    activation: str | None = None
+    grad_to: tuple | None = None
+    grad_from: GradHandoff | None = None
 
 
 NO_FUSION = Fusion()
@@ -104,7 +104,9 @@ class Fp8Linear(nn.Linear):
     for them, which the GradientBuffer's hook understands.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         _watch_optimizer_steps()
         self.fp8_scaling = scaling_states(device)
@@ -127,29 +129,53 @@ class Fp8Linear(nn.Linear):
             (_, *rest), q = self._weight_fp8
             self._weight_fp8 = ((None, *rest), q)  # a key no forward makes: stale
 
-    def forward(self, x: torch.Tensor, *, norm: Optional[nn.Module] = None, activation: Optional[str] = None,
-                grad_to: Optional[tuple] = None, grad_from: Optional[GradHandoff] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: nn.Module | None = None,
+        activation: str | None = None,
+        grad_to: tuple | None = None,
+        grad_from: GradHandoff | None = None,
+    ) -> torch.Tensor:
         """`norm(x) W^T + b` with a norm module, `act(x) W^T + b` with an activation, else
         `x W^T + b`; `grad_to` and `grad_from` pair an activation's linear with the linear
         before it (`Fusion`)."""
         context = self.fp8_context(x)
-        fusion, x = self.fusion(context, x, norm=norm, activation=activation, grad_to=grad_to, grad_from=grad_from)
+        fusion, x = self.fusion(
+            context, x, norm=norm, activation=activation, grad_to=grad_to, grad_from=grad_from
+        )
         return self.linear(x, self.bias, context, fusion)
 
-    def linear(self, x: torch.Tensor, bias, context: Optional[Fp8Context], fusion: Fusion = NO_FUSION) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, bias, context: Fp8Context | None, fusion: Fusion = NO_FUSION
+    ) -> torch.Tensor:
         """`x W^T + bias` under `context` (from `fp8_context`; None: high precision), with the
         neighbours of `fusion` (from `fusion`). A subclass may add its bias later."""
         if context is None:
             return self.high_precision_linear(x, bias)
         return self.fp8_linear(x, bias, context, fusion=fusion)
 
-    def fusion(self, context: Optional[Fp8Context], x: torch.Tensor, *, norm=None, activation=None, grad_to=None,
-               grad_from=None, input_grad_group=None) -> tuple[Fusion, torch.Tensor]:
+    def fusion(
+        self,
+        context: Fp8Context | None,
+        x: torch.Tensor,
+        *,
+        norm=None,
+        activation=None,
+        grad_to=None,
+        grad_from=None,
+        input_grad_group=None,
+    ) -> tuple[Fusion, torch.Tensor]:
         """(the Fusion of these neighbours this layer runs under `context`, its input): the
         neighbours it cannot fuse are applied to `x` here, unfused."""
-        fusable = (context is not None and self.fuse_neighbours and context.recipe.delayed
-                   and not any(context.recipe.override_linear_precision)
-                   and not torch.is_autocast_enabled(x.device.type))
+        fusable = (
+            context is not None
+            and self.fuse_neighbours
+            and context.recipe.delayed
+            and not any(context.recipe.override_linear_precision)
+            and not torch.is_autocast_enabled(x.device.type)
+        )
         fused_norm = Norm.of(norm) if fusable and norm is not None else None
         if norm is not None and fused_norm is None:
             x = norm(x)
@@ -159,28 +185,44 @@ class Fp8Linear(nn.Linear):
             return NO_FUSION, x
         if grad_from is not None:  # this linear's FP8 backward will take the gradient
             grad_from.context = context
-        return Fusion(norm=fused_norm, input_grad_group=input_grad_group if fused_norm else None,
-                      activation=activation, grad_to=grad_to if activation else None, grad_from=grad_from), x
+        return Fusion(
+            norm=fused_norm,
+            input_grad_group=input_grad_group if fused_norm else None,
+            activation=activation,
+            grad_to=grad_to if activation else None,
+            grad_from=grad_from,
+        ), x
 
-    def high_precision_linear(self, x: torch.Tensor, bias, *, gather_group=None, scatter_group=None) -> torch.Tensor:
+    def high_precision_linear(
+        self, x: torch.Tensor, bias, *, gather_group=None, scatter_group=None
+    ) -> torch.Tensor:
         """F.linear, with its weight gradient added into `main_grad` by the GEMM where it can be.
         With `gather_group` (`x` is this rank's dim-0 shard, all-gathered over the group first) or
         `scatter_group` (the output summed over the group, this rank keeping its dim-0 shard), the
         collective runs in blocks beside the GEMM, forward and backward (megafp8.collective_gemm)."""
-        into_main_grad = (self.fuse_wgrad_accumulation and x.is_cuda and _ADDMM_INTO_FP32
-                          and getattr(self.weight, "main_grad", None) is not None and self.weight.requires_grad
-                          and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
-                          and not torch.is_autocast_enabled(x.device.type))
+        into_main_grad = (
+            self.fuse_wgrad_accumulation
+            and x.is_cuda
+            and _ADDMM_INTO_FP32
+            and getattr(self.weight, "main_grad", None) is not None
+            and self.weight.requires_grad
+            and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
+            and not torch.is_autocast_enabled(x.device.type)
+        )
         comm = _Collectives(gather_group, scatter_group, overlap=True)
         if comm.gather is not None or comm.scatter is not None:
             if torch.is_autocast_enabled(x.device.type):
-                raise ValueError("the overlapped collectives of a high-precision linear do not run under torch.autocast")
-            return _HighPrecisionLinearBesideCollective.apply(x, self.weight, bias, comm, into_main_grad)
+                raise ValueError(
+                    "the overlapped collectives of a high-precision linear do not run under torch.autocast"
+                )
+            return _HighPrecisionLinearBesideCollective.apply(
+                x, self.weight, bias, comm, into_main_grad
+            )
         if into_main_grad:
             return _LinearIntoMainGrad.apply(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def fp8_context(self, x: torch.Tensor, gathered_ranks: int = 1) -> Optional[Fp8Context]:
+    def fp8_context(self, x: torch.Tensor, gathered_ranks: int = 1) -> Fp8Context | None:
         """The fp8_autocast this layer's GEMMs run under for the input `x` (one of
         `gathered_ranks` shards gathered before the GEMM), or None to compute in high precision:
         outside fp8_autocast, with every GEMM overridden, or for shapes or a GPU FP8 cannot
@@ -193,11 +235,21 @@ class Fp8Linear(nn.Linear):
             return context
         if not self._warned_fallback:
             self._warned_fallback = True
-            warnings.warn(f"{self}: {reason}; this layer runs in {x.dtype} instead of FP8", stacklevel=3)
+            warnings.warn(
+                f"{self}: {reason}; this layer runs in {x.dtype} instead of FP8", stacklevel=3
+            )
         return None
 
-    def fp8_linear(self, x: torch.Tensor, bias, context: Fp8Context, gather_group=None,
-                   fusion: Fusion = NO_FUSION, scatter_group=None, overlap: bool = False) -> torch.Tensor:
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        bias,
+        context: Fp8Context,
+        gather_group=None,
+        fusion: Fusion = NO_FUSION,
+        scatter_group=None,
+        overlap: bool = False,
+    ) -> torch.Tensor:
         """`x W^T + bias` in FP8 under `context` (from `fp8_context`), with the neighbours of
         `fusion`. With `gather_group`, `x` is this rank's dim-0 shard of the input, all-gathered
         over that group first, in FP8 when the forward GEMM is FP8 (half the bytes of bf16); its
@@ -205,19 +257,29 @@ class Fp8Linear(nn.Linear):
         summed over that group and this rank keeps its dim-0 shard (the gradient all-gathered).
         `overlap`: either collective runs block by block beside the GEMM (megafp8.collective_gemm)."""
         norm = fusion.norm.module if fusion.norm is not None else None
-        norm_params = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
+        norm_params = (
+            (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
+        )
         comm = _Collectives(gather_group, scatter_group, overlap)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
             with torch.autocast(x.device.type, enabled=False):
-                return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, comm, fusion)
-        return _Fp8LinearFunction.apply(x, self.weight, bias, *norm_params, self, context, comm, fusion)
+                return _Fp8LinearFunction.apply(
+                    x, self.weight, bias, *norm_params, self, context, comm, fusion
+                )
+        return _Fp8LinearFunction.apply(
+            x, self.weight, bias, *norm_params, self, context, comm, fusion
+        )
 
     def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int):
         if not x.is_floating_point() or x.numel() == 0:
             return f"input of dtype {x.dtype} and {x.numel()} elements"
         tokens = x.numel() // x.shape[-1] * gathered_ranks
-        dims = {"in_features": self.in_features, "out_features": self.out_features, "tokens": tokens}
+        dims = {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "tokens": tokens,
+        }
         odd = [f"{name}={value}" for name, value in dims.items() if value % GEMM_ALIGNMENT]
         if odd:
             return f"FP8 GEMMs need dimensions divisible by {GEMM_ALIGNMENT} ({', '.join(odd)})"
@@ -248,19 +310,30 @@ class Fp8Linear(nn.Linear):
         uncounted = context.collect_saturation and self._weight_cast_by_optimizer
         if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
             if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
-                                   "call refresh_weight_cast before capturing")
+                raise RuntimeError(
+                    f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
+                    "call refresh_weight_cast before capturing"
+                )
             # The weight's accumulator holds the amax of its current cast, kept across passes.
             state.amax.zero_()
-            q = cast(weight.detach(), state, fp8_dtype, context, context.forward_pass, keep_amax=True,
-                     rowwise=True, columnwise=True, out=self._reusable_weight_cast(fp8_dtype))
+            q = cast(
+                weight.detach(),
+                state,
+                fp8_dtype,
+                context,
+                context.forward_pass,
+                keep_amax=True,
+                rowwise=True,
+                columnwise=True,
+                out=self._reusable_weight_cast(fp8_dtype),
+            )
             self._weight_fp8 = (key, q)
             self._weight_cast_by_optimizer = False
             return q
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
 
-    def weight_cast_target(self) -> Optional[WeightCast]:
+    def weight_cast_target(self) -> WeightCast | None:
         """Where an optimizer that writes this layer's weight may write, in the same pass, the
         FP8 cast the next forward would make of it (megafp8.training.adamw_kernel): the cached
         cast's buffers and the weight's scale and amax accumulator. None when that cast is not
@@ -283,7 +356,7 @@ class Fp8Linear(nn.Linear):
         self._weight_fp8 = (self._weight_cast_key(fp8_dtype, recipe), q)
         self._weight_cast_by_optimizer = True
 
-    def _reusable_weight_cast(self, fp8_dtype) -> Optional[Fp8Tensor]:
+    def _reusable_weight_cast(self, fp8_dtype) -> Fp8Tensor | None:
         """The cached cast's buffers, to cast into again, when the layer is CUDA-graphed (its
         graphs captured their addresses); eager layers take fresh ones, so a backward still
         to run keeps the cast its forward used."""
@@ -310,8 +383,18 @@ class _Collectives:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_weight, norm_bias, module: Fp8Linear, context: Fp8Context,
-                comm: _Collectives, fusion: Fusion):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        norm_weight,
+        norm_bias,
+        module: Fp8Linear,
+        context: Fp8Context,
+        comm: _Collectives,
+        fusion: Fusion,
+    ):
         recipe = context.recipe
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         fmt = recipe.fp8_format
@@ -320,7 +403,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dgrad_fp8 = x.requires_grad and not dgrad_hp
         gather, scatter = comm.gather, comm.scatter
         if scatter is not None and bias is not None:
-            raise ValueError("an FP8 linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM")
+            raise ValueError(
+                "an FP8 linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
+            )
         fp8_gather = gather is not None and not fprop_hp
         if gather is not None and not fp8_gather:
             x2 = collectives.all_gather(x2, gather)  # a high-precision forward GEMM
@@ -333,22 +418,45 @@ class _Fp8LinearFunction(torch.autograd.Function):
             source = ActivationSource(x2, fusion.activation)
         qx = None
         if not fprop_hp or wgrad_fp8:
-            qx = cast(source, module.fp8_scaling["input"], fmt.forward_dtype, context, context.forward_pass,
-                      gather_group=gather if fp8_gather else None, rowwise=not fprop_hp, columnwise=wgrad_fp8)
-        qw = module._quantized_weight(context, fmt.forward_dtype) if not fprop_hp or dgrad_fp8 else None
+            qx = cast(
+                source,
+                module.fp8_scaling["input"],
+                fmt.forward_dtype,
+                context,
+                context.forward_pass,
+                gather_group=gather if fp8_gather else None,
+                rowwise=not fprop_hp,
+                columnwise=wgrad_fp8,
+            )
+        qw = (
+            module._quantized_weight(context, fmt.forward_dtype)
+            if not fprop_hp or dgrad_fp8
+            else None
+        )
 
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
         else:
+
             def gemm(rows, out=None):
-                return fp8_gemm(rows, qw.data, qx.scale_inv, qw.scale_inv, x2.dtype, bias=bias, fast_accum=True,
-                                out=out)
+                return fp8_gemm(
+                    rows,
+                    qw.data,
+                    qx.scale_inv,
+                    qw.scale_inv,
+                    x2.dtype,
+                    bias=bias,
+                    fast_accum=True,
+                    out=out,
+                )
 
             if fp8_gather and comm.overlap:
                 y = x2.new_empty((collectives.group_size(gather) * x2.shape[0], weight.shape[0]))
                 collective_gemm.gathered_gemm(qx.data, gather, gemm, y, keep_gathered=False)
             elif scatter is not None and comm.overlap:
-                y = collective_gemm.gemm_reduce_scatter(qx.data, scatter, gemm, weight.shape[0], x2.dtype)
+                y = collective_gemm.gemm_reduce_scatter(
+                    qx.data, scatter, gemm, weight.shape[0], x2.dtype
+                )
                 scatter = None  # done
             else:
                 y = gemm(collectives.all_gather(qx.data, gather) if fp8_gather else qx.data)
@@ -386,8 +494,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         need_dx |= any(ctx.needs_input_grad[3:5])  # the norm's parameters need the dgrad too
         # The output was reduce-scattered: its gradient is gathered, in high precision before the
         # cast, or with overlap in FP8 (each rank casts its shard) beside the dgrad GEMM.
-        gather_dy_fp8 = (comm.scatter is not None and comm.overlap and dgrad_fp8 and (wgrad_fp8 or not need_dw)
-                         and fusion.grad_from is None)
+        gather_dy_fp8 = (
+            comm.scatter is not None
+            and comm.overlap
+            and dgrad_fp8
+            and (wgrad_fp8 or not need_dw)
+            and fusion.grad_from is None
+        )
         if comm.scatter is not None and not gather_dy_fp8:
             dy = collectives.all_gather(dy.contiguous(), comm.scatter)
         # With overlap, the forward's FP8 input shard is gathered again for wgrad beside the dgrad GEMM.
@@ -399,26 +512,43 @@ class _Fp8LinearFunction(torch.autograd.Function):
         qdy = fusion.grad_from.take(dy) if fusion.grad_from is not None else None
         dy2 = dy.reshape(-1, dy.shape[-1]) if qdy is None else None
         if qdy is None and (dgrad_fp8 or wgrad_fp8):
-            qdy = cast(dy2, ctx.module.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype,
-                       context, backward_pass(context.amax_reduction_group), rowwise=dgrad_fp8,
-                       columnwise=wgrad_fp8, col_sum=need_db and ctx.has_bias,
-                       gather_group=comm.scatter if gather_dy_fp8 else None)
+            qdy = cast(
+                dy2,
+                ctx.module.fp8_scaling["grad_output"],
+                context.recipe.fp8_format.backward_dtype,
+                context,
+                backward_pass(context.amax_reduction_group),
+                rowwise=dgrad_fp8,
+                columnwise=wgrad_fp8,
+                col_sum=need_db and ctx.has_bias,
+                gather_group=comm.scatter if gather_dy_fp8 else None,
+            )
 
         dx = dw = db = dnorm_weight = dnorm_bias = None
         dy_t = qdy.data_t if wgrad_fp8 else None  # gathered below when dy is gathered in FP8
         if gather_dy_fp8:
+
             def gather_columns():  # beside the dgrad GEMM of the other ranks' rows
                 nonlocal dy_t
                 dy_t = collective_gemm.all_gather_columns(qdy.data_t, comm.scatter)
 
-            dx = dy2.new_empty((collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0]))
+            dx = dy2.new_empty(
+                (collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0])
+            )
             collective_gemm.gathered_gemm(
-                qdy.data, comm.scatter, lambda rows, out: fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv,
-                                                                   dy.dtype, out=out),
-                dx, after_gather=gather_columns if wgrad_fp8 else None, keep_gathered=False)
+                qdy.data,
+                comm.scatter,
+                lambda rows, out: fp8_gemm(
+                    rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out
+                ),
+                dx,
+                after_gather=gather_columns if wgrad_fp8 else None,
+                keep_gathered=False,
+            )
             if wgrad_fp8:
                 dy_t = dy_t.wait()
         elif need_dx:
+
             def dgrad(rows, out=None):
                 if dgrad_fp8:
                     return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
@@ -426,7 +556,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
             rows = qdy.data if dgrad_fp8 else dy2
             if comm.gather is not None and comm.overlap:  # the reduce-scatter beside the wgrad GEMM
-                dx = collective_gemm.gemm_then_reduce_scatter(rows, comm.gather, dgrad, ctx.input_shape[-1], dy.dtype)
+                dx = collective_gemm.gemm_then_reduce_scatter(
+                    rows, comm.gather, dgrad, ctx.input_shape[-1], dy.dtype
+                )
             else:
                 dx = dgrad(rows)
                 if comm.gather is not None:
@@ -434,18 +566,29 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if need_dw:
             if wgrad_fp8:
                 if ctx.fp8_gather:
-                    x_saved = (x_gathered.wait() if x_gathered is not None
-                               else collectives.all_gather_columns(x_saved, comm.gather))
-                main_grad = claim_empty_main_grad(ctx.module.weight) if ctx.fuse_wgrad_accumulation else None
+                    x_saved = (
+                        x_gathered.wait()
+                        if x_gathered is not None
+                        else collectives.all_gather_columns(x_saved, comm.gather)
+                    )
+                main_grad = (
+                    claim_empty_main_grad(ctx.module.weight)
+                    if ctx.fuse_wgrad_accumulation
+                    else None
+                )
                 if main_grad is None:
                     dw = fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
                 else:  # dw stays None: the gradient is in main_grad
-                    fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad)
+                    fp8_gemm(
+                        dy_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad
+                    )
             else:
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
             db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
-            main_grad = claim_empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
+            main_grad = (
+                claim_empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
+            )
             if main_grad is None:
                 db = db.to(ctx.weight_dtype)
             else:
@@ -459,8 +602,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     dx = collectives.all_reduce(dx, fusion.input_grad_group)
                 x_in, norm_weight, mean, rstd = neighbour
                 dx, dnorm_weight, dnorm_bias = norm_kernels.norm_backward(
-                    dx, x_in, norm_weight, mean, rstd, fusion.norm.rms, need_weight_grad=ctx.needs_input_grad[3],
-                    need_bias_grad=ctx.needs_input_grad[4])
+                    dx,
+                    x_in,
+                    norm_weight,
+                    mean,
+                    rstd,
+                    fusion.norm.rms,
+                    need_weight_grad=ctx.needs_input_grad[3],
+                    need_bias_grad=ctx.needs_input_grad[4],
+                )
             elif fusion.activation is not None:
                 dx = _activation_backward(dx, neighbour[0], fusion, context)
             dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
@@ -477,16 +627,25 @@ def _activation_backward(dout, h, fusion: Fusion, context: Fp8Context) -> torch.
     return hand_over_gradient(source, producer, handoff, like=h)
 
 
-def hand_over_gradient(source, producer: Fp8Linear, handoff: GradHandoff, like: torch.Tensor) -> torch.Tensor:
+def hand_over_gradient(
+    source, producer: Fp8Linear, handoff: GradHandoff, like: torch.Tensor
+) -> torch.Tensor:
     """Cast `source` (megafp8.fp8.fused: the output gradient of `producer`, not computed yet) in
     FP8 for `producer`'s backward, under the fp8_autocast of its forward, in the kernel that
     computes it, and hand it over (`handoff.ready`: `producer` takes it). Returns the stand-in
     that autograd carries to `producer` in its place (the shape of `like`)."""
     context = handoff.context
     weight, bias = producer.weight, producer.bias
-    q = cast(source, producer.fp8_scaling["grad_output"], context.recipe.fp8_format.backward_dtype, context,
-             backward_pass(context.amax_reduction_group), rowwise=True, columnwise=weight.requires_grad,
-             col_sum=bias is not None and bias.requires_grad)
+    q = cast(
+        source,
+        producer.fp8_scaling["grad_output"],
+        context.recipe.fp8_format.backward_dtype,
+        context,
+        backward_pass(context.amax_reduction_group),
+        rowwise=True,
+        columnwise=weight.requires_grad,
+        col_sum=bias is not None and bias.requires_grad,
+    )
     return handoff.hand_over(q, like=like)
 
 
@@ -511,8 +670,14 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        _, db = _weight_and_bias_grads(ctx.weight, ctx.bias, dy2, x2, into_main_grad=True,
-                                       need_db=ctx.has_bias and ctx.needs_input_grad[2])
+        _, db = _weight_and_bias_grads(
+            ctx.weight,
+            ctx.bias,
+            dy2,
+            x2,
+            into_main_grad=True,
+            need_db=ctx.has_bias and ctx.needs_input_grad[2],
+        )
         return dx, None, db
 
 
@@ -523,7 +688,9 @@ def _weight_and_bias_grads(weight, bias, dy2, x2, into_main_grad: bool, need_db:
     dw = db = None
     if into_main_grad:
         beta = 0 if weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
-        torch.ops.aten.addmm.dtype_out(weight.main_grad, dy2.t(), x2, torch.float32, beta=beta, out=weight.main_grad)
+        torch.ops.aten.addmm.dtype_out(
+            weight.main_grad, dy2.t(), x2, torch.float32, beta=beta, out=weight.main_grad
+        )
         weight.main_grad_empty = False
     elif weight.requires_grad:
         dw = dy2.t() @ x2
@@ -554,11 +721,17 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
 
         if comm.gather is not None:
             y = x2.new_empty((collectives.group_size(comm.gather) * x2.shape[0], weight.shape[0]))
-            x2 = collective_gemm.gathered_gemm(x2.contiguous(), comm.gather, gemm, y)  # kept for wgrad
+            x2 = collective_gemm.gathered_gemm(
+                x2.contiguous(), comm.gather, gemm, y
+            )  # kept for wgrad
         else:
             if bias is not None:
-                raise ValueError("a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM")
-            y = collective_gemm.gemm_reduce_scatter(x2, comm.scatter, gemm, weight.shape[0], x2.dtype)
+                raise ValueError(
+                    "a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
+                )
+            y = collective_gemm.gemm_reduce_scatter(
+                x2, comm.scatter, gemm, weight.shape[0], x2.dtype
+            )
         ctx.save_for_backward(x2, weight)
         ctx.weight, ctx.bias = weight, bias  # parameters (leaves): no reference cycle
         ctx.comm, ctx.into_main_grad, ctx.input_shape = comm, into_main_grad, x.shape
@@ -569,14 +742,29 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         comm = ctx.comm
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        if comm.scatter is not None:  # the output gradient gathered beside the dgrad of this rank's rows
+        if (
+            comm.scatter is not None
+        ):  # the output gradient gathered beside the dgrad of this rank's rows
             dx = dy2.new_empty((x2.shape[0], weight.shape[1]))
-            dy2 = collective_gemm.gathered_gemm(dy2, comm.scatter, lambda rows, out: torch.mm(rows, weight, out=out), dx)
+            dy2 = collective_gemm.gathered_gemm(
+                dy2, comm.scatter, lambda rows, out: torch.mm(rows, weight, out=out), dx
+            )
         else:  # the input gradient's reduce-scatter beside the wgrad GEMM
             dx = collective_gemm.gemm_then_reduce_scatter(
-                dy2, comm.gather, lambda rows, out: torch.mm(rows, weight, out=out), weight.shape[1], dy2.dtype)
-        dw, db = _weight_and_bias_grads(ctx.weight, ctx.bias, dy2, x2, ctx.into_main_grad,
-                                        need_db=ctx.bias is not None and ctx.needs_input_grad[2])
+                dy2,
+                comm.gather,
+                lambda rows, out: torch.mm(rows, weight, out=out),
+                weight.shape[1],
+                dy2.dtype,
+            )
+        dw, db = _weight_and_bias_grads(
+            ctx.weight,
+            ctx.bias,
+            dy2,
+            x2,
+            ctx.into_main_grad,
+            need_db=ctx.bias is not None and ctx.needs_input_grad[2],
+        )
         if comm.gather is not None:
             dx = dx.wait()
         return dx.view(ctx.input_shape[:-1] + dx.shape[-1:]), dw, db, None, None

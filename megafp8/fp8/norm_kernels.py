@@ -13,9 +13,8 @@ of the unfused norm module followed by `quantize_torch`.
 Off CUDA (or without triton) both run the plain torch reference, `norm_forward_torch` +
 `quantize_torch` and `norm_backward_torch`, in fp32.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -35,8 +34,14 @@ try:
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
-__all__ = ["available", "norm_backward", "norm_backward_torch", "norm_forward_torch", "norm_quantize",
-           "norm_quantize_triton"]
+__all__ = [
+    "available",
+    "norm_backward",
+    "norm_backward_torch",
+    "norm_forward_torch",
+    "norm_quantize",
+    "norm_quantize_triton",
+]
 
 # Tiles and warps swept on an H100 (benchmarks/RESULTS.md, "Neighbour fusion"): 32 rows of 256
 # columns, 8 warps, one program a block, 104 us for 16384 x 2048 against the unfused 120 us; a
@@ -46,7 +51,9 @@ BLOCK_N = 256
 NUM_WARPS = 8
 
 
-def norm_forward_torch(x, weight, bias, eps: float, rms: bool) -> tuple[Tensor, Optional[Tensor], Tensor]:
+def norm_forward_torch(
+    x, weight, bias, eps: float, rms: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """(y, mean, rstd): the norm of each row of `x` [M, N] in fp32, y rounded to x.dtype;
     mean [M] (None when `rms`) and rstd [M] fp32, aten's conventions (biased variance)."""
     xf = x.float()
@@ -65,8 +72,9 @@ def norm_forward_torch(x, weight, bias, eps: float, rms: bool) -> tuple[Tensor, 
     return y.to(x.dtype), mean, rstd
 
 
-def norm_backward_torch(dy, x, weight, mean, rstd, rms: bool, need_weight_grad=True, need_bias_grad=True
-                        ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+def norm_backward_torch(
+    dy, x, weight, mean, rstd, rms: bool, need_weight_grad=True, need_bias_grad=True
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`norm_backward` in plain torch, fp32: what runs off CUDA, and the Triton kernel's reference."""
     xf, dyf = x.float(), dy.float()
     xhat = (xf if rms else xf - mean[:, None]) * rstd[:, None]
@@ -81,8 +89,20 @@ def norm_backward_torch(dy, x, weight, mean, rstd, rms: bool, need_weight_grad=T
     return dx.to(x.dtype), dweight, dbias
 
 
-def norm_quantize(x, weight, bias, eps: float, rms: bool, fp8_dtype, scale, *, rowwise=True, columnwise=True,
-                  amax_out=None, saturation_out=None) -> tuple[Fp8Tensor, Optional[Tensor], Tensor]:
+def norm_quantize(
+    x,
+    weight,
+    bias,
+    eps: float,
+    rms: bool,
+    fp8_dtype,
+    scale,
+    *,
+    rowwise=True,
+    columnwise=True,
+    amax_out=None,
+    saturation_out=None,
+) -> tuple[Fp8Tensor, Tensor | None, Tensor]:
     """(q, mean, rstd): the LayerNorm (RMSNorm when `rms`) of each row of `x` [M, N] (bf16, fp16
     or fp32), cast to FP8 with the delayed scale `scale` (a 0-dim fp32 tensor).
 
@@ -106,15 +126,29 @@ def norm_quantize(x, weight, bias, eps: float, rms: bool, fp8_dtype, scale, *, r
     check_cast_counts(saturation_out, x, "norm_quantize")
     x = x.contiguous()
     if x.is_cuda and available():
-        return norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, columnwise, amax_out,
-                                    saturation_out)
+        return norm_quantize_triton(
+            x,
+            weight,
+            bias,
+            eps,
+            rms,
+            fp8_dtype,
+            scale,
+            rowwise,
+            columnwise,
+            amax_out,
+            saturation_out,
+        )
     y, mean, rstd = norm_forward_torch(x, weight, bias, eps, rms)
-    q = quantize_torch(y, fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out, False, saturation_out)
+    q = quantize_torch(
+        y, fp8_dtype, scale, 0, rowwise, columnwise, None, amax_out, False, saturation_out
+    )
     return q, mean, rstd
 
 
-def norm_backward(dy, x, weight, mean, rstd, rms: bool, *, need_weight_grad=True, need_bias_grad=True
-                  ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+def norm_backward(
+    dy, x, weight, mean, rstd, rms: bool, *, need_weight_grad=True, need_bias_grad=True
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(dx, dweight, dbias) of `norm_quantize`'s norm given dy [M, N] (x.dtype) and the forward's
     mean and rstd: dx in x.dtype, dweight and dbias in weight.dtype, None where not asked for
     (dbias always when `rms`). On CUDA aten's own backward kernels run (what the unfused norm's
@@ -125,11 +159,21 @@ def norm_backward(dy, x, weight, mean, rstd, rms: bool, *, need_weight_grad=True
     if x.is_cuda and weight.dtype == x.dtype:
         shape, rstd = [x.shape[1]], rstd[:, None]
         if rms:
-            dx, dweight = torch.ops.aten._fused_rms_norm_backward(dy, x, shape, rstd, weight, [True, need_weight_grad])
+            dx, dweight = torch.ops.aten._fused_rms_norm_backward(
+                dy, x, shape, rstd, weight, [True, need_weight_grad]
+            )
             return dx, dweight if need_weight_grad else None, None
         # The bias argument only gives dbias its dtype and shape: the weight's (one module's).
         dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
-            dy, x, shape, mean[:, None], rstd, weight, weight, [True, need_weight_grad, need_bias_grad])
+            dy,
+            x,
+            shape,
+            mean[:, None],
+            rstd,
+            weight,
+            weight,
+            [True, need_weight_grad, need_bias_grad],
+        )
         return dx, dweight if need_weight_grad else None, dbias if need_bias_grad else None
     return norm_backward_torch(dy, x, weight, mean, rstd, rms, need_weight_grad, need_bias_grad)
 
@@ -148,8 +192,17 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _observe(y, amax, saturated, flushed, scale, saturation_bound, flush_bound, SATURATION: tl.constexpr,
-                 BOUND_INCLUSIVE: tl.constexpr):
+    def _observe(
+        y,
+        amax,
+        saturated,
+        flushed,
+        scale,
+        saturation_bound,
+        flush_bound,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+    ):
         # y: a tile of the rounded output, 0 in the padding. A NaN counts as +inf, as in
         # triton_kernels._quantize_kernel; the counts are those of quantize.saturates and
         # quantize.underflows.
@@ -159,7 +212,9 @@ if triton is not None:
             scaled = tl.abs(y * scale)
             hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
             saturated += tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
-            flushed += tl.sum(tl.sum(((scaled != 0.0) & (scaled <= flush_bound)).to(tl.int32), axis=1), axis=0)
+            flushed += tl.sum(
+                tl.sum(((scaled != 0.0) & (scaled <= flush_bound)).to(tl.int32), axis=1), axis=0
+            )
         return amax, saturated, flushed
 
     @triton.jit
@@ -167,11 +222,21 @@ if triton is not None:
         # The [rows, cols] tile of a row-major [M, N] tensor in fp32, 0 outside it; and its mask.
         # Offsets in int64 where rows are (WIDE).
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        return tl.load(ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32), mask
+        return tl.load(ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        ), mask
 
     @triton.jit
-    def _row_statistics(x_ptr, rows, M, eps, N: tl.constexpr, RMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+    def _row_statistics(
+        x_ptr,
+        rows,
+        M,
+        eps,
+        N: tl.constexpr,
+        RMS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         # (mean, rstd) of the rows, chunk by chunk. LayerNorm: each chunk's mean and centred sum
         # of squares in registers, merged into the running ones (Chan et al.), on x less its first
         # chunk's mean: merging means of |mean| >> std would cancel their rounding errors into the
@@ -196,18 +261,40 @@ if triton is not None:
                 delta = chunk_mean - mean
                 total = seen + count
                 mean += delta * tl.div_rn(count, total)
-                m2 += tl.sum(centred * centred, axis=1) + delta * delta * tl.div_rn(seen * count, total)
+                m2 += tl.sum(centred * centred, axis=1) + delta * delta * tl.div_rn(
+                    seen * count, total
+                )
                 seen = total
             mean += shift
         return mean, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(m2, float(N)) + eps))
 
     @triton.jit
     def _norm_quantize_kernel(
-        x_ptr, w_ptr, b_ptr, q_ptr, qt_ptr, mean_ptr, rstd_ptr, scale_ptr, scale_inv_ptr, amax_ptr, saturation_ptr,
-        M, eps, saturation_bound, flush_bound,
-        N: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWWISE: tl.constexpr,
-        COLUMNWISE: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
-        WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        q_ptr,
+        qt_ptr,
+        mean_ptr,
+        rstd_ptr,
+        scale_ptr,
+        scale_inv_ptr,
+        amax_ptr,
+        saturation_ptr,
+        M,
+        eps,
+        saturation_bound,
+        flush_bound,
+        N: tl.constexpr,
+        RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+        WIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         # One block of BLOCK_M rows: their statistics chunk by chunk, then each chunk normalised
         # and cast (its second read of x hits L1/L2).
@@ -236,25 +323,54 @@ if triton is not None:
                 b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             if ROWWISE:
                 x, mask = _load_tile(x_ptr, rows, cols, M, N)
-                y = _normalise(x, mean[:, None], rstd[:, None], w[None, :], b[None, :], RMS, HAS_BIAS)
+                y = _normalise(
+                    x, mean[:, None], rstd[:, None], w[None, :], b[None, :], RMS, HAS_BIAS
+                )
                 y = tl.where(mask, round_to(y, dtype), 0.0)
-                amax, saturated, flushed = _observe(y, amax, saturated, flushed, scale, saturation_bound,
-                                                    flush_bound, SATURATION, BOUND_INCLUSIVE)
-                tl.store(q_ptr + rows[:, None] * N + cols[None, :],
-                         to_fp8(y * scale, q_ptr.dtype.element_ty), mask=mask)
+                amax, saturated, flushed = _observe(
+                    y,
+                    amax,
+                    saturated,
+                    flushed,
+                    scale,
+                    saturation_bound,
+                    flush_bound,
+                    SATURATION,
+                    BOUND_INCLUSIVE,
+                )
+                tl.store(
+                    q_ptr + rows[:, None] * N + cols[None, :],
+                    to_fp8(y * scale, q_ptr.dtype.element_ty),
+                    mask=mask,
+                )
             if COLUMNWISE:
                 mask_t = col_mask[:, None] & row_mask[None, :]
                 if ROWWISE:
                     transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], cols[:, None], mask_t, M, N)
                 else:
-                    x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0
-                                  ).to(tl.float32)
-                    y_t = _normalise(x_t, mean[None, :], rstd[None, :], w[:, None], b[:, None], RMS, HAS_BIAS)
+                    x_t = tl.load(
+                        x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0
+                    ).to(tl.float32)
+                    y_t = _normalise(
+                        x_t, mean[None, :], rstd[None, :], w[:, None], b[:, None], RMS, HAS_BIAS
+                    )
                     y_t = tl.where(mask_t, round_to(y_t, dtype), 0.0)
-                    amax, saturated, flushed = _observe(y_t, amax, saturated, flushed, scale, saturation_bound,
-                                                        flush_bound, SATURATION, BOUND_INCLUSIVE)
-                    tl.store(qt_ptr + cols[:, None] * M + rows[None, :],
-                             to_fp8(y_t * scale, qt_ptr.dtype.element_ty), mask=mask_t)
+                    amax, saturated, flushed = _observe(
+                        y_t,
+                        amax,
+                        saturated,
+                        flushed,
+                        scale,
+                        saturation_bound,
+                        flush_bound,
+                        SATURATION,
+                        BOUND_INCLUSIVE,
+                    )
+                    tl.store(
+                        qt_ptr + cols[:, None] * M + rows[None, :],
+                        to_fp8(y_t * scale, qt_ptr.dtype.element_ty),
+                        mask=mask_t,
+                    )
         tl.atomic_max(amax_ptr, amax)
         if SATURATION:
             tl.atomic_add(saturation_ptr, saturated.to(tl.int64))
@@ -264,8 +380,19 @@ if triton is not None:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
 
-def norm_quantize_triton(x, weight, bias, eps, rms, fp8_dtype, scale, rowwise, columnwise, amax_out=None,
-                         saturation_out=None):
+def norm_quantize_triton(
+    x,
+    weight,
+    bias,
+    eps,
+    rms,
+    fp8_dtype,
+    scale,
+    rowwise,
+    columnwise,
+    amax_out=None,
+    saturation_out=None,
+):
     """`norm_quantize` in one Triton launch (x contiguous, its arguments positional): what runs on
     CUDA, and in Triton's interpreter in the tests."""
     M, N = x.shape

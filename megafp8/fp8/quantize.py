@@ -4,9 +4,8 @@
 bytes. The transposed copy (`data_t`) is what the weight-gradient and data-gradient GEMMs need,
 because `torch._scaled_mm` takes its first operand row-major and its second column-major.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -20,16 +19,16 @@ from .tensor import Fp8Tensor, absmax, saturates, scale_from_amax, underflows
 def quantize(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    scale: Optional[torch.Tensor] = None,
+    scale: torch.Tensor | None = None,
     *,
     margin: int = 0,
     rowwise: bool = True,
     columnwise: bool = False,
-    scale_out: Optional[torch.Tensor] = None,
-    amax_out: Optional[torch.Tensor] = None,
+    scale_out: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
     col_sum: bool = False,
-    saturation_out: Optional[torch.Tensor] = None,
-    out: Optional[Fp8Tensor] = None,
+    saturation_out: torch.Tensor | None = None,
+    out: Fp8Tensor | None = None,
 ) -> Fp8Tensor:
     """Cast the 2-D tensor `x` to `fp8_dtype`, saturating at ±fp8_max.
 
@@ -53,9 +52,30 @@ def quantize(
     x = x.contiguous()
     if x.is_cuda and triton_support.available():
         return triton_kernels.quantize(
-            x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out, out
+            x,
+            fp8_dtype,
+            scale,
+            margin,
+            rowwise,
+            columnwise,
+            scale_out,
+            amax_out,
+            col_sum,
+            saturation_out,
+            out,
         )
-    q = quantize_torch(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out, amax_out, col_sum, saturation_out)
+    q = quantize_torch(
+        x,
+        fp8_dtype,
+        scale,
+        margin,
+        rowwise,
+        columnwise,
+        scale_out,
+        amax_out,
+        col_sum,
+        saturation_out,
+    )
     if out is None:
         return q
     for target, value in ((out.data, q.data), (out.data_t, q.data_t), (out.scale_inv, q.scale_inv)):
@@ -64,7 +84,7 @@ def quantize(
     return q._replace(data=out.data, data_t=out.data_t, scale_inv=out.scale_inv)
 
 
-def check_cast_counts(counts: Optional[torch.Tensor], x: torch.Tensor, caller: str) -> None:
+def check_cast_counts(counts: torch.Tensor | None, x: torch.Tensor, caller: str) -> None:
     """Refuse a `saturation_out` the kernels would index past: they add three int64 counts in
     place, unchecked, on the device."""
     if counts is None:
@@ -78,7 +98,15 @@ def check_cast_counts(counts: Optional[torch.Tensor], x: torch.Tensor, caller: s
 
 
 def quantize_torch(
-    x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out=None, amax_out=None, col_sum=False,
+    x,
+    fp8_dtype,
+    scale,
+    margin,
+    rowwise,
+    columnwise,
+    scale_out=None,
+    amax_out=None,
+    col_sum=False,
     saturation_out=None,
 ) -> Fp8Tensor:
     """`quantize` in plain torch (its arguments positional): what runs off CUDA, and the

@@ -1,4 +1,5 @@
 """FP8 recipes: how scales are chosen. Validated on construction; errors name the field."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

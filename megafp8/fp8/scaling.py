@@ -1,9 +1,10 @@
 """Per-tensor FP8 scaling: the state of each tensor role, the choice of scale for each cast
 (`cast`, by the recipe), and the batched end-of-pass update of delayed scaling."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -102,8 +103,17 @@ def scaling_states(device=None) -> nn.ModuleDict:
     return nn.ModuleDict({role: ScalingState() for role in ROLES}).to(device=device)
 
 
-def cast(tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass: AmaxPass, *,
-         gather_group=None, keep_amax: bool = False, **layout) -> Fp8Tensor:
+def cast(
+    tensor,
+    state: ScalingState,
+    fp8_dtype,
+    context: Fp8Context,
+    amax_pass: AmaxPass,
+    *,
+    gather_group=None,
+    keep_amax: bool = False,
+    **layout,
+) -> Fp8Tensor:
     """Cast the 2-D `tensor` to FP8 with the scale `context.recipe` chooses for the tensor role
     whose state is `state`; `layout` is quantize's rowwise/columnwise/col_sum. `tensor` may be
     a source of megafp8.fp8.fused (a norm or activation not computed yet): it is quantized in
@@ -117,7 +127,9 @@ def cast(tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass:
     """
     recipe = context.recipe
     if context.replay_scales is not None and id(state) in context.replay_scales:
-        return _quantize(tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout)
+        return _quantize(
+            tensor, fp8_dtype, context.replay_scales[id(state)], margin=recipe.margin, **layout
+        )
     agree_over = gather_group if collectives.group_size(gather_group) > 1 else None
     scale = None  # fitted to the tensor
     if recipe.delayed:
@@ -127,8 +139,10 @@ def cast(tensor, state: ScalingState, fp8_dtype, context: Fp8Context, amax_pass:
                 _check_scales_agree(context, agree_over)
             scale = state.scale
         elif tensor.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a CUDA graph capture met a delayed-scaling state with no history yet: "
-                               "capture after at least one eager training step")
+            raise RuntimeError(
+                "a CUDA graph capture met a delayed-scaling state with no history yet: "
+                "capture after at least one eager training step"
+            )
         elif recipe.reduce_amax and collectives.group_size(context.amax_reduction_group) > 1:
             # With an empty history there is no earlier scale: fit this first cast to the
             # tensor itself (Transformer Engine casts with 1.0, which underflows small
@@ -210,7 +224,7 @@ class AmaxPass:
     amax, since both casts max into the same accumulator.
     """
 
-    group: Optional[dist.ProcessGroup] = None
+    group: dist.ProcessGroup | None = None
     observations: dict = field(default_factory=dict)
 
     def record(self, state: ScalingState, fp8_max: float, recipe, keep_amax: bool = False) -> None:
@@ -223,13 +237,21 @@ class AmaxPass:
             return
         reduced = [o.state.amax for o in observations if o.recipe.reduce_amax]
         if reduced and collectives.group_size(self.group) > 1:
-            amaxes = collectives.max_over(torch.stack(reduced), self.group)  # one collective, NaN seen as inf
+            amaxes = collectives.max_over(
+                torch.stack(reduced), self.group
+            )  # one collective, NaN seen as inf
             torch._foreach_copy_(reduced, list(amaxes.unbind(0)))
 
         batches: dict = {}
         for o in observations:
             recompute = o.state.update_count % o.recipe.interval == 0
-            key = (o.fp8_max, o.recipe.margin, o.recipe.amax_compute_algo, o.recipe.amax_history_len, recompute)
+            key = (
+                o.fp8_max,
+                o.recipe.margin,
+                o.recipe.amax_compute_algo,
+                o.recipe.amax_history_len,
+                recompute,
+            )
             batches.setdefault(key, []).append(o)
             o.state.update_count += 1
         for (fmax, margin, algo, _, recompute), batch in batches.items():
@@ -238,7 +260,9 @@ class AmaxPass:
             _update_delayed(states, resets, fmax, margin, algo, recompute)
 
 
-def _update_delayed(states, resets, fp8_max: float, margin: int, algo: str, recompute: bool) -> None:
+def _update_delayed(
+    states, resets, fp8_max: float, margin: int, algo: str, recompute: bool
+) -> None:
     """Roll each history, insert its `amax`, and (if `recompute`) refresh each scale; then
     zero the accumulators whose `resets` flag is set, ready for the next pass.
 

@@ -1,9 +1,10 @@
 """What a cast to FP8 produces and the arithmetic around it: the leaf of the FP8 core, imported
 by the torch and the Triton quantize alike."""
+
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -18,11 +19,11 @@ class Fp8Tensor(NamedTuple):
     over rows in fp32 (a linear layer's bias gradient, computed on the same read).
     """
 
-    data: Optional[torch.Tensor]
-    data_t: Optional[torch.Tensor]
+    data: torch.Tensor | None
+    data_t: torch.Tensor | None
     scale_inv: torch.Tensor
     amax: torch.Tensor
-    col_sum: Optional[torch.Tensor] = None
+    col_sum: torch.Tensor | None = None
 
 
 class WeightCast(NamedTuple):

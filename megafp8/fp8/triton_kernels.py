@@ -10,9 +10,8 @@
 - `update_delayed`: the end-of-pass delayed-scaling update of every layer at once, one launch
   through a table of history/scale addresses, instead of ~25 small torch ops per pass.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -34,7 +33,6 @@ BLOCK_N = 128
 NUM_WARPS = 4
 
 if triton is not None:
-
     if not INTERPRETING:
 
         @triton.jit
@@ -51,10 +49,14 @@ if triton is not None:
             # whole quantum, to nearest even), so that the interpreter's cast is exact.
             if dtype == tl.float8e4nv:
                 v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+                quantum_exponent = (
+                    tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+                )
             else:
                 v = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
-                quantum_exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+                quantum_exponent = (
+                    tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+                )
             magic = ((quantum_exponent + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
             r = (v + magic) - magic
             r = tl.where(r == 0.0, v * 0.0, r)  # the sign of an underflow to zero
@@ -62,8 +64,20 @@ if triton is not None:
             return tl.where(v == v, r.to(dtype), nan)
 
     @triton.jit
-    def _load_input(x_ptr, k_ptr, v_ptr, rows, cols, mask, N, stride_q, stride_kv,
-                    HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr):
+    def _load_input(
+        x_ptr,
+        k_ptr,
+        v_ptr,
+        rows,
+        cols,
+        mask,
+        N,
+        stride_q,
+        stride_kv,
+        HEADS: tl.constexpr,
+        QPG: tl.constexpr,
+        D: tl.constexpr,
+    ):
         # The input [M, N] at rows x cols (index tensors that broadcast to the tile, either way
         # round) in fp32. HEADS: the input is a QKV projection's output gradient, laid out per
         # key/value group as [QPG query heads, key, value] of D features each, read from the
@@ -76,9 +90,17 @@ if triton is not None:
             within = cols % D
             is_q = slot < QPG
             is_k = slot == QPG
-            x_q = tl.load(x_ptr + rows * stride_q + (group * QPG + slot) * D + within, mask=mask & is_q, other=0.0)
-            x_k = tl.load(k_ptr + rows * stride_kv + group * D + within, mask=mask & is_k, other=0.0)
-            x_v = tl.load(v_ptr + rows * stride_kv + group * D + within, mask=mask & (slot > QPG), other=0.0)
+            x_q = tl.load(
+                x_ptr + rows * stride_q + (group * QPG + slot) * D + within,
+                mask=mask & is_q,
+                other=0.0,
+            )
+            x_k = tl.load(
+                k_ptr + rows * stride_kv + group * D + within, mask=mask & is_k, other=0.0
+            )
+            x_v = tl.load(
+                v_ptr + rows * stride_kv + group * D + within, mask=mask & (slot > QPG), other=0.0
+            )
             x = tl.where(is_q, x_q, tl.where(is_k, x_k, x_v))
         else:
             x = tl.load(x_ptr + rows * N + cols, mask=mask, other=0.0)
@@ -86,11 +108,37 @@ if triton is not None:
 
     @triton.jit
     def _quantize_kernel(
-        x_ptr, k_ptr, v_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, scale_out_ptr, scale_inv_ptr, col_sum_ptr,
-        saturation_ptr, M, N, stride_q, stride_kv, fp8_max, margin_factor, saturation_bound, flush_bound,
-        CURRENT: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-        WRITE_SCALE: tl.constexpr, COL_SUM: tl.constexpr, SATURATION: tl.constexpr, BOUND_INCLUSIVE: tl.constexpr,
-        HEADS: tl.constexpr, QPG: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        x_ptr,
+        k_ptr,
+        v_ptr,
+        q_ptr,
+        qt_ptr,
+        scale_ptr,
+        amax_ptr,
+        scale_out_ptr,
+        scale_inv_ptr,
+        col_sum_ptr,
+        saturation_ptr,
+        M,
+        N,
+        stride_q,
+        stride_kv,
+        fp8_max,
+        margin_factor,
+        saturation_bound,
+        flush_bound,
+        CURRENT: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        WRITE_SCALE: tl.constexpr,
+        COL_SUM: tl.constexpr,
+        SATURATION: tl.constexpr,
+        BOUND_INCLUSIVE: tl.constexpr,
+        HEADS: tl.constexpr,
+        QPG: tl.constexpr,
+        D: tl.constexpr,
+        WIDE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -110,7 +158,20 @@ if triton is not None:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = _load_input(x_ptr, k_ptr, v_ptr, rows[:, None], cols[None, :], mask, N, stride_q, stride_kv, HEADS, QPG, D)
+        x = _load_input(
+            x_ptr,
+            k_ptr,
+            v_ptr,
+            rows[:, None],
+            cols[None, :],
+            mask,
+            N,
+            stride_q,
+            stride_kv,
+            HEADS,
+            QPG,
+            D,
+        )
         if not CURRENT:
             # Delayed scaling observes the amax while casting; a NaN counts as +inf.
             magnitude = tl.where(x == x, tl.abs(x), float("inf"))
@@ -131,16 +192,35 @@ if triton is not None:
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
         if ROWWISE:
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], (x * scale).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                q_ptr + rows[:, None] * N + cols[None, :],
+                (x * scale).to(q_ptr.dtype.element_ty),
+                mask=mask,
+            )
         if COLUMNWISE:
             # Read the tile again, transposed (it is in L2 now), instead of tl.trans: with
             # Triton 3.6 on an H100, FP8 stores of a tl.trans'ed tile scrambled some bytes,
             # whatever the formulation (benchmarks/RESULTS.md). This one is exact and as fast.
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-            x_t = _load_input(x_ptr, k_ptr, v_ptr, rows[None, :], cols[:, None], mask_t, N, stride_q, stride_kv,
-                              HEADS, QPG, D)
-            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], (x_t * scale).to(qt_ptr.dtype.element_ty),
-                     mask=mask_t)
+            x_t = _load_input(
+                x_ptr,
+                k_ptr,
+                v_ptr,
+                rows[None, :],
+                cols[:, None],
+                mask_t,
+                N,
+                stride_q,
+                stride_kv,
+                HEADS,
+                QPG,
+                D,
+            )
+            tl.store(
+                qt_ptr + cols[:, None] * M + rows[None, :],
+                (x_t * scale).to(qt_ptr.dtype.element_ty),
+                mask=mask_t,
+            )
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
             if WRITE_SCALE:
@@ -162,8 +242,14 @@ if triton is not None:
 
     @triton.jit
     def _delayed_update_kernel(
-        table, count, history_len, fp8_max, margin_factor,
-        USE_MAX: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+        table,
+        count,
+        history_len,
+        fp8_max,
+        margin_factor,
+        USE_MAX: tl.constexpr,
+        RECOMPUTE: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # table rows: amax accumulator, history and scale addresses, reset flag; a column per state.
         i = tl.program_id(0)
@@ -191,9 +277,19 @@ if triton is not None:
             tl.store(scale_ptr, tl.where(usable, scale, tl.load(scale_ptr)))
 
 
-def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Optional[torch.Tensor],
-             amax_out: Optional[torch.Tensor], col_sum: bool, saturation_out: Optional[torch.Tensor] = None,
-             out: Optional[Fp8Tensor] = None):
+def quantize(
+    x,
+    fp8_dtype,
+    scale,
+    margin,
+    rowwise,
+    columnwise,
+    scale_out: torch.Tensor | None,
+    amax_out: torch.Tensor | None,
+    col_sum: bool,
+    saturation_out: torch.Tensor | None = None,
+    out: Fp8Tensor | None = None,
+):
     M, N = x.shape
     current = scale is None
     if current:
@@ -201,13 +297,42 @@ def quantize(x, fp8_dtype, scale, margin, rowwise, columnwise, scale_out: Option
         if amax_out is not None:
             amax = torch.maximum(amax_out, amax, out=amax_out)
     else:
-        amax = amax_out if amax_out is not None else torch.zeros((), device=x.device, dtype=torch.float32)
-    return _launch(x, None, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise, scale_out, col_sum,
-                   saturation_out, out)
+        amax = (
+            amax_out
+            if amax_out is not None
+            else torch.zeros((), device=x.device, dtype=torch.float32)
+        )
+    return _launch(
+        x,
+        None,
+        M,
+        N,
+        fp8_dtype,
+        scale,
+        margin,
+        amax,
+        rowwise,
+        columnwise,
+        scale_out,
+        col_sum,
+        saturation_out,
+        out,
+    )
 
 
-def quantize_heads(dq, dk, dv, head_dim: int, fp8_dtype, scale, rowwise, columnwise, amax_out: Optional[torch.Tensor],
-                   col_sum: bool, saturation_out: Optional[torch.Tensor] = None):
+def quantize_heads(
+    dq,
+    dk,
+    dv,
+    head_dim: int,
+    fp8_dtype,
+    scale,
+    rowwise,
+    columnwise,
+    amax_out: torch.Tensor | None,
+    col_sum: bool,
+    saturation_out: torch.Tensor | None = None,
+):
     """`quantize` (delayed scaling: `scale` given) of the gradient of a QKV projection's output
     [M, groups * (queries per group + 2) * head_dim], laid out per key/value group as [its
     query heads, key, value], read from the 2-D gradients dq [M, groups * queries per group *
@@ -216,24 +341,59 @@ def quantize_heads(dq, dk, dv, head_dim: int, fp8_dtype, scale, rowwise, columnw
     M = dq.shape[0]
     groups = dk.shape[1] // head_dim
     queries_per_group = dq.shape[1] // (groups * head_dim)
-    amax = amax_out if amax_out is not None else torch.zeros((), device=dq.device, dtype=torch.float32)
-    return _launch(dq, (dk, dv, queries_per_group, head_dim), M, groups * (queries_per_group + 2) * head_dim,
-                   fp8_dtype, scale, margin=0, amax=amax, rowwise=rowwise, columnwise=columnwise, scale_out=None,
-                   col_sum=col_sum, saturation_out=saturation_out, out=None)
+    amax = (
+        amax_out if amax_out is not None else torch.zeros((), device=dq.device, dtype=torch.float32)
+    )
+    return _launch(
+        dq,
+        (dk, dv, queries_per_group, head_dim),
+        M,
+        groups * (queries_per_group + 2) * head_dim,
+        fp8_dtype,
+        scale,
+        margin=0,
+        amax=amax,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale_out=None,
+        col_sum=col_sum,
+        saturation_out=saturation_out,
+        out=None,
+    )
 
 
-def _launch(x, heads, M, N, fp8_dtype, scale, margin, amax, rowwise, columnwise, scale_out, col_sum, saturation_out,
-            out):
+def _launch(
+    x,
+    heads,
+    M,
+    N,
+    fp8_dtype,
+    scale,
+    margin,
+    amax,
+    rowwise,
+    columnwise,
+    scale_out,
+    col_sum,
+    saturation_out,
+    out,
+):
     current = scale is None
     device = x.device
     if out is not None:  # overwrite an earlier cast in place (see quantize.quantize)
-        q, qt, scale_inv = out.data if rowwise else None, out.data_t if columnwise else None, out.scale_inv
+        q, qt, scale_inv = (
+            out.data if rowwise else None,
+            out.data_t if columnwise else None,
+            out.scale_inv,
+        )
     else:
         q = torch.empty((M, N), device=device, dtype=fp8_dtype) if rowwise else None
         qt = torch.empty((N, M), device=device, dtype=fp8_dtype) if columnwise else None
         scale_inv = torch.empty((), device=device, dtype=torch.float32)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    partial_sums = torch.empty((grid[0], N), device=device, dtype=torch.float32) if col_sum else None
+    partial_sums = (
+        torch.empty((grid[0], N), device=device, dtype=torch.float32) if col_sum else None
+    )
     write_scale = current and scale_out is not None
     bound, inclusive = saturation_bound(fp8_dtype)
     k, v, queries_per_group, head_dim = heads if heads is not None else (x, x, 1, 1)
@@ -292,7 +452,9 @@ def _address_table(states, resets) -> torch.Tensor:
     if table is None:
         if len(_address_tables) > 256:
             _address_tables.clear()
-        table = _address_tables[key] = torch.tensor(key, dtype=torch.int64).to(states[0].amax.device)
+        table = _address_tables[key] = torch.tensor(key, dtype=torch.int64).to(
+            states[0].amax.device
+        )
     return table
 
 

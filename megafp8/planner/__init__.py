@@ -11,6 +11,7 @@ cluster and how fast each would train.
 Nothing in the trainer depends on it: it reads the models' configurations and the parallel
 engines' rules (stages, buckets), and the trainer's arguments reach it through `tools/`.
 """
+
 from .memory import MemoryLayout, estimate
 from .throughput import Calibration, NotPredicted, predict
 

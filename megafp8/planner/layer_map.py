@@ -16,6 +16,7 @@ where it did not fit or was not timed):
 - `tflops` (throughput of `ms`), and `head_{recipe}_ms`: the model's output end (embedding,
   final norm, output layer, loss), with `model` and `vocab` (from `--model`).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,27 +33,70 @@ def arch_of(config: TransformerConfig) -> str:
     return "llama" if config.activation == "swiglu" else "gpt"
 
 
-def point(config: TransformerConfig, seq: int, micro_batch: int, tp: int, tp_comm_overlap: bool,
-          times: dict, head: dict | None = None, model: str | None = None, flops: float | None = None) -> dict:
+def point(
+    config: TransformerConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    tp_comm_overlap: bool,
+    times: dict,
+    head: dict | None = None,
+    model: str | None = None,
+    flops: float | None = None,
+) -> dict:
     """One point: `times` is {kind: {recipe: ms}} (KINDS), `head` {recipe: ms} of the output end,
     `flops` the layer's forward + backward floating-point operations on this rank."""
-    entry = {"arch": arch_of(config), "hidden": config.hidden_size, "heads": config.num_attention_heads,
-             "kv_heads": config.kv_heads, "ffn": config.ffn_size, "seq": seq, "micro_batch": micro_batch, "tp": tp,
-             "tp_comm_overlap": tp_comm_overlap,
-             **{f"{recipe}_{kind}": ms for kind, per_recipe in times.items() for recipe, ms in per_recipe.items()}}
+    entry = {
+        "arch": arch_of(config),
+        "hidden": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.kv_heads,
+        "ffn": config.ffn_size,
+        "seq": seq,
+        "micro_batch": micro_batch,
+        "tp": tp,
+        "tp_comm_overlap": tp_comm_overlap,
+        **{
+            f"{recipe}_{kind}": ms
+            for kind, per_recipe in times.items()
+            for recipe, ms in per_recipe.items()
+        },
+    }
     if flops is not None:
-        entry.update({f"{recipe}_tflops": (flops / ms / 1e9 if ms else None) for recipe, ms in times["ms"].items()})
+        entry.update(
+            {
+                f"{recipe}_tflops": (flops / ms / 1e9 if ms else None)
+                for recipe, ms in times["ms"].items()
+            }
+        )
     if model is not None:
-        entry.update(model=model, vocab=config.vocab_size,
-                     **{f"head_{recipe}_ms": ms for recipe, ms in (head or {}).items()})
+        entry.update(
+            model=model,
+            vocab=config.vocab_size,
+            **{f"head_{recipe}_ms": ms for recipe, ms in (head or {}).items()},
+        )
     return entry
 
 
 def same_layer(entry: dict, config: TransformerConfig, seq: int, tp: int) -> bool:
     """Whether `entry` measured `config`'s layer at sequence `seq` over `tp` GPUs."""
-    return ((entry["arch"], entry["hidden"], entry["heads"], entry["kv_heads"], entry["ffn"], entry["seq"], entry["tp"])
-            == (arch_of(config), config.hidden_size, config.num_attention_heads, config.kv_heads, config.ffn_size,
-                seq, tp))
+    return (
+        entry["arch"],
+        entry["hidden"],
+        entry["heads"],
+        entry["kv_heads"],
+        entry["ffn"],
+        entry["seq"],
+        entry["tp"],
+    ) == (
+        arch_of(config),
+        config.hidden_size,
+        config.num_attention_heads,
+        config.kv_heads,
+        config.ffn_size,
+        seq,
+        tp,
+    )
 
 
 def measured(entry: dict, recipe: str, kind: str = "ms") -> float | None:
@@ -74,5 +118,7 @@ def read(path) -> dict:
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a readable JSON file ({error})") from None
     if not isinstance(layer_map, dict) or not layer_map.get("points"):
-        raise ValueError(f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)")
+        raise ValueError(
+            f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)"
+        )
     return layer_map

@@ -24,10 +24,10 @@ keeps q, k, v and recomputes the attention core; full recomputation keeps a laye
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
 QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megafp8.models.config import TransformerConfig
 from megafp8.parallel.stages import stage_layers
@@ -39,6 +39,7 @@ FP8_RECIPES = (None, "delayed", "current")
 @dataclass(frozen=True)
 class MemoryLayout:
     """A training layout as the memory model sees it (the trainer's flags of the same names)."""
+
     seq_length: int
     micro_batch_size: int = 1
     num_micro_batches: int = 1  # per step and data-parallel rank: global batch / (dp x micro-batch)
@@ -46,20 +47,30 @@ class MemoryLayout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
-    first_stage_layers: Optional[int] = None  # the first / last virtual stage's own layer count (stage_layers)
-    last_stage_layers: Optional[int] = None
+    first_stage_layers: int | None = (
+        None  # the first / last virtual stage's own layer count (stage_layers)
+    )
+    last_stage_layers: int | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # no memory of its own: the throughput model's
     recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
-    fp8: Optional[str] = None  # None (bf16) | delayed | current
+    fp8: str | None = None  # None (bf16) | delayed | current
     fp8_neighbour_fusion: bool = True
     fp8_output_layer: bool = False
     first_last_layers_bf16: int = 0
     norm_on_cuda: bool = True  # RMSNorm: CUDA's fused kernel, else torch's fp32 composite (CPU)
 
     def __post_init__(self):
-        for name in ("seq_length", "micro_batch_size", "num_micro_batches", "tp", "pp", "dp", "vpp"):
+        for name in (
+            "seq_length",
+            "micro_batch_size",
+            "num_micro_batches",
+            "tp",
+            "pp",
+            "dp",
+            "vpp",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -73,26 +84,43 @@ class MemoryLayout:
         return self.sequence_parallel and self.tp > 1
 
     @classmethod
-    def from_args(cls, args, norm_on_cuda: bool = True) -> "MemoryLayout":
+    def from_args(cls, args, norm_on_cuda: bool = True) -> MemoryLayout:
         """The layout of the trainer's arguments, as `arguments.validate_args` leaves them (and
         `arguments.balance_pipeline_split`, with --balance-pipeline-split)."""
-        return cls(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                   num_micro_batches=args.num_micro_batches, tp=args.tensor_model_parallel_size,
-                   pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
-                   vpp=args.virtual_pipeline_model_parallel_size or 1,
-                   first_stage_layers=args.decoder_first_pipeline_num_layers,
-                   last_stage_layers=args.decoder_last_pipeline_num_layers, sequence_parallel=args.sequence_parallel,
-                   distributed_optimizer=args.use_distributed_optimizer,
-                   overlap_param_gather=args.overlap_param_gather, recompute=args.recompute_granularity or "none",
-                   fp8=args.fp8_recipe if args.fp8_format else None, fp8_neighbour_fusion=args.fp8_neighbour_fusion,
-                   fp8_output_layer=args.fp8_output_layer, first_last_layers_bf16=args.first_last_layers_bf16,
-                   norm_on_cuda=norm_on_cuda)
+        return cls(
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            num_micro_batches=args.num_micro_batches,
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+            dp=args.data_parallel_size,
+            vpp=args.virtual_pipeline_model_parallel_size or 1,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            sequence_parallel=args.sequence_parallel,
+            distributed_optimizer=args.use_distributed_optimizer,
+            overlap_param_gather=args.overlap_param_gather,
+            recompute=args.recompute_granularity or "none",
+            fp8=args.fp8_recipe if args.fp8_format else None,
+            fp8_neighbour_fusion=args.fp8_neighbour_fusion,
+            fp8_output_layer=args.fp8_output_layer,
+            first_last_layers_bf16=args.first_last_layers_bf16,
+            norm_on_cuda=norm_on_cuda,
+        )
 
 
-def stage_layer_indices(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> tuple[list, list]:
+def stage_layer_indices(
+    config: TransformerConfig, layout: MemoryLayout, pp_rank: int
+) -> tuple[list, list]:
     """(the global indices of pipeline rank `pp_rank`'s layers, those of them that run in FP8)."""
-    spans = stage_layers(config.num_layers, layout.pp, pp_rank, layout.vpp, layout.first_stage_layers,
-                         layout.last_stage_layers)
+    spans = stage_layers(
+        config.num_layers,
+        layout.pp,
+        pp_rank,
+        layout.vpp,
+        layout.first_stage_layers,
+        layout.last_stage_layers,
+    )
     layers = [i for first, last in spans for i in range(first, last)]
     edge = layout.first_last_layers_bf16
     return layers, [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []
@@ -111,7 +139,9 @@ def layer_parameters(config: TransformerConfig, tp: int) -> dict:
     up_out = config.ffn_size * (2 if config.activation == "swiglu" else 1) // tp
     ffn = config.ffn_size // tp
     weights = h * qkv_out + query * h + h * up_out + ffn * h
-    biases = (qkv_out + h + up_out + h) if config.bias else 0  # row-parallel biases are whole on each rank
+    biases = (
+        (qkv_out + h + up_out + h) if config.bias else 0
+    )  # row-parallel biases are whole on each rank
     return {"fp8_weights": weights, "other": 2 * _norm_parameters(config) + biases}
 
 
@@ -131,24 +161,39 @@ def rank_parameters(config: TransformerConfig, layout: MemoryLayout, pp_rank: in
     output = 0
     if last:
         output = _norm_parameters(config) + (0 if config.tie_embeddings else vocab // tp * h)
-    output_fp8 = vocab // tp * h if last and layout.fp8 and layout.fp8_output_layer and not config.tie_embeddings else 0
-    return {"layers": len(layers) * (per_layer["fp8_weights"] + per_layer["other"]),
-            "fp8_weights": len(fp8_layers) * per_layer["fp8_weights"] + output_fp8,
-            "embedding": embedding, "output": output}
+    output_fp8 = (
+        vocab // tp * h
+        if last and layout.fp8 and layout.fp8_output_layer and not config.tie_embeddings
+        else 0
+    )
+    return {
+        "layers": len(layers) * (per_layer["fp8_weights"] + per_layer["other"]),
+        "fp8_weights": len(fp8_layers) * per_layer["fp8_weights"] + output_fp8,
+        "embedding": embedding,
+        "output": output,
+    }
 
 
-def static_bytes(config: TransformerConfig, layout: MemoryLayout, pp_rank: int, param_bytes: int = 2) -> dict:
+def static_bytes(
+    config: TransformerConfig, layout: MemoryLayout, pp_rank: int, param_bytes: int = 2
+) -> dict:
     """Bytes of what lives for the whole run on a rank of pipeline stage `pp_rank`: parameters,
     gradient buffer, optimizer states and FP8 weight casts."""
     counts = rank_parameters(config, layout, pp_rank)
     elements = counts["layers"] + counts["embedding"] + counts["output"]
     owned = elements / layout.dp if layout.distributed_optimizer else elements
     optimizer = 12 * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
-    return {"parameters": param_bytes * elements, "gradients": 4 * elements, "optimizer": optimizer,
-            "fp8_weight_casts": 2 * counts["fp8_weights"]}
+    return {
+        "parameters": param_bytes * elements,
+        "gradients": 4 * elements,
+        "optimizer": optimizer,
+        "fp8_weight_casts": 2 * counts["fp8_weights"],
+    }
 
 
-def layer_activation_roles(config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True) -> dict:
+def layer_activation_roles(
+    config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True
+) -> dict:
     """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank, by what
     keeps them (see the module's docstring); `in_fp8=False` for a layer the layout keeps in bf16."""
     fp8 = layout.fp8 if in_fp8 else None
@@ -216,7 +261,11 @@ def logits_bytes(config: TransformerConfig, layout: MemoryLayout) -> float:
     local = tokens / layout.tp if layout.sp else tokens
     fused = layout.fp8 == "delayed" and layout.fp8_neighbour_fusion and layout.fp8_output_layer
     vocab = config.padded_vocab_size(layout.tp) / layout.tp
-    return _norm_bytes(config, layout, fused) * local + 2 * config.hidden_size * tokens + 4 * vocab * tokens
+    return (
+        _norm_bytes(config, layout, fused) * local
+        + 2 * config.hidden_size * tokens
+        + 4 * vocab * tokens
+    )
 
 
 def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int = 2) -> list[dict]:
@@ -224,13 +273,18 @@ def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int =
     stages = []
     for pp_rank in range(layout.pp):
         layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
-        per_micro_batch = sum(sum(layer_activation_roles(config, layout, in_fp8=i in fp8_layers).values())
-                              for i in layers)
+        per_micro_batch = sum(
+            sum(layer_activation_roles(config, layout, in_fp8=i in fp8_layers).values())
+            for i in layers
+        )
         activations = per_micro_batch * micro_batches_in_flight(layout, pp_rank)
         if pp_rank == layout.pp - 1:
             activations += logits_bytes(config, layout)
-        stage = {"pp_rank": pp_rank, **static_bytes(config, layout, pp_rank, param_bytes), "activations": activations}
+        stage = {
+            "pp_rank": pp_rank,
+            **static_bytes(config, layout, pp_rank, param_bytes),
+            "activations": activations,
+        }
         stage["total"] = sum(v for k, v in stage.items() if k != "pp_rank")
         stages.append(stage)
     return stages
-

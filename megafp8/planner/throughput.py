@@ -34,6 +34,7 @@ a micro-batch between two measured ones (time linear in it), a message size or g
 outside the measured ones (the nearest one's bus bandwidth), a group spanning nodes (a node's
 NVLink bandwidth, not the network's).
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,12 @@ from .memory import MemoryLayout, rank_parameters, stage_layer_indices
 OPTIMIZER_BYTES_PER_PARAMETER = 30
 OPTIMIZER_BYTES_PER_FP8_WEIGHT = 2
 # nccl-tests' bus-bandwidth factors: bytes moved per byte of the message, per rank.
-BUS_FACTOR = {"all_reduce": lambda k: 2 * (k - 1) / k, "all_gather": lambda k: (k - 1) / k,
-              "reduce_scatter": lambda k: (k - 1) / k, "send_recv": lambda k: 1.0}
+BUS_FACTOR = {
+    "all_reduce": lambda k: 2 * (k - 1) / k,
+    "all_gather": lambda k: (k - 1) / k,
+    "reduce_scatter": lambda k: (k - 1) / k,
+    "send_recv": lambda k: 1.0,
+}
 
 
 class NotPredicted(Exception):
@@ -68,6 +73,7 @@ UNKNOWN_DEVICE = "unknown device"  # a measurement file that does not name its G
 @dataclass
 class Calibration:
     """The measurements the model reads: layer-map points and collective results."""
+
     points: list = field(default_factory=list)
     collectives: list = field(default_factory=list)
     copy_gbs: float | None = None
@@ -81,11 +87,13 @@ class Calibration:
         named = sorted({device for device in [*self.devices, *others] if device != UNKNOWN_DEVICE})
         if len(named) < 2:
             return None
-        return (f"the measurements come from different GPUs ({', '.join(named)}): measure the layer maps, "
-                "the collectives and the runs compared with them on one machine")
+        return (
+            f"the measurements come from different GPUs ({', '.join(named)}): measure the layer maps, "
+            "the collectives and the runs compared with them on one machine"
+        )
 
     @classmethod
-    def load(cls, layer_maps=(), collectives=None) -> "Calibration":
+    def load(cls, layer_maps=(), collectives=None) -> Calibration:
         calibration = cls()
         for path in layer_maps:
             data = layer_map.read(path)
@@ -96,20 +104,33 @@ class Calibration:
         if collectives is not None:
             data = _read(collectives)
             if not data.get("results"):
-                raise ValueError(f"{collectives}: no collective results in it "
-                                 f"(write one with benchmarks/bench_collectives.py)")
+                raise ValueError(
+                    f"{collectives}: no collective results in it "
+                    f"(write one with benchmarks/bench_collectives.py)"
+                )
             calibration.collectives = data["results"]
             calibration.devices.append(data.get("device", UNKNOWN_DEVICE))
-            calibration.sources.append(f"{collectives} ({calibration.devices[-1]}, "
-                                       f"{data.get('gpus', '?')} GPUs)")
+            calibration.sources.append(
+                f"{collectives} ({calibration.devices[-1]}, {data.get('gpus', '?')} GPUs)"
+            )
         return calibration
 
     def _points_for(self, config: TransformerConfig, seq: int, tp: int) -> list:
-        return sorted((p for p in self.points if layer_map.same_layer(p, config, seq, tp)),
-                      key=lambda p: p["micro_batch"])
+        return sorted(
+            (p for p in self.points if layer_map.same_layer(p, config, seq, tp)),
+            key=lambda p: p["micro_batch"],
+        )
 
-    def layer(self, config: TransformerConfig, seq: int, micro_batch: int, tp: int, recipe: str,
-              extrapolated: list, model: str = "PRESET") -> dict:
+    def layer(
+        self,
+        config: TransformerConfig,
+        seq: int,
+        micro_batch: int,
+        tp: int,
+        recipe: str,
+        extrapolated: list,
+        model: str = "PRESET",
+    ) -> dict:
         """{"step": forward + backward ms, "forward": ms, "selective": the step with selective
         recomputation, "host": an eager step's host ms, "host_layer" and "host_pass": a stack's
         eager host ms per layer and per pass, "head": output-end ms} of one layer at this
@@ -117,47 +138,82 @@ class Calibration:
         times are the median over every measured micro-batch: the host launches the same kernels
         whatever their size, and one stack's split of ten steps is noisy (GPT-1.3B, 4 x H200:
         per-layer shares of 2.9-4.5 ms across micro-batches for the same launches)."""
-        points = [p for p in self._points_for(config, seq, tp) if layer_map.measured(p, recipe) is not None]
+        points = [
+            p
+            for p in self._points_for(config, seq, tp)
+            if layer_map.measured(p, recipe) is not None
+        ]
         if not points:
-            raise NotPredicted(f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
-                               f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
-                               f"benchmarks/bench_layer_grid.py --model {model} --seq-lengths {seq} "
-                               f"--micro-batches {micro_batch})")
+            raise NotPredicted(
+                f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
+                f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
+                f"benchmarks/bench_layer_grid.py --model {model} --seq-lengths {seq} "
+                f"--micro-batches {micro_batch})"
+            )
         below = [p for p in points if p["micro_batch"] <= micro_batch]
         above = [p for p in points if p["micro_batch"] >= micro_batch]
         if not below or not above:
             measured = ", ".join(str(p["micro_batch"]) for p in points)
-            raise NotPredicted(f"micro-batch {micro_batch} is outside the measured ones ({measured}) of the "
-                               f"{recipe} layer at sequence {seq}, tp {tp}")
+            raise NotPredicted(
+                f"micro-batch {micro_batch} is outside the measured ones ({measured}) of the "
+                f"{recipe} layer at sequence {seq}, tp {tp}"
+            )
         low, high = below[-1], above[0]
         if tp > 1 and not low.get("tp_comm_overlap"):
-            extrapolated.append(f"tp {tp}: the layer measured without --tp-comm-overlap, which the recipes run "
-                                "(slower; measure the map again)")
-        share = 0.0 if high is low else (micro_batch - low["micro_batch"]) / (high["micro_batch"] - low["micro_batch"])
+            extrapolated.append(
+                f"tp {tp}: the layer measured without --tp-comm-overlap, which the recipes run "
+                "(slower; measure the map again)"
+            )
+        share = (
+            0.0
+            if high is low
+            else (micro_batch - low["micro_batch"]) / (high["micro_batch"] - low["micro_batch"])
+        )
         if high is not low:
-            extrapolated.append(f"micro-batch {micro_batch}: between the measured {low['micro_batch']} and "
-                                f"{high['micro_batch']}")
+            extrapolated.append(
+                f"micro-batch {micro_batch}: between the measured {low['micro_batch']} and "
+                f"{high['micro_batch']}"
+            )
 
         def between(kind):
-            at_low, at_high = layer_map.measured(low, recipe, kind), layer_map.measured(high, recipe, kind)
+            at_low, at_high = (
+                layer_map.measured(low, recipe, kind),
+                layer_map.measured(high, recipe, kind),
+            )
             if at_low is None or at_high is None:
                 return None
             return at_low + share * (at_high - at_low)
 
-        def pooled(kind):  # host work does not grow with the micro-batch: every measured one is a sample
-            values = [v for v in (layer_map.measured(p, recipe, kind) for p in points) if v is not None]
+        def pooled(
+            kind,
+        ):  # host work does not grow with the micro-batch: every measured one is a sample
+            values = [
+                v for v in (layer_map.measured(p, recipe, kind) for p in points) if v is not None
+            ]
             return statistics.median(values) if values else None
 
         head = between("head")
         vocab = low.get("vocab", config.vocab_size)
-        if head is not None and vocab != config.vocab_size:  # the output layer and loss scale with it
+        if (
+            head is not None and vocab != config.vocab_size
+        ):  # the output layer and loss scale with it
             head *= config.vocab_size / vocab
-            extrapolated.append(f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}")
-        return {"step": between("ms"), "forward": between("fwd_ms"), "selective": between("selective_ms"),
-                "host": pooled("host_ms"), "host_layer": pooled("host_layer_ms"), "host_pass": pooled("host_pass_ms"),
-                "head": head}
+            extrapolated.append(
+                f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}"
+            )
+        return {
+            "step": between("ms"),
+            "forward": between("fwd_ms"),
+            "selective": between("selective_ms"),
+            "host": pooled("host_ms"),
+            "host_layer": pooled("host_layer_ms"),
+            "host_pass": pooled("host_pass_ms"),
+            "head": head,
+        }
 
-    def collective_ms(self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list) -> float:
+    def collective_ms(
+        self, op: str, group_size: int, nbytes: float, spans_nodes: bool, extrapolated: list
+    ) -> float:
         """Time of one collective of `nbytes` over `group_size` ranks, from the measured bus
         bandwidth at that group size and the nearest message size (log scale); `spans_nodes`:
         the group's ranks are on more than one node, whose network was not measured."""
@@ -165,19 +221,25 @@ class Calibration:
             return 0.0
         results = [r for r in self.collectives if r["op"] == op]
         if not results:
-            raise NotPredicted(f"no measured {op} (measure the collectives: torchrun --nproc-per-node N "
-                               f"benchmarks/bench_collectives.py --output collectives.json, then --collectives)")
+            raise NotPredicted(
+                f"no measured {op} (measure the collectives: torchrun --nproc-per-node N "
+                f"benchmarks/bench_collectives.py --output collectives.json, then --collectives)"
+            )
         sizes = sorted({r["group_size"] for r in results})
         size = group_size if group_size in sizes else max(sizes)
         if size != group_size:
             extrapolated.append(f"{op} over {group_size} ranks: the bandwidth measured over {size}")
         if spans_nodes:
-            extrapolated.append(f"{op} over {group_size} ranks spans nodes: a node's bandwidth, the network's not measured")
+            extrapolated.append(
+                f"{op} over {group_size} ranks spans nodes: a node's bandwidth, the network's not measured"
+            )
         at_size = [r for r in results if r["group_size"] == size]
         nearest = min(at_size, key=lambda r: abs(math.log(r["bytes"] / nbytes)))
         if not min(r["bytes"] for r in at_size) <= nbytes <= max(r["bytes"] for r in at_size):
-            extrapolated.append(f"{op} of {nbytes / 2**20:.0f} MiB: the bandwidth measured at "
-                                f"{nearest['bytes'] / 2**20:.0f} MiB")
+            extrapolated.append(
+                f"{op} of {nbytes / 2**20:.0f} MiB: the bandwidth measured at "
+                f"{nearest['bytes'] / 2**20:.0f} MiB"
+            )
         return nbytes * BUS_FACTOR[op](group_size) / (nearest["busbw_gbs"] * 1e6)
 
 
@@ -188,8 +250,15 @@ def _read(path) -> dict:
         raise ValueError(f"{path}: not a readable JSON file ({error})") from None
 
 
-def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibration, global_batch_size: int,
-            gpus_per_node: int = 8, model: str = "PRESET", pipeline_graphs: bool = True) -> dict:
+def predict(
+    config: TransformerConfig,
+    layout: MemoryLayout,
+    calibration: Calibration,
+    global_batch_size: int,
+    gpus_per_node: int = 8,
+    model: str = "PRESET",
+    pipeline_graphs: bool = True,
+) -> dict:
     """The predicted step of `layout`: {"step_ms", "tokens_per_s_per_gpu", "breakdown_ms",
     "extrapolated"}; raises NotPredicted where the measurements do not cover it, naming `model`
     (the preset) in the command that would measure what is missing. Layers run graphed, as the
@@ -197,46 +266,73 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
     `pipeline_graphs` (the recipes' CUDA_GRAPH=0)."""
     recipe = layout.fp8 or "bf16"
     extrapolated: list = []
-    seq, mbs, tp, pp, dp, vpp = (layout.seq_length, layout.micro_batch_size, layout.tp, layout.pp, layout.dp,
-                                 layout.vpp)
+    seq, mbs, tp, pp, dp, vpp = (
+        layout.seq_length,
+        layout.micro_batch_size,
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.vpp,
+    )
     layer = calibration.layer(config, seq, mbs, tp, recipe, extrapolated, model)
     if layer["forward"] is None or layer["head"] is None:
-        raise NotPredicted(f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
-                           f"(measure with benchmarks/bench_layer_grid.py --model {model})")
+        raise NotPredicted(
+            f"the layer map at sequence {seq}, tp {tp} lacks the forward or output-end times "
+            f"(measure with benchmarks/bench_layer_grid.py --model {model})"
+        )
     per_layer = layer["step"] + (layer["forward"] if layout.recompute == "full" else 0.0)
     if layout.recompute == "selective":
         if layer["selective"] is not None:
             per_layer = layer["selective"]
         else:  # a map from before the map timed it
-            extrapolated.append("selective recomputation: the attention core's second forward is not in the map")
+            extrapolated.append(
+                "selective recomputation: the attention core's second forward is not in the map"
+            )
     host_layer = host_pass = 0.0
-    if pp > 1 and not pipeline_graphs:  # an eager pipeline: a stage takes the longer of its GPU and host times
+    if (
+        pp > 1 and not pipeline_graphs
+    ):  # an eager pipeline: a stage takes the longer of its GPU and host times
         if tp > 1 and recipe != "bf16":
-            raise NotPredicted("FP8 with tensor and pipeline parallelism, run eagerly, is host-bound: each stage "
-                               "waits on both ranks' hosts at every collective and send, which the map's layers "
-                               "timed alone do not show (measured 0.50-0.62x bf16 where the map said faster: "
-                               "docs/tuning.md); graphed, as the recipes run it, it is predicted")
+            raise NotPredicted(
+                "FP8 with tensor and pipeline parallelism, run eagerly, is host-bound: each stage "
+                "waits on both ranks' hosts at every collective and send, which the map's layers "
+                "timed alone do not show (measured 0.50-0.62x bf16 where the map said faster: "
+                "docs/tuning.md); graphed, as the recipes run it, it is predicted"
+            )
         if layer["host"] is None:
-            raise NotPredicted(f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
-                               f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model {model})")
+            raise NotPredicted(
+                f"pipeline parallelism runs eagerly and the layer map at sequence {seq}, tp {tp} "
+                f"lacks the host's time (measure with benchmarks/bench_layer_grid.py --model {model})"
+            )
         host_layer, host_pass = layer["host_layer"], layer["host_pass"]
         if host_layer is None or host_pass is None:  # a map from before the stack's split
             host_layer, host_pass = layer["host"], 0.0
-            extrapolated.append("host time: a one-layer step's per layer (its pass's share counted in every layer)")
+            extrapolated.append(
+                "host time: a one-layer step's per layer (its pass's share counted in every layer)"
+            )
         host_layer *= per_layer / layer["step"]
         if layout.recompute == "full":
-            extrapolated.append("full recomputation's host time: the step's, scaled by the forward's GPU share")
+            extrapolated.append(
+                "full recomputation's host time: the step's, scaled by the forward's GPU share"
+            )
     # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
     p2p = 0.0
     if pp > 1:
         activation = (seq // tp if layout.sp else seq) * mbs * config.hidden_size * 2
         # Ranks go tp fastest, then dp, then pp: a stage's neighbour is tp x dp ranks away.
-        p2p = 2 * vpp * calibration.collective_ms("send_recv", 2, activation, tp * dp * pp > gpus_per_node,
-                                                  extrapolated)
+        p2p = (
+            2
+            * vpp
+            * calibration.collective_ms(
+                "send_recv", 2, activation, tp * dp * pp > gpus_per_node, extrapolated
+            )
+        )
     stage_ms = []
     for pp_rank in range(pp):
         layers, _ = stage_layer_indices(config, layout, pp_rank)
-        layer_ms = max(len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer)  # a pass per chunk
+        layer_ms = max(
+            len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer
+        )  # a pass per chunk
         stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
     slowest = max(range(pp), key=lambda r: stage_ms[r])
     micro_batch_ms = stage_ms[slowest]
@@ -249,29 +345,55 @@ def predict(config: TransformerConfig, layout: MemoryLayout, calibration: Calibr
     parameters = counts["layers"] + counts["embedding"] + counts["output"]
     gradient_sync = parameter_gather = 0.0
     if dp > 1:
+
         def per_bucket(op, bytes_per_element):
             full, rest = divmod(parameters, DEFAULT_BUCKET_SIZE)
-            return sum(count * calibration.collective_ms(op, dp, size * bytes_per_element, tp * dp > gpus_per_node,
-                                                         extrapolated)
-                       for count, size in ((full, DEFAULT_BUCKET_SIZE), (1, rest)) if count and size)
+            return sum(
+                count
+                * calibration.collective_ms(
+                    op, dp, size * bytes_per_element, tp * dp > gpus_per_node, extrapolated
+                )
+                for count, size in ((full, DEFAULT_BUCKET_SIZE), (1, rest))
+                if count and size
+            )
 
-        gradient_sync = per_bucket("reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4)
+        gradient_sync = per_bucket(
+            "reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4
+        )
         if layout.distributed_optimizer:
             parameter_gather = per_bucket("all_gather", 2)
     # The buckets' reductions start as the last micro-batch's backward produces their gradients;
     # with --overlap-param-gather the parameters' gathers run beside the next step's first forward.
     if layout.overlap_param_gather:
         parameter_gather = max(0.0, parameter_gather - slowest_layers * layer["forward"])
-    exposed_sync = max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"])) + parameter_gather
+    exposed_sync = (
+        max(0.0, gradient_sync - slowest_layers * (layer["step"] - layer["forward"]))
+        + parameter_gather
+    )
     if calibration.copy_gbs is None:
-        raise NotPredicted("no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)")
+        raise NotPredicted(
+            "no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)"
+        )
     share = 1 / dp if layout.distributed_optimizer else 1
-    optimizer = share * (parameters * OPTIMIZER_BYTES_PER_PARAMETER
-                         + counts["fp8_weights"] * OPTIMIZER_BYTES_PER_FP8_WEIGHT) / (calibration.copy_gbs * 1e6)
+    optimizer = (
+        share
+        * (
+            parameters * OPTIMIZER_BYTES_PER_PARAMETER
+            + counts["fp8_weights"] * OPTIMIZER_BYTES_PER_FP8_WEIGHT
+        )
+        / (calibration.copy_gbs * 1e6)
+    )
     step = pipeline + exposed_sync + optimizer
     gpus = tp * pp * dp
-    return {"step_ms": step, "tokens_per_s_per_gpu": global_batch_size * seq / (step / 1e3) / gpus,
-            "breakdown_ms": {"compute": m * (micro_batch_ms - p2p), "pipeline_bubble": bubble,
-                             "point_to_point": m * p2p, "gradient_sync_exposed": exposed_sync,
-                             "optimizer": optimizer},
-            "extrapolated": list(dict.fromkeys(extrapolated))}
+    return {
+        "step_ms": step,
+        "tokens_per_s_per_gpu": global_batch_size * seq / (step / 1e3) / gpus,
+        "breakdown_ms": {
+            "compute": m * (micro_batch_ms - p2p),
+            "pipeline_bubble": bubble,
+            "point_to_point": m * p2p,
+            "gradient_sync_exposed": exposed_sync,
+            "optimizer": optimizer,
+        },
+        "extrapolated": list(dict.fromkeys(extrapolated)),
+    }

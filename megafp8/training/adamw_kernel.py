@@ -32,9 +32,8 @@ kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts,
 and inverse scale) from the value it has just rounded, exactly what the next forward would make
 with that scale. The separate cast would read the weight again and launch once per layer.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -78,14 +77,31 @@ if triton is not None:
     @triton.jit
     def _state_pointers(tensors, count, t):
         # Tensor t's master, gradient, exp_avg and exp_avg_sq (fp32).
-        return (tl.load(tensors + t).to(tl.pointer_type(tl.float32)),
-                tl.load(tensors + count + t).to(tl.pointer_type(tl.float32)),
-                tl.load(tensors + 2 * count + t).to(tl.pointer_type(tl.float32)),
-                tl.load(tensors + 3 * count + t).to(tl.pointer_type(tl.float32)))
+        return (
+            tl.load(tensors + t).to(tl.pointer_type(tl.float32)),
+            tl.load(tensors + count + t).to(tl.pointer_type(tl.float32)),
+            tl.load(tensors + 2 * count + t).to(tl.pointer_type(tl.float32)),
+            tl.load(tensors + 3 * count + t).to(tl.pointer_type(tl.float32)),
+        )
 
     @triton.jit
-    def _step_elements(master, grad, exp_avg, exp_avg_sq, offsets, mask, apply, grad_scale, beta1, beta2, eps,
-                       step_size, bias_correction2_sqrt, decay, decayed):
+    def _step_elements(
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        offsets,
+        mask,
+        apply,
+        grad_scale,
+        beta1,
+        beta2,
+        eps,
+        step_size,
+        bias_correction2_sqrt,
+        decay,
+        decayed,
+    ):
         # AdamW on the elements at `offsets`, torch's fused CUDA arithmetic (see the module's
         # docstring), unless not `apply`; returns the (new) master values.
         p = tl.load(master + offsets, mask=mask, other=0.0)
@@ -114,8 +130,20 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(
-        tensors, chunks, powers, count, total, lr, beta1, beta2, eps, weight_decay, control,
-        OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+        tensors,
+        chunks,
+        powers,
+        count,
+        total,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        control,
+        OUT_DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         # tensors rows: master, grad, exp_avg, exp_avg_sq, out addresses, decayed, index in the
         # step counts, numel; a column per tensor. chunks: (column, chunk index) per program.
@@ -130,14 +158,30 @@ if triton is not None:
         master, grad, exp_avg, exp_avg_sq = _state_pointers(tensors, count, t)
         out = _out_pointer(tensors, count, t, OUT_DTYPE)
         numel = tl.load(tensors + 7 * count + t)
-        step_size, bias_correction2_sqrt, decay, decayed = _step_constants(tensors, count, total, powers, t, lr,
-                                                                           weight_decay)
+        step_size, bias_correction2_sqrt, decay, decayed = _step_constants(
+            tensors, count, total, powers, t, lr, weight_decay
+        )
         start = chunk.to(tl.int64) * CHUNK
         for i in range(0, CHUNK, BLOCK):
             offsets = start + i + tl.arange(0, BLOCK)
             mask = offsets < numel
-            p = _step_elements(master, grad, exp_avg, exp_avg_sq, offsets, mask, apply, grad_scale, beta1, beta2, eps,
-                               step_size, bias_correction2_sqrt, decay, decayed)
+            p = _step_elements(
+                master,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                offsets,
+                mask,
+                apply,
+                grad_scale,
+                beta1,
+                beta2,
+                eps,
+                step_size,
+                bias_correction2_sqrt,
+                decay,
+                decayed,
+            )
             if OUT_DTYPE == tl.bfloat16:
                 tl.store(out + offsets, _bfloat16_bits(p), mask=mask)
             else:
@@ -145,8 +189,21 @@ if triton is not None:
 
     @triton.jit
     def _adamw_cast_kernel(
-        tensors, chunks, powers, count, total, lr, beta1, beta2, eps, weight_decay, control,
-        OUT_DTYPE: tl.constexpr, FP8_DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr,
+        tensors,
+        chunks,
+        powers,
+        count,
+        total,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        control,
+        OUT_DTYPE: tl.constexpr,
+        FP8_DTYPE: tl.constexpr,
+        TILE_ROWS: tl.constexpr,
+        TILE_COLS: tl.constexpr,
         TILES: tl.constexpr,
     ):
         # _adamw_kernel's step of 2-D weights, TILES consecutive [TILE_ROWS, TILE_COLS] tiles
@@ -169,19 +226,39 @@ if triton is not None:
         scale = tl.load(tl.load(tensors + 11 * count + t).to(tl.pointer_type(tl.float32)))
         amax_ptr = tl.load(tensors + 12 * count + t).to(tl.pointer_type(tl.float32))
         scale_inv_ptr = tl.load(tensors + 13 * count + t).to(tl.pointer_type(tl.float32))
-        step_size, bias_correction2_sqrt, decay, decayed = _step_constants(tensors, count, total, powers, t, lr,
-                                                                           weight_decay)
+        step_size, bias_correction2_sqrt, decay, decayed = _step_constants(
+            tensors, count, total, powers, t, lr, weight_decay
+        )
         tiles_per_row = tl.cdiv(N, TILE_COLS)
         amax = 0.0
         for i in range(TILES):
             tile = first_tile + i  # past the last row: all masked
             rows = (tile // tiles_per_row) * TILE_ROWS + tl.arange(0, TILE_ROWS)
-            cols = tl.max_contiguous(tl.multiple_of((tile % tiles_per_row) * TILE_COLS + tl.arange(0, TILE_COLS),
-                                                    TILE_COLS), TILE_COLS)
+            cols = tl.max_contiguous(
+                tl.multiple_of(
+                    (tile % tiles_per_row) * TILE_COLS + tl.arange(0, TILE_COLS), TILE_COLS
+                ),
+                TILE_COLS,
+            )
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-            p = _step_elements(master, grad, exp_avg, exp_avg_sq, offsets, mask, apply, grad_scale, beta1, beta2, eps,
-                               step_size, bias_correction2_sqrt, decay, decayed)
+            p = _step_elements(
+                master,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                offsets,
+                mask,
+                apply,
+                grad_scale,
+                beta1,
+                beta2,
+                eps,
+                step_size,
+                bias_correction2_sqrt,
+                decay,
+                decayed,
+            )
             if OUT_DTYPE == tl.bfloat16:
                 bits = _bfloat16_bits(p)
                 tl.store(out + offsets, bits, mask=mask)
@@ -190,7 +267,9 @@ if triton is not None:
                 tl.store(out + offsets, p.to(OUT_DTYPE), mask=mask)
                 weight = p.to(OUT_DTYPE).to(tl.float32)
             # The cast: amax (a NaN counts as +inf), then the bytes and their transpose.
-            magnitude = tl.where(mask, tl.where(weight == weight, tl.abs(weight), float("inf")), 0.0)
+            magnitude = tl.where(
+                mask, tl.where(weight == weight, tl.abs(weight), float("inf")), 0.0
+            )
             amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
             tl.store(data + offsets, to_fp8(weight * scale, FP8_DTYPE), mask=mask)
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
@@ -217,23 +296,42 @@ class MultiTensorAdamW:
     Addresses are read once, here: the tensors must stay where they are (build another after
     replacing any)."""
 
-    def __init__(self, masters, grads, exp_avgs, exp_avg_sqs, steps, outs, decayed, *, betas, eps, weight_decay,
-                 casts: Optional[list] = None):
+    def __init__(
+        self,
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        outs,
+        decayed,
+        *,
+        betas,
+        eps,
+        weight_decay,
+        casts: list | None = None,
+    ):
         self.steps, self.count = steps, len(masters)
         self._written = [*masters, *exp_avgs, *exp_avg_sqs, *outs]
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         casts = casts if casts is not None else [None] * len(masters)
         for out, cast in zip(outs, casts):
-            if cast is not None and (out.dtype not in (torch.bfloat16, torch.float32)
-                                     or cast.data.numel() != out.numel()):
-                raise ValueError(f"a WeightCast of shape {tuple(cast.data.shape)} for a weight of "
-                                 f"{out.numel()} {out.dtype} elements: needs bf16 or fp32, as many elements")
+            if cast is not None and (
+                out.dtype not in (torch.bfloat16, torch.float32) or cast.data.numel() != out.numel()
+            ):
+                raise ValueError(
+                    f"a WeightCast of shape {tuple(cast.data.shape)} for a weight of "
+                    f"{out.numel()} {out.dtype} elements: needs bf16 or fp32, as many elements"
+                )
         self._amaxes = [cast.amax for cast in casts if cast is not None]
         device = masters[0].device
         self._betas_column = torch.tensor(betas, dtype=torch.float32, device=device)[:, None]
 
         def table(members, *extra_rows):
-            columns = [[t[i].data_ptr() for i in members] for t in (masters, grads, exp_avgs, exp_avg_sqs, outs)]
+            columns = [
+                [t[i].data_ptr() for i in members]
+                for t in (masters, grads, exp_avgs, exp_avg_sqs, outs)
+            ]
             columns += [[int(decayed[i]) for i in members], members, *extra_rows]
             return torch.tensor(columns, dtype=torch.int64).to(device)
 
@@ -250,21 +348,44 @@ class MultiTensorAdamW:
         for dtype in dict.fromkeys(outs[i].dtype for i in plain):
             members = [i for i in plain if outs[i].dtype == dtype]
             chunks, programs = chunk_table([-(-masters[i].numel() // CHUNK) for i in members])
-            self.launches.append((_adamw_kernel, dict(OUT_DTYPE=_triton_dtype(dtype), BLOCK=BLOCK, CHUNK=CHUNK),
-                                  table(members, [masters[i].numel() for i in members]), chunks, programs))
+            self.launches.append(
+                (
+                    _adamw_kernel,
+                    dict(OUT_DTYPE=_triton_dtype(dtype), BLOCK=BLOCK, CHUNK=CHUNK),
+                    table(members, [masters[i].numel() for i in members]),
+                    chunks,
+                    programs,
+                )
+            )
         cast = [i for i in range(len(masters)) if casts[i] is not None]
         for dtypes in dict.fromkeys((outs[i].dtype, casts[i].data.dtype) for i in cast):
             members = [i for i in cast if (outs[i].dtype, casts[i].data.dtype) == dtypes]
             shapes = [casts[i].data.shape for i in members]
             tiles = [-(-rows // TILE_ROWS) * -(-cols // TILE_COLS) for rows, cols in shapes]
             chunks, programs = chunk_table([-(-n // TILES) for n in tiles])
-            addresses = zip(*([t.data_ptr() for t in casts[i]] for i in members))  # a row per WeightCast field
-            self.launches.append((
-                _adamw_cast_kernel,
-                dict(OUT_DTYPE=_triton_dtype(dtypes[0]), FP8_DTYPE=_triton_dtype(dtypes[1]), TILE_ROWS=TILE_ROWS,
-                     TILE_COLS=TILE_COLS, TILES=TILES),
-                table(members, [rows for rows, _ in shapes], [cols for _, cols in shapes], *addresses),
-                chunks, programs))
+            addresses = zip(
+                *([t.data_ptr() for t in casts[i]] for i in members)
+            )  # a row per WeightCast field
+            self.launches.append(
+                (
+                    _adamw_cast_kernel,
+                    dict(
+                        OUT_DTYPE=_triton_dtype(dtypes[0]),
+                        FP8_DTYPE=_triton_dtype(dtypes[1]),
+                        TILE_ROWS=TILE_ROWS,
+                        TILE_COLS=TILE_COLS,
+                        TILES=TILES,
+                    ),
+                    table(
+                        members,
+                        [rows for rows, _ in shapes],
+                        [cols for _, cols in shapes],
+                        *addresses,
+                    ),
+                    chunks,
+                    programs,
+                )
+            )
 
     @torch.no_grad()
     def step(self, lr, control):
@@ -274,13 +395,28 @@ class MultiTensorAdamW:
         outputs take the masters' rounding, as after any step, and the casts theirs). The host
         need not know either value, so it need not wait for the gradient norm before launching."""
         self.steps.add_(control[1])
-        powers = torch.pow(self._betas_column, self.steps)  # [beta1^t; beta2^t]: the powf of torch's kernel
+        powers = torch.pow(
+            self._betas_column, self.steps
+        )  # [beta1^t; beta2^t]: the powf of torch's kernel
         if self._amaxes:
             torch._foreach_zero_(self._amaxes)
         for kernel, dtypes, tensors, chunks, programs in self.launches:
             kernel[(programs,)](
-                tensors, chunks, powers, tensors.shape[1], self.count, lr, self.betas[0], self.betas[1],
-                self.eps, self.weight_decay, control, **dtypes, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                tensors,
+                chunks,
+                powers,
+                tensors.shape[1],
+                self.count,
+                lr,
+                self.betas[0],
+                self.betas[1],
+                self.eps,
+                self.weight_decay,
+                control,
+                **dtypes,
+                num_warps=NUM_WARPS,
+                enable_fp_fusion=False,
+            )
         # The kernel writes through addresses, unseen by autograd's version counters: bump them,
         # as an in-place op would, so that whatever caches a function of a weight (the FP8
         # linears' weight casts) sees it changed.
@@ -288,5 +424,10 @@ class MultiTensorAdamW:
 
 
 def _triton_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-            torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
+    return {
+        torch.float32: tl.float32,
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float8_e4m3fn: tl.float8e4nv,
+        torch.float8_e5m2: tl.float8e5,
+    }[dtype]

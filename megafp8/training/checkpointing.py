@@ -30,6 +30,7 @@ What is stored is layout-free, so loading reshards:
   builds that model without being told its shape;
 - each rank's RNG states under its (tp, pp, dp) coordinates, restored when the layout matches.
 """
+
 from __future__ import annotations
 
 import io
@@ -51,12 +52,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megafp8.models.config import TransformerConfig
 from megafp8.collectives import all_gather, group_size, rank_in
+from megafp8.models.config import TransformerConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
 LOCK = "megafp8.lock"
@@ -120,17 +120,23 @@ def latest_checkpoint(load_dir) -> Path | None:
         text = pointer.read_bytes().decode().strip()
         iteration = int(text)
     except UnicodeDecodeError:
-        raise CheckpointError(f"{pointer} should hold an iteration number, not binary data: restore it, or "
-                              "give --load the checkpoint to resume from (a DIR/iter_N folder)") from None
+        raise CheckpointError(
+            f"{pointer} should hold an iteration number, not binary data: restore it, or "
+            "give --load the checkpoint to resume from (a DIR/iter_N folder)"
+        ) from None
     except ValueError:
-        raise CheckpointError(f"{pointer} should hold an iteration number, not {text[:40]!r}") from None
+        raise CheckpointError(
+            f"{pointer} should hold an iteration number, not {text[:40]!r}"
+        ) from None
     except OSError as error:
         raise CheckpointError(f"cannot read {pointer}: {error}") from None
     path = iteration_dir(load_dir, iteration)
     if not _complete(path):
         if _complete(_replaced(path)):  # a save replacing this iteration stopped half-way
             return _replaced(path)
-        raise CheckpointError(f"{pointer} names iteration {iteration}, but {path} is not a complete checkpoint")
+        raise CheckpointError(
+            f"{pointer} names iteration {iteration}, but {path} is not a complete checkpoint"
+        )
     return path
 
 
@@ -141,9 +147,12 @@ def _without_pointer(load_dir: Path) -> Path | None:
     if not saved:
         return None
     last = max(saved, key=lambda i: _saved_at(iteration_dir(load_dir, i)))
-    warnings.warn(f"{load_dir} has no {LATEST} but holds complete checkpoints ({_describe(saved)}): resuming "
-                  f"from iteration {last}, the one saved last; to resume from another, give its folder "
-                  f"as --load ({iteration_dir(load_dir, saved[0])}, ...)", stacklevel=3)
+    warnings.warn(
+        f"{load_dir} has no {LATEST} but holds complete checkpoints ({_describe(saved)}): resuming "
+        f"from iteration {last}, the one saved last; to resume from another, give its folder "
+        f"as --load ({iteration_dir(load_dir, saved[0])}, ...)",
+        stacklevel=3,
+    )
     return iteration_dir(load_dir, last)
 
 
@@ -151,7 +160,7 @@ def saved_iterations(save_dir) -> list[int]:
     """The iterations of the complete checkpoints in `save_dir`, in order."""
     found = set()
     for path in Path(save_dir).glob("iter_*"):
-        number = path.name[len("iter_"):].removesuffix(".old")
+        number = path.name[len("iter_") :].removesuffix(".old")
         if number.isdigit() and _complete(path):
             found.add(int(number))
     return sorted(found)
@@ -209,8 +218,9 @@ def saved_model_config(checkpoint) -> TransformerConfig | None:
     try:
         return TransformerConfig.from_dict(info["model"])
     except (ValueError, TypeError) as error:
-        raise CheckpointError(f"{Path(checkpoint) / 'megafp8.json'}: its \"model\" is not a valid model "
-                              f"config: {error}") from None
+        raise CheckpointError(
+            f'{Path(checkpoint) / "megafp8.json"}: its "model" is not a valid model config: {error}'
+        ) from None
 
 
 def latest_model_config(load) -> tuple[Path, TransformerConfig] | None:
@@ -240,8 +250,10 @@ def check_run_folders(save, load, *, finetune=False, overwrite=False) -> list[in
     --finetune); anything else would write over it and is refused unless `overwrite`."""
     if load is not None and not Path(load).exists():
         if save is None or Path(load).resolve() != Path(save).resolve():
-            raise CheckpointError(f"--load {load}: no such folder. Check the path; a run that starts "
-                                  "from scratch needs no --load")
+            raise CheckpointError(
+                f"--load {load}: no such folder. Check the path; a run that starts "
+                "from scratch needs no --load"
+            )
     if save is None:
         return []
     save_dir = Path(save).resolve()
@@ -253,12 +265,17 @@ def check_run_folders(save, load, *, finetune=False, overwrite=False) -> list[in
         return []
     if overwrite:
         return previous
-    why = ("--finetune starts a new run at iteration 0, which would write over them" if finetune and source
-           else f"this run loads {load}, not them, and would write over them" if source
-           else "this new run would write over them")
+    why = (
+        "--finetune starts a new run at iteration 0, which would write over them"
+        if finetune and source
+        else f"this run loads {load}, not them, and would write over them"
+        if source
+        else "this new run would write over them"
+    )
     raise CheckpointError(
         f"--save {save} already holds checkpoints ({_describe(previous)}); {why}. To resume that run, "
-        f"add --load {save}; to keep it, give another --save folder; to replace it, add --overwrite-save")
+        f"add --load {save}; to keep it, give another --save folder; to replace it, add --overwrite-save"
+    )
 
 
 class SaveFolderLock:
@@ -272,7 +289,7 @@ class SaveFolderLock:
         self._handle = None
         self._made_folder = False
 
-    def acquire(self) -> "SaveFolderLock":
+    def acquire(self) -> SaveFolderLock:
         if self.path is not None:
             _on_writer(self._take, f"--save {self.path.parent}")
         return self
@@ -295,11 +312,15 @@ class SaveFolderLock:
                 handle.close()
                 raise CheckpointError(
                     f"another run is writing to this folder ({holder}); two runs on one folder would interleave "
-                    "their checkpoints. Give this run another --save folder, or stop that run first") from None
+                    "their checkpoints. Give this run another --save folder, or stop that run first"
+                ) from None
             except OSError as error:  # a filesystem without locks (some network mounts)
                 handle.close()
-                warnings.warn(f"cannot lock {self.path} ({error}): nothing stops a second run from writing to "
-                              "this --save folder at the same time", stacklevel=4)
+                warnings.warn(
+                    f"cannot lock {self.path} ({error}): nothing stops a second run from writing to "
+                    "this --save folder at the same time",
+                    stacklevel=4,
+                )
                 return
             # The file may have been removed by the holder releasing it between our open and lock:
             # then we locked a file no one else can see, and must lock the new one.
@@ -312,8 +333,10 @@ class SaveFolderLock:
             handle.close()
         handle.seek(0)
         handle.truncate()
-        handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.write(
+            f"host {socket.gethostname()}, pid {os.getpid()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        )
         handle.flush()
         self._handle = handle
 
@@ -359,7 +382,9 @@ def _delete_checkpoints(save_dir, iterations, flag: str, whose: str = "") -> lis
 def remove_checkpoints(save_dir, iterations, keep: int) -> None:
     """Delete the checkpoints of `iterations` in `save_dir` but `keep` (--overwrite-save, once the
     new run's first checkpoint is in place). Writing rank only; a failure is a warning."""
-    _delete_checkpoints(save_dir, [i for i in iterations if i != keep], "--overwrite-save", " of the earlier run")
+    _delete_checkpoints(
+        save_dir, [i for i in iterations if i != keep], "--overwrite-save", " of the earlier run"
+    )
 
 
 def keep_last_checkpoints(save_dir, keep: int, *, just_saved: int) -> list[int]:
@@ -372,24 +397,31 @@ def keep_last_checkpoints(save_dir, keep: int, *, just_saved: int) -> list[int]:
     if not _is_writer():
         return []
     save_dir = Path(save_dir)
-    newest_first = sorted(saved_iterations(save_dir), key=lambda i: _saved_at(iteration_dir(save_dir, i)),
-                          reverse=True)
+    newest_first = sorted(
+        saved_iterations(save_dir),
+        key=lambda i: _saved_at(iteration_dir(save_dir, i)),
+        reverse=True,
+    )
     kept = set(newest_first[:keep]) | {just_saved}
     pointed = latest_checkpoint(save_dir)
     if pointed is not None:
-        kept.add(int(pointed.name[len("iter_"):].removesuffix(".old")))
+        kept.add(int(pointed.name[len("iter_") :].removesuffix(".old")))
     finite = next((i for i in newest_first if _streak(iteration_dir(save_dir, i)) == 0), None)
     if finite is not None:
         kept.add(finite)
-    return _delete_checkpoints(save_dir, sorted(i for i in newest_first if i not in kept), "--keep-last-checkpoints")
+    return _delete_checkpoints(
+        save_dir, sorted(i for i in newest_first if i not in kept), "--keep-last-checkpoints"
+    )
 
 
 TOKENIZER_DIR = "tokenizer"
 # Each tokenizer type's files, {build_tokenizer argument: file name}, named as Hugging Face
 # folders name them (so such a folder loads as one), in the order Tokenizer.files lists them.
-TOKENIZER_FILES = {"HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
-                   "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
-                   "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"}}
+TOKENIZER_FILES = {
+    "HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
+    "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+    "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
+}
 
 
 def save_tokenizer(save_dir, tokenizer_type, files) -> Path | None:
@@ -417,6 +449,7 @@ def save_tokenizer(save_dir, tokenizer_type, files) -> Path | None:
 
 # -- layout-free views of the local tensors -------------------------------------------------
 
+
 class _Layout:
     """Turns this rank's parameter-shaped tensors into what is stored, and back."""
 
@@ -428,6 +461,7 @@ class _Layout:
     def mesh(self, device):
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
+
             self._mesh = DeviceMesh.from_group(self.tp_group, device.type)
         return self._mesh
 
@@ -436,20 +470,25 @@ class _Layout:
         partition = getattr(param, "partition", None)
         if hasattr(param, "unpadded_rows"):
             full = all_gather(tensor.contiguous(), self.tp_group, dim=0) if self.tp > 1 else tensor
-            return full[:param.unpadded_rows]
+            return full[: param.unpadded_rows]
         if partition is None:
             return tensor
         view = partition.stacked_view(tensor)
         if self.tp == 1:
             return view
         from torch.distributed.tensor import DTensor, Shard
+
         dim = partition.dim + (1 if partition.stack > 1 else 0)
-        return DTensor.from_local(view.contiguous(), self.mesh(tensor.device), [Shard(dim)], run_check=False)
+        return DTensor.from_local(
+            view.contiguous(), self.mesh(tensor.device), [Shard(dim)], run_check=False
+        )
 
     def placeholder(self, param, dtype):
         """An empty tensor shaped like `stored(param, ...)`, for DCP to load into."""
         if hasattr(param, "unpadded_rows"):
-            return torch.empty((param.unpadded_rows, *param.shape[1:]), dtype=dtype, device=param.device)
+            return torch.empty(
+                (param.unpadded_rows, *param.shape[1:]), dtype=dtype, device=param.device
+            )
         return self.stored(param, torch.empty(param.shape, dtype=dtype, device=param.device))
 
     def local(self, param, stored):
@@ -458,8 +497,8 @@ class _Layout:
             rows = param.shape[0]
             start = rank_in(self.tp_group) * rows
             out = torch.zeros(param.shape, dtype=stored.dtype, device=stored.device)
-            piece = stored[start:min(start + rows, param.unpadded_rows)]
-            out[:len(piece)] = piece
+            piece = stored[start : min(start + rows, param.unpadded_rows)]
+            out[: len(piece)] = piece
             return out
         if hasattr(stored, "to_local"):
             stored = stored.to_local()
@@ -476,9 +515,13 @@ def stored_shape(param) -> tuple:
 
 
 def _rng_state():
-    state = {"cpu": torch.get_rng_state(),
-             "numpy": torch.tensor(np.frombuffer(json.dumps(_numpy_state()).encode(), dtype=np.uint8)),
-             "python": torch.tensor(np.frombuffer(json.dumps(random.getstate()).encode(), dtype=np.uint8))}
+    state = {
+        "cpu": torch.get_rng_state(),
+        "numpy": torch.tensor(np.frombuffer(json.dumps(_numpy_state()).encode(), dtype=np.uint8)),
+        "python": torch.tensor(
+            np.frombuffer(json.dumps(random.getstate()).encode(), dtype=np.uint8)
+        ),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -501,19 +544,32 @@ def _set_rng_state(state):
 
 # -- save / load -----------------------------------------------------------------------------
 
+
 def _fp8_state(model):
     """The model's non-parameter state: FP8 scales, amax histories and (as JSON) update counts."""
     params = {n for n, _ in model.named_parameters()}
-    return {k: v if torch.is_tensor(v) else json.dumps(v)
-            for k, v in model.state_dict().items() if k not in params}
+    return {
+        k: v if torch.is_tensor(v) else json.dumps(v)
+        for k, v in model.state_dict().items()
+        if k not in params
+    }
 
 
 def _coordinates(groups):
     return f"tp{groups.tp_rank}_pp{groups.pp_rank}_dp{groups.dp_rank}" if groups else "tp0_pp0_dp0"
 
 
-def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_state: dict, args: dict,
-                    model_config: TransformerConfig):
+def save_checkpoint(
+    save_dir,
+    iteration,
+    model,
+    optimizer,
+    *,
+    groups,
+    train_state: dict,
+    args: dict,
+    model_config: TransformerConfig,
+):
     """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it.
     `model_config` is the config `model` was built from."""
     layout = _Layout(groups.tp_group if groups else None)
@@ -530,20 +586,36 @@ def save_checkpoint(save_dir, iteration, model, optimizer, *, groups, train_stat
         state[f"fp8/{name}"] = value
     for key, value in _rng_state().items():
         state[f"rng/{_coordinates(groups)}/{key}"] = value
-    return write_checkpoint(save_dir, iteration, state, train_state=train_state, args=args,
-                            model_config=model_config)
+    return write_checkpoint(
+        save_dir, iteration, state, train_state=train_state, args=args, model_config=model_config
+    )
 
 
-def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, args: dict,
-                     model_config: TransformerConfig) -> Path:
+def write_checkpoint(
+    save_dir,
+    iteration,
+    state: dict,
+    *,
+    train_state: dict,
+    args: dict,
+    model_config: TransformerConfig,
+) -> Path:
     """Write `state` (a flat dict, keys as above) as `save_dir/iter_<iteration>` and point latest
     at it, so that no moment of the save leaves a half-written checkpoint as the latest or no
     checkpoint at all; megafp8.json records `args`, `train_state` and `model_config`. Collective
     when torch.distributed is initialised; one process (DCP's no_dist mode) otherwise. A failure
     on any rank raises CheckpointError on every rank."""
     state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
-    record = json.dumps({"iteration": iteration, "saved_at": time.time(), "args": args, "train": train_state,
-                         "model": model_config.to_dict()}, indent=1)
+    record = json.dumps(
+        {
+            "iteration": iteration,
+            "saved_at": time.time(),
+            "args": args,
+            "train": train_state,
+            "model": model_config.to_dict(),
+        },
+        indent=1,
+    )
     final = iteration_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
 
@@ -566,15 +638,24 @@ def write_checkpoint(save_dir, iteration, state: dict, *, train_state: dict, arg
     _on_writer(prepare, f"cannot create the checkpoint folder {tmp}")
     try:
         if _distributed():
-            dcp.save(state, checkpoint_id=str(tmp))  # raises on every rank if one rank's write fails
+            dcp.save(
+                state, checkpoint_id=str(tmp)
+            )  # raises on every rank if one rank's write fails
         else:
-            with warnings.catch_warnings():  # DCP warns that there is no process group: none is meant
+            with (
+                warnings.catch_warnings()
+            ):  # DCP warns that there is no process group: none is meant
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        raise CheckpointError(f"writing the checkpoint {tmp} failed: {_failures(error)}; the previous "
-                              "checkpoint, if any, is still the latest") from None
-    _on_writer(publish, f"cannot finish the checkpoint {final} (the previous one, if any, is still the latest)")
+        raise CheckpointError(
+            f"writing the checkpoint {tmp} failed: {_failures(error)}; the previous "
+            "checkpoint, if any, is still the latest"
+        ) from None
+    _on_writer(
+        publish,
+        f"cannot finish the checkpoint {final} (the previous one, if any, is still the latest)",
+    )
     _checksum_in_background(final)
     return final
 
@@ -588,8 +669,10 @@ def _file_checksum(path: Path, piece: int = _PIECE) -> dict:
     """{"bytes", "crc32": [one per piece]} of a file; zlib releases the GIL while it hashes."""
     size = path.stat().st_size
     with open(path, "rb") as f:
+
         def crc(offset):
             return zlib.crc32(os.pread(f.fileno(), piece, offset))
+
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
             pieces = list(pool.map(crc, range(0, size, piece)))
     return {"bytes": size, "crc32": pieces}
@@ -614,8 +697,10 @@ def _checksum_in_background(checkpoint: Path) -> None:
         try:
             files = {name: _file_checksum(checkpoint / name) for name in names}
             (checkpoint / CHECKSUMS).mkdir(exist_ok=True)
-            _write_durably(checkpoint / CHECKSUMS / f"rank_{rank:05d}.json",
-                           json.dumps({"algorithm": "crc32", "piece_bytes": _PIECE, "files": files}))
+            _write_durably(
+                checkpoint / CHECKSUMS / f"rank_{rank:05d}.json",
+                json.dumps({"algorithm": "crc32", "piece_bytes": _PIECE, "files": files}),
+            )
         except OSError:  # the checkpoint was deleted or replaced meanwhile (rotation)
             pass
 
@@ -650,10 +735,15 @@ def verify_checkpoint(checkpoint) -> None:
             if piece <= 0:
                 raise ValueError(f"piece_bytes {piece}")
             for name, entry in dict(record["files"]).items():
-                files[name] = ({"bytes": int(entry["bytes"]), "crc32": [int(c) for c in entry["crc32"]]}, piece)
+                files[name] = (
+                    {"bytes": int(entry["bytes"]), "crc32": [int(c) for c in entry["crc32"]]},
+                    piece,
+                )
         except (ValueError, KeyError, TypeError, OSError) as error:
-            raise CheckpointError(f"{record_path} is not a readable checksum record ({error}); if the checkpoint "
-                                  f"itself is sound, delete that file to load it unchecked") from None
+            raise CheckpointError(
+                f"{record_path} is not a readable checksum record ({error}); if the checkpoint "
+                f"itself is sound, delete that file to load it unchecked"
+            ) from None
     rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
     problem = None
     for name in sorted(files)[rank::world]:
@@ -668,13 +758,17 @@ def verify_checkpoint(checkpoint) -> None:
             problem = f"cannot read {path} ({error})"
             break
         if got["bytes"] != want["bytes"]:
-            problem = (f"{path} is {got['bytes']:,} bytes where the save wrote {want['bytes']:,}: it was truncated "
-                       "or replaced")
+            problem = (
+                f"{path} is {got['bytes']:,} bytes where the save wrote {want['bytes']:,}: it was truncated "
+                "or replaced"
+            )
             break
         bad = next((k for k, (a, b) in enumerate(zip(got["crc32"], want["crc32"])) if a != b), None)
         if bad is not None:
-            problem = (f"{path} is damaged: bytes {bad * piece:,} to {min((bad + 1) * piece, got['bytes']):,} do not "
-                       "match the checksum written with them (a disk or copy error)")
+            problem = (
+                f"{path} is damaged: bytes {bad * piece:,} to {min((bad + 1) * piece, got['bytes']):,} do not "
+                "match the checksum written with them (a disk or copy error)"
+            )
             break
     problems = [problem]
     if world > 1:
@@ -682,8 +776,10 @@ def verify_checkpoint(checkpoint) -> None:
         dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
-        raise CheckpointError(f"{first}; load another checkpoint (--load {checkpoint.parent}/iter_N), or restore "
-                              "this one from a copy")
+        raise CheckpointError(
+            f"{first}; load another checkpoint (--load {checkpoint.parent}/iter_N), or restore "
+            "this one from a copy"
+        )
 
 
 def _failures(error) -> str:
@@ -693,10 +789,14 @@ def _failures(error) -> str:
 
     def line(exc):
         if isinstance(exc, pickle.UnpicklingError):  # weights_only's message is a page long
-            return "an item is a pickled object, not plain data: refused (loading it could run code)"
+            return (
+                "an item is a pickled object, not plain data: refused (loading it could run code)"
+            )
         return f"{type(exc).__name__}: {exc}"
 
-    return "; ".join(f"rank {rank}: {line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
+    return "; ".join(
+        f"rank {rank}: {line(exc)}" for rank, (exc, _) in sorted(error.failures.items())
+    )
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -724,6 +824,7 @@ def _sync_directory(path: Path) -> None:
 
 # -- loading without running code from the checkpoint ----------------------------------------
 
+
 def _metadata_global(module: str, name: str):
     """The global a DCP .metadata may name, or None: DCP's record classes, torch sizes, dtypes
     and layouts, and paths. Anything else would be a call the file asks us to make."""
@@ -740,10 +841,17 @@ def _metadata_global(module: str, name: str):
         return value if value is torch.Size or isinstance(value, torch.dtype) else None
     if (module, name) == ("torch.serialization", "_get_layout"):
         return torch.serialization._get_layout
-    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+    if module == "pathlib" and name in (
+        "Path",
+        "PosixPath",
+        "WindowsPath",
+        "PurePosixPath",
+        "PureWindowsPath",
+    ):
         return getattr(pathlib, name)
     if (module, name) == ("collections", "OrderedDict"):
         import collections
+
         return collections.OrderedDict
     return None
 
@@ -752,8 +860,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         value = _metadata_global(module, name)
         if value is None:
-            raise CheckpointError(f"its .metadata asks to load {module}.{name}, which is not part of a "
-                                  "torch.distributed.checkpoint: refused (loading it could run code)")
+            raise CheckpointError(
+                f"its .metadata asks to load {module}.{name}, which is not part of a "
+                "torch.distributed.checkpoint: refused (loading it could run code)"
+            )
         return value
 
 
@@ -773,7 +883,9 @@ class CheckpointReader(dcp.FileSystemReader):
         for info in (metadata.storage_data or {}).values():
             name = str(getattr(info, "relative_path", ""))
             if not _own_file_name(name):  # DCP joins it to the folder and reads it
-                raise CheckpointError(f"{path} points at {name!r}, outside the checkpoint's folder: refused")
+                raise CheckpointError(
+                    f"{path} points at {name!r}, outside the checkpoint's folder: refused"
+                )
         return metadata
 
 
@@ -795,7 +907,11 @@ def read_state(state: dict, checkpoint) -> None:
     CheckpointReader), running no code from it. Collective when torch.distributed is initialised."""
     if any(isinstance(value, dict) for value in state.values()):
         raise ValueError("read_state takes a flat state dict (no nested dicts)")
-    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(str(checkpoint))
+    reader = (
+        checkpoint
+        if isinstance(checkpoint, CheckpointReader)
+        else CheckpointReader(str(checkpoint))
+    )
     verify_checkpoint(reader.path)
     try:
         if _distributed():
@@ -820,13 +936,17 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
 
     def expect(key, placeholder):
         if key not in metadata:
-            raise CheckpointError(f"{checkpoint} has no {key!r}: it was saved from another model "
-                                  "(different architecture or layer count)")
+            raise CheckpointError(
+                f"{checkpoint} has no {key!r}: it was saved from another model "
+                "(different architecture or layer count)"
+            )
         saved = tuple(getattr(metadata[key], "size", ()))
         want = tuple(placeholder.shape)
         if saved != want:
-            raise CheckpointError(f"{checkpoint}: {key} has shape {list(saved)} there but "
-                                  f"{list(want)} in this model: the model shapes differ")
+            raise CheckpointError(
+                f"{checkpoint}: {key} has shape {list(saved)} there but "
+                f"{list(want)} in this model: the model shapes differ"
+            )
         return placeholder
 
     state = {}
@@ -836,14 +956,18 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
     if with_optimizer:
         for name, param in params:
             for key in OPTIMIZER_KEYS:
-                state[f"optimizer/{name}/{key}"] = expect(f"optimizer/{name}/{key}",
-                                                          layout.placeholder(param, torch.float32))
+                state[f"optimizer/{name}/{key}"] = expect(
+                    f"optimizer/{name}/{key}", layout.placeholder(param, torch.float32)
+                )
         state["optimizer/step"] = 0
     for name, value in _fp8_state(model).items():
         key = f"fp8/{name}"
         if key in metadata:
-            state[key] = (torch.empty(tuple(metadata[key].size), dtype=value.dtype, device=value.device)
-                          if torch.is_tensor(value) else value)
+            state[key] = (
+                torch.empty(tuple(metadata[key].size), dtype=value.dtype, device=value.device)
+                if torch.is_tensor(value)
+                else value
+            )
     state["train"] = "{}"
     rng_prefix = f"rng/{_coordinates(groups)}/"
     rng_keys = [k for k in metadata if k.startswith(rng_prefix)] if load_rng else []
@@ -854,22 +978,33 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
     with torch.no_grad():
         for name, param in params:
             param.copy_(layout.local(param, state[f"model/{name}"]))
-    fp8 = {k[len("fp8/"):]: v if torch.is_tensor(v) else json.loads(v)
-           for k, v in state.items() if k.startswith("fp8/")}
+    fp8 = {
+        k[len("fp8/") :]: v if torch.is_tensor(v) else json.loads(v)
+        for k, v in state.items()
+        if k.startswith("fp8/")
+    }
     missing = model.load_state_dict(fp8, strict=False).missing_keys
     param_names = {name for name, _ in params}
     missing = [key for key in missing if key not in param_names]
     if missing:
-        warnings.warn(f"{checkpoint} has no FP8 scaling state for {len(missing)} entries (e.g. "
-                      f"{', '.join(missing[:3])}): they start afresh (initial scales, empty amax "
-                      "history), as in a new run", stacklevel=2)
+        warnings.warn(
+            f"{checkpoint} has no FP8 scaling state for {len(missing)} entries (e.g. "
+            f"{', '.join(missing[:3])}): they start afresh (initial scales, empty amax "
+            "history), as in a new run",
+            stacklevel=2,
+        )
     if optimizer is not None:
         if with_optimizer:
-            states = {name: {key: layout.local(param, state[f"optimizer/{name}/{key}"])
-                             for key in OPTIMIZER_KEYS} for name, param in params}
+            states = {
+                name: {
+                    key: layout.local(param, state[f"optimizer/{name}/{key}"])
+                    for key in OPTIMIZER_KEYS
+                }
+                for name, param in params
+            }
             optimizer.load_checkpoint_state(states, int(state["optimizer/step"]))
         else:
             optimizer.reset_masters_from_params()
     if rng_keys:
-        _set_rng_state({k[len(rng_prefix):]: state[k] for k in rng_keys})
+        _set_rng_state({k[len(rng_prefix) :]: state[k] for k in rng_keys})
     return json.loads(state["train"])

@@ -11,24 +11,26 @@ switch is a record in metrics.jsonl; the state is in the checkpoints, so a resum
 where the straight one would. This class decides; the trainer measures, agrees the numbers over
 all ranks (one broadcast from the last stage, so every rank decides alike) and switches.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 
 class Fp8Sentinel:
     def __init__(self, interval: int, tolerance: float, fallback_iters: int, max_fallbacks: int):
         self.interval, self.tolerance = interval, tolerance
         self.fallback_iters, self.max_fallbacks = fallback_iters, max_fallbacks
-        self.fallback_until: Optional[int] = None  # FP8 comes back at this iteration
-        self.returned_at: Optional[int] = None  # the last return to FP8
+        self.fallback_until: int | None = None  # FP8 comes back at this iteration
+        self.returned_at: int | None = None  # the last return to FP8
         self.fallbacks_in_a_row = 0
         self.disabled = False  # FP8 failed max_fallbacks times in a row: bf16 for good
 
     def fp8_on(self, iteration: int) -> bool:
         """Whether iteration `iteration` (0-based, the one about to run) trains in FP8."""
-        return not self.disabled and (self.fallback_until is None or iteration >= self.fallback_until)
+        return not self.disabled and (
+            self.fallback_until is None or iteration >= self.fallback_until
+        )
 
     def returns_at(self, iteration: int) -> bool:
         """Whether FP8 comes back at this iteration (the caller re-seeds the scales first)."""
@@ -40,8 +42,12 @@ class Fp8Sentinel:
     def due(self, iterations_done: int) -> bool:
         """Whether to check after `iterations_done` iterations: at the interval, while in FP8 (not
         in a fallback, even one whose return is the next iteration: its scales are not re-seeded yet)."""
-        return (bool(self.interval) and iterations_done % self.interval == 0 and not self.disabled
-                and self.fallback_until is None)
+        return (
+            bool(self.interval)
+            and iterations_done % self.interval == 0
+            and not self.disabled
+            and self.fallback_until is None
+        )
 
     def judge(self, iterations_done: int, fp8_loss: float, bf16_loss: float) -> dict:
         """Decide from one check's losses; the record for metrics.jsonl, its "fp8_check" says
@@ -61,8 +67,12 @@ class Fp8Sentinel:
         return {**record, "fp8_check": "fallback", "fp8_fallback_until": self.fallback_until}
 
     def state_dict(self) -> dict:
-        return {"fallback_until": self.fallback_until, "returned_at": self.returned_at,
-                "fallbacks_in_a_row": self.fallbacks_in_a_row, "disabled": self.disabled}
+        return {
+            "fallback_until": self.fallback_until,
+            "returned_at": self.returned_at,
+            "fallbacks_in_a_row": self.fallbacks_in_a_row,
+            "disabled": self.disabled,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.fallback_until, self.returned_at = state["fallback_until"], state["returned_at"]

@@ -5,6 +5,7 @@ until `decay_iters`, and `min_lr` after. `wsd` (warmup-stable-decay) holds `lr` 
 `wsd_decay_iters` of the decay and decays only there; its `exponential` style is geometric
 towards `min_lr` (towards lr / 1000 when min_lr is 0).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,24 @@ class LRSchedule:
         if self.decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style {self.decay_style!r}: one of {DECAY_STYLES}")
         if self.wsd_decay_style not in WSD_DECAY_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style {self.wsd_decay_style!r}: one of {WSD_DECAY_STYLES}")
+            raise ValueError(
+                f"--lr-wsd-decay-style {self.wsd_decay_style!r}: one of {WSD_DECAY_STYLES}"
+            )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must lie in [0, --lr {self.lr}]")
         if self.decay_style != "constant" and self.decay_iters < self.warmup_iters:
-            raise ValueError(f"--lr-decay-iters {self.decay_iters} is shorter than the warmup "
-                             f"({self.warmup_iters} iterations)")
-        if self.decay_style == "wsd" and not 0 < self.wsd_decay_iters <= self.decay_iters - self.warmup_iters:
-            raise ValueError(f"--lr-wsd-decay-iters {self.wsd_decay_iters} must be positive and fit "
-                             f"after the warmup within --lr-decay-iters {self.decay_iters}")
+            raise ValueError(
+                f"--lr-decay-iters {self.decay_iters} is shorter than the warmup "
+                f"({self.warmup_iters} iterations)"
+            )
+        if (
+            self.decay_style == "wsd"
+            and not 0 < self.wsd_decay_iters <= self.decay_iters - self.warmup_iters
+        ):
+            raise ValueError(
+                f"--lr-wsd-decay-iters {self.wsd_decay_iters} must be positive and fit "
+                f"after the warmup within --lr-decay-iters {self.decay_iters}"
+            )
 
     def __call__(self, iteration: int) -> float:
         """The learning rate of step `iteration` (0-based: the first step is 0)."""

@@ -11,6 +11,7 @@ a terminal) and the end-of-run summary.
                                               **memory_stats(device), **fp8_health(model)})  # megafp8.fp8
     ...at the end:      print("\n".join(run_summary(start_iteration=..., end_iteration=..., ...)))
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,6 @@ import time
 import warnings
 from pathlib import Path
 from time import perf_counter
-from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -32,7 +32,9 @@ from megafp8.models import TransformerConfig
 # -- FLOPs ----------------------------------------------------------------------------------
 
 
-def flops_per_token(config: TransformerConfig, seq_length: int, recompute: str = "none", tp_size: int = 1) -> int:
+def flops_per_token(
+    config: TransformerConfig, seq_length: int, recompute: str = "none", tp_size: int = 1
+) -> int:
     """FLOPs of one token's forward and backward through the whole model.
 
     Megatron-LM's / PaLM's count: 2 FLOPs per multiply-add, backward = 2x forward, so
@@ -62,8 +64,13 @@ def flops_per_token(config: TransformerConfig, seq_length: int, recompute: str =
 FP8_LAYER_SPEEDUP = 1.35
 
 
-def output_layer_cost(config: TransformerConfig, seq_length: int, tp_size: int = 1, fp8_layers: bool = False,
-                      fp8_output_layer: bool = False) -> float:
+def output_layer_cost(
+    config: TransformerConfig,
+    seq_length: int,
+    tp_size: int = 1,
+    fp8_layers: bool = False,
+    fp8_output_layer: bool = False,
+) -> float:
     """The output layer's time in layers' worth, estimated from FLOPs as `flops_per_token` counts
     them (its GEMM's over one layer's GEMMs and attention core), times FP8_LAYER_SPEEDUP where the
     layers run FP8 and the output layer does not. The loss beside it is left out."""
@@ -72,7 +79,9 @@ def output_layer_cost(config: TransformerConfig, seq_length: int, tp_size: int =
     return speedup * output_forward / (layer_forward + core_forward)
 
 
-def _forward_flops(config: TransformerConfig, seq_length: int, tp_size: int) -> tuple[int, int, int]:
+def _forward_flops(
+    config: TransformerConfig, seq_length: int, tp_size: int
+) -> tuple[int, int, int]:
     """Forward FLOPs per token of a layer's GEMMs, of its attention core, of the output layer."""
     check_integer("seq_length", seq_length)
     h = config.hidden_size
@@ -81,7 +90,11 @@ def _forward_flops(config: TransformerConfig, seq_length: int, tp_size: int) -> 
     attention_weights = h * (attention_width + 2 * kv_width) + attention_width * h
     mlp_weights = (3 if config.activation == "swiglu" else 2) * h * config.ffn_size
     core_forward = 2 * 2 * seq_length * attention_width  # QK^T, then AV
-    return 2 * (attention_weights + mlp_weights), core_forward, 2 * h * config.padded_vocab_size(tp_size)
+    return (
+        2 * (attention_weights + mlp_weights),
+        core_forward,
+        2 * h * config.padded_vocab_size(tp_size),
+    )
 
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets; the first match wins.
@@ -95,7 +108,7 @@ _PEAK_BF16 = (
 )
 
 
-def peak_bf16_flops_by_name(name: str) -> Optional[float]:
+def peak_bf16_flops_by_name(name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU from its CUDA name ("NVIDIA H100 80GB HBM3"), or None."""
     name = name.lower()
     for key, peak in _PEAK_BF16:
@@ -104,7 +117,7 @@ def peak_bf16_flops_by_name(name: str) -> Optional[float]:
     return None
 
 
-def peak_bf16_flops(device) -> Optional[float]:
+def peak_bf16_flops(device) -> float | None:
     """Dense bf16 peak FLOP/s of `device` (a torch.device, "cuda:0", or a CUDA index), or None
     for the CPU and GPUs not in the table: MFU is then reported as n/a. FP8 runs are measured
     against the bf16 peak too, the usual convention, so FP8 and bf16 runs compare."""
@@ -125,8 +138,14 @@ class Throughput:
     `peak_flops` defaults to `peak_bf16_flops(device)`.
     """
 
-    def __init__(self, flops_per_token: float, world_size: int = 1, device=None,
-                 peak_flops: Optional[float] = None, hardware_flops_per_token: Optional[float] = None):
+    def __init__(
+        self,
+        flops_per_token: float,
+        world_size: int = 1,
+        device=None,
+        peak_flops: float | None = None,
+        hardware_flops_per_token: float | None = None,
+    ):
         self.flops_per_token = flops_per_token
         self.hardware_flops_per_token = hardware_flops_per_token
         self.world_size = world_size
@@ -168,7 +187,9 @@ class Throughput:
             "mfu": flops_per_gpu / self.peak_flops if self.peak_flops else None,
         }
         if self.hardware_flops_per_token is not None:
-            stats["hw_tflops_per_gpu"] = tokens_per_sec * self.hardware_flops_per_token / self.world_size / 1e12
+            stats["hw_tflops_per_gpu"] = (
+                tokens_per_sec * self.hardware_flops_per_token / self.world_size / 1e12
+            )
         return stats
 
 
@@ -252,14 +273,27 @@ class MetricsLogger:
     Only the logging rank (`rank_is_logger`) writes anything.
     """
 
-    def __init__(self, run_dir, tensorboard_dir=None, rank_is_logger: bool = True, stream=None,
-                 total_iterations: Optional[int] = None, start_iteration: int = 0, device=None,
-                 log_throughput: bool = False, wandb_project: Optional[str] = None,
-                 wandb_exp_name: Optional[str] = None, wandb_dir=None, wandb_config: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir,
+        tensorboard_dir=None,
+        rank_is_logger: bool = True,
+        stream=None,
+        total_iterations: int | None = None,
+        start_iteration: int = 0,
+        device=None,
+        log_throughput: bool = False,
+        wandb_project: str | None = None,
+        wandb_exp_name: str | None = None,
+        wandb_dir=None,
+        wandb_config: dict | None = None,
+    ):
         if start_iteration < 0:
             raise ValueError(f"start_iteration must be >= 0, got {start_iteration}")
         self.rank_is_logger = self.enabled = rank_is_logger
-        self.stream = stream if stream is not None else sys.stdout  # now: a redirection since import counts
+        self.stream = (
+            stream if stream is not None else sys.stdout
+        )  # now: a redirection since import counts
         self.total_iterations = total_iterations
         self.log_throughput = log_throughput
         self.on_gpu = device is not None and torch.device(device).type == "cuda"
@@ -284,14 +318,17 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                self._print("tensorboard is not installed: metrics go to stdout and metrics.jsonl only")
+                self._print(
+                    "tensorboard is not installed: metrics go to stdout and metrics.jsonl only"
+                )
             else:
                 self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
         if wandb is not None:
             wandb_dir = Path(wandb_dir) if wandb_dir is not None else run_dir / "wandb"
             wandb_dir.mkdir(parents=True, exist_ok=True)
-            self._wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, dir=str(wandb_dir),
-                                         config=wandb_config)
+            self._wandb_run = wandb.init(
+                project=wandb_project, name=wandb_exp_name, dir=str(wandb_dir), config=wandb_config
+            )
         self._terminal = _isatty(self.stream)
 
     # -- metrics.jsonl holds one run -------------------------------------------------------------
@@ -339,8 +376,10 @@ class MetricsLogger:
             message = f"{path}: dropped {dropped} records logged after iteration {iteration}"
             if unreadable:
                 message += f" and {unreadable} unreadable lines"
-            self._print(message + f" (this run resumes from the checkpoint at iteration {iteration} "
-                                  "and logs the later ones again)")
+            self._print(
+                message + f" (this run resumes from the checkpoint at iteration {iteration} "
+                "and logs the later ones again)"
+            )
 
     # -- output --------------------------------------------------------------------------------
 
@@ -361,8 +400,13 @@ class MetricsLogger:
         if not self._terminal:
             return
         if self._bar is None:  # started at the first step seen, so a resumed run's rate is right
-            self._bar = tqdm(total=self.total_iterations, initial=step, unit="it", file=self.stream,
-                             **_bar_size(self.stream))
+            self._bar = tqdm(
+                total=self.total_iterations,
+                initial=step,
+                unit="it",
+                file=self.stream,
+                **_bar_size(self.stream),
+            )
         elif step > self._bar.n:
             self._bar.update(step - self._bar.n)
 
@@ -373,10 +417,17 @@ class MetricsLogger:
         self.progress(step)
         self._print(self._line(step, record))
         # default=str: an odd value in a record must not stop the training run.
-        line = json.dumps(_json_safe({"iteration": step, "time": time.time(), **record}), default=str)
+        line = json.dumps(
+            _json_safe({"iteration": step, "time": time.time(), **record}), default=str
+        )
         self._append(line)
-        scalars = {key: value for key, value in record.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration"}
+        scalars = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and key != "iteration"
+        }
         if self._writer is not None:
             for key, value in scalars.items():
                 self._writer.add_scalar(key, value, step)
@@ -393,26 +444,35 @@ class MetricsLogger:
             self._write_failed = False
         except OSError as error:
             if not self._write_failed:
-                warnings.warn(f"cannot write {self.metrics_path} ({error.strerror or error}): the run goes on, and "
-                              "records made meanwhile may be missing from it", stacklevel=3)
+                warnings.warn(
+                    f"cannot write {self.metrics_path} ({error.strerror or error}): the run goes on, and "
+                    "records made meanwhile may be missing from it",
+                    stacklevel=3,
+                )
             self._write_failed = True
 
     def _printed(self, key: str) -> bool:
-        return ((key not in _GPU_FIELDS or self.on_gpu)
-                and (key not in _THROUGHPUT_FIELDS or self.log_throughput))
+        return (key not in _GPU_FIELDS or self.on_gpu) and (
+            key not in _THROUGHPUT_FIELDS or self.log_throughput
+        )
 
     def _line(self, step: int, record: dict) -> str:
         """What a person reads of `record`: one short line; the FP8 health and the skipped
         iterations on a second one, indented under the first's iteration, when there are any."""
         total = record.get("train_iters", self.total_iterations)
         stamp = f"[{time.strftime('%H:%M:%S')}] "
-        first = [stamp + (f"iteration {step:{len(str(total))}d}/{total}" if total else f"iteration {step}")]
+        first = [
+            stamp
+            + (f"iteration {step:{len(str(total))}d}/{total}" if total else f"iteration {step}")
+        ]
         for key, label, spec in _LINE_FIELDS:
             if key not in record or not self._printed(key):
                 continue
             value = record[key]
             if key == "mfu":
-                first.append(f"MFU: {100 * value:.1f}%" if isinstance(value, (int, float)) else "MFU: n/a")
+                first.append(
+                    f"MFU: {100 * value:.1f}%" if isinstance(value, (int, float)) else "MFU: n/a"
+                )
             else:
                 first.append(f"{label}: {_format(value, spec)}")
         known = {key for key, _, _ in _LINE_FIELDS} | _SECOND_LINE | _NOT_PRINTED
@@ -421,8 +481,14 @@ class MetricsLogger:
                 first.append(f"{key}: {_format(value, '{:.6g}')}")
         second = []
         if record.get("fp8_scale_min") is not None:  # None: no FP8 layer in this run
-            second.append(f"fp8 scale: [{record['fp8_scale_min']:.3g}, {record['fp8_scale_max']:.3g}]")
-            second += [f"{label}: {_format(record[key], '{:.2e}')}" for key, label in _FP8_FIELDS if key in record]
+            second.append(
+                f"fp8 scale: [{record['fp8_scale_min']:.3g}, {record['fp8_scale_max']:.3g}]"
+            )
+            second += [
+                f"{label}: {_format(record[key], '{:.2e}')}"
+                for key, label in _FP8_FIELDS
+                if key in record
+            ]
         if record.get("skipped_steps"):
             second.append(f"skipped iterations: {record['skipped_steps']}")
         line = " | ".join(first)
@@ -434,7 +500,10 @@ class MetricsLogger:
                 try:
                     handle.close()
                 except OSError as error:  # the last records could not be flushed
-                    warnings.warn(f"cannot write {self.metrics_path} ({error.strerror or error})", stacklevel=2)
+                    warnings.warn(
+                        f"cannot write {self.metrics_path} ({error.strerror or error})",
+                        stacklevel=2,
+                    )
         if self._wandb_run is not None:
             self._wandb_run.finish()
         self._file = self._writer = self._bar = self._wandb_run = None
@@ -451,8 +520,10 @@ def _import_wandb():
     try:
         import wandb
     except ImportError:
-        raise MetricsError("--wandb-project needs the wandb package, which is not installed: "
-                           "pip install wandb, or drop --wandb-project") from None
+        raise MetricsError(
+            "--wandb-project needs the wandb package, which is not installed: "
+            "pip install wandb, or drop --wandb-project"
+        ) from None
     return wandb
 
 
@@ -466,9 +537,17 @@ def _bar_size(stream) -> dict:
     tqdm would draw nothing at all."""
     try:
         size = os.get_terminal_size(stream.fileno())
-    except (AttributeError, OSError, ValueError):  # no file descriptor (io.UnsupportedOperation is an OSError)
+    except (
+        AttributeError,
+        OSError,
+        ValueError,
+    ):  # no file descriptor (io.UnsupportedOperation is an OSError)
         return {"dynamic_ncols": True}
-    return {"dynamic_ncols": True} if size.columns > 0 and size.lines > 0 else {"ncols": 80, "nrows": 24}
+    return (
+        {"dynamic_ncols": True}
+        if size.columns > 0 and size.lines > 0
+        else {"ncols": 80, "nrows": 24}
+    )
 
 
 def _plain(value):
@@ -507,9 +586,18 @@ def _format(value, spec) -> str:
 # -- the end of a run -------------------------------------------------------------------------
 
 
-def run_summary(*, start_iteration: int, end_iteration: int, wall_time_s: float, tokens: int,
-                first_loss: Optional[float] = None, last_loss: Optional[float] = None,
-                valid_loss: Optional[float] = None, checkpoint=None, metrics_path=None) -> list[str]:
+def run_summary(
+    *,
+    start_iteration: int,
+    end_iteration: int,
+    wall_time_s: float,
+    tokens: int,
+    first_loss: float | None = None,
+    last_loss: float | None = None,
+    valid_loss: float | None = None,
+    checkpoint=None,
+    metrics_path=None,
+) -> list[str]:
     """The lines to print when a run ends: the iterations this run made (`start_iteration` is
     where it began: 0, or the checkpoint it resumed from), its wall time and average tokens/s
     over it (`tokens` trained in this run; evaluation and checkpoints count in the time), the
@@ -523,15 +611,22 @@ def run_summary(*, start_iteration: int, end_iteration: int, wall_time_s: float,
         lines.append(f"  iterations: none run (the run was already at iteration {end_iteration})")
     lines.append(f"  wall time: {_duration(wall_time_s)}")
     if ran > 0 and wall_time_s > 0:
-        lines.append(f"  average throughput: {tokens / wall_time_s:.0f} tokens/s "
-                     "(over the wall time, evaluation and checkpoints included)")
+        lines.append(
+            f"  average throughput: {tokens / wall_time_s:.0f} tokens/s "
+            "(over the wall time, evaluation and checkpoints included)"
+        )
     if first_loss is not None and last_loss is not None:
-        lines.append(f"  lm loss: {first_loss:.4f} at iteration {start_iteration + 1}, "
-                     f"{last_loss:.4f} at iteration {end_iteration}")
+        lines.append(
+            f"  lm loss: {first_loss:.4f} at iteration {start_iteration + 1}, "
+            f"{last_loss:.4f} at iteration {end_iteration}"
+        )
     if valid_loss is not None:
         lines.append(f"  validation loss: {valid_loss:.4f} (last evaluation)")
-    lines.append(f"  checkpoint: {checkpoint}" if checkpoint is not None
-                 else "  checkpoint: none saved (--save DIR keeps one)")
+    lines.append(
+        f"  checkpoint: {checkpoint}"
+        if checkpoint is not None
+        else "  checkpoint: none saved (--save DIR keeps one)"
+    )
     if metrics_path is not None:
         lines.append(f"  metrics: {metrics_path}")
     return lines

@@ -17,6 +17,7 @@ give; and, for the FP8 linears it is given whose weights it updates whole, the F
 new weight that their next forward would otherwise make (delayed scaling: the scale is known).
 On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,25 +81,45 @@ class MixedPrecisionAdamW:
     from step to step (`keep_weight_cast_addresses`).
     """
 
-    def __init__(self, named_params, buffer: GradientBuffer, *, lr, weight_decay=0.01,
-                 betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0, model_parallel_group=None,
-                 tp_group=None, dp_group=None, distributed=False, overlap_param_gather=False, fused=None,
-                 fp8_linears=()):
+    def __init__(
+        self,
+        named_params,
+        buffer: GradientBuffer,
+        *,
+        lr,
+        weight_decay=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        clip_grad=1.0,
+        model_parallel_group=None,
+        tp_group=None,
+        dp_group=None,
+        distributed=False,
+        overlap_param_gather=False,
+        fused=None,
+        fp8_linears=(),
+    ):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = {p: n for n, p in named_params}
         self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
         self.model_parallel_group, self.dp_group = model_parallel_group, dp_group
         if distributed and not buffer.shard:
-            raise ValueError("the distributed optimizer needs a GradientBuffer built with shard=True")
+            raise ValueError(
+                "the distributed optimizer needs a GradientBuffer built with shard=True"
+            )
         if overlap_param_gather and not distributed:
-            raise ValueError("overlap_param_gather overlaps the distributed optimizer's parameter all-gather: "
-                             "it needs distributed=True")
+            raise ValueError(
+                "overlap_param_gather overlaps the distributed optimizer's parameter all-gather: "
+                "it needs distributed=True"
+            )
         self.overlap_param_gather = overlap_param_gather
         self._pending_gathers = {}  # bucket -> (all-gather handle, gathered elements): not copied yet
         tp_rank = rank_in(tp_group)
         # (param, start, end, master): the flattened element range of param this rank updates.
         self.shards = []
-        ranges = buffer.owned_ranges() if distributed else [(p, 0, p.numel()) for _, p in named_params]
+        ranges = (
+            buffer.owned_ranges() if distributed else [(p, 0, p.numel()) for _, p in named_params]
+        )
         groups = {True: [], False: []}
         for param, start, end in ranges:
             master = param.detach().reshape(-1)[start:end].float().clone()
@@ -106,10 +127,14 @@ class MixedPrecisionAdamW:
             self.shards.append((param, start, end, master))
             groups[no_weight_decay(self.names[param], param)].append(master)
         # Per master, for the fused pass: torch skips the decay where the group's is 0.
-        self._decayed = [weight_decay != 0 and not no_weight_decay(self.names[p], p) for p, *_ in self.shards]
+        self._decayed = [
+            weight_decay != 0 and not no_weight_decay(self.names[p], p) for p, *_ in self.shards
+        ]
         self.norm_mask = [counts_towards_norm(p, tp_rank) for p, *_ in self.shards]
-        param_groups = [{"params": groups[False], "weight_decay": weight_decay},
-                        {"params": groups[True], "weight_decay": 0.0}]
+        param_groups = [
+            {"params": groups[False], "weight_decay": weight_decay},
+            {"params": groups[True], "weight_decay": 0.0},
+        ]
         param_groups = [g for g in param_groups if g["params"]]
         device = named_params[0][1].device
         torch_kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -122,21 +147,30 @@ class MixedPrecisionAdamW:
             self._gather_inputs = {}
             for bucket in buffer.buckets:
                 mine = buffer.owned_slice(bucket)
-                self._gather_inputs[bucket] = torch.zeros(mine.stop - mine.start, dtype=bucket.params[0].dtype,
-                                                          device=device)
-            self._outs = [self._gather_input_of(param, start, end) for param, start, end, _ in self.shards]
+                self._gather_inputs[bucket] = torch.zeros(
+                    mine.stop - mine.start, dtype=bucket.params[0].dtype, device=device
+                )
+            self._outs = [
+                self._gather_input_of(param, start, end) for param, start, end, _ in self.shards
+            ]
             self._out_sources = [master for *_, master in self.shards]
         else:
             self._outs = [param for param, *_ in self.shards]
             self._out_sources = [master.view_as(param) for param, _, _, master in self.shards]
         fusable = adamw_kernel.available(device) and all(p.is_contiguous() for _, p in named_params)
         if fused and not fusable:
-            raise ValueError("fused=True needs triton and contiguous parameters on CUDA "
-                             "(or Triton's interpreter, TRITON_INTERPRET=1)")
+            raise ValueError(
+                "fused=True needs triton and contiguous parameters on CUDA "
+                "(or Triton's interpreter, TRITON_INTERPRET=1)"
+            )
         self.fused = (fusable and device.type == "cuda") if fused is None else fused
         self._fused_pass = None  # built at the first fused step, again after the state is replaced
         # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it.
-        linear_of = {id(linear.weight): linear for linear in fp8_linears} if self.fused and not distributed else {}
+        linear_of = (
+            {id(linear.weight): linear for linear in fp8_linears}
+            if self.fused and not distributed
+            else {}
+        )
         self._cast_linears = [linear_of.get(id(param)) for param, *_ in self.shards]
         for linear in filter(None, self._cast_linears):
             linear.keep_weight_cast_addresses = True
@@ -146,7 +180,7 @@ class MixedPrecisionAdamW:
         """The elements [start, end) of flattened `param` in its bucket's all-gather input."""
         bucket = self.buffer.bucket_of[param]
         offset = param.main_grad_offset - bucket.start - self.buffer.owned_slice(bucket).start
-        return self._gather_inputs[bucket][offset + start:offset + end]
+        return self._gather_inputs[bucket][offset + start : offset + end]
 
     def set_lr(self, lr):
         for group in self.optimizer.param_groups:
@@ -159,10 +193,15 @@ class MixedPrecisionAdamW:
 
     def _squared_grad_norm(self) -> torch.Tensor:
         """The model's squared gradient norm, fp64 [1] on the device; nothing waited for."""
-        grads = [m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted]
+        grads = [
+            m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted
+        ]
         device = self.buffer.data.device
-        local = (squared_norms(grads).double().sum()
-                 if grads else torch.zeros((), dtype=torch.float64, device=device))
+        local = (
+            squared_norms(grads).double().sum()
+            if grads
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
         local = local.reshape(1)
         # Owners of disjoint pieces: sum over the model-parallel ranks, and over dp when sharded.
         for group in (self.model_parallel_group, self.dp_group if self.distributed else None):
@@ -184,7 +223,9 @@ class MixedPrecisionAdamW:
         if not math.isfinite(norm):
             return False, norm
         if self.clip_grad and norm > self.clip_grad:
-            torch._foreach_mul_([master.grad for *_, master in self.shards], self.clip_grad / (norm + 1e-6))
+            torch._foreach_mul_(
+                [master.grad for *_, master in self.shards], self.clip_grad / (norm + 1e-6)
+            )
         self.optimizer.step()
         self._copy_masters_to_params()
         self.steps += 1
@@ -192,9 +233,14 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def _fused_step(self):
-        casts = [linear.weight_cast_target() if linear is not None else None for linear in self._cast_linears]
+        casts = [
+            linear.weight_cast_target() if linear is not None else None
+            for linear in self._cast_linears
+        ]
         addresses = [None if cast is None else [t.data_ptr() for t in cast] for cast in casts]
-        if self._fused_pass is None or addresses != self._fused_casts:  # a layer's cast came or went
+        if (
+            self._fused_pass is None or addresses != self._fused_casts
+        ):  # a layer's cast came or went
             self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
         squared = self._squared_grad_norm()
         norm = squared.sqrt()
@@ -202,8 +248,11 @@ class MixedPrecisionAdamW:
         # times clip), rounded to fp32 as its scalar multiply rounds it: the same bits (GPU test).
         coefficient = norm.new_ones(1)
         if self.clip_grad:
-            coefficient = torch.where(norm > self.clip_grad, torch.full_like(norm, self.clip_grad) / (norm + 1e-6),
-                                      coefficient)
+            coefficient = torch.where(
+                norm > self.clip_grad,
+                torch.full_like(norm, self.clip_grad) / (norm + 1e-6),
+                coefficient,
+            )
         control = torch.cat([coefficient, torch.isfinite(norm).double()]).float()
         squared_on_host = squared.to("cpu", non_blocking=True)
         ready = torch.cuda.Event() if squared.is_cuda else None
@@ -231,13 +280,25 @@ class MixedPrecisionAdamW:
             if "step" in state:
                 steps[i] = state["step"]
             else:
-                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(master), torch.zeros_like(master)
+                state["exp_avg"], state["exp_avg_sq"] = (
+                    torch.zeros_like(master),
+                    torch.zeros_like(master),
+                )
             state["step"] = steps[i]
         states = [self.optimizer.state[m] for m in masters]
         return adamw_kernel.MultiTensorAdamW(
-            masters, [m.grad for m in masters], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], steps, [out.detach().view(-1) for out in self._outs],
-            self._decayed, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, casts=casts)
+            masters,
+            [m.grad for m in masters],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            steps,
+            [out.detach().view(-1) for out in self._outs],
+            self._decayed,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            casts=casts,
+        )
 
     @torch.no_grad()
     def _copy_masters_to_params(self):
@@ -256,7 +317,9 @@ class MixedPrecisionAdamW:
         for bucket in reversed(self.buffer.buckets):
             mine = self._gather_inputs[bucket]
             gathered = torch.empty(bucket.end - bucket.start, dtype=mine.dtype, device=mine.device)
-            handle = all_gather_into(gathered, mine, self.dp_group, async_op=self.overlap_param_gather)
+            handle = all_gather_into(
+                gathered, mine, self.dp_group, async_op=self.overlap_param_gather
+            )
             self._pending_gathers[bucket] = (handle, gathered)
             if not self.overlap_param_gather:
                 self._copy_gathered(bucket)
@@ -281,7 +344,10 @@ class MixedPrecisionAdamW:
         handle, gathered = self._pending_gathers.pop(bucket)
         if handle is not None:
             handle.wait()
-        pieces = [gathered[p.main_grad_offset - bucket.start:][:p.numel()].view_as(p) for p in bucket.params]
+        pieces = [
+            gathered[p.main_grad_offset - bucket.start :][: p.numel()].view_as(p)
+            for p in bucket.params
+        ]
         torch._foreach_copy_(bucket.params, pieces)
 
     # -- checkpoints: per-parameter, layout-free state ----------------------------------------
@@ -290,16 +356,27 @@ class MixedPrecisionAdamW:
         """{name: {"master", "exp_avg", "exp_avg_sq"}} as full (local tp shard) fp32 tensors of
         every parameter of this rank (gathered over dp when sharded), plus the step count."""
         if not self.distributed:  # each master is a whole parameter already: no copies
-            return {self.names[param]: {"master": master.view_as(param),
-                                        **{key: self.optimizer.state.get(master, {}).get(
-                                            key, torch.zeros_like(master)).view_as(param)
-                                           for key in ("exp_avg", "exp_avg_sq")}}
-                    for param, _, _, master in self.shards}
+            return {
+                self.names[param]: {
+                    "master": master.view_as(param),
+                    **{
+                        key: self.optimizer.state.get(master, {})
+                        .get(key, torch.zeros_like(master))
+                        .view_as(param)
+                        for key in ("exp_avg", "exp_avg_sq")
+                    },
+                }
+                for param, _, _, master in self.shards
+            }
         device = self.buffer.data.device
         # Every parameter, in one order on every rank (the dp all-reduce below is collective).
-        states = {name: {key: torch.zeros(param.numel(), dtype=torch.float32, device=device)
-                         for key in ("master", "exp_avg", "exp_avg_sq")}
-                  for param, name in self.names.items()}
+        states = {
+            name: {
+                key: torch.zeros(param.numel(), dtype=torch.float32, device=device)
+                for key in ("master", "exp_avg", "exp_avg_sq")
+            }
+            for param, name in self.names.items()
+        }
         for param, start, end, master in self.shards:
             entry, state = states[self.names[param]], self.optimizer.state.get(master, {})
             entry["master"][start:end] = master
@@ -311,7 +388,10 @@ class MixedPrecisionAdamW:
                 for tensor in entry.values():
                     dist.all_reduce(tensor, group=self.dp_group)
         shapes = {self.names[p]: p.shape for p in self.names}
-        return {name: {k: v.view(shapes[name]) for k, v in entry.items()} for name, entry in states.items()}
+        return {
+            name: {k: v.view(shapes[name]) for k, v in entry.items()}
+            for name, entry in states.items()
+        }
 
     def step_count(self) -> int:
         """Optimizer steps applied so far (skipped ones excluded), as Adam's bias correction counts."""
@@ -335,8 +415,11 @@ class MixedPrecisionAdamW:
             master.copy_(entry["master"].reshape(-1)[start:end])
             if step:
                 state = self.optimizer.state[master]
-                state["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                             device=master.device if master.is_cuda else "cpu")
+                state["step"] = torch.tensor(
+                    float(step),
+                    dtype=torch.float32,
+                    device=master.device if master.is_cuda else "cpu",
+                )
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key] = entry[key].reshape(-1)[start:end].to(master.device).clone()
         self._copy_masters_to_params()

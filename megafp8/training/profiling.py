@@ -6,6 +6,7 @@ Chrome/Perfetto trace and a table of the operators and kernels that took the mos
 (CPU time without a GPU) under `<run dir>/profile/`; otherwise the steps are wrapped in a CUDA
 profiler range, for `nsys profile --capture-range=cudaProfilerApi`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -62,10 +63,14 @@ class StepProfiler:
         trace = self.directory / f"{name}.json"
         self._profiler.export_chrome_trace(str(trace))
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = self._profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90)
+        table = self._profiler.key_averages().table(
+            sort_by=sort_by, row_limit=40, max_name_column_width=90
+        )
         steps = max(steps, 1)
-        lines = [f"rank {self.rank}: {steps} steps in {wall:.3f} s ({1000 * wall / steps:.1f} ms per step, "
-                 "profiler overhead included)"]
+        lines = [
+            f"rank {self.rank}: {steps} steps in {wall:.3f} s ({1000 * wall / steps:.1f} ms per step, "
+            "profiler overhead included)"
+        ]
         events = json.loads(trace.read_text())  # tens of MB for a big model: parsed once
         kernels = kernel_time(events)
         if kernels["kernels"]:
@@ -73,16 +78,28 @@ class StepProfiler:
                 f"GPU busy {kernels['busy_ms'] / steps:.1f} ms per step ({100 * kernels['busy_ms'] / (1000 * wall):.0f}% "
                 f"of the wall time): compute kernels {kernels['compute_ms'] / steps:.1f} ms, communication "
                 f"{kernels['communication_ms'] / steps:.1f} ms, of which {kernels['communication_exposed_ms'] / steps:.1f} "
-                "ms with no compute kernel running beside it")
-            lines.append("communication by kind, ms per step (with no compute beside it): " + ", ".join(
-                f"{kind} {totals['ms'] / steps:.1f} ({totals['exposed_ms'] / steps:.1f}) in {totals['count'] / steps:.0f} transfers"
-                for kind, totals in kernels["by_kind"].items()))
-            lines.append("kernel time by category, ms per step: " + ", ".join(
-                f"{category} {ms / steps:.1f}" for category, ms in kernel_categories(events).items()))
+                "ms with no compute kernel running beside it"
+            )
+            lines.append(
+                "communication by kind, ms per step (with no compute beside it): "
+                + ", ".join(
+                    f"{kind} {totals['ms'] / steps:.1f} ({totals['exposed_ms'] / steps:.1f}) in {totals['count'] / steps:.0f} transfers"
+                    for kind, totals in kernels["by_kind"].items()
+                )
+            )
+            lines.append(
+                "kernel time by category, ms per step: "
+                + ", ".join(
+                    f"{category} {ms / steps:.1f}"
+                    for category, ms in kernel_categories(events).items()
+                )
+            )
         summary = self.directory / f"{name}.txt"
         summary.write_text("\n".join(lines) + f"\n{table}\n")
-        print(f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",
-              flush=True)
+        print(
+            f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",
+            flush=True,
+        )
         self._profiler = None
 
     def _sync(self) -> None:
@@ -102,7 +119,11 @@ def communication_kind(event: dict) -> str | None:
         return None
     if "nccl" in name.lower():
         collective = re.search(r"ncclDevKernel_([A-Za-z]+)|ncclKernel_([A-Za-z]+)", name)
-        return next((group for group in collective.groups() if group), "NCCL") if collective else "NCCL"
+        return (
+            next((group for group in collective.groups() if group), "NCCL")
+            if collective
+            else "NCCL"
+        )
     return "symmetric-memory barriers" if "barrier_kernel" in name else None
 
 
@@ -112,9 +133,18 @@ def kernel_time(trace: dict) -> dict:
     with no compute kernel beside it (nothing overlapped), in all and per kind (`by_kind`: count,
     ms, exposed ms). Idle wall time beyond `busy_ms` is time the GPU waited on the host (launches,
     Python) or on another rank."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
-    timed = [(e["ts"], e["ts"] + e["dur"], communication_kind(e), e.get("cat") == "kernel") for e in events]
-    compute = _merged([(start, end) for start, end, kind, kernel in timed if kind is None and kernel])
+    events = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
+    ]
+    timed = [
+        (e["ts"], e["ts"] + e["dur"], communication_kind(e), e.get("cat") == "kernel")
+        for e in events
+    ]
+    compute = _merged(
+        [(start, end) for start, end, kind, kernel in timed if kind is None and kernel]
+    )
     starts = [start for start, _ in compute]
     by_kind: dict = {}
     for start, end, kind, _ in timed:
@@ -125,12 +155,17 @@ def kernel_time(trace: dict) -> dict:
             totals["exposed_ms"] += _length(_minus((start, end), compute, starts)) / 1000
     communication = _merged([(start, end) for start, end, kind, _ in timed if kind is not None])
     exposed = sum(_length(_minus(interval, compute, starts)) for interval in communication)
-    busy = _merged([(start, end) for start, end, kind, kernel in timed if kernel or kind is not None])
-    return {"kernels": sum(kernel for *_, kernel in timed), "busy_ms": _length(busy) / 1000,
-            "compute_ms": _length(compute) / 1000,
-            "communication_ms": sum(totals["ms"] for totals in by_kind.values()),
-            "communication_exposed_ms": exposed / 1000,
-            "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1]["ms"]))}
+    busy = _merged(
+        [(start, end) for start, end, kind, kernel in timed if kernel or kind is not None]
+    )
+    return {
+        "kernels": sum(kernel for *_, kernel in timed),
+        "busy_ms": _length(busy) / 1000,
+        "compute_ms": _length(compute) / 1000,
+        "communication_ms": sum(totals["ms"] for totals in by_kind.values()),
+        "communication_exposed_ms": exposed / 1000,
+        "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1]["ms"])),
+    }
 
 
 # (category, pattern of kernel names), first match wins; names as cuBLAS/cuDNN/Triton/ATen give them.
@@ -158,8 +193,10 @@ def kernel_categories(trace: dict) -> dict:
         if event.get("cat") != "kernel" or "dur" not in event:
             continue
         name = event.get("name", "")
-        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE)),
-                        "other elementwise")
+        category = next(
+            (c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE)),
+            "other elementwise",
+        )
         totals[category] = totals.get(category, 0.0) + event["dur"] / 1000
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
@@ -184,7 +221,7 @@ def _minus(interval, merged, starts=None):
     start, end = interval
     starts = starts if starts is not None else [s for s, _ in merged]
     parts = []
-    for other_start, other_end in merged[max(bisect.bisect_right(starts, start) - 1, 0):]:
+    for other_start, other_end in merged[max(bisect.bisect_right(starts, start) - 1, 0) :]:
         if other_start >= end:
             break
         if other_end <= start:

@@ -5,6 +5,7 @@ pass, reusing the step's weight casts), gradients accumulated in fp32 and reduce
 parallel while the last backward runs, then one optimizer step unless the gradients are not
 finite. Checkpoints, evaluation, metrics and a clean exit on SIGTERM/SIGINT hang off the loop.
 """
+
 from __future__ import annotations
 
 import gc
@@ -23,19 +24,32 @@ import torch
 import torch.distributed as dist
 
 from megafp8 import symmetric_memory
-from megafp8.data import (DatasetBuildError, MockGPTDataset, PretrainingSampler, build_datasets,
-                          build_split_datasets, build_tokenizer, parse_split)
+from megafp8.data import (
+    DatasetBuildError,
+    MockGPTDataset,
+    PretrainingSampler,
+    build_datasets,
+    build_split_datasets,
+    build_tokenizer,
+    parse_split,
+)
 from megafp8.fp8 import Fp8Linear, fp8_autocast, fp8_health
 from megafp8.messages import show_warnings_as_messages
 from megafp8.models.documents import document_layout
 from megafp8.models.transformer import TransformerLM, compile_layers
-from megafp8.parallel import ParallelGroups, PipelineStage, finalize_grads, forward_backward, stage_layers
+from megafp8.parallel import (
+    ParallelGroups,
+    PipelineStage,
+    finalize_grads,
+    forward_backward,
+    stage_layers,
+)
 from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
-from megafp8.training.profiling import StepProfiler
-from megafp8.training.lr_schedule import LRSchedule
 from megafp8.training.fp8_sentinel import Fp8Sentinel
+from megafp8.training.lr_schedule import LRSchedule
 from megafp8.training.optimizer import MixedPrecisionAdamW
+from megafp8.training.profiling import StepProfiler
 
 
 class NonFiniteError(RuntimeError):
@@ -46,8 +60,13 @@ def _init_single_process(timeout: timedelta):
     """A one-process group for a plain `python -m megafp8.train` (no torchrun environment)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                            rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timeout,
+    )
 
 
 def _loader_worker_init(worker_id):
@@ -83,56 +102,103 @@ class _ExitSignal:
 
 
 def _lr_schedule(args) -> LRSchedule:
-    return LRSchedule(lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                      decay_iters=args.lr_decay_iters or args.train_iters, decay_style=args.lr_decay_style,
-                      wsd_decay_iters=args.lr_wsd_decay_iters or 0, wsd_decay_style=args.lr_wsd_decay_style)
+    return LRSchedule(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup_iters=args.lr_warmup_iters,
+        decay_iters=args.lr_decay_iters or args.train_iters,
+        decay_style=args.lr_decay_style,
+        wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+        wsd_decay_style=args.lr_wsd_decay_style,
+    )
 
 
 class Trainer:
     def __init__(self, args, groups: ParallelGroups):
         self.args, self.groups = args, groups
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                       else torch.device("cpu"))
-        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # on the last stage, which has the loss
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.is_logger = (
+            dist.get_rank() == dist.get_world_size() - 1
+        )  # on the last stage, which has the loss
         # Before anything is built: a typo in --load, or a --save that would write over another run.
-        self.replaced_run = checkpointing.check_run_folders(args.save, args.load, finetune=args.finetune,
-                                                            overwrite=args.overwrite_save)
-        self.tokenizer = (build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                          args.merge_file, args.vocab_size, args.eod_token)
-                          if args.tokenizer_type else None)
+        self.replaced_run = checkpointing.check_run_folders(
+            args.save, args.load, finetune=args.finetune, overwrite=args.overwrite_save
+        )
+        self.tokenizer = (
+            build_tokenizer(
+                args.tokenizer_type,
+                args.tokenizer_model,
+                args.vocab_file,
+                args.merge_file,
+                args.vocab_size,
+                args.eod_token,
+            )
+            if args.tokenizer_type
+            else None
+        )
         vocab_size = self.tokenizer.vocab_size if self.tokenizer else args.vocab_size
         self.eod = self.tokenizer.eod if self.tokenizer else vocab_size - 1
         # The model --load's checkpoint recorded is this run's model (None: no checkpoint there
         # yet, or one from before megafp8.json recorded the model: the flags describe it).
         checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
         if saved is not None and saved.vocab_size != vocab_size:
-            source = (f"the tokenizer ({args.tokenizer_type}) has {vocab_size} tokens" if self.tokenizer
-                      else f"--vocab-size is {vocab_size}")
+            source = (
+                f"the tokenizer ({args.tokenizer_type}) has {vocab_size} tokens"
+                if self.tokenizer
+                else f"--vocab-size is {vocab_size}"
+            )
             raise checkpointing.CheckpointError(
                 f"{source}, but the model in {checkpoint} has a vocabulary of {saved.vocab_size}: give the "
-                "tokenizer it was trained with (its --save folder keeps a copy in tokenizer/)")
+                "tokenizer it was trained with (its --save folder keeps a copy in tokenizer/)"
+            )
         self.config = arguments.model_config(args, vocab_size, saved)
-        if args.enable_cuda_graph and args.recompute_granularity and (
-                self.config.hidden_dropout or self.config.attention_dropout):
+        if (
+            args.enable_cuda_graph
+            and args.recompute_granularity
+            and (self.config.hidden_dropout or self.config.attention_dropout)
+        ):
             raise arguments.ArgumentsError(
                 "--enable-cuda-graph with --recompute-granularity needs the model without dropout (a captured "
                 "recomputation cannot replay the forward's random mask): give --hidden-dropout 0 "
-                "--attention-dropout 0, or leave one of the two flags out")
+                "--attention-dropout 0, or leave one of the two flags out"
+            )
         self.recipe = arguments.fp8_recipe(args)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.tp_comm_transport = _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
+        self.tp_comm_transport = (
+            _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
+        )
         vpp = args.virtual_pipeline_model_parallel_size or 1
         if args.balance_pipeline_split:
             self._balance_pipeline_split(vpp)
-        self.chunks = [TransformerLM(
-            self.config, tp_group=groups.tp_group, sequence_parallel=args.sequence_parallel,
-            tp_comm_overlap=args.tp_comm_overlap,
-            layers=span, seed=args.seed, fp8_output_layer=args.fp8_output_layer,
-            first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
-            recompute=args.recompute_granularity or "none", recompute_method=args.recompute_method or "uniform",
-            recompute_num_layers=args.recompute_num_layers or 1, dtype=self.dtype, device=self.device)
-            for span in stage_layers(self.config.num_layers, groups.pp_size, groups.pp_rank, vpp,
-                                     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)]
+        self.chunks = [
+            TransformerLM(
+                self.config,
+                tp_group=groups.tp_group,
+                sequence_parallel=args.sequence_parallel,
+                tp_comm_overlap=args.tp_comm_overlap,
+                layers=span,
+                seed=args.seed,
+                fp8_output_layer=args.fp8_output_layer,
+                first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
+                recompute=args.recompute_granularity or "none",
+                recompute_method=args.recompute_method or "uniform",
+                recompute_num_layers=args.recompute_num_layers or 1,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for span in stage_layers(
+                self.config.num_layers,
+                groups.pp_size,
+                groups.pp_rank,
+                vpp,
+                args.decoder_first_pipeline_num_layers,
+                args.decoder_last_pipeline_num_layers,
+            )
+        ]
         if args.torch_compile:
             for chunk in self.chunks:
                 compile_layers(chunk)
@@ -141,24 +207,43 @@ class Trainer:
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
         # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
-        self.buffer = GradientBuffer(self.model.parameters(), groups.dp_group, bucket_size=args.ddp_bucket_size,
-                                     shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
-                                     own_bucket=self.model.own_buckets)
+        self.buffer = GradientBuffer(
+            self.model.parameters(),
+            groups.dp_group,
+            bucket_size=args.ddp_bucket_size,
+            shard=args.use_distributed_optimizer,
+            overlap=args.overlap_grad_reduce,
+            own_bucket=self.model.own_buckets,
+        )
         fp8_linears = [module for module in self.model.modules() if isinstance(module, Fp8Linear)]
         for module in fp8_linears:
             module.fuse_wgrad_accumulation = args.gradient_accumulation_fusion
             module.fuse_neighbours = args.fp8_neighbour_fusion
         self.optimizer = MixedPrecisionAdamW(
-            self.model.named_parameters(), self.buffer, lr=args.lr, weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
-            model_parallel_group=groups.model_parallel_group, tp_group=groups.tp_group,
-            dp_group=groups.dp_group, distributed=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather, fp8_linears=fp8_linears if self.recipe is not None else ())
+            self.model.named_parameters(),
+            self.buffer,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            model_parallel_group=groups.model_parallel_group,
+            tp_group=groups.tp_group,
+            dp_group=groups.dp_group,
+            distributed=args.use_distributed_optimizer,
+            overlap_param_gather=args.overlap_param_gather,
+            fp8_linears=fp8_linears if self.recipe is not None else (),
+        )
         if args.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
             for chunk in self.chunks:
                 chunk.params_needed = self.optimizer.wait_for_params
         self.schedule = _lr_schedule(args)
-        self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = 0, 0, 0, 0
+        self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = (
+            0,
+            0,
+            0,
+            0,
+        )
         self.history = []  # (iteration, loss) of every step this process ran
         self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
         self.last_checkpoint = None  # the checkpoint loaded or saved last, for the run summary
@@ -171,15 +256,19 @@ class Trainer:
             if self.valid_data is None:
                 raise arguments.ArgumentsError(
                     "--fp8-check-interval evaluates held-out micro-batches: give validation data (a --split with "
-                    "a validation share, or --valid-data-path)")
-            self.sentinel = Fp8Sentinel(args.fp8_check_interval, args.fp8_check_tolerance, args.fp8_fallback_iters,
-                                        args.fp8_max_fallbacks)
+                    "a validation share, or --valid-data-path)"
+                )
+            self.sentinel = Fp8Sentinel(
+                args.fp8_check_interval,
+                args.fp8_check_tolerance,
+                args.fp8_fallback_iters,
+                args.fp8_max_fallbacks,
+            )
         self._fp8_check_batches = None
         self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
         self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
 
     # -- data ------------------------------------------------------------------------------
-
 
     def _balance_pipeline_split(self, vpp: int) -> None:
         """--balance-pipeline-split: choose the first and last virtual stages' layers, and say so."""
@@ -187,42 +276,85 @@ class Trainer:
         cost = arguments.balance_pipeline_split(a, self.config)
         if self.is_logger:
             pp = a.pipeline_model_parallel_size
-            spans = sorted(span for rank in range(pp) for span in stage_layers(
-                self.config.num_layers, pp, rank, vpp, a.decoder_first_pipeline_num_layers,
-                a.decoder_last_pipeline_num_layers))
-            print(f"pipeline split: virtual stages of {', '.join(str(end - start) for start, end in spans)} layers "
-                  f"(the output layer counts as {cost:.1f} layers on the last)", flush=True)
+            spans = sorted(
+                span
+                for rank in range(pp)
+                for span in stage_layers(
+                    self.config.num_layers,
+                    pp,
+                    rank,
+                    vpp,
+                    a.decoder_first_pipeline_num_layers,
+                    a.decoder_last_pipeline_num_layers,
+                )
+            )
+            print(
+                f"pipeline split: virtual stages of {', '.join(str(end - start) for start, end in spans)} layers "
+                f"(the output layer counts as {cost:.1f} layers on the last)",
+                flush=True,
+            )
+
     def _datasets(self):
         a = self.args
-        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_interval and a.eval_iters else 0
+        evals = (
+            (a.train_iters // a.eval_interval + 1) * a.eval_iters
+            if a.eval_interval and a.eval_iters
+            else 0
+        )
         if a.fp8_check_interval and a.fp8_format:  # the sentinel's held-out batches: the first ones
             evals = max(evals, a.fp8_check_iters)
-        counts = (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
+        counts = (
+            a.train_iters * a.global_batch_size,
+            evals * a.global_batch_size,
+            a.eval_iters * a.global_batch_size,
+        )
         if a.mock_data:
-            return [MockGPTDataset(self.config.vocab_size, a.seq_length, n, a.data_seed + k, eod=self.eod)
-                    if n else None for k, n in enumerate(counts)]
+            return [
+                MockGPTDataset(
+                    self.config.vocab_size, a.seq_length, n, a.data_seed + k, eod=self.eod
+                )
+                if n
+                else None
+                for k, n in enumerate(counts)
+            ]
         # Token ids past the tokenizer's vocabulary would train the embedding's padding rows, or crash.
         vocab_size = self.tokenizer.vocab_size if self.tokenizer else self.config.vocab_size
         if a.train_data_path:  # a path per split
-            return build_split_datasets((a.train_data_path, a.valid_data_path, a.test_data_path), a.seq_length,
-                                        counts, a.data_seed, a.data_cache_path, vocab_size)
+            return build_split_datasets(
+                (a.train_data_path, a.valid_data_path, a.test_data_path),
+                a.seq_length,
+                counts,
+                a.data_seed,
+                a.data_cache_path,
+                vocab_size,
+            )
         # A split given no share in --split is not asked for samples.
         counts = [n if share > 0 else 0 for n, share in zip(counts, parse_split(a.split))]
-        return build_datasets(a.data_path, a.split, a.seq_length, counts, a.data_seed, a.data_cache_path,
-                              vocab_size)
+        return build_datasets(
+            a.data_path, a.split, a.seq_length, counts, a.data_seed, a.data_cache_path, vocab_size
+        )
 
     def _micro_batches(self, dataset, consumed):
         """Endless-enough iterator of this dp rank's micro-batches, from `consumed` samples on.
         Close it when done: its workers ignore SIGTERM (see _loader_worker_init), so the loader
         must end them itself (at exit, Python's multiprocessing would SIGTERM and wait forever)."""
-        sampler = PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size,
-                                     self.groups.dp_rank, self.groups.dp_size)
+        sampler = PretrainingSampler(
+            len(dataset),
+            consumed,
+            self.args.micro_batch_size,
+            self.groups.dp_rank,
+            self.groups.dp_size,
+        )
         # Its own generator: starting an iterator draws a worker seed, which must not come from
         # the global CPU generator that dropout uses (a resumed run would be one draw off).
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
-                                             pin_memory=self.device.type == "cuda",
-                                             worker_init_fn=_loader_worker_init,
-                                             generator=torch.Generator().manual_seed(self.args.data_seed))
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=self.args.num_workers,
+            pin_memory=self.device.type == "cuda",
+            worker_init_fn=_loader_worker_init,
+            generator=torch.Generator().manual_seed(self.args.data_seed),
+        )
         for batch in loader:
             yield batch["tokens"].to(self.device, non_blocking=True)
 
@@ -248,11 +380,17 @@ class Trainer:
             inputs, labels, mask, extra = self._prepare(tokens)
             first_micro_batch = self._forwards_seen[chunk_index] == 0
             self._forwards_seen[chunk_index] += 1
-            with fp8_autocast(enabled=fp8, recipe=self.recipe,
-                              amax_reduction_group=self.groups.amax_reduction_group,
-                              collect_saturation=fp8 and collect_saturation_on and first_micro_batch):
-                out = chunk(inputs if input_tensor is None else input_tensor,
-                            labels if chunk.post_process else None, **extra)
+            with fp8_autocast(
+                enabled=fp8,
+                recipe=self.recipe,
+                amax_reduction_group=self.groups.amax_reduction_group,
+                collect_saturation=fp8 and collect_saturation_on and first_micro_batch,
+            ):
+                out = chunk(
+                    inputs if input_tensor is None else input_tensor,
+                    labels if chunk.post_process else None,
+                    **extra,
+                )
             if not chunk.post_process:
                 return out
             loss = (out.float() * mask).sum() / mask.sum().clamp(min=1)
@@ -264,16 +402,28 @@ class Trainer:
         a = self.args
         self._forwards_seen = [0] * len(self.chunks)
         losses = forward_backward(
-            None, self.chunks, data_iterator=iter(micro_batches), forward_step=self._forward_step(collect_saturation),
-            num_micro_batches=a.num_micro_batches, groups=self.groups, seq_length=a.seq_length,
-            micro_batch_size=a.micro_batch_size, hidden_size=self.config.hidden_size, dtype=self.dtype,
-            sequence_parallel=self.chunks[0].sequence_parallel, forward_only=forward_only,
-            grad_buffers=None if forward_only else self.buffer)
+            None,
+            self.chunks,
+            data_iterator=iter(micro_batches),
+            forward_step=self._forward_step(collect_saturation),
+            num_micro_batches=a.num_micro_batches,
+            groups=self.groups,
+            seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size,
+            hidden_size=self.config.hidden_size,
+            dtype=self.dtype,
+            sequence_parallel=self.chunks[0].sequence_parallel,
+            forward_only=forward_only,
+            grad_buffers=None if forward_only else self.buffer,
+        )
         # The mean loss over micro-batches and data-parallel replicas; NaN off the last stage.
         # Reduced on the device (one host sync per step, not one per micro-batch); in fp64, where
         # a sum of fp32 losses is exact, so the figure is the same as a host-side mean.
-        loss = (torch.stack(losses).double().mean().float().reshape(1) if losses
-                else torch.full((1,), float("nan"), device=self.device))
+        loss = (
+            torch.stack(losses).double().mean().float().reshape(1)
+            if losses
+            else torch.full((1,), float("nan"), device=self.device)
+        )
         if losses and self.groups.dp_size > 1:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.groups.dp_size
@@ -291,7 +441,9 @@ class Trainer:
             chunk.train()
         self.buffer.zero(lazy=True)  # main_grads are read after finalize_grads only
         self.buffer.set_sync(False)
-        loss = self._run_schedule(micro_batches, forward_only=False, collect_saturation=collect_saturation)
+        loss = self._run_schedule(
+            micro_batches, forward_only=False, collect_saturation=collect_saturation
+        )
         if while_gpu_runs is not None:
             while_gpu_runs()
         finalize_grads(self.chunks, self.groups, self.buffer)
@@ -326,15 +478,26 @@ class Trainer:
         a = self.args
         if self._fp8_check_batches is None:  # the same batches at every check
             with closing(self._micro_batches(self.valid_data, 0)) as micro:
-                self._fp8_check_batches = [[next(micro) for _ in range(a.num_micro_batches)]
-                                           for _ in range(a.fp8_check_iters)]
+                self._fp8_check_batches = [
+                    [next(micro) for _ in range(a.num_micro_batches)]
+                    for _ in range(a.fp8_check_iters)
+                ]
         for chunk in self.chunks:
             chunk.eval()
         losses = []
         for fp8 in (True, False):
             self.fp8_active = fp8
-            losses.append(torch.stack([self._run_schedule(batches, forward_only=True)
-                                       for batches in self._fp8_check_batches]).double().mean().reshape(1))
+            losses.append(
+                torch.stack(
+                    [
+                        self._run_schedule(batches, forward_only=True)
+                        for batches in self._fp8_check_batches
+                    ]
+                )
+                .double()
+                .mean()
+                .reshape(1)
+            )
         self.fp8_active = True
         figures = torch.cat(losses)
         if dist.get_world_size() > 1:
@@ -343,14 +506,18 @@ class Trainer:
         record = self.sentinel.judge(self.iteration, fp8_loss, bf16_loss)
         verdict = record["fp8_check"]
         if verdict == "fallback":
-            self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
-                        f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} (tolerance "
-                        f"{a.fp8_check_tolerance:.2%}): training in bf16 until iteration "
-                        f"{record['fp8_fallback_until']}")
+            self._print(
+                f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
+                f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} (tolerance "
+                f"{a.fp8_check_tolerance:.2%}): training in bf16 until iteration "
+                f"{record['fp8_fallback_until']}"
+            )
         elif verdict == "disabled":
-            self._print(f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
-                        f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} again, {a.fp8_max_fallbacks} "
-                        "fallbacks in a row: the run stays in bf16 from here on")
+            self._print(
+                f"iteration {self.iteration}: FP8's held-out loss {fp8_loss:.4f} is "
+                f"{record['fp8_check_gap']:+.2%} off bf16's {bf16_loss:.4f} again, {a.fp8_max_fallbacks} "
+                "fallbacks in a row: the run stays in bf16 from here on"
+            )
         return record
 
     def return_to_fp8(self) -> None:
@@ -363,8 +530,12 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def train_state(self):
-        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                 "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row}
+        state = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "skipped_steps": self.skipped_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
         if self.sentinel is not None:
             state["fp8_sentinel"] = self.sentinel.state_dict()
         return state
@@ -374,23 +545,38 @@ class Trainer:
         self.optimizer.finish_param_gather()
         if self.tokenizer is not None:
             checkpointing.save_tokenizer(a.save, a.tokenizer_type, self.tokenizer.files)
-        path = checkpointing.save_checkpoint(a.save, self.iteration, self.model, self.optimizer,
-                                             groups=self.groups, train_state=self.train_state(),
-                                             args=arguments.args_to_dict(a), model_config=self.config)
-        if self.replaced_run:  # --overwrite-save: the earlier run goes once this one has a checkpoint
+        path = checkpointing.save_checkpoint(
+            a.save,
+            self.iteration,
+            self.model,
+            self.optimizer,
+            groups=self.groups,
+            train_state=self.train_state(),
+            args=arguments.args_to_dict(a),
+            model_config=self.config,
+        )
+        if (
+            self.replaced_run
+        ):  # --overwrite-save: the earlier run goes once this one has a checkpoint
             checkpointing.remove_checkpoints(a.save, self.replaced_run, keep=self.iteration)
             self._print(f"--overwrite-save: removed the earlier run's checkpoints from {a.save}")
             self.replaced_run = []
         self.last_checkpoint = path
         self._print(f"saved checkpoint {path}")
         if self.skipped_in_a_row:
-            self._print(f"note: {path} was saved after {self.skipped_in_a_row} non-finite steps in a row; the "
-                        "checkpoints saved from finite steps are kept")
+            self._print(
+                f"note: {path} was saved after {self.skipped_in_a_row} non-finite steps in a row; the "
+                "checkpoints saved from finite steps are kept"
+            )
         if a.keep_last_checkpoints:
-            deleted = checkpointing.keep_last_checkpoints(a.save, a.keep_last_checkpoints, just_saved=self.iteration)
+            deleted = checkpointing.keep_last_checkpoints(
+                a.save, a.keep_last_checkpoints, just_saved=self.iteration
+            )
             if deleted:
-                self._print(f"--keep-last-checkpoints {a.keep_last_checkpoints}: deleted the checkpoints of "
-                            f"iterations {', '.join(map(str, deleted))}")
+                self._print(
+                    f"--keep-last-checkpoints {a.keep_last_checkpoints}: deleted the checkpoints of "
+                    f"iterations {', '.join(map(str, deleted))}"
+                )
 
     def load(self):
         a = self.args
@@ -404,9 +590,14 @@ class Trainer:
                 raise checkpointing.CheckpointError(f"--finetune: no checkpoint in --load {a.load}")
             self._print(f"no checkpoint in {a.load} yet: starting from scratch")
             return
-        state = checkpointing.load_checkpoint(checkpoint, self.model, self.optimizer, groups=self.groups,
-                                              load_optimizer=not (a.no_load_optim or a.finetune),
-                                              load_rng=not (a.no_load_rng or a.finetune))
+        state = checkpointing.load_checkpoint(
+            checkpoint,
+            self.model,
+            self.optimizer,
+            groups=self.groups,
+            load_optimizer=not (a.no_load_optim or a.finetune),
+            load_rng=not (a.no_load_rng or a.finetune),
+        )
         if not a.finetune:
             self.iteration = state.get("iteration", 0)
             self.consumed_samples = state.get("consumed_samples", 0)
@@ -417,37 +608,58 @@ class Trainer:
         self.last_checkpoint = checkpoint
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
         if not a.finetune:
-            saved = checkpointing.checkpoint_info(checkpoint).get("args", {})  # the checkpoint's run's flags
+            saved = checkpointing.checkpoint_info(checkpoint).get(
+                "args", {}
+            )  # the checkpoint's run's flags
             self._note_schedule_change(saved)
             self._note_data_order_change(saved)
 
-    _SCHEDULE_FLAGS = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style",
-                       "lr_wsd_decay_iters", "lr_wsd_decay_style")
+    _SCHEDULE_FLAGS = (
+        "train_iters",
+        "lr",
+        "min_lr",
+        "lr_warmup_iters",
+        "lr_decay_iters",
+        "lr_decay_style",
+        "lr_wsd_decay_iters",
+        "lr_wsd_decay_style",
+    )
 
     def _note_schedule_change(self, saved: dict):
         """Say so when the resumed run's learning-rate schedule is not that of the checkpoint's run
         (whose flags are `saved`)."""
-        changed = [(name, saved[name], getattr(self.args, name)) for name in self._SCHEDULE_FLAGS
-                   if name in saved and saved[name] != getattr(self.args, name)]
+        changed = [
+            (name, saved[name], getattr(self.args, name))
+            for name in self._SCHEDULE_FLAGS
+            if name in saved and saved[name] != getattr(self.args, name)
+        ]
         schedule = [(name, old) for name, old, _ in changed if name != "train_iters"]
         if not schedule:  # a longer or shorter run on the same schedule (--lr-decay-iters given)
             return
         before = _lr_schedule(arguments.args_from_dict(saved))(self.iteration)
         now = self.schedule(self.iteration)
-        flags = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, old, new in changed)
+        flags = ", ".join(
+            f"--{name.replace('_', '-')} {old} -> {new}" for name, old, new in changed
+        )
         keep = " ".join(f"--{name.replace('_', '-')} {old}" for name, old in schedule)
-        self._print(f"note: resuming with another learning-rate schedule than the checkpoint's run ({flags}): "
-                    f"the next step's learning rate is {now:.3e} where that run's would be {before:.3e}; "
-                    f"to keep the run's schedule, give {keep}")
+        self._print(
+            f"note: resuming with another learning-rate schedule than the checkpoint's run ({flags}): "
+            f"the next step's learning rate is {now:.3e} where that run's would be {before:.3e}; "
+            f"to keep the run's schedule, give {keep}"
+        )
 
     def _note_data_order_change(self, saved: dict):
         """Say so when the resumed run draws its batches in another order than the checkpoint's run
         (whose flags are `saved`)."""
-        before = saved.get("data_seed", saved.get("seed"))  # runs from before --data-seed: their --seed
+        before = saved.get(
+            "data_seed", saved.get("seed")
+        )  # runs from before --data-seed: their --seed
         if before is not None and before != self.args.data_seed:
-            self._print(f"note: resuming with --data-seed {self.args.data_seed} where the checkpoint's run drew its "
-                        f"batches with {before}: the batches from here on are not that run's; to keep its data "
-                        f"order, give --data-seed {before}")
+            self._print(
+                f"note: resuming with --data-seed {self.args.data_seed} where the checkpoint's run drew its "
+                f"batches with {before}: the batches from here on are not that run's; to keep its data "
+                f"order, give --data-seed {before}"
+            )
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -458,8 +670,11 @@ class Trainer:
         if not any(chunk.cuda_graphs is not None for chunk in self.chunks):
             return
         torch.cuda.synchronize()  # no replay still running on the GPU
-        self.captured_graphs = [{"graph sets": len(chunk.cuda_graphs.sets), "slots": len(chunk.cuda_graphs.pools)}
-                                for chunk in self.chunks if chunk.cuda_graphs is not None]
+        self.captured_graphs = [
+            {"graph sets": len(chunk.cuda_graphs.sets), "slots": len(chunk.cuda_graphs.pools)}
+            for chunk in self.chunks
+            if chunk.cuda_graphs is not None
+        ]
         for chunk in self.chunks:
             chunk.disable_cuda_graphs()
         gc.collect()  # graph sets referenced from cycles (autograd contexts) go now, not at exit
@@ -474,17 +689,28 @@ class Trainer:
         a = self.args
         self.load()
         if self.iteration >= a.train_iters:
-            self._print(f"nothing to do: the checkpoint is at iteration {self.iteration} and --train-iters is "
-                        f"{a.train_iters}; raise --train-iters to train further")
+            self._print(
+                f"nothing to do: the checkpoint is at iteration {self.iteration} and --train-iters is "
+                f"{a.train_iters}; raise --train-iters to train further"
+            )
             return self.iteration
         start_iteration = self.iteration
         logger = self._logger = metrics.MetricsLogger(
-            self.run_dir, tensorboard_dir=a.tensorboard_dir, rank_is_logger=self.is_logger,
-            total_iterations=a.train_iters, start_iteration=start_iteration, device=self.device,
-            log_throughput=a.log_throughput, wandb_project=a.wandb_project, wandb_exp_name=a.wandb_exp_name,
-            wandb_dir=a.wandb_save_dir, wandb_config=arguments.args_to_dict(a))
-        throughput = metrics.Throughput(self.flops_per_token, world_size=dist.get_world_size(),
-                                        device=self.device)
+            self.run_dir,
+            tensorboard_dir=a.tensorboard_dir,
+            rank_is_logger=self.is_logger,
+            total_iterations=a.train_iters,
+            start_iteration=start_iteration,
+            device=self.device,
+            log_throughput=a.log_throughput,
+            wandb_project=a.wandb_project,
+            wandb_exp_name=a.wandb_exp_name,
+            wandb_dir=a.wandb_save_dir,
+            wandb_config=arguments.args_to_dict(a),
+        )
+        throughput = metrics.Throughput(
+            self.flops_per_token, world_size=dist.get_world_size(), device=self.device
+        )
         world = dist.group.WORLD if dist.get_world_size() > 1 else None
         exit_signal = _ExitSignal()
         profiler = StepProfiler(a, dist.get_rank(), self.run_dir, self.device)
@@ -501,18 +727,26 @@ class Trainer:
         try:
             while self.iteration < a.train_iters:
                 batches = batches or [next(micro) for _ in range(a.num_micro_batches)]
-                if a.enable_cuda_graph and self.iteration - start_iteration == a.cuda_graph_warmup_steps:
+                if (
+                    a.enable_cuda_graph
+                    and self.iteration - start_iteration == a.cuda_graph_warmup_steps
+                ):
                     for chunk in self.chunks:  # the next forward captures, the later ones replay
                         chunk.enable_cuda_graphs(self.buffer.mark_ready)
-                log_step = (self.iteration + 1) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
+                log_step = (
+                    self.iteration + 1
+                ) % a.log_interval == 0 or self.iteration + 1 == a.train_iters
                 if self.sentinel is not None:
                     if self.sentinel.returns_at(self.iteration):
                         self.return_to_fp8()
                         logger.log(self.iteration, {"fp8_check": "return"})
                     self.fp8_active = self.sentinel.fp8_on(self.iteration)
                 profiler.before_step(self.iteration)
-                loss, applied, grad_norm = self.train_step(batches, collect_saturation=log_step and self.fp8_active,
-                                                           while_gpu_runs=prefetch)
+                loss, applied, grad_norm = self.train_step(
+                    batches,
+                    collect_saturation=log_step and self.fp8_active,
+                    while_gpu_runs=prefetch,
+                )
                 batches, upcoming = upcoming, []
                 self.iteration += 1
                 profiler.after_step(self.iteration)
@@ -527,44 +761,74 @@ class Trainer:
                 else:
                     self.skipped_steps += 1
                     self.skipped_in_a_row += 1
-                    self._print(f"iteration {self.iteration}: non-finite loss or gradients, step skipped")
+                    self._print(
+                        f"iteration {self.iteration}: non-finite loss or gradients, step skipped"
+                    )
                     if self.skipped_in_a_row >= a.skip_nonfinite_steps_max:
                         raise NonFiniteError(
                             f"{self.skipped_in_a_row} steps in a row had non-finite gradients (last loss "
-                            f"{loss}); lower --lr, check the data, or raise --skip-nonfinite-steps-max")
+                            f"{loss}); lower --lr, check the data, or raise --skip-nonfinite-steps-max"
+                        )
                 if log_step:
-                    record = {"consumed_samples": self.consumed_samples,
-                              "loss": sum(losses) / len(losses), "lr": self.schedule(self.iteration - 1),
-                              "grad_norm": grad_norm, "skipped_steps": self.skipped_steps,
-                              **throughput.read(), **metrics.memory_stats(self.device),
-                              **fp8_health(self.model, group=world, per_layer=a.log_fp8_layers)}
+                    record = {
+                        "consumed_samples": self.consumed_samples,
+                        "loss": sum(losses) / len(losses),
+                        "lr": self.schedule(self.iteration - 1),
+                        "grad_norm": grad_norm,
+                        "skipped_steps": self.skipped_steps,
+                        **throughput.read(),
+                        **metrics.memory_stats(self.device),
+                        **fp8_health(self.model, group=world, per_layer=a.log_fp8_layers),
+                    }
                     losses = []
                     logger.log(self.iteration, record)
-                if a.eval_interval and self.valid_data is not None and self.iteration % a.eval_interval == 0:
-                    valid = self.evaluate(self.valid_data, (self.iteration // a.eval_interval - 1)
-                                          * a.eval_iters * a.global_batch_size)
-                    logger.log(self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
+                if (
+                    a.eval_interval
+                    and self.valid_data is not None
+                    and self.iteration % a.eval_interval == 0
+                ):
+                    valid = self.evaluate(
+                        self.valid_data,
+                        (self.iteration // a.eval_interval - 1)
+                        * a.eval_iters
+                        * a.global_batch_size,
+                    )
+                    logger.log(
+                        self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))}
+                    )
                     valid_loss = valid
                     throughput.restart()
                 if self.sentinel is not None and self.sentinel.due(self.iteration):
                     logger.log(self.iteration, self.fp8_check())
                 stop = exit_signal.any_rank(self.device)
-                if a.exit_duration_in_mins and time.time() - start_time > 60 * a.exit_duration_in_mins:
+                if (
+                    a.exit_duration_in_mins
+                    and time.time() - start_time > 60 * a.exit_duration_in_mins
+                ):
                     stop = True
                 if a.exit_interval and self.iteration % a.exit_interval == 0:
                     stop = True
-                due = bool(a.save and a.save_interval and self.iteration % a.save_interval == 0) or save_postponed
-                if due and self.skipped_in_a_row:  # the weights may have blown up: save after a finite step
+                due = (
+                    bool(a.save and a.save_interval and self.iteration % a.save_interval == 0)
+                    or save_postponed
+                )
+                if (
+                    due and self.skipped_in_a_row
+                ):  # the weights may have blown up: save after a finite step
                     if not save_postponed:
-                        self._print(f"iteration {self.iteration}: checkpoint postponed until a step is finite again")
+                        self._print(
+                            f"iteration {self.iteration}: checkpoint postponed until a step is finite again"
+                        )
                     due, save_postponed = False, True
                 if a.save and (due or stop or self.iteration == a.train_iters):
                     self.save()
                     save_postponed = False
                     throughput.restart()
                 if stop:
-                    self._print(f"stopping at iteration {self.iteration}"
-                                + (f" on {exit_signal.received}" if exit_signal.received else ""))
+                    self._print(
+                        f"stopping at iteration {self.iteration}"
+                        + (f" on {exit_signal.received}" if exit_signal.received else "")
+                    )
                     break
             self.optimizer.finish_param_gather()
         finally:
@@ -575,12 +839,16 @@ class Trainer:
             self._logger = None
         if self.is_logger:
             for line in metrics.run_summary(
-                    start_iteration=start_iteration, end_iteration=self.iteration,
-                    wall_time_s=time.time() - start_time,
-                    tokens=(self.iteration - start_iteration) * a.global_batch_size * a.seq_length,
-                    first_loss=self.history[0][1] if self.history else None,
-                    last_loss=self.history[-1][1] if self.history else None,
-                    valid_loss=valid_loss, checkpoint=self.last_checkpoint, metrics_path=logger.metrics_path):
+                start_iteration=start_iteration,
+                end_iteration=self.iteration,
+                wall_time_s=time.time() - start_time,
+                tokens=(self.iteration - start_iteration) * a.global_batch_size * a.seq_length,
+                first_loss=self.history[0][1] if self.history else None,
+                last_loss=self.history[-1][1] if self.history else None,
+                valid_loss=valid_loss,
+                checkpoint=self.last_checkpoint,
+                metrics_path=logger.metrics_path,
+            ):
                 print(line, flush=True)
         return self.iteration
 
@@ -591,16 +859,25 @@ def pretrain(argv=None):
     own_group = not dist.is_initialized()
     torchrun = "WORLD_SIZE" in os.environ
     with warnings.catch_warnings():
-        if int(os.environ.get("RANK", "0")) != 0:  # every rank reads the same flags: said once, by rank 0
+        if (
+            int(os.environ.get("RANK", "0")) != 0
+        ):  # every rank reads the same flags: said once, by rank 0
             warnings.simplefilter("ignore")
         args = arguments.parse_args(argv)
-        arguments.validate_args(args, int(os.environ["WORLD_SIZE"]) if own_group and torchrun
-                                else dist.get_world_size() if not own_group else 1)
+        arguments.validate_args(
+            args,
+            int(os.environ["WORLD_SIZE"])
+            if own_group and torchrun
+            else dist.get_world_size()
+            if not own_group
+            else 1,
+        )
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if own_group and not torchrun:
         _init_single_process(timeout)
-    groups = ParallelGroups.from_torchrun(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                          timeout=timeout)
+    groups = ParallelGroups.from_torchrun(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, timeout=timeout
+    )
     failed = True
     try:
         # Before anything is written: one run at a time in a --save folder.
@@ -626,9 +903,12 @@ def _tp_comm_transport(args, tp_group) -> str:
     communication; eager, their extra launches cost more than they hide), else through NCCL."""
     reason = symmetric_memory.unavailable_reason(tp_group)
     if args.tp_comm_overlap_transport == "copy-engine" and reason is not None:
-        raise arguments.ArgumentsError(f"--tp-comm-overlap-transport copy-engine: {reason}; give nccl or auto")
+        raise arguments.ArgumentsError(
+            f"--tp-comm-overlap-transport copy-engine: {reason}; give nccl or auto"
+        )
     if args.tp_comm_overlap_transport == "copy-engine" or (
-            args.tp_comm_overlap_transport == "auto" and args.enable_cuda_graph and reason is None):
+        args.tp_comm_overlap_transport == "auto" and args.enable_cuda_graph and reason is None
+    ):
         symmetric_memory.use_copy_engines(tp_group)
         return "copy-engine"
     return "nccl"
@@ -647,7 +927,12 @@ def _end_process_group(failed: bool) -> None:
 # Errors every rank raises alike (flags, checkpoint folders and saves, which share their
 # failures, non-finite steps, which every rank sees, a failed index build on another rank):
 # said once, by rank 0. Others (bad input files, a full disk) by the rank that met them.
-_SAID_BY_RANK_0 = (arguments.ArgumentsError, checkpointing.CheckpointError, NonFiniteError, DatasetBuildError)
+_SAID_BY_RANK_0 = (
+    arguments.ArgumentsError,
+    checkpointing.CheckpointError,
+    NonFiniteError,
+    DatasetBuildError,
+)
 
 
 def main():
@@ -657,7 +942,10 @@ def main():
     except (*_SAID_BY_RANK_0, ValueError, OSError) as error:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if not isinstance(error, _SAID_BY_RANK_0):
-            print(f"megafp8-train: error{f' on rank {rank}' if world > 1 else ''}: {error}", file=sys.stderr)
+            print(
+                f"megafp8-train: error{f' on rank {rank}' if world > 1 else ''}: {error}",
+                file=sys.stderr,
+            )
         elif rank == 0:
             print(f"megafp8-train: error: {error}", file=sys.stderr)
         _exit_after_error(2)

@@ -1,5 +1,6 @@
 """benchmarks/bench_collective_gemm.py on the CPU (gloo, two ranks, a tiny layer): every GEMM of
 the layer timed each way, the records written, copy engines refused with the reason."""
+
 import importlib.util
 import json
 import os
@@ -16,14 +17,41 @@ spec.loader.exec_module(bench)
 
 def launch(*args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), "--hidden", "64", "--ffn", "128", "--tokens", "32", "--calls", "2", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            "--hidden",
+            "64",
+            "--ffn",
+            "128",
+            "--tokens",
+            "32",
+            "--calls",
+            "2",
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_the_layer_s_gemms_at_tensor_parallel_shapes():
-    assert bench.shapes(2048, 8192, 2) == [("QKV", "column", 2048, 3072), ("fc1", "column", 2048, 4096),
-                                           ("proj", "row", 1024, 2048), ("fc2", "row", 4096, 2048)]
+    assert bench.shapes(2048, 8192, 2) == [
+        ("QKV", "column", 2048, 3072),
+        ("fc1", "column", 2048, 4096),
+        ("proj", "row", 1024, 2048),
+        ("fc2", "row", 4096, 2048),
+    ]
 
 
 def test_every_gemm_is_timed_each_way_and_recorded(tmp_path):
@@ -42,4 +70,6 @@ def test_every_gemm_is_timed_each_way_and_recorded(tmp_path):
 def test_copy_engines_asked_for_where_they_cannot_run_are_refused(tmp_path):
     done = launch("--transports", "copy-engine", cwd=tmp_path)
     assert done.returncode != 0
-    assert "--transports copy-engine: copy engines need CUDA GPUs and the NCCL backend" in done.stderr
+    assert (
+        "--transports copy-engine: copy engines need CUDA GPUs and the NCCL backend" in done.stderr
+    )

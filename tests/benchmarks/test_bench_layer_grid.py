@@ -1,5 +1,6 @@
 """benchmarks/bench_layer_grid.py: the GPT-3 family's layer shapes, the heat maps from grid files
 (on the CPU), and a small grid timed on a GPU."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -8,17 +9,22 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_layer_grid", REPO / "benchmarks" / "bench_layer_grid.py")
+spec = importlib.util.spec_from_file_location(
+    "bench_layer_grid", REPO / "benchmarks" / "bench_layer_grid.py"
+)
 grid = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(grid)
 
 
-@pytest.mark.parametrize("arch, hidden, heads, kv_heads, ffn", [
-    ("gpt", 768, 12, 12, 3072),        # GPT-3 125M (GPT-2 small)
-    ("gpt", 2048, 16, 16, 8192),       # GPT-3 1.3B widths, head dim 128
-    ("llama", 4096, 32, 32, 11008),    # Llama-2-7B
-    ("llama", 8192, 64, 8, 22016),     # 70B-wide, GQA 8 (Llama-2-70B has a wider SwiGLU, 28672)
-])
+@pytest.mark.parametrize(
+    "arch, hidden, heads, kv_heads, ffn",
+    [
+        ("gpt", 768, 12, 12, 3072),  # GPT-3 125M (GPT-2 small)
+        ("gpt", 2048, 16, 16, 8192),  # GPT-3 1.3B widths, head dim 128
+        ("llama", 4096, 32, 32, 11008),  # Llama-2-7B
+        ("llama", 8192, 64, 8, 22016),  # 70B-wide, GQA 8 (Llama-2-70B has a wider SwiGLU, 28672)
+    ],
+)
 def test_layer_shapes_follow_the_family(arch, hidden, heads, kv_heads, ffn):
     config = grid.layer_config(arch, hidden, 4096)
     shape = (config.num_layers, config.num_attention_heads, config.kv_heads, config.ffn_size)
@@ -36,28 +42,62 @@ def test_layer_flops_count_linears_and_causal_attention():
 
 
 def point(arch, tp, hidden, seq, micro_batch, delayed, current):
-    return {"arch": arch, "hidden": hidden, "seq": seq, "micro_batch": micro_batch, "tp": tp,
-            "speedup_delayed": delayed, "speedup_current": current}
+    return {
+        "arch": arch,
+        "hidden": hidden,
+        "seq": seq,
+        "micro_batch": micro_batch,
+        "tp": tp,
+        "speedup_delayed": delayed,
+        "speedup_current": current,
+    }
 
 
 def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
-    one = {"tp": 1, "device": "NVIDIA H100 80GB HBM3",
-           "points": [point("gpt", 1, h, s, b, 0.9 + h / 4096 + b / 20, 0.8 + h / 4096)
-                      for h in (768, 2048, 4096) for s in (1024, 2048) for b in (1, 4)]}
+    one = {
+        "tp": 1,
+        "device": "NVIDIA H100 80GB HBM3",
+        "points": [
+            point("gpt", 1, h, s, b, 0.9 + h / 4096 + b / 20, 0.8 + h / 4096)
+            for h in (768, 2048, 4096)
+            for s in (1024, 2048)
+            for b in (1, 4)
+        ],
+    }
     one["points"][0]["speedup_current"] = None  # a point that did not fit
-    two = {"tp": 2, "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)]}  # a file without its GPU
+    two = {
+        "tp": 2,
+        "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)],
+    }  # a file without its GPU
     late = {"tp": 1, "device": "NVIDIA H200", "points": [point("gpt", 1, 12288, 2048, 1, 1.6, 1.5)]}
-    two["points"][0].update(bf16_ms=2.2, delayed_ms=2.0, current_ms=2.2, delayed_tflops=812.4, model="llama2-7b")
+    two["points"][0].update(
+        bf16_ms=2.2, delayed_ms=2.0, current_ms=2.2, delayed_tflops=812.4, model="llama2-7b"
+    )
     (tmp_path / "one.json").write_text(json.dumps(one))
     (tmp_path / "two.json").write_text(json.dumps(two))
     (tmp_path / "late.json").write_text(json.dumps(late))
     import matplotlib.axes  # the cell labels, read as they are drawn
+
     starred, draw = [], matplotlib.axes.Axes.text
-    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda axis, x, y, label, *args, **kwargs: (
-        starred.extend([label] if str(label).endswith("*") else []), draw(axis, x, y, label, *args, **kwargs))[1])
-    grid.main(["--plot", *(str(tmp_path / f"{name}.json") for name in ("one", "two", "late")),
-               "--plot-dir", str(tmp_path / "img"), "--table", str(tmp_path / "grid.md")])
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "text",
+        lambda axis, x, y, label, *args, **kwargs: (
+            starred.extend([label] if str(label).endswith("*") else []),
+            draw(axis, x, y, label, *args, **kwargs),
+        )[1],
+    )
+    grid.main(
+        [
+            "--plot",
+            *(str(tmp_path / f"{name}.json") for name in ("one", "two", "late")),
+            "--plot-dir",
+            str(tmp_path / "img"),
+            "--table",
+            str(tmp_path / "grid.md"),
+        ]
+    )
     assert starred == ["1.60*", "1.50*"]  # the H200 point among the H100 ones, in both maps
     written = sorted(p.name for p in (tmp_path / "img").iterdir())
     assert written == ["layer_grid_gpt_tp1.png", "layer_grid_llama_tp2.png"]
@@ -65,8 +105,13 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
     assert "layer_grid_gpt_tp1.png" in capsys.readouterr().out
     rows = (tmp_path / "grid.md").read_text().splitlines()
     assert len(rows) == 2 + 13 + 1  # header, the 13 GPT points, the Llama one
-    assert rows[-1] == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | 1.10 | 1.00 | 812 | ? |"
-    assert rows[2].startswith("| gpt | 1 | 768 | 1024 | 1 | – | – | – |")  # times a test point lacks
+    assert (
+        rows[-1]
+        == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | 1.10 | 1.00 | 812 | ? |"
+    )
+    assert rows[2].startswith(
+        "| gpt | 1 | 768 | 1024 | 1 | – | – | – |"
+    )  # times a test point lacks
     assert rows[2].endswith("| H100 80GB HBM3 |") and rows[-2].endswith("| H200 |")
     with pytest.raises(SystemExit):
         grid.main(["--table", str(tmp_path / "alone.md")])
@@ -88,28 +133,66 @@ def test_timing_needs_a_gpu(tmp_path):
 @pytest.mark.gpu
 def test_a_small_grid_on_a_gpu(tmp_path):
     out = tmp_path / "grid.json"
-    grid.main(["--output", str(out), "--hidden-sizes", "256", "--seq-lengths", "512", "--micro-batches", "1", "2"])
+    grid.main(
+        [
+            "--output",
+            str(out),
+            "--hidden-sizes",
+            "256",
+            "--seq-lengths",
+            "512",
+            "--micro-batches",
+            "1",
+            "2",
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["tp"] == 1 and len(result["points"]) == 4  # 2 architectures x 2 micro-batches
     for p in result["points"]:
-        assert all(p[f"{name}_ms"] > 0 and p[f"{name}_tflops"] > 0 for name in ("bf16", "delayed", "current"))
-        assert all(0 < p[f"{name}_fwd_ms"] < p[f"{name}_ms"] for name in ("bf16", "delayed", "current"))
+        assert all(
+            p[f"{name}_ms"] > 0 and p[f"{name}_tflops"] > 0
+            for name in ("bf16", "delayed", "current")
+        )
+        assert all(
+            0 < p[f"{name}_fwd_ms"] < p[f"{name}_ms"] for name in ("bf16", "delayed", "current")
+        )
         assert p["speedup_delayed"] == p["bf16_ms"] / p["delayed_ms"]
 
 
 @pytest.mark.gpu
 def test_a_presets_layer_and_output_end_on_a_gpu(tmp_path):
     out = tmp_path / "model.json"
-    grid.main(["--output", str(out), "--model", "llama-120m", "--seq-lengths", "512", "--micro-batches", "2"])
+    grid.main(
+        [
+            "--output",
+            str(out),
+            "--model",
+            "llama-120m",
+            "--seq-lengths",
+            "512",
+            "--micro-batches",
+            "2",
+        ]
+    )
     result = json.loads(out.read_text())
     (point,) = result["points"]
-    assert (point["model"], point["arch"], point["hidden"], point["kv_heads"], point["ffn"], point["vocab"]) == (
-        "llama-120m", "llama", 768, 4, 2048, 32000)
+    assert (
+        point["model"],
+        point["arch"],
+        point["hidden"],
+        point["kv_heads"],
+        point["ffn"],
+        point["vocab"],
+    ) == ("llama-120m", "llama", 768, 4, 2048, 32000)
     assert all(point[f"head_{name}_ms"] > 0 for name in ("bf16", "delayed", "current"))
     # Selective recomputation runs the attention core once more: dearer than the step, cheaper
     # than recomputing the whole forward.
-    assert all(point[f"{name}_ms"] < point[f"{name}_selective_ms"] < point[f"{name}_ms"] + point[f"{name}_fwd_ms"]
-               for name in ("bf16", "delayed", "current"))
+    assert all(
+        point[f"{name}_ms"]
+        < point[f"{name}_selective_ms"]
+        < point[f"{name}_ms"] + point[f"{name}_fwd_ms"]
+        for name in ("bf16", "delayed", "current")
+    )
     assert result["copy_gbs"] > 100
     # The stack's host time splits into a share per layer and one per pass that add up to a
     # one-layer step's (or, where the stack's layers came out dearer than a lone one, as bf16's,
@@ -117,7 +200,11 @@ def test_a_presets_layer_and_output_end_on_a_gpu(tmp_path):
     # (ten steps of the four-layer stack once filled the GPU's launch queue and waited on it,
     # leaving the split unrecorded).
     for name in ("bf16", "delayed", "current"):
-        layer, per_pass, one = (point[f"{name}_host_{kind}"] for kind in ("layer_ms", "pass_ms", "ms"))
-        assert None not in (layer, per_pass, one), f"{name}: a host time was not recorded (the step waited on the GPU)"
+        layer, per_pass, one = (
+            point[f"{name}_host_{kind}"] for kind in ("layer_ms", "pass_ms", "ms")
+        )
+        assert None not in (layer, per_pass, one), (
+            f"{name}: a host time was not recorded (the step waited on the GPU)"
+        )
         assert layer > 0 and per_pass >= 0 and one > 0
         assert layer + per_pass == pytest.approx(max(one, layer))

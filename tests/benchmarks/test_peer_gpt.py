@@ -1,6 +1,7 @@
 """benchmarks/peer_gpt.py, side_by_side_table.py and side_by_side.sh on the CPU: the peer trains a
 shrunk GPT and reports it as one JSON line, asks for torchao by name, the table's ratios are the
 runs' tokens/s divided, and the side-by-side script stops at once without a GPU."""
+
 import importlib.util
 import json
 import os
@@ -13,8 +14,26 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 PEER = REPO / "benchmarks" / "peer_gpt.py"
-TINY = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "1000", "--warmup-steps", "1", "--steps", "2"]
+TINY = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "1000",
+    "--warmup-steps",
+    "1",
+    "--steps",
+    "2",
+]
 
 
 def _module(name):
@@ -25,7 +44,9 @@ def _module(name):
 
 
 def _peer(*argv):
-    return subprocess.run([sys.executable, str(PEER), *argv], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, str(PEER), *argv], capture_output=True, text=True, check=False
+    )
 
 
 def test_the_peer_trains_its_shrunk_shape_on_the_cpu_and_prints_one_json_line(tmp_path):
@@ -58,28 +79,95 @@ def test_the_trainer_flags_describe_the_peers_shapes():
     config, seq, mbs = peer.shape_of(peer.parse(["--shape", "1b"]))
     sizes = (config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_size)
     assert sizes == (24, 2048, 16, 8192) and config.padded_vocab_size() == 50304
-    assert peer.trainer_flags(config, seq, mbs) == ["--model", "gpt-1.3b", "--seq-length", "2048",
-                                                    "--micro-batch-size", "8", "--global-batch-size", "8"]
+    assert peer.trainer_flags(config, seq, mbs) == [
+        "--model",
+        "gpt-1.3b",
+        "--seq-length",
+        "2048",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "8",
+    ]
     config, seq, mbs = peer.shape_of(peer.parse(["--shape", "7b"]))
     assert peer.trainer_flags(config, seq, mbs) == [
-        "--model", "gpt-1.3b", "--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
-        "--ffn-hidden-size", "16384", "--max-position-embeddings", "4096",
-        "--seq-length", "4096", "--micro-batch-size", "2", "--global-batch-size", "2"]
+        "--model",
+        "gpt-1.3b",
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--ffn-hidden-size",
+        "16384",
+        "--max-position-embeddings",
+        "4096",
+        "--seq-length",
+        "4096",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+    ]
 
 
 def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
-    megafp8 = [{"precision": "bf16", "label": "1b", "tokens_per_sec_per_gpu": 60000.0, "iteration_time_ms": 273.0,
-                "peak_memory_gib": 49.3, "device": "H100"},
-               {"precision": "delayed", "label": "1b", "tokens_per_sec_per_gpu": 80000.0, "iteration_time_ms": 205.0,
-                "peak_memory_gib": 48.6, "device": "H100"}]
-    peer = [{"benchmark": "peer_gpt", "variant": "bf16_compile", "tokens_per_sec": 50000.0, "step_ms": 328.0,
-             "peak_memory_gib": 54.8, "device": "H100", "torch": "2.11", "torchao": "0.18.0"},
-            {"benchmark": "peer_gpt", "variant": "float8_tensorwise", "tokens_per_sec": 1.0, "step_ms": 1.0,
-             "peak_memory_gib": 1.0, "device": "H100", "torch": "2.11", "torchao": "0.18.0"},
-            {"benchmark": "peer_gpt", "variant": "float8_tensorwise", "tokens_per_sec": 64000.0, "step_ms": 256.0,
-             "peak_memory_gib": 43.6, "device": "H100", "torch": "2.11", "torchao": "0.18.0"}]  # a rerun: it counts
+    megafp8 = [
+        {
+            "precision": "bf16",
+            "label": "1b",
+            "tokens_per_sec_per_gpu": 60000.0,
+            "iteration_time_ms": 273.0,
+            "peak_memory_gib": 49.3,
+            "device": "H100",
+        },
+        {
+            "precision": "delayed",
+            "label": "1b",
+            "tokens_per_sec_per_gpu": 80000.0,
+            "iteration_time_ms": 205.0,
+            "peak_memory_gib": 48.6,
+            "device": "H100",
+        },
+    ]
+    peer = [
+        {
+            "benchmark": "peer_gpt",
+            "variant": "bf16_compile",
+            "tokens_per_sec": 50000.0,
+            "step_ms": 328.0,
+            "peak_memory_gib": 54.8,
+            "device": "H100",
+            "torch": "2.11",
+            "torchao": "0.18.0",
+        },
+        {
+            "benchmark": "peer_gpt",
+            "variant": "float8_tensorwise",
+            "tokens_per_sec": 1.0,
+            "step_ms": 1.0,
+            "peak_memory_gib": 1.0,
+            "device": "H100",
+            "torch": "2.11",
+            "torchao": "0.18.0",
+        },
+        {
+            "benchmark": "peer_gpt",
+            "variant": "float8_tensorwise",
+            "tokens_per_sec": 64000.0,
+            "step_ms": 256.0,
+            "peak_memory_gib": 43.6,
+            "device": "H100",
+            "torch": "2.11",
+            "torchao": "0.18.0",
+        },
+    ]  # a rerun: it counts
     table = _module("side_by_side_table")
-    ratios = {(top, bottom): value for top, bottom, value in table.ratios(table.latest_runs(megafp8 + peer))}
+    ratios = {
+        (top, bottom): value
+        for top, bottom, value in table.ratios(table.latest_runs(megafp8 + peer))
+    }
     assert ratios[("megafp8 FP8 delayed", "peer torchao float8 tensorwise")] == pytest.approx(1.25)
     assert ratios[("megafp8 bf16", "peer bf16 + compile")] == pytest.approx(1.2)
     assert ratios[("megafp8 FP8 delayed", "megafp8 bf16")] == pytest.approx(4 / 3)
@@ -88,8 +176,12 @@ def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
 
     runs = tmp_path / "1b.jsonl"
     runs.write_text("".join(json.dumps(record) + "\n" for record in megafp8 + peer))
-    printed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "side_by_side_table.py"), str(runs)],
-                             capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "side_by_side_table.py"), str(runs)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert printed.startswith("## 1b\n")
     assert "| megafp8 FP8 delayed | 80,000 | 205.0 | 48.60 | H100 |" in printed
     assert "| megafp8 FP8 current | not run | | | |" in printed and "peer bf16 eager" not in printed
@@ -101,7 +193,13 @@ def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
 def test_side_by_side_stops_at_once_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    done = subprocess.run(["bash", str(REPO / "benchmarks" / "side_by_side.sh"), "1b"], capture_output=True, text=True,
-                          env={**os.environ, "RESULTS": str(tmp_path / "results")}, timeout=60, check=False)
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "side_by_side.sh"), "1b"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RESULTS": str(tmp_path / "results")},
+        timeout=60,
+        check=False,
+    )
     assert done.returncode != 0 and "needs an NVIDIA GPU" in done.stderr
     assert not (tmp_path / "results").exists()  # stopped before any run

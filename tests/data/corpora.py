@@ -1,4 +1,5 @@
 """Tiny corpora written in each format that megafp8.data.sources reads, for the data and tools tests."""
+
 import json
 
 import numpy as np
@@ -7,8 +8,10 @@ import pyarrow.parquet as pq
 import zstandard
 
 SUBSETS = ("RedPajamaGitHub", "RedPajamaBook", "RedPajamaWikipedia")
-WORDS = ("the quick brown fox jumps over lazy dog data model token layer scale gradient "
-         "tensor pipeline parallel éclair naïve 数据 模型 def return import class").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dog data model token layer scale gradient "
+    "tensor pipeline parallel éclair naïve 数据 模型 def return import class"
+).split()
 
 
 def sentence(rng, n_words):
@@ -46,7 +49,7 @@ def write_zst(path, rows, frames=1):
     step = -(-len(lines) // frames)
     with open(path, "wb") as f:
         for start in range(0, len(lines), step):
-            f.write(compressor.compress(b"".join(lines[start:start + step])))
+            f.write(compressor.compress(b"".join(lines[start : start + step])))
     return path
 
 
@@ -65,8 +68,8 @@ def write_formats(folder, rows):
     third = len(rows) // 3
     return [
         write_jsonl(folder / "a.jsonl", rows[:third]),
-        write_zst(folder / "b.jsonl.zst", rows[third:2 * third], frames=2),
-        write_parquet(folder / "c.parquet", rows[2 * third:]),
+        write_zst(folder / "b.jsonl.zst", rows[third : 2 * third], frames=2),
+        write_parquet(folder / "c.parquet", rows[2 * third :]),
     ]
 
 
@@ -74,11 +77,16 @@ def train_tiny_bpe(folder):
     """A byte-level BPE of 400 tokens, GPT-2 style, on `corpus_text()`: `folder/tokenizer.json`
     plus `vocab.json` + `merges.txt` (trained here, not by the tool under test)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus_text(), trainer=trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     tokenizer.model.save(str(folder))
@@ -88,7 +96,15 @@ def train_tiny_sentencepiece(prefix):
     """A SentencePiece BPE of 400 pieces with byte fallback and identity normalisation (exact
     round trips) on the lines of `corpus_text()`: `<prefix>.model`."""
     import sentencepiece
+
     lines = [line for text in corpus_text() for line in text.split("\n") if line.strip()]
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )

@@ -1,11 +1,11 @@
 """GPT dataset, blending and the sampler: coverage, determinism, caching, resume, proportions."""
+
 import os
 import re
 import time
 
 import numpy as np
 import pytest
-
 from megafp8.data import (
     BlendedDataset,
     GPTDataset,
@@ -15,10 +15,10 @@ from megafp8.data import (
     PretrainingSampler,
     build_datasets,
     build_split_datasets,
+    gpt_dataset,
     parse_data_path,
     split_ranges,
 )
-from megafp8.data import gpt_dataset
 from megafp8.data.gpt_dataset import build_indices
 
 from ..multiprocess import run_on_ranks
@@ -47,8 +47,10 @@ def megatron_core_ranges(num_documents, weights):
     (numpy's float64 sums), each times the document count, rounded."""
     weights = np.array(weights + [0.0] * (3 - len(weights)), dtype=np.float64)
     ends = np.concatenate([[0.0], np.cumsum(weights / np.sum(weights))])
-    return [(int(round(float(a) * num_documents)), int(round(float(b) * num_documents)))
-            for a, b in zip(ends[:-1], ends[1:])]
+    return [
+        (int(round(float(a) * num_documents)), int(round(float(b) * num_documents)))
+        for a, b in zip(ends[:-1], ends[1:])
+    ]
 
 
 def test_split_ranges_round_like_megatron_core():
@@ -57,8 +59,24 @@ def test_split_ranges_round_like_megatron_core():
     assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges(10, "1") == [(0, 10), (10, 10), (10, 10)]
     assert split_ranges(7, "98,2,0") == [(0, 7), (7, 7), (7, 7)]
-    splits = ["1,1,1", "969,30,1", "98,2,0", "1", "2,1", "1,2,3", "3,3,4", "99,1", "90,5,5",
-              "1,0,1", "0,1,0", "0.7,0.2,0.1", "0.8,0.1,0.1", "949,50,1", "5,3,2", "1,1"]
+    splits = [
+        "1,1,1",
+        "969,30,1",
+        "98,2,0",
+        "1",
+        "2,1",
+        "1,2,3",
+        "3,3,4",
+        "99,1",
+        "90,5,5",
+        "1,0,1",
+        "0,1,0",
+        "0.7,0.2,0.1",
+        "0.8,0.1,0.1",
+        "949,50,1",
+        "5,3,2",
+        "1,1",
+    ]
     sizes = list(range(0, 301)) + [997, 1001, 12345, 99999, 4_000_000, 31_415_927]
     for split in splits:
         weights = [float(w) for w in split.split(",")]
@@ -77,8 +95,9 @@ def test_a_changed_split_range_never_reuses_a_cached_index(tmp_path, monkeypatch
     indexed = unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(6), n_docs=100)
     old = GPTDataset(indexed, np.arange(0, 34), 8, 20, seed=1, cache_dir=tmp_path / "cache")
     built = []
-    monkeypatch.setattr(gpt_dataset, "build_indices",
-                        lambda *args: built.append(args) or build_indices(*args))
+    monkeypatch.setattr(
+        gpt_dataset, "build_indices", lambda *args: built.append(args) or build_indices(*args)
+    )
     new = GPTDataset(indexed, np.arange(0, 33), 8, 20, seed=1, cache_dir=tmp_path / "cache")
     assert len(built) == 1 and set(old.cache_files.values()).isdisjoint(new.cache_files.values())
     assert np.asarray(new.document_index).max() == 32
@@ -91,7 +110,9 @@ def test_samples_cover_every_token_once_per_epoch(tmp_path):
     seq_length = 16
     tokens_per_epoch = int(indexed.sizes[documents].sum())
     num_samples = int(2.5 * tokens_per_epoch) // seq_length  # needs three epochs
-    ds = GPTDataset(indexed, documents, seq_length, num_samples, seed=1234, cache_dir=tmp_path / "cache")
+    ds = GPTDataset(
+        indexed, documents, seq_length, num_samples, seed=1234, cache_dir=tmp_path / "cache"
+    )
 
     samples = unshuffled_samples(ds)
     assert all(len(s) == seq_length + 1 for s in samples)
@@ -101,7 +122,7 @@ def test_samples_cover_every_token_once_per_epoch(tmp_path):
     epochs = np.asarray(ds.document_index).reshape(3, len(documents))
     for e in range(2):  # the two whole epochs: each a permutation of the documents
         assert sorted(epochs[e]) == list(documents)
-        epoch_tokens = stream[e * tokens_per_epoch:(e + 1) * tokens_per_epoch]
+        epoch_tokens = stream[e * tokens_per_epoch : (e + 1) * tokens_per_epoch]
         want = np.concatenate([indexed[d] for d in documents])
         np.testing.assert_array_equal(np.sort(epoch_tokens), np.sort(want))
         # ...in the order of that epoch's shuffled documents.
@@ -122,8 +143,10 @@ def test_deterministic_from_seed_and_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpt_dataset, "build_indices", no_rebuild)
     b = GPTDataset(*args, seed=7, cache_dir=tmp_path / "cache")
-    for x, y in zip((a.document_index, a.sample_index, a.shuffle_index),
-                    (b.document_index, b.sample_index, b.shuffle_index)):
+    for x, y in zip(
+        (a.document_index, a.sample_index, a.shuffle_index),
+        (b.document_index, b.sample_index, b.shuffle_index),
+    ):
         np.testing.assert_array_equal(x, y)
     monkeypatch.undo()
     c = GPTDataset(*args, seed=8, cache_dir=tmp_path / "cache")
@@ -142,14 +165,18 @@ def build_on_two_ranks(rank, world_size, prefix, cache_dir):
 
 def test_one_rank_builds_the_others_wait(tmp_path):
     unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(2))
-    first, second = run_on_ranks(build_on_two_ranks, 2, str(tmp_path / "c"), str(tmp_path / "cache"))
+    first, second = run_on_ranks(
+        build_on_two_ranks, 2, str(tmp_path / "c"), str(tmp_path / "cache")
+    )
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
     assert not list((tmp_path / "cache").glob("*.tmp"))
 
 
 def build_where_one_builder_fails(rank, world_size, prefix, nodes, cache_dirs):
-    os.environ["LOCAL_RANK"] = str(nodes[:rank].count(nodes[rank]))  # the first rank of a node builds
+    os.environ["LOCAL_RANK"] = str(
+        nodes[:rank].count(nodes[rank])
+    )  # the first rank of a node builds
     start = time.monotonic()
     try:
         GPTDataset(prefix, np.arange(40), 8, 50, seed=3, cache_dir=cache_dirs[nodes[rank]])
@@ -158,18 +185,29 @@ def build_where_one_builder_fails(rank, world_size, prefix, nodes, cache_dirs):
     return None, "", time.monotonic() - start
 
 
-@pytest.mark.parametrize("nodes, failing_node", [
-    ((0, 0), 0),     # one node: its builder, rank 0, fails while rank 1 waits
-    ((0, 0, 1), 1),  # two nodes: node 1's builder, rank 2, fails; node 0's succeeded
-])
+@pytest.mark.parametrize(
+    "nodes, failing_node",
+    [
+        ((0, 0), 0),  # one node: its builder, rank 0, fails while rank 1 waits
+        ((0, 0, 1), 1),  # two nodes: node 1's builder, rank 2, fails; node 0's succeeded
+    ],
+)
 def test_a_failed_index_build_stops_every_rank(tmp_path, nodes, failing_node):
     unique_token_corpus(str(tmp_path / "c"), np.random.default_rng(2))
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")  # a cache folder below a file cannot be created
-    cache_dirs = [str(blocker / "cache") if node == failing_node else str(tmp_path / f"cache{node}")
-                  for node in range(max(nodes) + 1)]
-    outcomes = run_on_ranks(build_where_one_builder_fails, len(nodes), str(tmp_path / "c"), nodes,
-                            cache_dirs, timeout_s=120)
+    cache_dirs = [
+        str(blocker / "cache") if node == failing_node else str(tmp_path / f"cache{node}")
+        for node in range(max(nodes) + 1)
+    ]
+    outcomes = run_on_ranks(
+        build_where_one_builder_fails,
+        len(nodes),
+        str(tmp_path / "c"),
+        nodes,
+        cache_dirs,
+        timeout_s=120,
+    )
     builder = nodes.index(failing_node)
     for rank, (kind, message, elapsed) in enumerate(outcomes):
         assert "--data-cache-path" in message, (rank, kind, message)
@@ -177,7 +215,9 @@ def test_a_failed_index_build_stops_every_rank(tmp_path, nodes, failing_node):
         if rank == builder:
             assert kind == "OSError"
         else:
-            assert kind == "DatasetBuildError" and message.startswith(f"rank {builder} failed to build the train")
+            assert kind == "DatasetBuildError" and message.startswith(
+                f"rank {builder} failed to build the train"
+            )
 
 
 def test_unwritable_cache_and_empty_split_are_clear_errors(tmp_path):
@@ -259,8 +299,9 @@ def test_a_data_path_per_split_keeps_each_split_to_its_own_documents(tmp_path):
     rng = np.random.default_rng(3)
     for name, first in (("train", 0), ("valid", 100_000), ("more", 200_000)):
         unique_token_corpus(str(tmp_path / name), rng, n_docs=30, first_token=first)
-    train, valid, test = build_split_datasets(([str(tmp_path / "train")], [str(tmp_path / "valid")], None),
-                                              8, (200, 40, 10), seed=4)
+    train, valid, test = build_split_datasets(
+        ([str(tmp_path / "train")], [str(tmp_path / "valid")], None), 8, (200, 40, 10), seed=4
+    )
     assert test is None and len(train) == 200 and len(valid) == 40
     assert all(int(train[i]["tokens"].max()) < 100_000 for i in range(len(train)))
     assert all(100_000 <= int(valid[i]["tokens"].min()) < 200_000 for i in range(len(valid)))
@@ -269,8 +310,9 @@ def test_a_data_path_per_split_keeps_each_split_to_its_own_documents(tmp_path):
     seen = np.unique(np.concatenate([train[i]["tokens"] for i in range(len(train))]))
     assert len(seen) >= min(tokens, 200 * 8)
     # A blend per split, as for --data-path.
-    blended, none, _ = build_split_datasets(([str(tmp_path / "train"), str(tmp_path / "more")], ["x"], None),
-                                            8, (100, 0, 0), seed=4)
+    blended, none, _ = build_split_datasets(
+        ([str(tmp_path / "train"), str(tmp_path / "more")], ["x"], None), 8, (100, 0, 0), seed=4
+    )
     assert isinstance(blended, BlendedDataset) and none is None
 
 
@@ -293,18 +335,30 @@ def test_token_ids_past_the_vocabulary_are_refused_naming_the_bin(tmp_path, plan
     rng = np.random.default_rng(planted)
     good = random_token_corpus(str(tmp_path / "good"), rng, 500)
     bad = random_token_corpus(str(tmp_path / "bad"), rng, 500, planted)
-    message = re.escape(f"{tmp_path / 'bad.bin'}: its largest token id is {planted}, past the vocabulary of 500 "
-                        "tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize it")
-    for build in (lambda: build_datasets(bad, "1", 8, (20, 0, 0), seed=1, vocab_size=500),
-                  lambda: build_datasets(["0.5", good, "0.5", bad], "1", 8, (20, 0, 0), seed=1, vocab_size=500),
-                  lambda: build_split_datasets((good, bad, None), 8, (20, 10, 0), seed=1, vocab_size=500)):
+    message = re.escape(
+        f"{tmp_path / 'bad.bin'}: its largest token id is {planted}, past the vocabulary of 500 "
+        "tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize it"
+    )
+    for build in (
+        lambda: build_datasets(bad, "1", 8, (20, 0, 0), seed=1, vocab_size=500),
+        lambda: build_datasets(
+            ["0.5", good, "0.5", bad], "1", 8, (20, 0, 0), seed=1, vocab_size=500
+        ),
+        lambda: build_split_datasets((good, bad, None), 8, (20, 10, 0), seed=1, vocab_size=500),
+    ):
         with pytest.raises(IndexedDatasetError, match=message):
             build()
     assert len(build_datasets(bad, "1", 8, (20, 0, 0), seed=1, vocab_size=planted + 1)[0]) == 20
     assert len(build_datasets(good, "1", 8, (20, 0, 0), seed=1, vocab_size=500)[0]) == 20
     with pytest.raises(IndexedDatasetError, match=r"bad2.bin: token id -3 is negative"):
-        build_datasets(random_token_corpus(str(tmp_path / "bad2"), rng, 500, -3, np.int32), "1", 8, (20, 0, 0),
-                       seed=1, vocab_size=500)
+        build_datasets(
+            random_token_corpus(str(tmp_path / "bad2"), rng, 500, -3, np.int32),
+            "1",
+            8,
+            (20, 0, 0),
+            seed=1,
+            vocab_size=500,
+        )
 
 
 def test_the_token_range_is_cached_by_the_bins_size_and_mtime(tmp_path, monkeypatch):
@@ -312,7 +366,9 @@ def test_the_token_range_is_cached_by_the_bins_size_and_mtime(tmp_path, monkeypa
     prefix = random_token_corpus(str(tmp_path / "c"), rng, 500)
     scans = []
     scan = IndexedDataset.token_range.func
-    monkeypatch.setattr(IndexedDataset, "token_range", property(lambda ds: scans.append(ds.prefix) or scan(ds)))
+    monkeypatch.setattr(
+        IndexedDataset, "token_range", property(lambda ds: scans.append(ds.prefix) or scan(ds))
+    )
     build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)  # two splits, one scan
     assert len(scans) == 1 and len(list((tmp_path / "index_cache").glob("*-token_range.json"))) == 1
     build_datasets(prefix, "1,1,0", 8, (20, 5, 0), seed=1, vocab_size=500)  # another start
@@ -345,16 +401,21 @@ def build_with_a_vocabulary(rank, world_size, prefix, vocab_size):
 
 def test_data_past_the_vocabulary_stops_every_rank(tmp_path):
     prefix = random_token_corpus(str(tmp_path / "c"), np.random.default_rng(12), 500, planted=777)
-    (kind, message), (other_kind, other_message) = run_on_ranks(build_with_a_vocabulary, 2, prefix, 500,
-                                                                timeout_s=120)
+    (kind, message), (other_kind, other_message) = run_on_ranks(
+        build_with_a_vocabulary, 2, prefix, 500, timeout_s=120
+    )
     assert kind == "IndexedDatasetError" and "largest token id is 777" in message
-    assert other_kind == "DatasetBuildError" and other_message.startswith("rank 0 failed to build the train")
+    assert other_kind == "DatasetBuildError" and other_message.startswith(
+        "rank 0 failed to build the train"
+    )
     assert message in other_message
 
 
 def test_non_finite_blend_weights_and_splits_are_refused():
     for weight in ("nan", "inf", "-inf", "-1"):
-        with pytest.raises(ValueError, match=f"--data-path weight {weight} is not a finite non-negative number"):
+        with pytest.raises(
+            ValueError, match=f"--data-path weight {weight} is not a finite non-negative number"
+        ):
             parse_data_path([weight, "a", "1", "b"])
     with pytest.raises(ValueError, match="positive, finite sum"):
         parse_data_path(["1e308", "a", "1e308", "b"])

@@ -1,11 +1,11 @@
 """The Megatron-compatible indexed dataset: round trips, the byte layout, and corrupt files."""
+
 import os
 import struct
 
 import numpy as np
 import pytest
 import torch
-
 from megafp8.data import indexed_dataset
 from megafp8.data.indexed_dataset import (
     IndexedDataset,
@@ -86,7 +86,11 @@ def test_builder_accepts_lists_and_tensors(tmp_path):
 
 def test_idx_and_bin_bytes_match_the_documented_layout(tmp_path):
     rng = np.random.default_rng(1)
-    sequences = [rng.integers(1, 65499, size=3), np.array([], dtype=np.int64), rng.integers(1, 65499, size=2)]
+    sequences = [
+        rng.integers(1, 65499, size=3),
+        np.array([], dtype=np.int64),
+        rng.integers(1, 65499, size=2),
+    ]
     with IndexedDatasetBuilder(tmp_path / "ds", np.uint16) as builder:
         builder.add_item(sequences[0])
         builder.add_item(sequences[1])
@@ -168,8 +172,9 @@ def test_interrupted_build_leaves_no_idx(tmp_path):
 def corrupt_idx(offset, data):
     def corrupt(idx, bin_):
         raw = bytearray(idx.read_bytes())
-        raw[offset:offset + len(data)] = data
+        raw[offset : offset + len(data)] = data
         idx.write_bytes(bytes(raw))
+
     return corrupt
 
 
@@ -179,11 +184,27 @@ CORRUPTIONS = {
     "version": (corrupt_idx(9, struct.pack("<Q", 2)), "idx", "unsupported version 2"),
     "dtype code": (corrupt_idx(17, b"\x09"), "idx", "unknown dtype code 9"),
     "truncated idx": (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-5]), "idx", "truncated"),
-    "truncated header": (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]), "idx", "truncated"),
-    "truncated bin": (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "bin", "truncated"),
-    "another dataset's bin": (lambda idx, bin_: bin_.write_bytes(b"\x01\x00" * 4), "bin", "another dataset"),
+    "truncated header": (
+        lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]),
+        "idx",
+        "truncated",
+    ),
+    "truncated bin": (
+        lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]),
+        "bin",
+        "truncated",
+    ),
+    "another dataset's bin": (
+        lambda idx, bin_: bin_.write_bytes(b"\x01\x00" * 4),
+        "bin",
+        "another dataset",
+    ),
     "docs not from 0": (corrupt_idx(70, struct.pack("<q", 1)), "idx", "do not start at 0"),
-    "docs not to the end": (corrupt_idx(86, struct.pack("<q", 2)), "idx", "not at the sequence count 3"),
+    "docs not to the end": (
+        corrupt_idx(86, struct.pack("<q", 2)),
+        "idx",
+        "not at the sequence count 3",
+    ),
     "docs out of order": (corrupt_idx(78, struct.pack("<q", 4)), "idx", "not non-decreasing"),
     "pointers": (corrupt_idx(34 + 12 + 8, struct.pack("<q", 10**9)), "idx", "pointers"),
     "missing bin": (lambda idx, bin_: bin_.unlink(), "bin", "missing file"),
@@ -203,15 +224,20 @@ def test_corrupt_files_raise_naming_the_file(tmp_path, name):
     assert str(tmp_path / f"ds.{bad_file}") in str(error.value)
 
 
-@pytest.mark.parametrize("code, built_as", [(7, np.int32), (6, np.int64)], ids=["float32", "float64"])
+@pytest.mark.parametrize(
+    "code, built_as", [(7, np.int32), (6, np.int64)], ids=["float32", "float64"]
+)
 def test_a_float_dtype_code_is_refused_naming_the_file(tmp_path, code, built_as):
     """Integer tokens under a float code read as tiny floats, all 0 as ids: the index is refused."""
     rng = np.random.default_rng(code)
-    build(tmp_path / "ds", random_documents(rng, 50257), built_as)  # the .bin's size fits the float dtype
+    build(
+        tmp_path / "ds", random_documents(rng, 50257), built_as
+    )  # the .bin's size fits the float dtype
     corrupt_idx(17, bytes([code]))(tmp_path / "ds.idx", tmp_path / "ds.bin")
     name = np.dtype(np.float32 if code == 7 else np.float64).name
-    with pytest.raises(IndexedDatasetError, match=rf"dtype code {code} \({name}\): token data must be integers"
-                       ) as error:
+    with pytest.raises(
+        IndexedDatasetError, match=rf"dtype code {code} \({name}\): token data must be integers"
+    ) as error:
         IndexedDataset(tmp_path / "ds")
     assert str(error.value).startswith(str(tmp_path / "ds.idx"))
     with pytest.raises(ValueError, match=f"unsupported token dtype {name}"):
@@ -224,7 +250,9 @@ def test_token_range_scans_every_chunk(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(indexed_dataset, "_SCAN_CHUNK_BYTES", 64)  # 32 or 16 tokens a chunk
     rng = np.random.default_rng(5)
     low = 0 if dtype == np.uint16 else -1000
-    documents = [[rng.integers(low, 50257, size=rng.integers(1, 50)) for _ in range(3)] for _ in range(12)]
+    documents = [
+        [rng.integers(low, 50257, size=rng.integers(1, 50)) for _ in range(3)] for _ in range(12)
+    ]
     build(tmp_path / "ds", documents, dtype)
     tokens = np.concatenate([sequence for document in documents for sequence in document])
     ds = IndexedDataset(tmp_path / "ds")

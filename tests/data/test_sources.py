@@ -1,9 +1,9 @@
 """Streaming document readers: every format gives the same documents, counts, and clear errors."""
+
 import json
 import sys
 
 import pytest
-
 from megafp8.data.sources import SourceError, SourceStats, iter_documents, resolve_inputs
 
 from .corpora import records, write_formats, write_jsonl, write_parquet, write_zst
@@ -30,25 +30,33 @@ def test_jsonl_texts_subsets_and_locations(tmp_path):
 
 
 def test_meta_as_dict_json_string_or_absent(tmp_path):
-    rows = [{"text": "a", "meta": {"redpajama_set_name": "RedPajamaBook"}},
-            {"text": "b", "meta": json.dumps({"redpajama_set_name": "RedPajamaArXiv"})},
-            {"text": "c", "meta": "not json"},
-            {"text": "d", "meta": {"other": 1}},
-            {"text": "e"}]
+    rows = [
+        {"text": "a", "meta": {"redpajama_set_name": "RedPajamaBook"}},
+        {"text": "b", "meta": json.dumps({"redpajama_set_name": "RedPajamaArXiv"})},
+        {"text": "c", "meta": "not json"},
+        {"text": "d", "meta": {"other": 1}},
+        {"text": "e"},
+    ]
     docs, _ = read([write_jsonl(tmp_path / "a.json", rows)])
     assert [subset for _, subset in docs] == ["RedPajamaBook", "RedPajamaArXiv", None, None, None]
 
 
 def test_missing_and_empty_texts_are_counted_per_key(tmp_path):
-    rows = [{"text": "one", "title": "t1"},
-            {"text": "", "title": "t2"},
-            {"text": " \n\t ", "title": None},
-            {"title": "t4"},
-            {"text": "five"}]
+    rows = [
+        {"text": "one", "title": "t1"},
+        {"text": "", "title": "t2"},
+        {"text": " \n\t ", "title": None},
+        {"title": "t4"},
+        {"text": "five"},
+    ]
     docs, stats = read([write_jsonl(tmp_path / "a.jsonl", rows)], keys=("text", "title"))
     assert [texts for texts, _ in docs] == [
-        {"text": "one", "title": "t1"}, {"text": None, "title": "t2"}, {"text": None, "title": None},
-        {"text": None, "title": "t4"}, {"text": "five", "title": None}]
+        {"text": "one", "title": "t1"},
+        {"text": None, "title": "t2"},
+        {"text": None, "title": None},
+        {"text": None, "title": "t4"},
+        {"text": "five", "title": None},
+    ]
     assert stats.documents == 5
     assert stats.empty == {"text": 2} and stats.missing == {"text": 1, "title": 2}
 
@@ -60,9 +68,14 @@ def test_blank_lines_are_skipped(tmp_path):
     assert [texts["text"] for texts, _ in docs] == ["a", "b"] and stats.documents == 2
 
 
-@pytest.mark.parametrize("line, what", [('{"text": "a"', "malformed JSON"),
-                                        ('["a list"]', "expected a JSON object"),
-                                        ('{"text": 3}', "'text' is a int, not a string")])
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ('{"text": "a"', "malformed JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"text": 3}', "'text' is a int, not a string"),
+    ],
+)
 def test_bad_line_names_file_and_line(tmp_path, line, what):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "fine"}\n' + line + "\n", encoding="utf-8")
@@ -73,6 +86,7 @@ def test_bad_line_names_file_and_line(tmp_path, line, what):
 def test_malformed_line_inside_zst(tmp_path):
     path = tmp_path / "a.jsonl.zst"
     import zstandard
+
     path.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n{"text": "b"}\n{oops\n'))
     with pytest.raises(SourceError, match=r"a\.jsonl\.zst:3: malformed JSON"):
         read([path])
@@ -108,7 +122,8 @@ def test_all_formats_folder_and_glob_agree(tmp_path):
     assert read([str(tmp_path / "corpus" / "*")])[0] == want
     # Inputs keep their order; files named twice are read once.
     assert read([files[2], files[0], tmp_path / "corpus"])[0] == (
-        expected(rows[30:]) + expected(rows[:15]) + expected(rows[15:30]))
+        expected(rows[30:]) + expected(rows[:15]) + expected(rows[15:30])
+    )
 
 
 def test_folder_is_recursive_and_sorted(tmp_path):
@@ -116,9 +131,19 @@ def test_folder_is_recursive_and_sorted(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(tmp_path / name, [{"text": name}])
     docs, _ = read([tmp_path])
-    assert [texts["text"] for texts, _ in docs] == ["a/z.jsonl", "b/10.jsonl", "b/2.jsonl", "c.jsonl"]
+    assert [texts["text"] for texts, _ in docs] == [
+        "a/z.jsonl",
+        "b/10.jsonl",
+        "b/2.jsonl",
+        "c.jsonl",
+    ]
     docs, _ = read([str(tmp_path / "**" / "*.jsonl")])
-    assert sorted(texts["text"] for texts, _ in docs) == ["a/z.jsonl", "b/10.jsonl", "b/2.jsonl", "c.jsonl"]
+    assert sorted(texts["text"] for texts, _ in docs) == [
+        "a/z.jsonl",
+        "b/10.jsonl",
+        "b/2.jsonl",
+        "c.jsonl",
+    ]
 
 
 def test_unmatched_inputs_are_clear_errors(tmp_path):
@@ -143,6 +168,7 @@ def test_order_is_deterministic(tmp_path):
 
 def test_hugging_face_local_datasets(tmp_path):
     import datasets
+
     rows = records(20)
     folder = tmp_path / "jsonl"
     folder.mkdir()
@@ -154,7 +180,8 @@ def test_hugging_face_local_datasets(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     assert read([tmp_path / "saved"])[0] == expected(rows)
     datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows[:3])}).save_to_disk(
-        str(tmp_path / "saved_dict"))
+        str(tmp_path / "saved_dict")
+    )
     assert read([tmp_path / "saved_dict"], hf_split="validation")[0] == expected(rows[:3])
     with pytest.raises(SourceError, match="no split 'train'"):
         read([tmp_path / "saved_dict"])
@@ -163,6 +190,7 @@ def test_hugging_face_local_datasets(tmp_path):
 def test_unloadable_hugging_face_name(monkeypatch):
     import datasets
     import huggingface_hub.constants
+
     # Offline: the Hub is never asked, so the test neither waits on nor needs a network.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -178,6 +206,7 @@ def test_hugging_face_without_datasets_installed(monkeypatch):
 
 def test_a_zst_chunk_is_streamed_not_read_whole(tmp_path, monkeypatch):
     import zstandard
+
     path = write_zst(tmp_path / "a.jsonl.zst", records(50))
     calls = []
     original = zstandard.ZstdDecompressor.stream_reader

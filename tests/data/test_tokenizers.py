@@ -1,8 +1,8 @@
 """Tokenizers: round trips for every type, GPT-2 files equal tokenizer.json, end of document, errors."""
+
 import json
 
 import pytest
-
 from megafp8.data.tokenizers import build_tokenizer
 
 from .corpora import corpus_text, train_tiny_bpe, train_tiny_sentencepiece
@@ -47,14 +47,16 @@ def test_hugging_face_tokenizer_json(bpe_dir):
     assert tokenizer.detokenize([tokenizer.eod]) == "<|endoftext|>"
     assert tokenizer.files == (str(bpe_dir / "tokenizer.json"),)
     # The folder that holds tokenizer.json works too.
-    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir).tokenize(TEXTS[1]) == \
-        tokenizer.tokenize(TEXTS[1])
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir).tokenize(
+        TEXTS[1]
+    ) == tokenizer.tokenize(TEXTS[1])
 
 
 def test_gpt2_files_give_the_tokenizer_json_ids(bpe_dir):
     hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir / "tokenizer.json")
-    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json",
-                           merge_file=bpe_dir / "merges.txt")
+    gpt2 = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json", merge_file=bpe_dir / "merges.txt"
+    )
     assert_round_trips(gpt2)
     assert gpt2.vocab_size == hf.vocab_size and gpt2.eod == hf.eod
     for text in TEXTS + corpus_text(20, seed=7):
@@ -68,7 +70,10 @@ def test_sentencepiece(spm_model):
     assert tokenizer.vocab_size == 400
     assert tokenizer.eod == 2  # SentencePiece's </s>
     assert tokenizer.files == (str(spm_model),)
-    assert build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model, eod_token="<s>").eod == 1
+    assert (
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=spm_model, eod_token="<s>").eod
+        == 1
+    )
 
 
 def test_null_tokenizer():
@@ -84,7 +89,9 @@ def test_null_tokenizer():
 
 
 def test_eod_token_choice(bpe_dir, tmp_path):
-    eod = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir, eod_token="<|endoftext|>").eod
+    eod = build_tokenizer(
+        "HuggingFaceTokenizer", tokenizer_model=bpe_dir, eod_token="<|endoftext|>"
+    ).eod
     assert eod == build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir).eod
     with pytest.raises(ValueError, match="end-of-document tokens.*eod-token"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=bpe_dir, eod_token="<nope>")
@@ -123,7 +130,9 @@ def test_unreadable_files_are_value_errors_naming_the_file(tmp_path, bpe_dir):
     garbage.write_text("not a tokenizer\n")
     with pytest.raises(ValueError, match=r"garbage: not a readable tokenizer\.json"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=garbage)
-    with pytest.raises(ValueError, match=r"garbage: not a readable GPT-2 vocab\.json and merges\.txt"):
+    with pytest.raises(
+        ValueError, match=r"garbage: not a readable GPT-2 vocab\.json and merges\.txt"
+    ):
         build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_dir / "vocab.json", merge_file=garbage)
     with pytest.raises(ValueError, match="garbage: not a readable SentencePiece model"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=garbage)

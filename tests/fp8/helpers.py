@@ -1,5 +1,6 @@
 """Shared pieces of the FP8 tests: fresh random data, relative error, FP8 emulation in fp64, bitwise
 comparison, the kernels' int64-offset path on small tensors."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,8 @@ HUGE = (65536 + 8, 32768)
 HUGE_CHUNK = 8192
 needs_40gb = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
-    reason="needs a GPU with 40 GB of memory")
+    reason="needs a GPU with 40 GB of memory",
+)
 
 
 def gemm_error_bound(dtype_a: torch.dtype, dtype_b: torch.dtype) -> float:
@@ -79,6 +81,7 @@ def launch_with_offsets(wide: bool, module, kernel: str, call):
             def launch(*args, **kwargs):
                 flags.append(kwargs["WIDE"])
                 return original[grid](*args, **kwargs)
+
             return launch
 
     setattr(module, kernel, Spy())

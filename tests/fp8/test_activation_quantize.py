@@ -4,6 +4,7 @@ followed by `quantize_torch`; the Triton kernels meet that reference in Triton's
 on a GPU match torch's CUDA ops byte for byte but where the last ulp of a transcendental function
 differs: there one FP8 step apart. GELU-tanh's gradient, computed in another form, is held to
 the exact gradient (fp64) instead, no less accurately than aten's."""
+
 import importlib.util
 import os
 
@@ -58,13 +59,18 @@ def scales(h, dout, kind):
     """(forward, backward) delayed scales that saturate the top 5% or so of the values (a stale
     history after the values grew), neither a power of two: ties in the FP8 rounding stay rare."""
     y, dh = activation_torch(h, kind).float(), activation_backward_torch(dout, h, kind).float()
-    return (torch.tensor(448.0 / (0.6 * y.abs().max().item()), device=h.device),
-            torch.tensor(57344.0 / (0.6 * dh.abs().max().item()), device=h.device))
+    return (
+        torch.tensor(448.0 / (0.6 * y.abs().max().item()), device=h.device),
+        torch.tensor(57344.0 / (0.6 * dh.abs().max().item()), device=h.device),
+    )
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                      b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def assert_same_cast(q, ref):
@@ -79,6 +85,7 @@ def assert_same_cast(q, ref):
 
 
 # -- the torch path, on the CPU: exactly the unfused ops ----------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,18 +106,42 @@ def test_torch_path_is_unfused_then_quantize(kind, dtype, rowwise, columnwise):
     layouts = dict(rowwise=rowwise, columnwise=columnwise)
     counts, ref_counts = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     amax_out, ref_amax_out = torch.tensor(1e-3), torch.tensor(1e-3)
-    q = activation_quantize(h, kind, E4M3, scale, **layouts, amax_out=amax_out, saturation_out=counts)
-    ref = quantize_torch(mlp_activation(h, kind), E4M3, scale, 0, rowwise, columnwise, None, ref_amax_out, False,
-                         ref_counts)
+    q = activation_quantize(
+        h, kind, E4M3, scale, **layouts, amax_out=amax_out, saturation_out=counts
+    )
+    ref = quantize_torch(
+        mlp_activation(h, kind),
+        E4M3,
+        scale,
+        0,
+        rowwise,
+        columnwise,
+        None,
+        ref_amax_out,
+        False,
+        ref_counts,
+    )
     assert_same_cast(q, ref)
     assert q.amax is amax_out and torch.equal(amax_out, ref_amax_out)
     assert torch.equal(counts, ref_counts) and counts[0] > 0 and counts[1] == 37 * 200
 
     counts.zero_()
     ref_counts.zero_()
-    q = activation_backward_quantize(dout, h, kind, E5M2, grad_scale, **layouts, col_sum=True, saturation_out=counts)
-    ref = quantize_torch(autograd_dh(dout, h, kind), E5M2, grad_scale, 0, rowwise, columnwise, None, None, True,
-                         ref_counts)
+    q = activation_backward_quantize(
+        dout, h, kind, E5M2, grad_scale, **layouts, col_sum=True, saturation_out=counts
+    )
+    ref = quantize_torch(
+        autograd_dh(dout, h, kind),
+        E5M2,
+        grad_scale,
+        0,
+        rowwise,
+        columnwise,
+        None,
+        None,
+        True,
+        ref_counts,
+    )
     assert_same_cast(q, ref)
     assert torch.equal(counts, ref_counts) and counts[0] > 0 and counts[1] == h.numel()
 
@@ -148,6 +179,7 @@ def test_bad_arguments_are_refused():
 
 # -- the Triton kernels, against the torch path ----------------------------------------------------
 
+
 def compare(q, ref, x, exact_fraction, what, magnitude=None):
     """The kernel's cast `q` against the torch path's `ref`; x: h (GELU) or the gate (SwiGLU) at
     each element of the activation or of the gradient's first half; `magnitude`: the column sums
@@ -168,13 +200,17 @@ def compare(q, ref, x, exact_fraction, what, magnitude=None):
         tail = torch.zeros_like(differ)
         tail[:, : x.shape[1]] = x < -3.5
         fraction = differ[~tail].float().mean().item()
-        assert fraction <= 1 - exact_fraction, f"{what} {name}: {differ[~tail].sum().item()} bytes differ"
+        assert fraction <= 1 - exact_fraction, (
+            f"{what} {name}: {differ[~tail].sum().item()} bytes differ"
+        )
         # Where bytes differ, by one step of the FP8 grid: a value one rounding apart before the cast.
         finite = torch.isfinite(b.float())
         assert torch.equal(torch.isfinite(a.float()), finite), (what, name)
         off = (a.float() - b.float()).abs()[finite & ~tail]
-        assert (off <= fp8_step(torch.maximum(a.float().abs(), b.float().abs())[finite & ~tail], a.dtype)).all(), \
-            (what, name, off.max().item())
+        assert (
+            off
+            <= fp8_step(torch.maximum(a.float().abs(), b.float().abs())[finite & ~tail], a.dtype)
+        ).all(), (what, name, off.max().item())
         gap = (a.float() - b.float()).abs()[tail] * ref.scale_inv
         assert gap.numel() == 0 or gap.max().item() <= 1e-4 * ref.amax.item(), (what, name)
     if q.data is not None and q.data_t is not None:
@@ -209,8 +245,16 @@ def check_kernels(kind, dtype, M, F_, layouts, device, exact_fraction, seed=0):
         counts = torch.zeros(3, dtype=torch.int64, device=device)
         ref_counts = torch.zeros(3, dtype=torch.int64, device=device)
         amax_out = torch.tensor(1e-3, device=device)
-        q = activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise, amax_out=amax_out,
-                                saturation_out=counts)
+        q = activation_quantize(
+            h,
+            kind,
+            E4M3,
+            scale,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_out=amax_out,
+            saturation_out=counts,
+        )
         y = activation_torch(h, kind)
         ref = quantize_torch(y, E4M3, scale, 0, rowwise, columnwise, None, None, False, ref_counts)
         assert q.amax is amax_out
@@ -222,21 +266,42 @@ def check_kernels(kind, dtype, M, F_, layouts, device, exact_fraction, seed=0):
         assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (y == 0).sum(), what
         # An accumulator larger than the tensor's amax keeps its value.
         large = torch.tensor(1e6, device=device)
-        activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise, amax_out=large)
+        activation_quantize(
+            h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise, amax_out=large
+        )
         assert large.item() == 1e6
 
         counts.zero_()
         ref_counts.zero_()
-        q = activation_backward_quantize(dout, h, kind, E5M2, grad_scale, rowwise=rowwise, columnwise=columnwise,
-                                         col_sum=True, saturation_out=counts)
+        q = activation_backward_quantize(
+            dout,
+            h,
+            kind,
+            E5M2,
+            grad_scale,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            col_sum=True,
+            saturation_out=counts,
+        )
         dh = activation_backward_torch(dout, h, kind)
-        ref = quantize_torch(dh, E5M2, grad_scale, 0, rowwise, columnwise, None, None, True, ref_counts)
+        ref = quantize_torch(
+            dh, E5M2, grad_scale, 0, rowwise, columnwise, None, None, True, ref_counts
+        )
         magnitude = dh.float().abs()
-        compare(q, ref, x, exact_fraction, what + " backward",
-                (magnitude.sum(0), magnitude.amax(0), torch.finfo(dtype).eps))
+        compare(
+            q,
+            ref,
+            x,
+            exact_fraction,
+            what + " backward",
+            (magnitude.sum(0), magnitude.amax(0), torch.finfo(dtype).eps),
+        )
         assert counts[1] == ref_counts[1], what
         assert abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what  # saturated
-        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (dh == 0).sum(), what  # as forward
+        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (dh == 0).sum(), (
+            what
+        )  # as forward
 
 
 def check_non_finite(kind, device):
@@ -254,7 +319,9 @@ def check_non_finite(kind, device):
     assert torch.equal(torch.isnan(q.data.float()), nan), kind
     assert torch.equal(torch.isnan(q.data_t.float()), nan.t()), kind
     dq = activation_backward_quantize(dout, h, kind, E5M2, one, col_sum=True)
-    dref = quantize_torch(activation_backward_torch(dout, h, kind), E5M2, one, 0, True, True, col_sum=True)
+    dref = quantize_torch(
+        activation_backward_torch(dout, h, kind), E5M2, one, 0, True, True, col_sum=True
+    )
     assert not torch.isfinite(dq.amax) and not torch.isfinite(dref.amax), kind
     assert torch.equal(torch.isnan(dq.data.float()), torch.isnan(dref.data.float())), kind
     assert torch.equal(torch.isnan(dq.col_sum), torch.isnan(dref.col_sum)), kind
@@ -271,22 +338,31 @@ def check_gelu_tanh_gradient_accuracy(M, F_, device):
         _, grad_scale = scales(h, dout, "gelu_tanh")
         exact = activation_backward_torch(dout.double(), h.double(), "gelu_tanh").to(dtype)
         truth = quantize_torch(exact, E5M2, grad_scale, 0, True, False).data.float()
-        ours = activation_backward_quantize(dout, h, "gelu_tanh", E5M2, grad_scale, columnwise=False).data.float()
-        atens = quantize_torch(activation_backward_torch(dout, h, "gelu_tanh"), E5M2, grad_scale, 0, True,
-                               False).data.float()
+        ours = activation_backward_quantize(
+            dout, h, "gelu_tanh", E5M2, grad_scale, columnwise=False
+        ).data.float()
+        atens = quantize_torch(
+            activation_backward_torch(dout, h, "gelu_tanh"), E5M2, grad_scale, 0, True, False
+        ).data.float()
         ours_off, atens_off = (ours != truth).sum().item(), (atens != truth).sum().item()
         assert ours_off <= atens_off + 1e-4 * h.numel(), (dtype, ours_off, atens_off)
         off = (ours - truth).abs()
-        bound = torch.maximum(fp8_step(torch.maximum(ours.abs(), truth.abs()), E5M2), 1e-6 * truth.abs().max())
+        bound = torch.maximum(
+            fp8_step(torch.maximum(ours.abs(), truth.abs()), E5M2), 1e-6 * truth.abs().max()
+        )
         assert (off <= bound).all(), (dtype, (off - bound).max().item())
 
 
 def interpreted_checks():
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # else the public functions run torch on the CPU
+    assert (
+        os.environ.get("TRITON_INTERPRET") == "1"
+    )  # else the public functions run torch on the CPU
     for kind in KINDS:
         for dtype in DTYPES:
             check_kernels(kind, dtype, 37, 200, LAYOUTS, "cpu", exact_fraction=0.999)
-        check_kernels(kind, torch.bfloat16, 70, 130, LAYOUTS[:1], "cpu", exact_fraction=0.999, seed=1)
+        check_kernels(
+            kind, torch.bfloat16, 70, 130, LAYOUTS[:1], "cpu", exact_fraction=0.999, seed=1
+        )
         check_non_finite(kind, "cpu")
     check_gelu_tanh_gradient_accuracy(300, 256, "cpu")
     check_wide_offsets()
@@ -296,22 +372,47 @@ def check_wide_offsets():
     """The kernels' int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
     int32 path's bits: each activation and layout, forward and backward, counts and column sums too."""
     for kind in KINDS:
-        h, dout = make_inputs(kind, torch.bfloat16, 37, 72)  # partial tiles both ways, forward and backward
+        h, dout = make_inputs(
+            kind, torch.bfloat16, 37, 72
+        )  # partial tiles both ways, forward and backward
         scale, grad_scale = scales(h, dout, kind)
         for rowwise, columnwise in LAYOUTS:
+
             def forward():
                 counts = torch.zeros(3, dtype=torch.int64)
-                return activation_quantize(h, kind, E4M3, scale, rowwise=rowwise, columnwise=columnwise,
-                                           amax_out=torch.tensor(1e-3), saturation_out=counts), counts
+                return activation_quantize(
+                    h,
+                    kind,
+                    E4M3,
+                    scale,
+                    rowwise=rowwise,
+                    columnwise=columnwise,
+                    amax_out=torch.tensor(1e-3),
+                    saturation_out=counts,
+                ), counts
 
             def backward():
                 counts = torch.zeros(3, dtype=torch.int64)
-                return activation_backward_quantize(dout, h, kind, E5M2, grad_scale, rowwise=rowwise,
-                                                    columnwise=columnwise, col_sum=True, saturation_out=counts), counts
+                return activation_backward_quantize(
+                    dout,
+                    h,
+                    kind,
+                    E5M2,
+                    grad_scale,
+                    rowwise=rowwise,
+                    columnwise=columnwise,
+                    col_sum=True,
+                    saturation_out=counts,
+                ), counts
+
             what = (kind, rowwise, columnwise)
-            for kernel, cast in (("_activation_quantize_kernel", forward),
-                                 ("_activation_backward_quantize_kernel", backward)):
-                narrow, wide = (launch_with_offsets(w, activation_kernels, kernel, cast) for w in (False, True))
+            for kernel, cast in (
+                ("_activation_quantize_kernel", forward),
+                ("_activation_backward_quantize_kernel", backward),
+            ):
+                narrow, wide = (
+                    launch_with_offsets(w, activation_kernels, kernel, cast) for w in (False, True)
+                )
                 assert_same_bits(narrow, wide, (what, kernel))
                 assert narrow[1][0] > 0, (what, kernel)
 
@@ -322,9 +423,13 @@ def test_kernels_in_the_triton_interpreter():
 
 
 needs_cuda_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
-         and torch.cuda.get_device_capability() >= (8, 9)),
-    reason="needs a CUDA GPU with FP8 (compute capability 8.9+) and triton")
+    not (
+        torch.cuda.is_available()
+        and importlib.util.find_spec("triton") is not None
+        and torch.cuda.get_device_capability() >= (8, 9)
+    ),
+    reason="needs a CUDA GPU with FP8 (compute capability 8.9+) and triton",
+)
 
 
 @pytest.mark.gpu
@@ -378,12 +483,15 @@ def test_gpu_gelu_of_more_than_2_31_elements():
     q = activation_quantize(h, "gelu", E4M3, scale, amax_out=amax_out, saturation_out=counts)
     assert q.amax is amax_out and amax_out.item() == 40.0
     zeros = 0
-    for i, (rows, data, data_t) in enumerate(zip(h.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK),
-                                                 q.data_t.split(HUGE_CHUNK, dim=1))):
+    for i, (rows, data, data_t) in enumerate(
+        zip(h.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK), q.data_t.split(HUGE_CHUNK, dim=1))
+    ):
         y = activation_torch(rows, "gelu")
         ref = quantize_torch(y, E4M3, scale, 0, True, False, None, None, False, ref_counts)
         what = f"forward, rows from {i * HUGE_CHUNK}"
-        compare(Fp8Tensor(data, None, q.scale_inv, q.amax), ref._replace(amax=q.amax), rows, 0.995, what)
+        compare(
+            Fp8Tensor(data, None, q.scale_inv, q.amax), ref._replace(amax=q.amax), rows, 0.995, what
+        )
         assert same_bits(data_t, data.t()), what
         zeros += (y == 0).sum().item()
     assert counts[0] == ref_counts[0] == len(peaks) and counts[1] == ref_counts[1] == M * F_
@@ -394,15 +502,29 @@ def test_gpu_gelu_of_more_than_2_31_elements():
     grad_scale = torch.tensor(57344.0 / 0.03, device="cuda")  # the largest gradients saturate
     counts.zero_()
     ref_counts.zero_()
-    dq = activation_backward_quantize(dout, h, "gelu", E5M2, grad_scale, col_sum=True, saturation_out=counts)
+    dq = activation_backward_quantize(
+        dout, h, "gelu", E5M2, grad_scale, col_sum=True, saturation_out=counts
+    )
     col_sum, magnitude = (torch.zeros(F_, device="cuda", dtype=torch.float64) for _ in range(2))
     ref_amax, zeros = 0.0, 0
-    for i, (d, rows, data, data_t) in enumerate(zip(dout.split(HUGE_CHUNK), h.split(HUGE_CHUNK),
-                                                    dq.data.split(HUGE_CHUNK), dq.data_t.split(HUGE_CHUNK, dim=1))):
+    for i, (d, rows, data, data_t) in enumerate(
+        zip(
+            dout.split(HUGE_CHUNK),
+            h.split(HUGE_CHUNK),
+            dq.data.split(HUGE_CHUNK),
+            dq.data_t.split(HUGE_CHUNK, dim=1),
+        )
+    ):
         dh = activation_backward_torch(d, rows, "gelu")
         ref = quantize_torch(dh, E5M2, grad_scale, 0, True, False, None, None, False, ref_counts)
         what = f"backward, rows from {i * HUGE_CHUNK}"
-        compare(Fp8Tensor(data, None, dq.scale_inv, dq.amax), ref._replace(amax=dq.amax), rows, 0.995, what)
+        compare(
+            Fp8Tensor(data, None, dq.scale_inv, dq.amax),
+            ref._replace(amax=dq.amax),
+            rows,
+            0.995,
+            what,
+        )
         assert same_bits(data_t, data.t()), what
         col_sum += dh.sum(0, dtype=torch.float64)
         magnitude += dh.abs().sum(0, dtype=torch.float64)

@@ -1,4 +1,5 @@
 """Delayed-scaling amaxes MAX-reduced over a gloo group: identical scales, one collective per pass."""
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +32,10 @@ def train_two_layers(rank, world_size, reduce_amax):
         y.pow(2).mean().backward()
     dist.all_reduce = all_reduce
     states = {
-        f"{i}.{role}": (layer.fp8_scaling[role].scale.clone(), layer.fp8_scaling[role].amax_history.clone())
+        f"{i}.{role}": (
+            layer.fp8_scaling[role].scale.clone(),
+            layer.fp8_scaling[role].amax_history.clone(),
+        )
         for i, layer in enumerate(layers)
         for role in ROLES
     }

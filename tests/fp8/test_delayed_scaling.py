@@ -1,5 +1,6 @@
 """Delayed scaling as docs/fp8.md states it ("Recipes"), driven through Fp8Linear one pass at a time;
 the GPU's fused update kernel against the torch path in Triton's interpreter."""
+
 import importlib.util
 
 import pytest
@@ -24,7 +25,9 @@ def forward_passes(amaxes, recipe, layer=None):
     return scales, layer
 
 
-WORKED = dict(amax_history_len=4, amax_compute_algo="max", margin=0, fp8_format=Format.E4M3, interval=1)
+WORKED = dict(
+    amax_history_len=4, amax_compute_algo="max", margin=0, fp8_format=Format.E4M3, interval=1
+)
 
 
 def test_worked_example_max():
@@ -49,7 +52,13 @@ def test_second_pass_casts_with_224_and_saturates_at_448():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with fp8_autocast(recipe=recipe):
             y = layer(x)
-    (x_t_fp8,) = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape == (16, 16) and t.data_ptr() != layer._weight_fp8[1].data_t.data_ptr()]
+    (x_t_fp8,) = [
+        t
+        for t in saved
+        if t.dtype == torch.float8_e4m3fn
+        and t.shape == (16, 16)
+        and t.data_ptr() != layer._weight_fp8[1].data_t.data_ptr()
+    ]
     values = x_t_fp8.float().t()
     assert not torch.isnan(values).any()
     assert values[0, 0].item() == 448.0  # 8 x 224 = 1792, saturated
@@ -120,6 +129,7 @@ def test_history_length_follows_the_recipe_keeping_the_newest():
 
 # -- the fused update kernel (what CUDA runs) in Triton's interpreter, on the CPU ------------------------------
 
+
 def interpreted_checks():
     """The kernel gives the torch path's histories, scales and accumulators bit for bit, on histories
     whose max is an older amax than the newest: at the front, in the middle, at the last place kept
@@ -134,8 +144,12 @@ def interpreted_checks():
                 amaxes[1], amaxes[2], amaxes[3] = float("inf"), float("nan"), 0.0
                 resets = [True, False, True, True, False, True, True]
                 histories = torch.rand(7, length, generator=g) * 4 + 1
-                for row, place in zip(histories, (0, length // 2, length - 2, length - 1, 0, 1, length - 1)):
-                    row[place % length] = 40.0 + place % length  # the max, older than the newest amax
+                for row, place in zip(
+                    histories, (0, length // 2, length - 2, length - 1, 0, 1, length - 1)
+                ):
+                    row[place % length] = (
+                        40.0 + place % length
+                    )  # the max, older than the newest amax
                 states = []
                 for _ in range(2):
                     group = [ScalingState() for _ in range(7)]
@@ -150,13 +164,22 @@ def interpreted_checks():
                 for fused, reference, reset in zip(*states, resets):
                     what = (length, algo, recompute, reference.amax_history.tolist())
                     assert torch.equal(fused.amax_history, reference.amax_history), what
-                    assert torch.equal(fused.scale, reference.scale), (what, fused.scale, reference.scale)
-                    assert torch.equal(fused.amax, reference.amax) and (fused.amax.item() == 0) == reset, what
+                    assert torch.equal(fused.scale, reference.scale), (
+                        what,
+                        fused.scale,
+                        reference.scale,
+                    )
+                    assert (
+                        torch.equal(fused.amax, reference.amax)
+                        and (fused.amax.item() == 0) == reset
+                    ), what
                 # The reference scales from the history's max, not the newest amax, where it should.
                 newest, first = amaxes[0].item(), states[1][0]
                 older_max = first.amax_history.max().item()
                 if recompute and algo == "max" and length > 1:
-                    assert older_max > newest and first.scale.item() == pytest.approx(448.0 / older_max / 2, rel=1e-6)
+                    assert older_max > newest and first.scale.item() == pytest.approx(
+                        448.0 / older_max / 2, rel=1e-6
+                    )
                 elif recompute:
                     assert first.scale.item() == pytest.approx(448.0 / newest / 2, rel=1e-6)
 

@@ -1,9 +1,16 @@
 """The CUDA path: fused Triton quantization equals the torch path bit for bit; Fp8Linear on GPU."""
+
 import pytest
 import torch
 
-from megafp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast, scale_from_amax
-from megafp8 import triton_support
+from megafp8 import (
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Linear,
+    fp8_autocast,
+    scale_from_amax,
+    triton_support,
+)
 from megafp8.fp8 import triton_kernels
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.scaling import ScalingState, _update_delayed_torch
@@ -36,10 +43,18 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
     # dtype can hold it): exercises saturation. Half the dtype's max keeps fp16 finite.
     x.view(-1)[3] = min(1e6, torch.finfo(hp_dtype).max / 2)
     scale = torch.tensor(0.37, device="cuda") if delayed else None
-    for rowwise, columnwise, col_sum in [(True, True, True), (True, False, False), (False, True, False)]:
+    for rowwise, columnwise, col_sum in [
+        (True, True, True),
+        (True, False, False),
+        (False, True, False),
+    ]:
         out_a, out_b = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-        a = triton_kernels.quantize(x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, None, col_sum)
-        b = quantize_torch(x, fp8_dtype, scale, 2, rowwise, columnwise, scale_out=out_b, col_sum=col_sum)
+        a = triton_kernels.quantize(
+            x, fp8_dtype, scale, 2, rowwise, columnwise, out_a, None, col_sum
+        )
+        b = quantize_torch(
+            x, fp8_dtype, scale, 2, rowwise, columnwise, scale_out=out_b, col_sum=col_sum
+        )
         assert_same_bytes(a.data, b.data, "data")
         assert_same_bytes(a.data_t, b.data_t, "data_t")
         assert torch.equal(a.amax, b.amax) and torch.equal(a.scale_inv, b.scale_inv)
@@ -52,7 +67,9 @@ def test_triton_quantize_equals_torch(shape, hp_dtype, fp8_dtype, delayed):
 def test_triton_quantize_non_finite_inputs():
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     x[5, 7] = float("nan")
-    q = triton_kernels.quantize(x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None, None, False)
+    q = triton_kernels.quantize(
+        x, E4M3, torch.tensor(1.0, device="cuda"), 0, True, True, None, None, False
+    )
     assert not torch.isfinite(q.amax)
     assert torch.isnan(q.data.float()[5, 7]) and torch.isnan(q.data_t.float()[7, 5])
 
@@ -76,14 +93,21 @@ def test_triton_quantize_of_more_than_2_31_elements(delayed):
     # Both layouts, the column sums and the counts of a tensor past int32 offsets, against the torch
     # path a block of rows at a time.
     M, N = HUGE
-    x = torch.randn(HUGE, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    x = torch.randn(
+        HUGE, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0)
+    )
     assert x.numel() > 2**31 and triton_support.wide_offsets(x)
     # Outliers, the largest in the last element, past 2^31 elements in both layouts.
     outliers = [(0, 0), (M // 2, 7), (M - 8, 3), (M - 3, N - 5), (M - 1, N - 1)]
     for i, (row, col) in enumerate(outliers):
         x[row, col] = (100.0 + i) * (-1) ** i
-    scale = torch.tensor(448.0 / 16, device="cuda") if delayed else None  # beyond 16 saturates: the outliers
-    scale_out, counts = torch.zeros((), device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
+    scale = (
+        torch.tensor(448.0 / 16, device="cuda") if delayed else None
+    )  # beyond 16 saturates: the outliers
+    scale_out, counts = (
+        torch.zeros((), device="cuda"),
+        torch.zeros(3, dtype=torch.int64, device="cuda"),
+    )
     q = triton_kernels.quantize(x, E4M3, scale, 0, True, True, scale_out, None, True, counts)
     assert q.amax.item() == 100.0 + len(outliers) - 1
     if not delayed:
@@ -134,7 +158,9 @@ def test_fused_delayed_update_equals_torch(length, algo, recompute):
         assert (fused.amax.item() == 0) == reset  # consumed accumulators are zeroed, kept ones not
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"]
+)
 def test_fp8_linear_on_gpu_computes_the_emulated_fp8_gemms(recipe):
     torch.manual_seed(0)
     layer = Fp8Linear(256, 512, device="cuda")

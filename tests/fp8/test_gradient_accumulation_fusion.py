@@ -4,6 +4,7 @@ gradient yet with the GEMM's fp32 result (CPU and GPU); the bf16 wgrad adds into
 GEMM (GPU only). Either way the accumulated gradient equals the unfused path's to bf16 rounding,
 with the step's first micro-batch not rounded to bf16 at all. A buffer zeroed lazily (its old
 values left in place) gives the same gradients as a cleared one."""
+
 import pytest
 import torch
 from megafp8.parallel.data_parallel import GradientBuffer
@@ -42,8 +43,13 @@ def accumulate(layer, buffer, batches, fp8, twice=False):
 
 def batches(dtype, device="cpu", out_features=48):
     g = torch.Generator(device=device).manual_seed(11)
-    return [(torch.randn(32, 64, generator=g, device=device).to(dtype),
-             torch.randn(32, out_features, generator=g, device=device).to(dtype)) for _ in range(MICRO_BATCHES)]
+    return [
+        (
+            torch.randn(32, 64, generator=g, device=device).to(dtype),
+            torch.randn(32, out_features, generator=g, device=device).to(dtype),
+        )
+        for _ in range(MICRO_BATCHES)
+    ]
 
 
 def is_bf16_rounded(t):
@@ -64,7 +70,9 @@ def test_fp8_wgrad_goes_into_a_zero_main_grad_in_fp32_then_accumulates_as_before
         assert rel_err(w, w_ref) < 2.0**-8 and rel_err(b, b_ref) < 2.0**-8
     # Zeroed again, the next step overwrites again.
     again = accumulate(fused, fused_buffer, data, fp8=True)
-    assert all(torch.equal(a, b) for pair_a, pair_b in zip(again, got) for a, b in zip(pair_a, pair_b))
+    assert all(
+        torch.equal(a, b) for pair_a, pair_b in zip(again, got) for a, b in zip(pair_a, pair_b)
+    )
 
 
 def test_a_weight_used_twice_in_one_backward_counts_both_uses():
@@ -85,8 +93,16 @@ def test_without_fusion_or_a_buffer_autograd_gets_the_gradients():
     assert layer.weight.grad is not None and layer.bias.grad is not None
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,9 +111,13 @@ def test_a_lazily_zeroed_buffer_gives_the_gradients_of_a_cleared_one(device, fp8
     # Its stale values (NaN here) are overwritten by each main_grad's first writer, fused GEMM
     # (beta = 0 for bf16 on the GPU) or autograd hook alike; finish() zeroes those nobody wrote.
     torch.manual_seed(5)
-    model = torch.nn.ModuleDict({"fused": Fp8Linear(64, 48, dtype=torch.bfloat16, device=device),
-                                 "plain": torch.nn.Linear(48, 16, dtype=torch.bfloat16, device=device),
-                                 "unused": torch.nn.Linear(4, 4, device=device)})
+    model = torch.nn.ModuleDict(
+        {
+            "fused": Fp8Linear(64, 48, dtype=torch.bfloat16, device=device),
+            "plain": torch.nn.Linear(48, 16, dtype=torch.bfloat16, device=device),
+            "unused": torch.nn.Linear(4, 4, device=device),
+        }
+    )
     buffer = GradientBuffer(model.parameters())
     data = [(x, dy[:, :16]) for x, dy in batches(torch.bfloat16, device)]
     results = []
@@ -139,9 +159,13 @@ def beside_collective_body(rank, size):
     before = [(p.main_grad.clone(), p.main_grad_empty) for p in layer.parameters()]
     x = torch.randn(8, 64, requires_grad=True)
     y = layer.high_precision_linear(x, layer.bias, gather_group=torch.distributed.group.WORLD)
-    grads = torch.autograd.grad(y, (x, layer.weight, layer.bias), torch.randn_like(y))  # as the warm-up
-    untouched = all(torch.equal(p.main_grad, grad) and p.main_grad_empty == empty
-                    for p, (grad, empty) in zip(layer.parameters(), before))
+    grads = torch.autograd.grad(
+        y, (x, layer.weight, layer.bias), torch.randn_like(y)
+    )  # as the warm-up
+    untouched = all(
+        torch.equal(p.main_grad, grad) and p.main_grad_empty == empty
+        for p, (grad, empty) in zip(layer.parameters(), before)
+    )
     del buffer
     return untouched, all(grad is not None for grad in grads)
 

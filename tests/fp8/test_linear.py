@@ -50,7 +50,9 @@ def fresh_layer(in_features=64, out_features=48, bias=True):
 
 def fresh_batch(in_features=64, out_features=48, lead=(4, 8), seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*lead, in_features, generator=g), torch.randn(*lead, out_features, generator=g)
+    return torch.randn(*lead, in_features, generator=g), torch.randn(
+        *lead, out_features, generator=g
+    )
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -191,8 +193,12 @@ def test_writes_through_weight_data_need_an_explicit_refresh():
     assert layer._weight_fp8[1] is not cached
 
 
-@pytest.mark.parametrize("in_features, out_features, lead", [(20, 48, (16,)), (64, 40, (16,)), (64, 48, (3, 5))])
-def test_shapes_fp8_cannot_take_run_in_high_precision_with_one_warning(in_features, out_features, lead):
+@pytest.mark.parametrize(
+    "in_features, out_features, lead", [(20, 48, (16,)), (64, 40, (16,)), (64, 48, (3, 5))]
+)
+def test_shapes_fp8_cannot_take_run_in_high_precision_with_one_warning(
+    in_features, out_features, lead
+):
     layer = fresh_layer(in_features, out_features)
     x = torch.randn(*lead, in_features, requires_grad=True)
     with pytest.warns(UserWarning, match="divisible by 16") as record:
@@ -238,10 +244,14 @@ def test_any_torch_optimizer_step_refreshes_the_weight_cast_even_without_a_versi
 
 
 def test_the_optimizer_step_hook_comes_with_the_first_fp8_linear_not_with_the_import():
-    code = ("import torch.optim.optimizer as o\n"
-            "import megafp8.fp8\n"
-            "print(len(o._global_optimizer_post_hooks))\n"
-            "megafp8.fp8.Fp8Linear(16, 16), megafp8.fp8.Fp8Linear(16, 16)\n"
-            "print(len(o._global_optimizer_post_hooks))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import torch.optim.optimizer as o\n"
+        "import megafp8.fp8\n"
+        "print(len(o._global_optimizer_post_hooks))\n"
+        "megafp8.fp8.Fp8Linear(16, 16), megafp8.fp8.Fp8Linear(16, 16)\n"
+        "print(len(o._global_optimizer_post_hooks))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["0", "1"]

@@ -3,6 +3,7 @@
 The torch path against torch.nn.functional (in fp64), aten's statistics and quantize_torch; the
 Triton kernels in Triton's interpreter (a fresh process) and on a GPU against the torch path.
 """
+
 import importlib.util
 
 import pytest
@@ -11,7 +12,12 @@ import torch.nn.functional as F
 
 from megafp8.fp8 import norm_kernels
 from megafp8.fp8.formats import fp8_max
-from megafp8.fp8.norm_kernels import norm_backward, norm_backward_torch, norm_forward_torch, norm_quantize
+from megafp8.fp8.norm_kernels import (
+    norm_backward,
+    norm_backward_torch,
+    norm_forward_torch,
+    norm_quantize,
+)
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.tensor import saturates, underflows
 
@@ -32,8 +38,11 @@ def make_inputs(M, N, dtype, rms, *, weight_dtype=None, offset=3.0, seed=0, devi
     weight = torch.randn(N, generator=g) * 0.5 + 1
     bias = None if rms else torch.randn(N, generator=g) * 0.5
     weight_dtype = weight_dtype or dtype
-    return (x.to(device, dtype), weight.to(device, weight_dtype),
-            None if bias is None else bias.to(device, weight_dtype))
+    return (
+        x.to(device, dtype),
+        weight.to(device, weight_dtype),
+        None if bias is None else bias.to(device, weight_dtype),
+    )
 
 
 def fitted_scale(y, fp8_dtype, headroom=0.9):
@@ -80,6 +89,7 @@ def assert_backward_close(grads, ref, x_dtype, weight_dtype, what, floor=1e-5):
 
 # -- the torch path, always --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_forward_torch_is_the_functional_norm_rounded_once(rms, dtype):
@@ -94,7 +104,9 @@ def test_forward_torch_is_the_functional_norm_rounded_once(rms, dtype):
     else:
         assert mean.dtype == torch.float32 and rel_err(mean, ref_mean) < 1e-6
     # What the norm module outputs in its own dtype: at most a rounding apart.
-    module = F.rms_norm(x, (200,), weight, EPS) if rms else F.layer_norm(x, (200,), weight, bias, EPS)
+    module = (
+        F.rms_norm(x, (200,), weight, EPS) if rms else F.layer_norm(x, (200,), weight, bias, EPS)
+    )
     assert rel_err(y, module) < 2 * ROUNDING[dtype]
 
 
@@ -105,8 +117,9 @@ def test_statistics_follow_aten():
     _, aten_mean, aten_rstd = torch.native_layer_norm(x, [200], weight, bias, EPS)
     assert rel_err(mean, aten_mean.flatten()) < 1e-6 and rel_err(rstd, aten_rstd.flatten()) < 1e-6
     dy = torch.randn(37, 200, generator=torch.Generator().manual_seed(1))
-    aten_grads = torch.ops.aten.native_layer_norm_backward(dy, x, [200], mean[:, None], rstd[:, None], weight, bias,
-                                                           [True, True, True])
+    aten_grads = torch.ops.aten.native_layer_norm_backward(
+        dy, x, [200], mean[:, None], rstd[:, None], weight, bias, [True, True, True]
+    )
     for out, expected in zip(norm_backward(dy, x, weight, mean, rstd, False), aten_grads):
         assert rel_err(out, expected) < 1e-6
     x, weight, _ = make_inputs(37, 200, torch.float32, True)
@@ -117,7 +130,9 @@ def test_statistics_follow_aten():
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("layout", [(True, True), (True, False), (False, True)], ids=["both", "rowwise", "columnwise"])
+@pytest.mark.parametrize(
+    "layout", [(True, True), (True, False), (False, True)], ids=["both", "rowwise", "columnwise"]
+)
 def test_torch_path_casts_the_norm_as_quantize_does(rms, fp8_dtype, layout):
     rowwise, columnwise = layout
     x, weight, bias = make_inputs(37, 200, torch.bfloat16, rms)
@@ -126,10 +141,23 @@ def test_torch_path_casts_the_norm_as_quantize_does(rms, fp8_dtype, layout):
     scale = fitted_scale(y, fp8_dtype, headroom=2.0)
     amax_out = torch.tensor(0.5)  # below this y's amax: the max is the new one
     saturation = torch.tensor([3, 5, 2])
-    q, mean, rstd = norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise=rowwise,
-                                  columnwise=columnwise, amax_out=amax_out, saturation_out=saturation)
+    q, mean, rstd = norm_quantize(
+        x,
+        weight,
+        bias,
+        EPS,
+        rms,
+        fp8_dtype,
+        scale,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        amax_out=amax_out,
+        saturation_out=saturation,
+    )
     ref_saturation = torch.tensor([3, 5, 2])
-    ref = quantize_torch(y, fp8_dtype, scale, 0, rowwise, columnwise, None, torch.tensor(0.5), False, ref_saturation)
+    ref = quantize_torch(
+        y, fp8_dtype, scale, 0, rowwise, columnwise, None, torch.tensor(0.5), False, ref_saturation
+    )
     for out, expected in ((q.data, ref.data), (q.data_t, ref.data_t)):
         assert (out is None) == (expected is None)
         if out is not None:
@@ -142,19 +170,31 @@ def test_torch_path_casts_the_norm_as_quantize_does(rms, fp8_dtype, layout):
     assert (mean is None) == rms
     # An accumulator above this y's amax keeps its value.
     amax_out = torch.tensor(1e4)
-    assert norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, amax_out=amax_out)[0].amax.item() == 1e4
+    assert (
+        norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, amax_out=amax_out)[0].amax.item()
+        == 1e4
+    )
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("dtype, weight_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                                 (torch.float16, torch.float16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_backward_torch_matches_autograd_in_fp64(rms, dtype, weight_dtype):
     x, weight, bias = make_inputs(37, 200, dtype, rms, weight_dtype=weight_dtype)
     dy = torch.randn(37, 200, generator=torch.Generator().manual_seed(1)).to(dtype)
     _, mean, rstd = norm_forward_torch(x, weight, bias, EPS, rms)
     grads = norm_backward(dy, x, weight, mean, rstd, rms)
     assert_backward_close(grads, autograd64(dy, x, weight, bias, rms), dtype, weight_dtype, "torch")
-    dx, dweight, dbias = norm_backward(dy, x, weight, mean, rstd, rms, need_weight_grad=False, need_bias_grad=False)
+    dx, dweight, dbias = norm_backward(
+        dy, x, weight, mean, rstd, rms, need_weight_grad=False, need_bias_grad=False
+    )
     assert dweight is None and dbias is None and torch.equal(dx, grads[0])
 
 
@@ -194,20 +234,27 @@ def torch_cast(y, scale, fp8_dtype):
 
 def same_fraction(a, b):
     """The fraction of equal bytes of two FP8 tensors."""
-    return (a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).float().mean().item()
+    return (
+        (a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).float().mean().item()
+    )
 
 
-def check_forward(x, weight, bias, rms, fp8_dtype, layout, saturate=False, same_bytes=0.999, y_error=None):
+def check_forward(
+    x, weight, bias, rms, fp8_dtype, layout, saturate=False, same_bytes=0.999, y_error=None
+):
     """The kernel against the torch path; `y_error`: how far y may be off, relative (its dtype's
     rounding by default)."""
     rowwise, columnwise = layout
     y, ref_mean, ref_rstd = norm_forward_torch(x, weight, bias, EPS, rms)
     scale = fitted_scale(y, fp8_dtype, headroom=2.0 if saturate else 0.9)
     amax_out, saturation = torch.tensor(0.25), torch.tensor([7, 11, 13])
-    q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise, columnwise,
-                                                      amax_out, saturation)
+    q, mean, rstd = norm_kernels.norm_quantize_triton(
+        x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise, columnwise, amax_out, saturation
+    )
     what = (tuple(x.shape), x.dtype, weight.dtype, rms, fp8_dtype, layout)
-    assert rel_err(rstd, ref_rstd) < 1e-5 and ((rstd - ref_rstd).abs() <= 1e-5 * ref_rstd).all(), what
+    assert rel_err(rstd, ref_rstd) < 1e-5 and ((rstd - ref_rstd).abs() <= 1e-5 * ref_rstd).all(), (
+        what
+    )
     if rms:
         assert mean is None, what
     else:
@@ -215,11 +262,19 @@ def check_forward(x, weight, bias, rms, fp8_dtype, layout, saturate=False, same_
     expected = torch_cast(y, scale, fp8_dtype)
     assert (q.data is not None) == rowwise and (q.data_t is not None) == columnwise, what
     if rowwise:
-        assert same_fraction(q.data, expected) >= same_bytes, (what, same_fraction(q.data, expected))
+        assert same_fraction(q.data, expected) >= same_bytes, (
+            what,
+            same_fraction(q.data, expected),
+        )
     if columnwise:
-        assert same_fraction(q.data_t, expected.t()) >= same_bytes, (what, same_fraction(q.data_t, expected.t()))
+        assert same_fraction(q.data_t, expected.t()) >= same_bytes, (
+            what,
+            same_fraction(q.data_t, expected.t()),
+        )
     ref_amax = y.float().abs().max()
-    assert q.amax is amax_out and abs(q.amax - ref_amax) <= (y_error or ROUNDING[x.dtype]) * ref_amax, what
+    assert (
+        q.amax is amax_out and abs(q.amax - ref_amax) <= (y_error or ROUNDING[x.dtype]) * ref_amax
+    ), what
     assert q.scale_inv.item() == scale.reciprocal().item(), what
     ref_saturated = saturates(y.float() * scale, fp8_dtype).sum().item()
     assert saturation[1].item() == 11 + y.numel(), what
@@ -240,17 +295,28 @@ def interpreted_checks():
                 check_forward(x, weight, bias, rms, fp8_dtype, layout)
         check_forward(x, weight, bias, rms, E4M3, both, saturate=True)
         check_forward(x, weight, bias, rms, E5M2, columnwise, saturate=True)
-        for dtype, weight_dtype in ((torch.float16, torch.float16), (torch.float32, torch.float32),
-                                    (torch.bfloat16, torch.float32)):
-            check_forward(*make_inputs(37, 200, dtype, rms, weight_dtype=weight_dtype), rms, E4M3, both)
+        for dtype, weight_dtype in (
+            (torch.float16, torch.float16),
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.float32),
+        ):
+            check_forward(
+                *make_inputs(37, 200, dtype, rms, weight_dtype=weight_dtype), rms, E4M3, both
+            )
         # The model's widths, a few rows.
         check_forward(*make_inputs(5, 2048, torch.bfloat16, rms), rms, E4M3, both)
         check_forward(*make_inputs(3, 4096, torch.bfloat16, rms), rms, E4M3, rowwise)
         # |mean| >> std, where merging unshifted chunk statistics lost digits of the variance. Here
         # x - mean itself is uncertain by |mean| * 2^-24 (as much in torch): fp32 y by ~1e-4 of
         # its amax, which moves it across an FP8 rounding boundary now and then.
-        check_forward(*make_inputs(40, 300, torch.float32, rms, offset=3000.0), rms, E4M3, both, same_bytes=0.99,
-                      y_error=1e-4)
+        check_forward(
+            *make_inputs(40, 300, torch.float32, rms, offset=3000.0),
+            rms,
+            E4M3,
+            both,
+            same_bytes=0.99,
+            y_error=1e-4,
+        )
     check_non_finite()
     check_wide_offsets()
 
@@ -261,8 +327,9 @@ def check_non_finite():
     y = norm_forward_torch(x, weight, bias, EPS, False)[0]
     scale = fitted_scale(y[:5], E4M3)
     saturation = torch.zeros(3, dtype=torch.int64)
-    q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, False, E4M3, scale, True, True, None,
-                                                      saturation)
+    q, mean, rstd = norm_kernels.norm_quantize_triton(
+        x, weight, bias, EPS, False, E4M3, scale, True, True, None, saturation
+    )
     assert q.amax.item() == float("inf")  # a NaN counts as +inf, as in triton_kernels.quantize
     assert torch.isnan(mean[5]) and torch.isnan(rstd[5])
     # Row 5 is NaN, which the interpreter's cast encodes as a number that depends on the NaN's
@@ -278,15 +345,23 @@ def check_wide_offsets():
     """The kernel's int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
     int32 path's bits: both norms, each layout, the statistics and counts too."""
     for rms in (False, True):
-        x, weight, bias = make_inputs(37, 300, torch.bfloat16, rms)  # a partial row block and last chunk
+        x, weight, bias = make_inputs(
+            37, 300, torch.bfloat16, rms
+        )  # a partial row block and last chunk
         scale = fitted_scale(norm_forward_torch(x, weight, bias, EPS, rms)[0], E4M3, headroom=2.0)
         for layout in ((True, True), (True, False), (False, True)):
+
             def cast():
                 amax, counts = torch.tensor(0.25), torch.zeros(3, dtype=torch.int64)
-                q, mean, rstd = norm_kernels.norm_quantize_triton(x, weight, bias, EPS, rms, E4M3, scale, *layout, amax,
-                                                                  counts)
+                q, mean, rstd = norm_kernels.norm_quantize_triton(
+                    x, weight, bias, EPS, rms, E4M3, scale, *layout, amax, counts
+                )
                 return q, mean, rstd, counts
-            narrow, wide = (launch_with_offsets(w, norm_kernels, "_norm_quantize_kernel", cast) for w in (False, True))
+
+            narrow, wide = (
+                launch_with_offsets(w, norm_kernels, "_norm_quantize_kernel", cast)
+                for w in (False, True)
+            )
             assert_same_bits(narrow, wide, (rms, layout))
             assert narrow[3][0] > 0
 
@@ -318,7 +393,10 @@ def assert_fp8_close(out, expected, scale, fp8_dtype, what):
     # multiply-add and torch's separate ops differ by the fp32 rounding of the terms
     # (~1e-7 of y): E5M2's smallest steps (2^-16) resolve that after the scale.
     cancellation = 1e-6 * scale.item()
-    far = ~((a - b).abs() <= torch.clamp_min(fp8_step(torch.maximum(a.abs(), b.abs()), fp8_dtype), cancellation))
+    far = ~(
+        (a - b).abs()
+        <= torch.clamp_min(fp8_step(torch.maximum(a.abs(), b.abs()), fp8_dtype), cancellation)
+    )
     assert not far.any(), (what, a[far][:8], b[far][:8], far.nonzero()[:8].tolist(), scale.item())
 
 
@@ -335,11 +413,31 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
             scale = fitted_scale(y, fp8_dtype, headroom=2.0 if saturate else 0.9)
             amax_out = torch.tensor(0.25, device="cuda")
             saturation = torch.tensor([7, 11, 13], device="cuda")
-            q, mean, rstd = norm_quantize(x, weight, bias, EPS, rms, fp8_dtype, scale, rowwise=layout[0],
-                                          columnwise=layout[1], amax_out=amax_out, saturation_out=saturation)
+            q, mean, rstd = norm_quantize(
+                x,
+                weight,
+                bias,
+                EPS,
+                rms,
+                fp8_dtype,
+                scale,
+                rowwise=layout[0],
+                columnwise=layout[1],
+                amax_out=amax_out,
+                saturation_out=saturation,
+            )
             ref_saturation = torch.tensor([7, 11, 13], device="cuda")
-            ref = quantize_torch(y, fp8_dtype, scale, 0, *layout, None, torch.tensor(0.25, device="cuda"), False,
-                                 ref_saturation)
+            ref = quantize_torch(
+                y,
+                fp8_dtype,
+                scale,
+                0,
+                *layout,
+                None,
+                torch.tensor(0.25, device="cuda"),
+                False,
+                ref_saturation,
+            )
             what = (shape, rms, fp8_dtype, layout, saturate)
             assert rel_err(rstd, ref_rstd) < 1e-5 and (rms or rel_err(mean, ref_mean) < 1e-5), what
             for out, expected in ((q.data, ref.data), (q.data_t, ref.data_t)):
@@ -347,7 +445,9 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
                 if out is None:
                     continue
                 assert_fp8_close(out, expected, scale, fp8_dtype, what)
-            assert abs(q.amax - ref.amax) <= ROUNDING[torch.bfloat16] * ref.amax and q.amax is amax_out, what
+            assert (
+                abs(q.amax - ref.amax) <= ROUNDING[torch.bfloat16] * ref.amax and q.amax is amax_out
+            ), what
             assert torch.equal(q.scale_inv, ref.scale_inv), what
             assert saturation[1] == ref_saturation[1], what
             assert abs(saturation[0] - ref_saturation[0]).item() <= 1e-3 * y.numel(), what
@@ -360,15 +460,22 @@ def test_gpu_forward_matches_the_torch_path(shape, rms, fp8_dtype):
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_backward_matches_the_torch_path_and_autograd(shape, rms, weight_dtype):
-    x, weight, bias = make_inputs(*shape, torch.bfloat16, rms, weight_dtype=weight_dtype, device="cuda")
+    x, weight, bias = make_inputs(
+        *shape, torch.bfloat16, rms, weight_dtype=weight_dtype, device="cuda"
+    )
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
     _, mean, rstd = norm_forward_torch(x, weight, bias, EPS, rms)
     grads = norm_backward(dy, x, weight, mean, rstd, rms)
-    assert_backward_close(grads, autograd64(dy, x, weight, bias, rms), torch.bfloat16, weight_dtype, shape)
+    assert_backward_close(
+        grads, autograd64(dy, x, weight, bias, rms), torch.bfloat16, weight_dtype, shape
+    )
     for out, expected in zip(grads, norm_backward_torch(dy, x, weight, mean, rstd, rms)):
         assert (out is None) == (expected is None)
         if out is not None:
-            assert rel_err(out, expected) < max(ROUNDING[out.dtype] / 8, 1e-6), (shape, rel_err(out, expected))
+            assert rel_err(out, expected) < max(ROUNDING[out.dtype] / 8, 1e-6), (
+                shape,
+                rel_err(out, expected),
+            )
     again = norm_backward(dy, x, weight, mean, rstd, rms)
     assert all(a is None or torch.equal(a, b) for a, b in zip(grads, again)), "not deterministic"
 
@@ -403,21 +510,36 @@ def test_gpu_layernorm_of_more_than_2_31_elements():
     scale = torch.tensor(448.0 / 32, device="cuda")
     amax_out = torch.tensor(0.25, device="cuda")
     counts, ref_counts = (torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2))
-    q, mean, rstd = norm_quantize(x, weight, bias, EPS, False, E4M3, scale, amax_out=amax_out, saturation_out=counts)
+    q, mean, rstd = norm_quantize(
+        x, weight, bias, EPS, False, E4M3, scale, amax_out=amax_out, saturation_out=counts
+    )
     alone = norm_quantize(x, weight, bias, EPS, False, E4M3, scale, rowwise=False)[0].data_t
     ref_amax = 0.0
-    blocks = zip(x.split(HUGE_CHUNK), q.data.split(HUGE_CHUNK), q.data_t.split(HUGE_CHUNK, dim=1),
-                 alone.split(HUGE_CHUNK, dim=1), mean.split(HUGE_CHUNK), rstd.split(HUGE_CHUNK))
+    blocks = zip(
+        x.split(HUGE_CHUNK),
+        q.data.split(HUGE_CHUNK),
+        q.data_t.split(HUGE_CHUNK, dim=1),
+        alone.split(HUGE_CHUNK, dim=1),
+        mean.split(HUGE_CHUNK),
+        rstd.split(HUGE_CHUNK),
+    )
     for i, (rows, data, data_t, data_t_alone, block_mean, block_rstd) in enumerate(blocks):
         y, ref_mean, ref_rstd = norm_forward_torch(rows, weight, bias, EPS, False)
-        expected = quantize_torch(y, E4M3, scale, 0, True, False, None, None, False, ref_counts).data
+        expected = quantize_torch(
+            y, E4M3, scale, 0, True, False, None, None, False, ref_counts
+        ).data
         what = f"rows from {i * HUGE_CHUNK}"
         assert rel_err(block_rstd, ref_rstd) < 1e-5 and rel_err(block_mean, ref_mean) < 1e-5, what
         assert_fp8_close(data, expected, scale, E4M3, what)
-        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), what  # the stored tile's bytes
+        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), (
+            what
+        )  # the stored tile's bytes
         assert_fp8_close(data_t_alone, expected.t(), scale, E4M3, what + ", columnwise alone")
         ref_amax = max(ref_amax, y.float().abs().max().item())
     assert q.amax is amax_out and ref_amax > 100
     assert abs(q.amax.item() - ref_amax) <= ROUNDING[torch.bfloat16] * ref_amax
     assert counts[1] == ref_counts[1] == M * N and counts[0] > 0
-    assert abs(counts[0] - ref_counts[0]) <= 1e-3 * M * N and abs(counts[2] - ref_counts[2]) <= 1e-3 * M * N
+    assert (
+        abs(counts[0] - ref_counts[0]) <= 1e-3 * M * N
+        and abs(counts[2] - ref_counts[2]) <= 1e-3 * M * N
+    )

@@ -42,7 +42,9 @@ def test_round_trip_error_is_within_unit_roundoff(dtype, hp_dtype):
     finfo = torch.finfo(dtype)
     normal = xf.abs() / q.scale_inv >= finfo.smallest_normal
     assert ((back - xf).abs()[normal] <= UNIT_ROUNDOFF[dtype] * xf.abs()[normal]).all()
-    subnormal_step = finfo.smallest_normal / 2 ** (finfo.bits - 1 - (5 if dtype == torch.float8_e4m3fn else 6))
+    subnormal_step = finfo.smallest_normal / 2 ** (
+        finfo.bits - 1 - (5 if dtype == torch.float8_e4m3fn else 6)
+    )
     assert ((back - xf).abs()[~normal] <= subnormal_step / 2 * q.scale_inv).all()
     assert torch.equal(q.data_t, q.data.t().contiguous())
     assert q.amax.item() == xf.abs().max().item()
@@ -115,6 +117,7 @@ def test_kernels_take_int64_offsets_from_2_31_elements_or_an_offset_that_far():
 
 # -- the Triton kernels in Triton's interpreter, on the CPU ------------------------------------------------
 
+
 def interpreted_checks():
     """The int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) of quantize and
     quantize_heads gives the int32 path's bits, on small tensors."""
@@ -124,12 +127,31 @@ def interpreted_checks():
     for fp8_dtype in FP8_DTYPES:
         for scale in (torch.tensor(0.37), None):
             for rowwise, columnwise, col_sum in ((True, True, True), (False, True, False)):
+
                 def cast():
-                    amax, scale_out, counts = torch.tensor(0.5), torch.zeros(()), torch.zeros(3, dtype=torch.int64)
-                    q = triton_kernels.quantize(x, fp8_dtype, scale, 1, rowwise, columnwise, scale_out, amax, col_sum,
-                                                counts)
+                    amax, scale_out, counts = (
+                        torch.tensor(0.5),
+                        torch.zeros(()),
+                        torch.zeros(3, dtype=torch.int64),
+                    )
+                    q = triton_kernels.quantize(
+                        x,
+                        fp8_dtype,
+                        scale,
+                        1,
+                        rowwise,
+                        columnwise,
+                        scale_out,
+                        amax,
+                        col_sum,
+                        counts,
+                    )
                     return q, scale_out, counts
-                narrow, wide = (launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast) for w in (False, True))
+
+                narrow, wide = (
+                    launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast)
+                    for w in (False, True)
+                )
                 assert_same_bits(narrow, wide, (fp8_dtype, scale, rowwise, columnwise))
                 assert narrow[2][1] == x.numel() and (scale is None or narrow[2][0] > 0)
 
@@ -140,12 +162,28 @@ def interpreted_checks():
 
     def cast_heads():
         amax, counts = torch.zeros(()), torch.zeros(3, dtype=torch.int64)
-        return triton_kernels.quantize_heads(dq, dk, dv, 16, E5M2, scale, True, True, amax, True, counts), counts
-    narrow, wide = (launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast_heads) for w in (False, True))
+        return triton_kernels.quantize_heads(
+            dq, dk, dv, 16, E5M2, scale, True, True, amax, True, counts
+        ), counts
+
+    narrow, wide = (
+        launch_with_offsets(w, triton_kernels, "_quantize_kernel", cast_heads)
+        for w in (False, True)
+    )
     assert_same_bits(narrow, wide, "quantize_heads")
     counts = torch.zeros(3, dtype=torch.int64)
-    concatenated = triton_kernels.quantize(HeadGradsSource(dq, dk, dv, 16).materialize(), E5M2, scale, 0, True, True,
-                                           None, torch.zeros(()), True, counts)
+    concatenated = triton_kernels.quantize(
+        HeadGradsSource(dq, dk, dv, 16).materialize(),
+        E5M2,
+        scale,
+        0,
+        True,
+        True,
+        None,
+        torch.zeros(()),
+        True,
+        counts,
+    )
     assert_same_bits((concatenated, counts), narrow, "quantize of the concatenation")
     assert counts[0] > 0
 

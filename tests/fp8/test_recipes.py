@@ -6,7 +6,12 @@ from megafp8 import CurrentScaling, DelayedScaling, Format, OverrideLinearPrecis
 def test_defaults_match_the_design():
     r = DelayedScaling()
     assert (r.margin, r.interval, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (
-        0, 1, Format.HYBRID, 1024, "max")
+        0,
+        1,
+        Format.HYBRID,
+        1024,
+        "max",
+    )
     assert r.override_linear_precision == OverrideLinearPrecision(False, False, False)
     assert r.reduce_amax is True
     assert CurrentScaling().fp8_format is Format.HYBRID
@@ -29,7 +34,11 @@ def test_formats_accept_strings_and_coerce_overrides():
         (dict(amax_compute_algo="mean"), "amax_compute_algo", "'most_recent'"),
         (dict(fp8_format=Format.E5M2), "fp8_format", "Format.HYBRID or Format.E4M3"),
         (dict(fp8_format="fp8"), "fp8_format", "Format.HYBRID or Format.E4M3"),
-        (dict(override_linear_precision=(True, False)), "override_linear_precision", "three booleans"),
+        (
+            dict(override_linear_precision=(True, False)),
+            "override_linear_precision",
+            "three booleans",
+        ),
         (dict(override_linear_precision=(1, 0, 0)), "override_linear_precision", "three booleans"),
         (dict(reduce_amax="yes"), "reduce_amax", "True or False"),
     ],

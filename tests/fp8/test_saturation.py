@@ -1,5 +1,6 @@
 """Opt-in counts of saturated and flushed (underflowed) elements: `quantize(saturation_out=...)` and
 `fp8_autocast(collect_saturation=True)`."""
+
 import copy
 
 import pytest
@@ -32,15 +33,25 @@ def test_known_outliers_give_exactly_their_fraction(dtype):
     assert (q.data.float().abs() == fp8_max(dtype)).sum() == 37
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
-                                 torch.zeros(1, 3, dtype=torch.int64)], ids=["two counts", "int32", "2-D"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int32),
+        torch.zeros(1, 3, dtype=torch.int64),
+    ],
+    ids=["two counts", "int32", "2-D"],
+)
 def test_a_counts_buffer_the_kernels_would_overrun_is_refused(bad):
     from megafp8.fp8.activation_kernels import activation_quantize
     from megafp8.fp8.norm_kernels import norm_quantize
+
     x, scale = torch.randn(8, 16), torch.tensor(1.0)
-    calls = [lambda: quantize(x, E4M3, scale, saturation_out=bad),
-             lambda: norm_quantize(x, torch.ones(16), None, 1e-5, True, E4M3, scale, saturation_out=bad),
-             lambda: activation_quantize(x, "swiglu", E4M3, scale, saturation_out=bad)]
+    calls = [
+        lambda: quantize(x, E4M3, scale, saturation_out=bad),
+        lambda: norm_quantize(x, torch.ones(16), None, 1e-5, True, E4M3, scale, saturation_out=bad),
+        lambda: activation_quantize(x, "swiglu", E4M3, scale, saturation_out=bad),
+    ]
     for call in calls:
         with pytest.raises(ValueError, match="3 counts"):
             call()
@@ -51,7 +62,11 @@ def test_a_counts_buffer_the_kernels_would_overrun_is_refused(bad):
     "dtype, clamped, kept",
     [
         # E4M3 steps by 32 below 448: up to 464 (the tie rounds to even, 448) nothing is lost.
-        (E4M3, [464.5, 480.0, 1e4, float("inf"), -465.0], [448.0, 460.0, 464.0, -464.0, float("nan")]),
+        (
+            E4M3,
+            [464.5, 480.0, 1e4, float("inf"), -465.0],
+            [448.0, 460.0, 464.0, -464.0, float("nan")],
+        ),
         # E5M2 steps by 8192: 61440 is the tie, and rounds to even, which is infinity.
         (E5M2, [61440.0, 7e4, float("-inf")], [57344.0, 61439.0, -61439.0]),
     ],
@@ -68,7 +83,9 @@ def test_underflow_is_exactly_where_the_cast_turns_a_nonzero_value_into_zero(dty
     bound = underflow_bound(dtype)
     edges = torch.tensor([bound, -bound, bound * 1.001, bound * 0.999, 0.0, -0.0, 2 * bound, 1e-30])
     g = torch.Generator().manual_seed(3)
-    spread = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-24, 4, (4096,), generator=g).float())
+    spread = torch.randn(4096, generator=g) * torch.exp2(
+        torch.randint(-24, 4, (4096,), generator=g).float()
+    )
     for scaled in (edges, spread):
         flushed = (scaled != 0) & (scaled.to(dtype).float() == 0)
         assert torch.equal(underflows(scaled, dtype), flushed)
@@ -77,7 +94,9 @@ def test_underflow_is_exactly_where_the_cast_turns_a_nonzero_value_into_zero(dty
 
 def test_quantize_counts_the_flushed_elements_of_a_tensor_with_a_wide_range():
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-20, 0, (64, 96), generator=g).float())
+    x = torch.randn(64, 96, generator=g) * torch.exp2(
+        torch.randint(-20, 0, (64, 96), generator=g).float()
+    )
     x[0, 0] = 0.0  # zero stays zero: not an underflow
     scale = torch.tensor(1.0)
     out = counter()
@@ -139,7 +158,10 @@ def test_linear_counts_each_role_under_collect_saturation():
         layer(x).sum().backward()
     counts = dict(zip(layer.fp8_scaling.keys(), take_cast_counts(list(layer.fp8_scaling.values()))))
     assert counts["input"][:2] == (7, x.numel())
-    assert counts["grad_output"][:2] == (0, 16 * 32)  # the same all-ones gradient as the fitting pass
+    assert counts["grad_output"][:2] == (
+        0,
+        16 * 32,
+    )  # the same all-ones gradient as the fitting pass
     assert counts["weight"] == (0, 0, 0)  # cached since the last cast: only a fresh cast is counted
     assert take_cast_counts(list(layer.fp8_scaling.values())) == [(0, 0, 0)] * 3  # reset when read
 
@@ -178,14 +200,22 @@ def interpreted_checks():
     from megafp8.fp8.quantize import quantize_torch
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(70, 130, generator=g) * torch.exp2(torch.randint(-20, 4, (70, 130), generator=g).float())
-    x[0, :4] = torch.tensor([1e4, 2.0**-10, 0.0, -2.0**-17])  # saturated; E4M3's tie; zero; E5M2's tie
+    x = torch.randn(70, 130, generator=g) * torch.exp2(
+        torch.randint(-20, 4, (70, 130), generator=g).float()
+    )
+    x[0, :4] = torch.tensor(
+        [1e4, 2.0**-10, 0.0, -(2.0**-17)]
+    )  # saturated; E4M3's tie; zero; E5M2's tie
     for dtype in (E4M3, E5M2):
         for scale in (torch.tensor(1.0), None):
             for layout in ((True, True), (False, True)):
                 counts, ref_counts = counter(), counter()
-                triton_kernels.quantize(x.bfloat16(), dtype, scale, 0, *layout, None, None, False, counts)
-                quantize_torch(x.bfloat16(), dtype, scale, 0, *layout, None, None, False, ref_counts)
+                triton_kernels.quantize(
+                    x.bfloat16(), dtype, scale, 0, *layout, None, None, False, counts
+                )
+                quantize_torch(
+                    x.bfloat16(), dtype, scale, 0, *layout, None, None, False, ref_counts
+                )
                 assert torch.equal(counts, ref_counts), (dtype, scale, layout, counts, ref_counts)
                 assert counts[2] > 0 and counts[1] == x.numel()
 
@@ -203,13 +233,20 @@ def test_gpu_kernel_counts_equal_the_cpu_counts(dtype, delayed, layout):
     x = torch.randn(300, 272, generator=g)  # partial tiles both ways
     x.view(-1)[torch.randperm(x.numel(), generator=g)[:123]] *= 1000
     x[0, :3] = torch.tensor([61440.0, 464.0, 465.0]) / 8  # the rounding boundaries, under scale 8
-    x[1, :4] = torch.tensor([2.0**-10, 2.0**-10 * 1.01, 2.0**-17, -2.0**-17 * 1.01]) / 8  # E4M3's and E5M2's flush
+    x[1, :4] = (
+        torch.tensor([2.0**-10, 2.0**-10 * 1.01, 2.0**-17, -(2.0**-17) * 1.01]) / 8
+    )  # E4M3's and E5M2's flush
     scale = torch.tensor(8.0) if delayed else None
     for hp in (torch.float32, torch.bfloat16):
         cpu, gpu = counter(), counter().cuda()
         q_cpu = quantize(x.to(hp), dtype, scale, saturation_out=cpu, **layout)
-        q_gpu = quantize(x.to(hp).cuda(), dtype, None if scale is None else scale.cuda(), saturation_out=gpu,
-                         **layout)
+        q_gpu = quantize(
+            x.to(hp).cuda(),
+            dtype,
+            None if scale is None else scale.cuda(),
+            saturation_out=gpu,
+            **layout,
+        )
         assert gpu.tolist() == cpu.tolist()
         assert cpu[1] == x.numel() and (cpu[0] > 0 if delayed else cpu[0] == 0)
         for a, b in ((q_gpu.data, q_cpu.data), (q_gpu.data_t, q_cpu.data_t)):

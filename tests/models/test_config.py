@@ -1,8 +1,8 @@
 """TransformerConfig: preset shapes, parameter counts, vocabulary padding and validation."""
+
 import dataclasses
 
 import pytest
-
 from megafp8.models.config import PRESETS, RopeScaling, TransformerConfig, preset
 
 GPT_SHAPES = {  # name: (layers, hidden, heads), GPT-3 paper table 2.1
@@ -39,7 +39,14 @@ def test_gpt_presets(name):
 @pytest.mark.parametrize("name", sorted(LLAMA_SHAPES))
 def test_llama_presets(name):
     cfg = preset(name)
-    got = (*shape(cfg), cfg.kv_heads, cfg.ffn_size, cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta)
+    got = (
+        *shape(cfg),
+        cfg.kv_heads,
+        cfg.ffn_size,
+        cfg.vocab_size,
+        cfg.max_position_embeddings,
+        cfg.rope_theta,
+    )
     assert got == LLAMA_SHAPES[name]
     assert (cfg.normalization, cfg.norm_epsilon, cfg.activation) == ("rmsnorm", 1e-5, "swiglu")
     assert cfg.position_embedding == "rope" and cfg.rope_scaling is None
@@ -49,8 +56,19 @@ def test_llama_presets(name):
 def test_tiny_presets_are_fp8_and_tp_friendly():
     gpt, llama = preset("gpt-tiny"), preset("llama-tiny")
     assert (*shape(gpt), gpt.vocab_size, gpt.max_position_embeddings) == (2, 64, 4, 1000, 128)
-    assert (*shape(llama), llama.kv_heads, llama.ffn_size, llama.vocab_size) == (2, 64, 4, 2, 128, 1000)
-    assert (llama.max_position_embeddings, llama.rope_theta, llama.position_embedding) == (128, 10000.0, "rope")
+    assert (*shape(llama), llama.kv_heads, llama.ffn_size, llama.vocab_size) == (
+        2,
+        64,
+        4,
+        2,
+        128,
+        1000,
+    )
+    assert (llama.max_position_embeddings, llama.rope_theta, llama.position_embedding) == (
+        128,
+        10000.0,
+        "rope",
+    )
     for cfg in (gpt, llama):
         assert cfg.hidden_size % 16 == 0 and cfg.ffn_size % 16 == 0 and cfg.head_dim % 16 == 0
         cfg.validate_tensor_parallel(2)
@@ -73,10 +91,15 @@ def test_parameter_counts():
     assert preset("llama2-7b").num_parameters() == 6_738_415_616
     assert preset("llama3-8b").num_parameters() == 8_030_261_248
     assert preset("gpt-125m").num_parameters() == pytest.approx(125e6, rel=0.01)
-    assert preset("llama-120m").num_parameters() == pytest.approx(125e6, rel=0.05)  # GPT-125M's size
+    assert preset("llama-120m").num_parameters() == pytest.approx(
+        125e6, rel=0.05
+    )  # GPT-125M's size
     assert preset("gpt-1.3b").num_parameters() == pytest.approx(1.3e9, rel=0.02)
     # tp only pads the (tied) vocabulary: 50304 -> 50688 rows of 768.
-    assert preset("gpt-125m").num_parameters(4) - preset("gpt-125m").num_parameters() == (50688 - 50304) * 768
+    assert (
+        preset("gpt-125m").num_parameters(4) - preset("gpt-125m").num_parameters()
+        == (50688 - 50304) * 768
+    )
 
 
 def test_parameter_count_per_part():
@@ -105,7 +128,9 @@ def test_validate_tensor_parallel():
     preset("llama3-8b").validate_tensor_parallel(8)
     with pytest.raises(ValueError, match=r"tp_size=16 does not divide kv_heads=8"):
         preset("llama3-8b").validate_tensor_parallel(16)
-    with pytest.raises(ValueError, match=r"tp_size=5 does not divide num_attention_heads=12.*1, 2, 3, 4, 6, 12"):
+    with pytest.raises(
+        ValueError, match=r"tp_size=5 does not divide num_attention_heads=12.*1, 2, 3, 4, 6, 12"
+    ):
         preset("gpt-125m").validate_tensor_parallel(5)
     with pytest.raises(ValueError, match=r"does not divide ffn_size=98"):
         TransformerConfig(1, 64, 4, 10, 8, ffn_hidden_size=98).validate_tensor_parallel(4)
@@ -113,39 +138,54 @@ def test_validate_tensor_parallel():
         preset("gpt-tiny").validate_tensor_parallel(0)
 
 
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=128)
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=1000,
+    max_position_embeddings=128,
+)
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"num_layers": 0}, "num_layers"),
-    ({"hidden_size": -64}, "hidden_size"),
-    ({"vocab_size": 1000.0}, "vocab_size"),
-    ({"max_position_embeddings": True}, "max_position_embeddings"),
-    ({"num_kv_heads": 0}, "num_kv_heads"),
-    ({"ffn_hidden_size": 0}, "ffn_hidden_size"),
-    ({"make_vocab_size_divisible_by": 0}, "make_vocab_size_divisible_by"),
-    ({"hidden_size": 60, "num_attention_heads": 8}, r"hidden_size=60.*num_attention_heads=8"),
-    ({"num_kv_heads": 3}, r"num_kv_heads=3.*num_attention_heads=4"),
-    ({"hidden_size": 24, "num_attention_heads": 8, "position_embedding": "rope"}, r"head_dim=3"),
-    ({"normalization": "batchnorm"}, r"normalization.*'layernorm', 'rmsnorm'.*'batchnorm'"),
-    ({"activation": "relu"}, r"activation.*'gelu', 'gelu_tanh', 'swiglu'"),
-    ({"position_embedding": "alibi"}, r"position_embedding.*'learned', 'rope'"),
-    ({"position_embedding": "rope", "rope_theta": 0.0}, "rope_theta"),
-    ({"rope_scaling": RopeScaling()}, r"rope_scaling.*position_embedding='learned'"),
-    ({"hidden_dropout": 1.0}, "hidden_dropout"),
-    ({"attention_dropout": -0.1}, "attention_dropout"),
-    ({"norm_epsilon": 0.0}, "norm_epsilon"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"hidden_size": -64}, "hidden_size"),
+        ({"vocab_size": 1000.0}, "vocab_size"),
+        ({"max_position_embeddings": True}, "max_position_embeddings"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"ffn_hidden_size": 0}, "ffn_hidden_size"),
+        ({"make_vocab_size_divisible_by": 0}, "make_vocab_size_divisible_by"),
+        ({"hidden_size": 60, "num_attention_heads": 8}, r"hidden_size=60.*num_attention_heads=8"),
+        ({"num_kv_heads": 3}, r"num_kv_heads=3.*num_attention_heads=4"),
+        (
+            {"hidden_size": 24, "num_attention_heads": 8, "position_embedding": "rope"},
+            r"head_dim=3",
+        ),
+        ({"normalization": "batchnorm"}, r"normalization.*'layernorm', 'rmsnorm'.*'batchnorm'"),
+        ({"activation": "relu"}, r"activation.*'gelu', 'gelu_tanh', 'swiglu'"),
+        ({"position_embedding": "alibi"}, r"position_embedding.*'learned', 'rope'"),
+        ({"position_embedding": "rope", "rope_theta": 0.0}, "rope_theta"),
+        ({"rope_scaling": RopeScaling()}, r"rope_scaling.*position_embedding='learned'"),
+        ({"hidden_dropout": 1.0}, "hidden_dropout"),
+        ({"attention_dropout": -0.1}, "attention_dropout"),
+        ({"norm_epsilon": 0.0}, "norm_epsilon"),
+    ],
+)
 def test_validation_errors_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         TransformerConfig(**{**BASE, **changes})
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"factor": 0.0}, "factor"),
-    ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, "low_freq_factor"),
-    ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"factor": 0.0}, "factor"),
+        ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, "low_freq_factor"),
+        ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ],
+)
 def test_rope_scaling_validation(changes, field):
     with pytest.raises(ValueError, match=field):
         RopeScaling(**changes)
@@ -153,7 +193,9 @@ def test_rope_scaling_validation(changes, field):
 
 def test_rope_scaling_with_rope():
     cfg = preset("llama3-8b", rope_scaling=RopeScaling(), max_position_embeddings=131072)
-    assert cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+    assert (
+        cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+    )
 
 
 def test_preset_unknown_name_lists_known():
@@ -180,8 +222,10 @@ def test_frozen():
 
 # ---- to_dict / from_dict: the model as a checkpoint records it ----------------------------------
 
+
 def json_round_trip(cfg):
     import json
+
     return TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
 
 
@@ -191,13 +235,22 @@ def test_every_preset_round_trips_through_json(name):
 
 
 def test_settings_without_a_flag_round_trip():
-    llama31 = preset("llama3-8b", rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=8192),
-                     max_position_embeddings=131072)
-    erf_gpt = preset("gpt-tiny", activation="gelu", tie_embeddings=False, num_kv_heads=2, ffn_hidden_size=96)
+    llama31 = preset(
+        "llama3-8b",
+        rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072,
+    )
+    erf_gpt = preset(
+        "gpt-tiny", activation="gelu", tie_embeddings=False, num_kv_heads=2, ffn_hidden_size=96
+    )
     for cfg in (llama31, erf_gpt):
         assert json_round_trip(cfg) == cfg
-    assert llama31.to_dict()["rope_scaling"] == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 8192}
+    assert llama31.to_dict()["rope_scaling"] == {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert erf_gpt.to_dict()["rope_scaling"] is None
 
 
@@ -216,5 +269,6 @@ def test_from_dict_rejects_unknown_and_invalid_fields():
     with pytest.raises(ValueError, match="mapping"):
         TransformerConfig.from_dict(["num_layers", 2])
     # A field added after the checkpoint was written takes its default.
-    assert TransformerConfig.from_dict({k: v for k, v in values.items() if k != "attention_dropout"}) == \
-        preset("llama-tiny")
+    assert TransformerConfig.from_dict(
+        {k: v for k, v in values.items() if k != "attention_dropout"}
+    ) == preset("llama-tiny")

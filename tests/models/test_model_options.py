@@ -1,9 +1,10 @@
 """Model options: layers kept out of FP8, the FP8 output layer, selective recomputation."""
+
 import pytest
 import torch
+from megafp8.models import TransformerLM, preset
 
 from megafp8 import DelayedScaling, fp8_autocast
-from megafp8.models import TransformerLM, preset
 
 CONFIG = preset("llama-tiny")
 TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -29,7 +30,10 @@ def test_first_and_last_layers_can_stay_out_of_fp8():
     _, reference, _ = run(fp8=False)
     assert torch.equal(loss, reference)
     model, _, _ = run(first_last_layers_bf16=0)
-    assert fp8_passes(model.layers["0"].mlp.fc1) == 1 and fp8_passes(model.layers["1"].attention.qkv) == 1
+    assert (
+        fp8_passes(model.layers["0"].mlp.fc1) == 1
+        and fp8_passes(model.layers["1"].attention.qkv) == 1
+    )
 
 
 def test_output_layer_runs_in_fp8_only_when_asked():
@@ -56,9 +60,12 @@ def train(steps, fp8, **options):
     return losses, {name: p.grad for name, p in model.named_parameters()}
 
 
-RECOMPUTATIONS = {"selective": {"recompute": "selective"}, "full": {"recompute": "full"},
-                  "full-uniform-2": {"recompute": "full", "recompute_num_layers": 2},
-                  "full-block-1": {"recompute": "full", "recompute_method": "block"}}
+RECOMPUTATIONS = {
+    "selective": {"recompute": "selective"},
+    "full": {"recompute": "full"},
+    "full-uniform-2": {"recompute": "full", "recompute_num_layers": 2},
+    "full-block-1": {"recompute": "full", "recompute_method": "block"},
+}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -77,7 +84,9 @@ def saved_for_backward(**options):
     torch.manual_seed(0)
     model = TransformerLM(preset("llama-tiny", num_layers=4), **options)
     count = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: count.append(t.numel()) or t, lambda t: t
+    ):
         with fp8_autocast(recipe=DelayedScaling()):
             model(TOKENS, labels=LABELS)
     return sum(count)
@@ -92,8 +101,10 @@ def test_full_recomputation_keeps_only_unit_inputs():
     layer_input = 32 * 2 * 64  # [seq, batch, hidden]
     assert every_layer - pairs == 2 * layer_input
     # Block: only the first N layers are recomputed, the others keep everything.
-    blocks = [saved_for_backward(recompute="full", recompute_method="block", recompute_num_layers=n)
-              for n in (1, 2, 3, 4)]
+    blocks = [
+        saved_for_backward(recompute="full", recompute_method="block", recompute_num_layers=n)
+        for n in (1, 2, 3, 4)
+    ]
     assert none > blocks[0] > blocks[1] > blocks[2] > blocks[3] == every_layer, (none, blocks)
 
 
@@ -104,7 +115,9 @@ def test_bad_options_are_refused():
         TransformerLM(CONFIG, recompute="full", recompute_method="random")
     with pytest.raises(ValueError, match="recompute_num_layers must be a positive int"):
         TransformerLM(CONFIG, recompute="full", recompute_num_layers=0)
-    with pytest.raises(ValueError, match="first_last_layers_bf16=3 must be between 0 and num_layers=2"):
+    with pytest.raises(
+        ValueError, match="first_last_layers_bf16=3 must be between 0 and num_layers=2"
+    ):
         TransformerLM(CONFIG, first_last_layers_bf16=3)
 
 
@@ -115,8 +128,10 @@ def test_documents_packed_in_a_sequence_see_only_themselves(name):
     config = preset(name)
     eod = 0
     g = torch.Generator().manual_seed(4)
-    first, second = torch.randint(1, config.vocab_size, (1, 12), generator=g), torch.randint(
-        1, config.vocab_size, (1, 20), generator=g)
+    first, second = (
+        torch.randint(1, config.vocab_size, (1, 12), generator=g),
+        torch.randint(1, config.vocab_size, (1, 20), generator=g),
+    )
     first[0, -1] = eod
     packed = torch.cat([first, second], dim=1)
     documents, positions = document_layout(packed, eod)
@@ -127,5 +142,9 @@ def test_documents_packed_in_a_sequence_see_only_themselves(name):
         alone = model(second)
         plain = model(packed)
     assert torch.allclose(together[:, 12:], alone, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(together[:, :12], plain[:, :12], rtol=1e-5, atol=1e-5)  # the first is unchanged
-    assert not torch.allclose(plain[:, 12:], alone, rtol=1e-3, atol=1e-3)  # without reset it would differ
+    assert torch.allclose(
+        together[:, :12], plain[:, :12], rtol=1e-5, atol=1e-5
+    )  # the first is unchanged
+    assert not torch.allclose(
+        plain[:, 12:], alone, rtol=1e-3, atol=1e-3
+    )  # without reset it would differ

@@ -1,12 +1,13 @@
 """GPT and Llama at tensor-parallel size 2 against the same model at size 1 (gloo): logits,
 per-token loss and every parameter gradient, in fp32 and in FP8."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-from megafp8 import DelayedScaling, fp8_autocast
 from megafp8.models.config import preset
 from megafp8.models.transformer import TransformerLM
+
+from megafp8 import DelayedScaling, fp8_autocast
 
 from ..fp8.helpers import rel_err
 from ..multiprocess import run_on_ranks
@@ -15,12 +16,17 @@ from ..multiprocess import run_on_ranks
 def step(model, tokens, labels, fp8, group):
     """Logits, per-token loss and every gradient of one forward + backward."""
     model.zero_grad(set_to_none=True)
-    with fp8_autocast(enabled=fp8, recipe=DelayedScaling(amax_history_len=4), amax_reduction_group=group):
+    with fp8_autocast(
+        enabled=fp8, recipe=DelayedScaling(amax_history_len=4), amax_reduction_group=group
+    ):
         logits = model(tokens)
         loss = model(tokens, labels=labels)
     loss.mean().backward()
-    return {"logits": logits.detach(), "loss": loss.detach(),
-            **{name: param.grad for name, param in model.named_parameters()}}
+    return {
+        "logits": logits.detach(),
+        "loss": loss.detach(),
+        **{name: param.grad for name, param in model.named_parameters()},
+    }
 
 
 def shard_of(name, full, local, tp, rank, config):
@@ -62,10 +68,15 @@ def body(rank, tp, name):
         sharded = step(TransformerLM(config, tp_group=group), tokens, labels, fp8, group)
         results[fp8] = (reference, relative_errors(sharded, reference, tp, rank, config))
     # FP8's own error: the tp = 1 FP8 model against the tp = 1 fp32 model, on replicated tensors.
-    fp8_error = max(rel_err(results[True][0][n], results[False][0][n])
-                    for n in ("loss", "final_norm.weight", "layers.0.input_norm.weight"))
-    return {"fp32": max(results[False][1].values()), "fp8": max(results[True][1].values()),
-            "fp8_own_error": fp8_error}
+    fp8_error = max(
+        rel_err(results[True][0][n], results[False][0][n])
+        for n in ("loss", "final_norm.weight", "layers.0.input_norm.weight")
+    )
+    return {
+        "fp32": max(results[False][1].values()),
+        "fp8": max(results[True][1].values()),
+        "fp8_own_error": fp8_error,
+    }
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
@@ -93,15 +104,23 @@ def sequence_parallel_body(rank, tp, name):
             model = TransformerLM(config, tp_group=group, sequence_parallel=sp)
             layer = model.layers["0"]
             assert model.embedding.sequence_parallel == layer.attention.qkv.sequence_parallel == sp
-            assert layer.mlp.fc2.sequence_parallel == sp and hasattr(layer.input_norm.weight, "sequence_parallel") == sp
+            assert (
+                layer.mlp.fc2.sequence_parallel == sp
+                and hasattr(layer.input_norm.weight, "sequence_parallel") == sp
+            )
             result = step(model, tokens, labels, fp8, group)
             for param_name, param in model.named_parameters():
                 if getattr(param, "sequence_parallel", False):
                     dist.all_reduce(result[param_name], group=group)
             results.append(result)
         plain, sharded = results
-        differences[fp8] = max(rel_err(sharded[n].masked_fill(torch.isinf(plain[n]), 0),
-                                       plain[n].masked_fill(torch.isinf(plain[n]), 0)) for n in plain)
+        differences[fp8] = max(
+            rel_err(
+                sharded[n].masked_fill(torch.isinf(plain[n]), 0),
+                plain[n].masked_fill(torch.isinf(plain[n]), 0),
+            )
+            for n in plain
+        )
     return differences
 
 

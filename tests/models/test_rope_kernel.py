@@ -1,16 +1,20 @@
 """rope_kernel: RoPE in one Triton kernel each way, against the rotation in fp64 and against
 apply_rotary's torch form; in Triton's interpreter (a fresh process) and on a GPU."""
+
 import importlib.util
 
 import pytest
 import torch
-
 from megafp8.models.rope import apply_rotary, apply_rotary_torch, rotary_tables
 
 from ..interpreter import run_interpreted_checks
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}  # of the result
+ROUNDING = {
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float32: 2.0**-23,
+}  # of the result
 FP32 = 2.0**-22  # the fp32 arithmetic's error, relative to the terms' magnitude
 
 
@@ -22,7 +26,10 @@ def rotation_fp64(x, cos, sin):
     """x * cos + rotate_half(x) * sin in fp64; tables [seq, head_dim] or [seq, batch, head_dim]."""
     xd = x.double()
     first, second = xd.chunk(2, dim=-1)
-    return xd * broadcast(x, cos).double() + torch.cat([-second, first], dim=-1) * broadcast(x, sin).double()
+    return (
+        xd * broadcast(x, cos).double()
+        + torch.cat([-second, first], dim=-1) * broadcast(x, sin).double()
+    )
 
 
 def magnitude(v, cos, sin):
@@ -40,7 +47,9 @@ def qkv_view(seq, batch, heads, head_dim, dtype, device, seed):
     return packed[..., 0, :]
 
 
-def check(rotate, seq, batch, heads, head_dim, dtype, device, per_token=False, seed=0, strided=True):
+def check(
+    rotate, seq, batch, heads, head_dim, dtype, device, per_token=False, seed=0, strided=True
+):
     """`rotate`'s output and gradient against the fp64 rotation (within a rounding of x's dtype)
     and against the torch form (the same bytes almost everywhere, never more than a rounding off)."""
     cos, sin = rotary_tables(seq + 5, head_dim, 10000.0)
@@ -49,9 +58,16 @@ def check(rotate, seq, batch, heads, head_dim, dtype, device, per_token=False, s
         positions = torch.randint(0, seq + 5, (seq, batch), generator=g)
         cos, sin = cos[positions], sin[positions]
     cos, sin = cos.to(device), sin.to(device)
-    x = qkv_view(seq, batch, heads, head_dim, dtype, device, seed) if strided else \
-        torch.randn(seq, batch, heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
-    grad = torch.randn(seq, batch, heads, head_dim, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    x = (
+        qkv_view(seq, batch, heads, head_dim, dtype, device, seed)
+        if strided
+        else torch.randn(seq, batch, heads, head_dim, generator=torch.Generator().manual_seed(seed))
+        .to(dtype)
+        .to(device)
+    )
+    grad = torch.randn(
+        seq, batch, heads, head_dim, generator=torch.Generator().manual_seed(seed + 2)
+    ).to(dtype)
     grad = grad.to(device)
     fused_x = x.detach().clone().requires_grad_(True)
     out = rotate(fused_x, cos, sin)
@@ -64,7 +80,10 @@ def check(rotate, seq, batch, heads, head_dim, dtype, device, per_token=False, s
     ref.backward(grad.double().cpu())
     what = (seq, batch, heads, head_dim, dtype, per_token, strided)
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous(), what
-    for got, expected, from_torch, v in ((out, ref, torch_out, x), (fused_x.grad, ref_x.grad, torch_x.grad, grad)):
+    for got, expected, from_torch, v in (
+        (out, ref, torch_out, x),
+        (fused_x.grad, ref_x.grad, torch_x.grad, grad),
+    ):
         got, from_torch = got.detach().cpu().double(), from_torch.detach().cpu().double()
         bound = ROUNDING[dtype] * expected.abs() + FP32 * magnitude(v, cos, sin)
         assert ((got - expected).abs() <= bound).all(), what
@@ -78,7 +97,9 @@ def interpreted_checks():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         check(rotary_triton, 7, 2, 3, 64, dtype, "cpu")
     check(rotary_triton, 5, 3, 19, 32, torch.bfloat16, "cpu")  # a partial block of heads
-    check(rotary_triton, 6, 2, 4, 80, torch.bfloat16, "cpu", per_token=True)  # half 40: partial columns
+    check(
+        rotary_triton, 6, 2, 4, 80, torch.bfloat16, "cpu", per_token=True
+    )  # half 40: partial columns
     check(rotary_triton, 4, 1, 2, 128, torch.bfloat16, "cpu", strided=False)
 
 
@@ -97,7 +118,9 @@ def test_off_cuda_apply_rotary_is_the_torch_form():
 @pytest.mark.parametrize("shape", [(1024, 16, 12, 64), (4096, 2, 32, 128), (37, 3, 19, 80)])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_the_kernel_on_a_gpu(shape, per_token):
-    check(apply_rotary, *shape, torch.bfloat16, "cuda", per_token=per_token)  # dispatches to the kernel
+    check(
+        apply_rotary, *shape, torch.bfloat16, "cuda", per_token=per_token
+    )  # dispatches to the kernel
 
 
 @needs_triton
@@ -106,20 +129,41 @@ def test_the_kernel_compiles_for_an_h100(transposed):
     """The interpreter does not compile: build the cubin for sm_90, as a GPU's first call would."""
     import triton
     import triton.language as tl
+    from megafp8.models import rope_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megafp8.models import rope_kernel
-
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                 **{name: "i32" for name in ("batch", "heads", "stride_xs", "stride_xb", "stride_xh", "stride_cs",
-                                             "stride_cb")},
-                 **{name: "constexpr" for name in ("HALF", "BLOCK_D", "BLOCK_H", "TRANSPOSED", "OUT_DTYPE")}}
-    constants = {"HALF": 40, "BLOCK_D": 64, "BLOCK_H": rope_kernel.BLOCK_HEADS, "TRANSPOSED": transposed,
-                 "OUT_DTYPE": tl.bfloat16}
+    signature = {
+        "x_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32",
+        **{
+            name: "i32"
+            for name in (
+                "batch",
+                "heads",
+                "stride_xs",
+                "stride_xb",
+                "stride_xh",
+                "stride_cs",
+                "stride_cb",
+            )
+        },
+        **{name: "constexpr" for name in ("HALF", "BLOCK_D", "BLOCK_H", "TRANSPOSED", "OUT_DTYPE")},
+    }
+    constants = {
+        "HALF": 40,
+        "BLOCK_D": 64,
+        "BLOCK_H": rope_kernel.BLOCK_HEADS,
+        "TRANSPOSED": transposed,
+        "OUT_DTYPE": tl.bfloat16,
+    }
     try:
-        compiled = triton.compile(ASTSource(rope_kernel._rotary_kernel, signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(
+            ASTSource(rope_kernel._rotary_kernel, signature, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+        )
     except (TypeError, ImportError, AttributeError) as error:  # another Triton's compile interface
         pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
     assert compiled.asm["cubin"]

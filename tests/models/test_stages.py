@@ -1,8 +1,8 @@
 """The model cut into pipeline stages: each stage holds exactly the full model's weights for its
 layers, and the stages chained together compute the full model's loss and gradients."""
+
 import pytest
 import torch
-
 from megafp8.models import TransformerLM, preset
 
 
@@ -37,7 +37,9 @@ def test_stages_compose_to_the_full_model(name):
     for stage in stages:
         for param_name, param in stage.named_parameters():
             # The tied embedding's gradient is split between the first stage and the last's copy.
-            grads[param_name] = grads[param_name] + param.grad if param_name in grads else param.grad
+            grads[param_name] = (
+                grads[param_name] + param.grad if param_name in grads else param.grad
+            )
     for param_name, param in full.named_parameters():
         assert torch.allclose(grads[param_name], param.grad, rtol=1e-5, atol=1e-7), param_name
 

@@ -28,6 +28,7 @@ Runs go side by side, `--share` of them on each GPU (most of a run is starting u
 closes the output and the exit status is 1 if any run failed; `--output` keeps every log and a
 JSON record.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,22 +51,43 @@ RECIPE = REPO / "examples" / "pretrain_gpt_1b_fp8.sh"
 # two by default; pp2 and pp4 (one layer per stage) check plain 1F1B.
 LAYOUTS = {
     "1gpu": (1, 1, 1, 1),
-    "dp2": (2, 1, 1, 1), "tp2": (2, 2, 1, 1), "pp2": (2, 1, 2, 1), "vpp2": (2, 1, 2, 2),
-    "tp2pp2": (4, 2, 2, 2), "pp2dp2": (4, 1, 2, 2), "tp2dp2": (4, 2, 1, 1), "pp4": (4, 1, 4, 1), "dp4": (4, 1, 1, 1),
+    "dp2": (2, 1, 1, 1),
+    "tp2": (2, 2, 1, 1),
+    "pp2": (2, 1, 2, 1),
+    "vpp2": (2, 1, 2, 2),
+    "tp2pp2": (4, 2, 2, 2),
+    "pp2dp2": (4, 1, 2, 2),
+    "tp2dp2": (4, 2, 1, 1),
+    "pp4": (4, 1, 4, 1),
+    "dp4": (4, 1, 1, 1),
 }
 PRECISIONS = ("bf16", "delayed", "current")
 EXIT_WITHIN_S = 30.0
 TRACK_STEPS, TRACK_TOLERANCE = 5, 0.01
 RESUME_TOLERANCE = 1e-3
-RUN_TIMEOUT_S = 300  # a run that has not exited by then hangs: its stacks are dumped, then it is killed
+RUN_TIMEOUT_S = (
+    300  # a run that has not exited by then hangs: its stacks are dumped, then it is killed
+)
 STACKS_WITHIN_S = 5.0  # how long a hung run's processes get to write their stacks
 
 # The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
 # two virtual stages of one layer at interleaved pp2), on the embedded sample corpus.
-GPU_SHAPE = dict(SEQ="1024", MBS="2", GBS="16", ITERS="6", WARMUP="2",
-                 SHAPE="--num-layers 4 --hidden-size 1024 --num-attention-heads 16")
-CPU_SHAPE = dict(SEQ="64", MBS="2", GBS="8", ITERS="6", WARMUP="2",
-                 SHAPE="--num-layers 4 --hidden-size 64 --num-attention-heads 4")
+GPU_SHAPE = dict(
+    SEQ="1024",
+    MBS="2",
+    GBS="16",
+    ITERS="6",
+    WARMUP="2",
+    SHAPE="--num-layers 4 --hidden-size 1024 --num-attention-heads 16",
+)
+CPU_SHAPE = dict(
+    SEQ="64",
+    MBS="2",
+    GBS="8",
+    ITERS="6",
+    WARMUP="2",
+    SHAPE="--num-layers 4 --hidden-size 64 --num-attention-heads 4",
+)
 RESUME_AT = 3
 
 
@@ -83,11 +105,12 @@ class Run:
 
     @property
     def name(self) -> str:
-        return (f"{self.layout}-{self.precision}-{'graphs' if self.graphs else 'eager'}"
-                + ("" if self.kind == "straight" else f"-{self.kind}"))
+        return f"{self.layout}-{self.precision}-{'graphs' if self.graphs else 'eager'}" + (
+            "" if self.kind == "straight" else f"-{self.kind}"
+        )
 
     @property
-    def straight(self) -> "Run":
+    def straight(self) -> Run:
         return Run(self.layout, self.precision, self.graphs)
 
     @property
@@ -131,14 +154,31 @@ def environment(run: Run, work: Path, cpu: bool, devices: list[int], overlaps=(T
         extra += ["--load", str(work / "runs" / run.straight.name / f"iter_{RESUME_AT:07d}")]
     # A signalled run runs until the signal (its longer run draws other batches: not compared).
     iterations = "1000" if run.kind == "sigterm" else shape["ITERS"]
-    env = {**os.environ, "GPUS": str(gpus), "TP": str(tp), "PP": str(pp), "VPP": str(vpp), "MBS": shape["MBS"],
-           "GBS": shape["GBS"], "SEQ": shape["SEQ"], "ITERS": iterations, "WARMUP": shape["WARMUP"], "LOG_INTERVAL": "1",
-           "PRECISION": "bf16" if run.precision == "bf16" else "fp8", "FP8_RECIPE": run.precision,
-           "CUDA_GRAPH": "1" if run.graphs else "0", "WORKDIR": str(work / "data"), "SAVE": str(save),
-           "EXTRA_ARGS": " ".join(extra), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONFAULTHANDLER": "1",  # a hung run's ranks answer SIGABRT with their stacks (_stop_hung)
-           "CHECK_FAIL_AT": str(FAIL_AT), "TP_COMM_OVERLAP": str(int(overlaps[0])),
-           "DISTRIBUTED_OPTIMIZER": str(int(overlaps[1]))}
+    env = {
+        **os.environ,
+        "GPUS": str(gpus),
+        "TP": str(tp),
+        "PP": str(pp),
+        "VPP": str(vpp),
+        "MBS": shape["MBS"],
+        "GBS": shape["GBS"],
+        "SEQ": shape["SEQ"],
+        "ITERS": iterations,
+        "WARMUP": shape["WARMUP"],
+        "LOG_INTERVAL": "1",
+        "PRECISION": "bf16" if run.precision == "bf16" else "fp8",
+        "FP8_RECIPE": run.precision,
+        "CUDA_GRAPH": "1" if run.graphs else "0",
+        "WORKDIR": str(work / "data"),
+        "SAVE": str(save),
+        "EXTRA_ARGS": " ".join(extra),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # a hung run's ranks answer SIGABRT with their stacks (_stop_hung)
+        "CHECK_FAIL_AT": str(FAIL_AT),
+        "TP_COMM_OVERLAP": str(int(overlaps[0])),
+        "DISTRIBUTED_OPTIMIZER": str(int(overlaps[1])),
+    }
     if cpu:
         env.update(CPU="1", CUDA_VISIBLE_DEVICES="")
     else:
@@ -167,12 +207,43 @@ def failing_command(run: Run, work: Path, cpu: bool, flags=()) -> list[str]:
     on synthetic tokens: what matters is how the ranks end, not the data."""
     gpus, tp, pp, vpp = LAYOUTS[run.layout]
     shape = CPU_SHAPE if cpu else GPU_SHAPE
-    command = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), "-m", "tests.multigpu.failing_rank",
-               "--model", "gpt-1.3b", "--seq-length", shape["SEQ"], "--max-position-embeddings", shape["SEQ"],
-               *shape["SHAPE"].split(), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-               str(pp), "--micro-batch-size", shape["MBS"], "--global-batch-size", shape["GBS"],
-               "--train-iters", shape["ITERS"], "--lr", "2e-4", "--lr-warmup-iters", shape["WARMUP"], "--bf16",
-               "--mock-data", "--vocab-size", "32768", "--log-interval", "1", "--save", str(work / "runs" / run.name)]
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        str(gpus),
+        "-m",
+        "tests.multigpu.failing_rank",
+        "--model",
+        "gpt-1.3b",
+        "--seq-length",
+        shape["SEQ"],
+        "--max-position-embeddings",
+        shape["SEQ"],
+        *shape["SHAPE"].split(),
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--micro-batch-size",
+        shape["MBS"],
+        "--global-batch-size",
+        shape["GBS"],
+        "--train-iters",
+        shape["ITERS"],
+        "--lr",
+        "2e-4",
+        "--lr-warmup-iters",
+        shape["WARMUP"],
+        "--bf16",
+        "--mock-data",
+        "--vocab-size",
+        "32768",
+        "--log-interval",
+        "1",
+        "--save",
+        str(work / "runs" / run.name),
+    ]
     if run.precision != "bf16":
         command += ["--fp8-format", "hybrid", "--fp8-recipe", run.precision]
     if tp > 1:
@@ -202,14 +273,20 @@ class Launcher:
     """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
 
     def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(True, True)):
-        self.work, self.cpu, self.overlaps = work, cpu, overlaps  # (tp_comm_overlap, distributed_optimizer)
+        self.work, self.cpu, self.overlaps = (
+            work,
+            cpu,
+            overlaps,
+        )  # (tp_comm_overlap, distributed_optimizer)
         self.free = {d: share for d in range(max(gpus, 1))}
         self.running: dict = {}  # Run -> (process, devices, start, log file, processes it started)
         self.events: dict = {}  # Run -> when it was signalled or failed
         self.outcomes: dict = {}
 
     def start(self, run: Run) -> bool:
-        devices = sorted((d for d in self.free if self.free[d] > 0), key=lambda d: -self.free[d])[:run.gpus]
+        devices = sorted((d for d in self.free if self.free[d] > 0), key=lambda d: -self.free[d])[
+            : run.gpus
+        ]
         if not self.cpu and len(devices) < run.gpus:
             return False
         for d in devices:
@@ -218,11 +295,20 @@ class Launcher:
         shutil.rmtree(save, ignore_errors=True)
         save.mkdir(parents=True)
         log = open(self.work / "logs" / f"{run.name}.log", "w")
-        command = (failing_command(run, self.work, self.cpu, overlap_flags(run.layout, *self.overlaps))
-                   if run.kind == "fail" else ["bash", str(RECIPE)])
-        process = subprocess.Popen(command, env=environment(run, self.work, self.cpu, devices, self.overlaps),
-                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=_without_core_files)
+        command = (
+            failing_command(run, self.work, self.cpu, overlap_flags(run.layout, *self.overlaps))
+            if run.kind == "fail"
+            else ["bash", str(RECIPE)]
+        )
+        process = subprocess.Popen(
+            command,
+            env=environment(run, self.work, self.cpu, devices, self.overlaps),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_without_core_files,
+        )
         self.running[run] = (process, devices, time.time(), log, set())
         return True
 
@@ -243,7 +329,9 @@ class Launcher:
         for run, (process, devices, start, log, started) in list(self.running.items()):
             self._event(run, process)
             started |= _descendants(process.pid, parents)  # the ranks, found while torchrun lives
-            alive = process.poll() is None or _group_alive(process.pid) or any(map(_running, started))
+            alive = (
+                process.poll() is None or _group_alive(process.pid) or any(map(_running, started))
+            )
             if alive and time.time() - start < RUN_TIMEOUT_S:
                 continue
             if alive:
@@ -256,10 +344,19 @@ class Launcher:
                 self.free[d] += 1
             losses, last_time, speed = losses_of(self.work / "runs" / run.name / "metrics.jsonl")
             event = self.events.get(run)
-            self.outcomes[run] = Outcome(run.name, run.layout, run.precision, run.graphs, run.kind, returncode,
-                                         None if last_time is None else round(end - last_time, 1),
-                                         None if event is None else round(end - event, 1),
-                                         round(end - start, 1), losses, speed)
+            self.outcomes[run] = Outcome(
+                run.name,
+                run.layout,
+                run.precision,
+                run.graphs,
+                run.kind,
+                returncode,
+                None if last_time is None else round(end - last_time, 1),
+                None if event is None else round(end - event, 1),
+                round(end - start, 1),
+                losses,
+                speed,
+            )
             del self.running[run]
             done.append(run)
         return done
@@ -307,18 +404,23 @@ class Launcher:
         self.running.clear()
 
     def record(self) -> None:
-        (self.work / "check_layouts.json").write_text(json.dumps([asdict(o) for o in self.outcomes.values()],
-                                                                 indent=1))
+        (self.work / "check_layouts.json").write_text(
+            json.dumps([asdict(o) for o in self.outcomes.values()], indent=1)
+        )
 
 
 def judge(outcomes: dict, iterations: int, work: Path) -> None:
     """Fill each outcome's problems (an empty list: it passed)."""
-    references = {run.precision: outcome.losses for run, outcome in outcomes.items() if run.layout == "1gpu"}
+    references = {
+        run.precision: outcome.losses for run, outcome in outcomes.items() if run.layout == "1gpu"
+    }
     for run, outcome in outcomes.items():
         problems = []
         losses = outcome.losses or {}
         if outcome.returncode is None:
-            problems.append(f"still running {RUN_TIMEOUT_S} s after its start: killed (stacks in logs/{run.name}.log)")
+            problems.append(
+                f"still running {RUN_TIMEOUT_S} s after its start: killed (stacks in logs/{run.name}.log)"
+            )
         elif run.kind in ENDS_WITHIN_S:
             problems += _judge_ending(run, outcome, work)
         else:
@@ -326,20 +428,30 @@ def judge(outcomes: dict, iterations: int, work: Path) -> None:
                 problems.append(f"exit status {outcome.returncode}")
             if iterations not in losses:
                 problems.append(f"no loss logged for iteration {iterations}")
-            elif outcome.exit_after_last_s is not None and outcome.exit_after_last_s > EXIT_WITHIN_S:
-                problems.append(f"exited {outcome.exit_after_last_s:.0f} s after its last iteration")
+            elif (
+                outcome.exit_after_last_s is not None and outcome.exit_after_last_s > EXIT_WITHIN_S
+            ):
+                problems.append(
+                    f"exited {outcome.exit_after_last_s:.0f} s after its last iteration"
+                )
         if run.kind == "resumed":
             straight = outcomes.get(run.straight)
-            pairs = [(losses.get(i), (straight.losses or {}).get(i) if straight else None)
-                     for i in range(RESUME_AT + 1, iterations + 1)]
+            pairs = [
+                (losses.get(i), (straight.losses or {}).get(i) if straight else None)
+                for i in range(RESUME_AT + 1, iterations + 1)
+            ]
             worst = _worst(pairs)
             if worst is None or worst > RESUME_TOLERANCE:
-                problems.append(f"resumed losses {_gap(worst)} off the straight run's (tolerance {RESUME_TOLERANCE:.1%})")
+                problems.append(
+                    f"resumed losses {_gap(worst)} off the straight run's (tolerance {RESUME_TOLERANCE:.1%})"
+                )
         elif run.layout != "1gpu" and run.kind == "straight" and run.precision in references:
             reference = references[run.precision] or {}
             worst = _worst([(losses.get(i), reference.get(i)) for i in range(1, TRACK_STEPS + 1)])
             if worst is None or worst > TRACK_TOLERANCE:
-                problems.append(f"first losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})")
+                problems.append(
+                    f"first losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})"
+                )
         outcome.problems = problems
 
 
@@ -349,7 +461,9 @@ def _judge_ending(run: Run, outcome: Outcome, work: Path) -> list:
     if outcome.ended_after_event_s is None:
         return [f"never reached iteration {SIGNAL_AT}"]
     if outcome.ended_after_event_s > limit:
-        problems.append(f"ended {outcome.ended_after_event_s:.0f} s after the {run.kind} (limit {limit:.0f} s)")
+        problems.append(
+            f"ended {outcome.ended_after_event_s:.0f} s after the {run.kind} (limit {limit:.0f} s)"
+        )
     log = (work / "logs" / f"{run.name}.log").read_text(errors="replace")
     if run.kind == "fail":
         if outcome.returncode == 0:
@@ -443,68 +557,116 @@ def _gap(worst) -> str:
 
 
 def table(outcomes: dict) -> str:
-    lines = [f"{'run':34s} {'exit':>5s} {'ended s':>8s} {'tokens/s':>10s} {'loss 1 / last':>16s}  verdict",
-             "(ended s: after the last iteration; for -sigterm and -fail runs, after the signal or the error)"]
-    for run, o in sorted(outcomes.items(), key=lambda item: (LAYOUTS[item[0].layout][0], item[0].name)):
+    lines = [
+        f"{'run':34s} {'exit':>5s} {'ended s':>8s} {'tokens/s':>10s} {'loss 1 / last':>16s}  verdict",
+        "(ended s: after the last iteration; for -sigterm and -fail runs, after the signal or the error)",
+    ]
+    for run, o in sorted(
+        outcomes.items(), key=lambda item: (LAYOUTS[item[0].layout][0], item[0].name)
+    ):
         losses = o.losses or {}
-        first_last = (f"{losses[min(losses)]:.4f} / {losses[max(losses)]:.4f}" if losses else "-")
+        first_last = f"{losses[min(losses)]:.4f} / {losses[max(losses)]:.4f}" if losses else "-"
         speed = f"{o.tokens_per_s:,.0f}" if o.tokens_per_s else "-"
         after = o.ended_after_event_s if o.kind in ENDS_WITHIN_S else o.exit_after_last_s
         after = "-" if after is None else f"{after:.1f}"
         verdict = "ok" if not o.problems else "FAIL: " + "; ".join(o.problems)
-        lines.append(f"{o.run:34s} {str(o.returncode):>5s} {after:>8s} {speed:>10s} {first_last:>16s}  {verdict}")
+        lines.append(
+            f"{o.run:34s} {str(o.returncode):>5s} {after:>8s} {speed:>10s} {first_last:>16s}  {verdict}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gpus", type=int, help="GPUs to use (default: all torch sees)")
-    parser.add_argument("--layouts", nargs="+", choices=[name for name in LAYOUTS if name != "1gpu"],
-                        help="default: every layout of 2 GPUs, and of 4 with 4 or more")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=[name for name in LAYOUTS if name != "1gpu"],
+        help="default: every layout of 2 GPUs, and of 4 with 4 or more",
+    )
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
-                        help="straight: every precision and graphs off (and one GPU); resumed (needs straight); "
-                             "sigterm; fail (default: all)")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="straight: every precision and graphs off (and one GPU); resumed (needs straight); "
+        "sigterm; fail (default: all)",
+    )
     parser.add_argument("--share", type=int, default=2, help="runs per GPU at once (default 2)")
-    parser.add_argument("--without-tp-comm-overlap", action="store_true",
-                        help="layouts with tensor parallelism run without the recipe's --tp-comm-overlap")
-    parser.add_argument("--without-distributed-optimizer", action="store_true",
-                        help="layouts with data parallelism run without the recipe's distributed optimizer "
-                             "(and its --overlap-param-gather)")
-    parser.add_argument("--cpu", action="store_true", help="on the CPU with gloo (the recipe's CPU=1), no graphs")
-    parser.add_argument("--output", type=Path, default=Path("runs/check_layouts"),
-                        help="work folder: data, runs, logs, check_layouts.json (default runs/check_layouts)")
+    parser.add_argument(
+        "--without-tp-comm-overlap",
+        action="store_true",
+        help="layouts with tensor parallelism run without the recipe's --tp-comm-overlap",
+    )
+    parser.add_argument(
+        "--without-distributed-optimizer",
+        action="store_true",
+        help="layouts with data parallelism run without the recipe's distributed optimizer "
+        "(and its --overlap-param-gather)",
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="on the CPU with gloo (the recipe's CPU=1), no graphs"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("runs/check_layouts"),
+        help="work folder: data, runs, logs, check_layouts.json (default runs/check_layouts)",
+    )
     args = parser.parse_args(argv)
     if args.cpu:
         gpus = 0
     else:
         import torch
+
         gpus = args.gpus or torch.cuda.device_count()
         if gpus < 2:
-            parser.error(f"needs at least 2 GPUs, torch sees {torch.cuda.device_count()}; --cpu runs it on the CPU")
+            parser.error(
+                f"needs at least 2 GPUs, torch sees {torch.cuda.device_count()}; --cpu runs it on the CPU"
+            )
     capacity = gpus or 2  # on the CPU: the 2-process layouts unless asked for more
     layouts = args.layouts or [name for name, (n, *_) in LAYOUTS.items() if 2 <= n <= capacity]
     too_big = [name for name in layouts if not args.cpu and LAYOUTS[name][0] > gpus]
     if too_big:
-        parser.error(f"{', '.join(too_big)} need{'s' if len(too_big) == 1 else ''} more than {gpus} GPUs")
+        parser.error(
+            f"{', '.join(too_big)} need{'s' if len(too_big) == 1 else ''} more than {gpus} GPUs"
+        )
     work = args.output.resolve()
     if "resumed" in args.kinds and "straight" not in args.kinds:
-        parser.error("--kinds resumed needs straight (a resumed run loads the straight run's checkpoint)")
+        parser.error(
+            "--kinds resumed needs straight (a resumed run loads the straight run's checkpoint)"
+        )
     runs = plan(layouts, args.precisions, graphs=not args.cpu, kinds=args.kinds)
-    print(f"check_layouts: {len(runs)} runs of the shrunk GPT recipe on {gpus or 'the CPU, no'} GPUs, logs in "
-          f"{work / 'logs'}", flush=True)
-    subprocess.run(["bash", str(REPO / "examples" / "prepare_sample_data.sh"), str(work / "data"), "32768"],
-                   check=True, stdout=subprocess.DEVNULL)
+    print(
+        f"check_layouts: {len(runs)} runs of the shrunk GPT recipe on {gpus or 'the CPU, no'} GPUs, logs in "
+        f"{work / 'logs'}",
+        flush=True,
+    )
+    subprocess.run(
+        ["bash", str(REPO / "examples" / "prepare_sample_data.sh"), str(work / "data"), "32768"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     start = time.time()
-    launcher = Launcher(work, gpus, args.cpu, args.share,
-                        (not args.without_tp_comm_overlap, not args.without_distributed_optimizer))
+    launcher = Launcher(
+        work,
+        gpus,
+        args.cpu,
+        args.share,
+        (not args.without_tp_comm_overlap, not args.without_distributed_optimizer),
+    )
     outcomes = launcher.run_all(runs)
     judge(outcomes, int((CPU_SHAPE if args.cpu else GPU_SHAPE)["ITERS"]), work)
     launcher.record()
     failed = [o for o in outcomes.values() if o.problems]
     print(table(outcomes))
-    print(f"check_layouts: {len(outcomes) - len(failed)} of {len(outcomes)} runs passed in {time.time() - start:.0f} s")
+    print(
+        f"check_layouts: {len(outcomes) - len(failed)} of {len(outcomes)} runs passed in {time.time() - start:.0f} s"
+    )
     return 1 if failed else 0
 
 

@@ -1,5 +1,6 @@
 """`python -m megafp8.train`, but the last rank raises at iteration CHECK_FAIL_AT: the multi-GPU
 check's stand-in for an error on one rank (a bad batch, a CUDA error), to see every rank end."""
+
 import os
 
 import torch.distributed as dist

@@ -1,6 +1,7 @@
 """The multi-GPU check itself, on the CPU: one layout (dp 2, gloo) through every kind of run it
 makes (straight, resumed, SIGTERM to the launch's process group, a failing rank), each launched
 as a user launches the recipe, and judged; on GPUs, `python -m tests.multigpu.check_layouts`."""
+
 import json
 import os
 import subprocess
@@ -11,13 +12,19 @@ from tests.multigpu import check_layouts
 
 
 def test_every_kind_of_run_ends_as_it_should_on_the_cpu(tmp_path, capsys):
-    status = check_layouts.main(["--cpu", "--layouts", "dp2", "--precisions", "delayed", "--output",
-                                 str(tmp_path)])
+    status = check_layouts.main(
+        ["--cpu", "--layouts", "dp2", "--precisions", "delayed", "--output", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     outcomes = {o["run"]: o for o in json.loads((tmp_path / "check_layouts.json").read_text())}
-    assert sorted(outcomes) == ["1gpu-delayed-eager", "dp2-delayed-eager", "dp2-delayed-eager-fail",
-                                "dp2-delayed-eager-resumed", "dp2-delayed-eager-sigterm"]
+    assert sorted(outcomes) == [
+        "1gpu-delayed-eager",
+        "dp2-delayed-eager",
+        "dp2-delayed-eager-fail",
+        "dp2-delayed-eager-resumed",
+        "dp2-delayed-eager-sigterm",
+    ]
     assert all(not o["problems"] for o in outcomes.values()), out
     assert outcomes["dp2-delayed-eager-sigterm"]["ended_after_event_s"] < 30
     assert outcomes["dp2-delayed-eager-fail"]["returncode"] != 0
@@ -25,19 +32,34 @@ def test_every_kind_of_run_ends_as_it_should_on_the_cpu(tmp_path, capsys):
 
 def test_a_run_that_does_not_end_or_drifts_is_named(tmp_path):
     make = check_layouts.Outcome
-    straight, resumed = check_layouts.Run("dp2", "bf16", False), check_layouts.Run("dp2", "bf16", False, "resumed")
+    straight, resumed = (
+        check_layouts.Run("dp2", "bf16", False),
+        check_layouts.Run("dp2", "bf16", False, "resumed"),
+    )
     reference = check_layouts.Run("1gpu", "bf16", False)
     losses = {i: 10.0 - i for i in range(1, 7)}
-    outcomes = {reference: make(reference.name, "1gpu", "bf16", False, "straight", 0, 1.0, None, 9.0, dict(losses)),
-                straight: make(straight.name, "dp2", "bf16", False, "straight", 0, 45.0, None, 9.0,
-                               {**losses, 2: 8.5}),
-                resumed: make(resumed.name, "dp2", "bf16", False, "resumed", None, None, None, 300.0, {4: 6.0})}
+    outcomes = {
+        reference: make(
+            reference.name, "1gpu", "bf16", False, "straight", 0, 1.0, None, 9.0, dict(losses)
+        ),
+        straight: make(
+            straight.name, "dp2", "bf16", False, "straight", 0, 45.0, None, 9.0, {**losses, 2: 8.5}
+        ),
+        resumed: make(
+            resumed.name, "dp2", "bf16", False, "resumed", None, None, None, 300.0, {4: 6.0}
+        ),
+    }
     check_layouts.judge(outcomes, 6, tmp_path)
     assert outcomes[reference].problems == []
-    assert outcomes[straight].problems == ["exited 45 s after its last iteration",
-                                           "first losses 6.25% off one GPU's (tolerance 1%)"]
-    assert outcomes[resumed].problems[0] == "still running 300 s after its start: killed (stacks in logs/" \
-                                           "dp2-bf16-eager-resumed.log)"
+    assert outcomes[straight].problems == [
+        "exited 45 s after its last iteration",
+        "first losses 6.25% off one GPU's (tolerance 1%)",
+    ]
+    assert (
+        outcomes[resumed].problems[0]
+        == "still running 300 s after its start: killed (stacks in logs/"
+        "dp2-bf16-eager-resumed.log)"
+    )
     assert "resumed losses missing, so not compared" in outcomes[resumed].problems[1]
 
 
@@ -45,9 +67,14 @@ def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
     """--tp-comm-overlap for tp layouts, the distributed optimizer with --overlap-param-gather for
     dp layouts, as the recipe gives them (its switches in the environment), and in the failing
     rank's command alike; off when asked."""
-    expected = {"tp2": ["--tp-comm-overlap"], "tp2pp2": ["--tp-comm-overlap"], "pp2": [], "1gpu": [],
-                "dp2": ["--use-distributed-optimizer", "--overlap-param-gather"],
-                "tp2dp2": ["--tp-comm-overlap", "--use-distributed-optimizer", "--overlap-param-gather"]}
+    expected = {
+        "tp2": ["--tp-comm-overlap"],
+        "tp2pp2": ["--tp-comm-overlap"],
+        "pp2": [],
+        "1gpu": [],
+        "dp2": ["--use-distributed-optimizer", "--overlap-param-gather"],
+        "tp2dp2": ["--tp-comm-overlap", "--use-distributed-optimizer", "--overlap-param-gather"],
+    }
     for layout, flags in expected.items():
         assert check_layouts.overlap_flags(layout, True, True) == flags, layout
         assert check_layouts.overlap_flags(layout, False, False) == []
@@ -56,27 +83,37 @@ def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
         assert (env["TP_COMM_OVERLAP"], env["DISTRIBUTED_OPTIMIZER"]) == ("1", "1")
         env = check_layouts.environment(run, tmp_path, False, [0, 1, 2, 3], (False, False))
         assert (env["TP_COMM_OVERLAP"], env["DISTRIBUTED_OPTIMIZER"]) == ("0", "0")
-        command = check_layouts.failing_command(check_layouts.Run(layout, "delayed", True, "fail"), tmp_path, False,
-                                                flags)
+        command = check_layouts.failing_command(
+            check_layouts.Run(layout, "delayed", True, "fail"), tmp_path, False, flags
+        )
         assert all(flag in command for flag in flags), layout
 
 
 def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path):
     """torchrun starts each rank in a session of its own: a hung run's ranks are found under its
     launcher, write their Python stacks into the run's log, and are killed with it."""
-    rank = ("import time\n"
-            "def waiting_for_a_peer():\n"
-            "    print('waiting', flush=True)\n"
-            "    time.sleep(600)\n"
-            "waiting_for_a_peer()\n")
-    launcher = ("import subprocess, sys, time\n"
-                f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
-                "time.sleep(600)\n")
+    rank = (
+        "import time\n"
+        "def waiting_for_a_peer():\n"
+        "    print('waiting', flush=True)\n"
+        "    time.sleep(600)\n"
+        "waiting_for_a_peer()\n"
+    )
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+        "time.sleep(600)\n"
+    )
     log_path = tmp_path / "run.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-c", launcher], stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=check_layouts._without_core_files,
-                                   env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+        process = subprocess.Popen(
+            [sys.executable, "-c", launcher],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=check_layouts._without_core_files,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        )
     deadline = time.time() + 60
     while "waiting" not in log_path.read_text() and time.time() < deadline:
         time.sleep(0.1)
@@ -92,13 +129,33 @@ def test_a_check_stopped_stops_its_runs(tmp_path):
     """SIGTERM to the check (a job's time limit) ends its runs with it: left running, they would
     hold the GPUs and write into the next check's folders."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    check = subprocess.Popen([sys.executable, "-m", "tests.multigpu.check_layouts", "--cpu", "--layouts", "dp2",
-                              "--precisions", "bf16", "--kinds", "sigterm", "--output", str(tmp_path)],
-                             cwd=check_layouts.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    check = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.multigpu.check_layouts",
+            "--cpu",
+            "--layouts",
+            "dp2",
+            "--precisions",
+            "bf16",
+            "--kinds",
+            "sigterm",
+            "--output",
+            str(tmp_path),
+        ],
+        cwd=check_layouts.REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     deadline, started = time.time() + 240, set()
     while time.time() < deadline and check.poll() is None:  # until the run's ranks are up
         started |= check_layouts._descendants(check.pid)
-        if any("torch.distributed.run" in _command(pid) or "torchrun" in _command(pid) for pid in started):
+        if any(
+            "torch.distributed.run" in _command(pid) or "torchrun" in _command(pid)
+            for pid in started
+        ):
             break
         time.sleep(0.2)
     assert check.poll() is None, "the check ended before its run started"

@@ -2,6 +2,7 @@
 against the same product computed whole, over 2, 3 and 4 gloo ranks (3: a ring whose rank 1
 has blocks on both sides of its own); on two GPUs, their copy-engine transfers
 (megafp8.symmetric_memory) against NCCL's."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ ROWS, K, N = 8, 24, 16  # rows per rank
 def mm(weight):
     def gemm(rows, out):
         torch.mm(rows, weight.t(), out=out)
+
     return gemm
 
 
@@ -29,21 +31,32 @@ def body(rank, size):
     # Column-parallel: this rank's rows of x gathered and multiplied, the callback once, after the gather.
     product = torch.empty(size * ROWS, N, dtype=torch.float64)
     calls = []
-    gathered = collective_gemm.gathered_gemm(x.chunk(size)[rank].contiguous(), group, mm(weight), product,
-                                             after_gather=lambda: calls.append(len(calls)))
+    gathered = collective_gemm.gathered_gemm(
+        x.chunk(size)[rank].contiguous(),
+        group,
+        mm(weight),
+        product,
+        after_gather=lambda: calls.append(len(calls)),
+    )
     out["gathered"] = torch.equal(gathered, x)
-    out["gathered_gemm_error"] = ((product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()).item()
+    out["gathered_gemm_error"] = (
+        (product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()
+    ).item()
     out["after_gather_calls"] = calls
     product.zero_()
-    out["not_kept"] = collective_gemm.gathered_gemm(x.chunk(size)[rank].contiguous(), group, mm(weight), product,
-                                                    keep_gathered=False)
-    out["not_kept_error"] = ((product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()).item()
+    out["not_kept"] = collective_gemm.gathered_gemm(
+        x.chunk(size)[rank].contiguous(), group, mm(weight), product, keep_gathered=False
+    )
+    out["not_kept_error"] = (
+        (product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()
+    ).item()
 
     # FP8 travels as bytes: the gathered input is the same FP8 values.
     fp8 = x.float().to(torch.float8_e4m3fn)
     scratch = torch.empty(size * ROWS, K)
-    gathered = collective_gemm.gathered_gemm(fp8.chunk(size)[rank].contiguous(), group,
-                                             lambda rows, o: o.copy_(rows.float()), scratch)
+    gathered = collective_gemm.gathered_gemm(
+        fp8.chunk(size)[rank].contiguous(), group, lambda rows, o: o.copy_(rows.float()), scratch
+    )
     out["fp8_gathered"] = torch.equal(gathered.float(), fp8.float())
 
     # Row-parallel: rank r holds columns r of x and of the weight; the sum over ranks, this rank's rows.
@@ -53,7 +66,9 @@ def body(rank, size):
     out["reduce_scatter_error"] = ((mine - expected).abs().max() / expected.abs().max()).item()
     out["reduce_scatter_shape"] = tuple(mine.shape)
     later = collective_gemm.gemm_then_reduce_scatter(x_r, group, mm(w_r), N, torch.float64)
-    out["then_reduce_scatter_error"] = ((later.wait() - expected).abs().max() / expected.abs().max()).item()
+    out["then_reduce_scatter_error"] = (
+        (later.wait() - expected).abs().max() / expected.abs().max()
+    ).item()
     try:
         collective_gemm.gemm_reduce_scatter(x_r[:-1], group, mm(w_r), N, torch.float64)
     except ValueError as error:
@@ -102,16 +117,24 @@ def copy_engine_body(rank, size):
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.empty(ROWS * 16, K * 8, device=device, dtype=torch.bfloat16)
     weight = torch.randn(N * 8, K * 8, generator=g, device=device, dtype=torch.bfloat16)
-    gemm = lambda rows, out: torch.mm(rows, weight.t(), out=out)
+
+    def gemm(rows, out):
+        return torch.mm(rows, weight.t(), out=out)
 
     def transfers():
-        product = torch.empty(size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16)
+        product = torch.empty(
+            size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16
+        )
         gathered = collective_gemm.gathered_gemm(x, group, gemm, product)
         alone = torch.empty_like(product)
         collective_gemm.gathered_gemm(x, group, gemm, alone, keep_gathered=False)
         stacked = x.repeat(size, 1)
-        mine = collective_gemm.gemm_reduce_scatter(stacked, group, gemm, weight.shape[0], torch.bfloat16)
-        later = collective_gemm.gemm_then_reduce_scatter(stacked, group, gemm, weight.shape[0], torch.bfloat16)
+        mine = collective_gemm.gemm_reduce_scatter(
+            stacked, group, gemm, weight.shape[0], torch.bfloat16
+        )
+        later = collective_gemm.gemm_then_reduce_scatter(
+            stacked, group, gemm, weight.shape[0], torch.bfloat16
+        )
         columns = collective_gemm.all_gather_columns(x.t().contiguous(), group).wait()
         return product, gathered, alone, mine, later.wait(), columns
 
@@ -131,7 +154,9 @@ def copy_engine_body(rank, size):
         finally:
             symmetric_memory.stop_using_copy_engines()
         torch.cuda.synchronize()
-        results.append([torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(nccl, eager, replayed)])
+        results.append(
+            [torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(nccl, eager, replayed)]
+        )
     return results
 
 

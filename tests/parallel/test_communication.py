@@ -1,5 +1,6 @@
 """The collectives under the parallel mappings, including the fallback for backends without
 reduce-scatter (older gloo; torch 2.13's gloo has it, so the fallback is forced here)."""
+
 import torch
 import torch.distributed as dist
 
@@ -17,7 +18,8 @@ def body(rank, world_size):
         "gather_last_dim": torch.equal(all_gather(split(full, group, -1), group, -1), full),
         "gather_fp8_bytes": torch.equal(
             all_gather(split(full, group, 0).to(torch.float8_e4m3fn), group, 0).float(),
-            full.to(torch.float8_e4m3fn).float()),
+            full.to(torch.float8_e4m3fn).float(),
+        ),
     }
     # Each rank contributes (rank + 1) * full; rank r keeps rows r of the sum.
     contribution = full * (rank + 1)
@@ -31,16 +33,22 @@ def body(rank, world_size):
     out["reduce_scatter"] = torch.allclose(native, expected, rtol=1e-6, atol=1e-6)
     out["fallback_equals_native"] = torch.equal(native, fallback)
     # The asynchronous forms: a handle whose wait() returns what the synchronous form does.
-    out["reduce_scatter_async"] = torch.equal(reduce_scatter(contribution, group, async_op=True).wait(), native)
+    out["reduce_scatter_async"] = torch.equal(
+        reduce_scatter(contribution, group, async_op=True).wait(), native
+    )
     columns = full.chunk(world_size, dim=1)[rank].contiguous()
     out["gather_columns"] = torch.equal(collectives.all_gather_columns(columns, group), full)
     out["gather_columns_async"] = torch.equal(
-        collectives.all_gather_columns(columns, group, async_op=True).wait(), full)
+        collectives.all_gather_columns(columns, group, async_op=True).wait(), full
+    )
     # FP8 columns (the transposed inputs the weight-gradient GEMM reads) travel and join as bytes.
     fp8 = full.to(torch.float8_e4m3fn)
     out["gather_fp8_columns"] = torch.equal(
-        collectives.all_gather_columns(fp8.chunk(world_size, dim=1)[rank].contiguous(), group).view(torch.uint8),
-        fp8.view(torch.uint8))
+        collectives.all_gather_columns(fp8.chunk(world_size, dim=1)[rank].contiguous(), group).view(
+            torch.uint8
+        ),
+        fp8.view(torch.uint8),
+    )
     return out
 
 

@@ -1,24 +1,31 @@
 """Tensor and sequence parallelism with FP8 on GPUs over NCCL (needs 2 GPUs)."""
+
 import pytest
 import torch
 import torch.distributed as dist
+from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megafp8 import DelayedScaling, fp8_autocast
-from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from ..fp8.helpers import rel_err
 from ..multiprocess import run_on_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
 HIDDEN, FFN, SEQ, BATCH = 256, 1024, 64, 4
 
 
 def mlp(group, sequence_parallel):
     torch.manual_seed(0)
     kwargs = dict(tp_group=group, dtype=torch.bfloat16, device="cuda")
-    return (ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=sequence_parallel, **kwargs),
-            RowParallelLinear(FFN, HIDDEN, input_is_parallel=True, sequence_parallel=sequence_parallel, **kwargs))
+    return (
+        ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=sequence_parallel, **kwargs),
+        RowParallelLinear(
+            FFN, HIDDEN, input_is_parallel=True, sequence_parallel=sequence_parallel, **kwargs
+        ),
+    )
 
 
 def step(layers, x, dy, group):
@@ -32,9 +39,13 @@ def step(layers, x, dy, group):
 def body(rank, tp):
     group = dist.group.WORLD
     g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16),
-                torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16))
-               for _ in range(3)]
+    batches = [
+        (
+            torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16),
+            torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16),
+        )
+        for _ in range(3)
+    ]
     ref, errors = mlp(None, False), []
     refs = [step(ref, x, dy, None) for x, dy in batches]
     for sp in (False, True):
@@ -42,8 +53,14 @@ def body(rank, tp):
         shard = (lambda t: t.chunk(tp, 0)[rank]) if sp else (lambda t: t)
         for (x, dy), r in zip(batches, refs):
             y, dx, dw1, dw2 = step(layers, shard(x), shard(dy), group)
-            errors.append(max(rel_err(y, shard(r[0])), rel_err(dx, shard(r[1])),
-                              rel_err(dw1, r[2].chunk(tp, 0)[rank]), rel_err(dw2, r[3].chunk(tp, 1)[rank])))
+            errors.append(
+                max(
+                    rel_err(y, shard(r[0])),
+                    rel_err(dx, shard(r[1])),
+                    rel_err(dw1, r[2].chunk(tp, 0)[rank]),
+                    rel_err(dw2, r[3].chunk(tp, 1)[rank]),
+                )
+            )
     return errors
 
 

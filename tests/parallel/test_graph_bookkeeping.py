@@ -2,11 +2,17 @@
 graphed training equal to eager bit for bit, are GPU tests in tests/training/test_cuda_graphs.py):
 recording a pass's amaxes flushes nothing, and recording them again reproduces the pass; a
 graphed layer's weight cast is refreshed in place; micro-batches in flight take slots."""
+
 import torch
+from megafp8.parallel.cuda_graphs import MicroBatchSlots
 
 from megafp8 import DelayedScaling, Fp8Linear, fp8_autocast, quantize
-from megafp8.fp8.autocast import current_fp8_context, record_amaxes, replay_backward_amaxes, replay_forward_amaxes
-from megafp8.parallel.cuda_graphs import MicroBatchSlots
+from megafp8.fp8.autocast import (
+    current_fp8_context,
+    record_amaxes,
+    replay_backward_amaxes,
+    replay_forward_amaxes,
+)
 
 RECIPE = DelayedScaling(amax_history_len=4)
 
@@ -15,12 +21,19 @@ def layer_and_batches():
     torch.manual_seed(3)
     layer = Fp8Linear(32, 48)
     g = torch.Generator().manual_seed(4)
-    batches = [(torch.randn(16, 32, generator=g) * (i + 1), torch.randn(16, 48, generator=g)) for i in range(3)]
+    batches = [
+        (torch.randn(16, 32, generator=g) * (i + 1), torch.randn(16, 48, generator=g))
+        for i in range(3)
+    ]
     return layer, batches
 
 
 def state_of(layer):
-    return [(t.clone(), s.update_count) for s in layer.fp8_scaling.values() for t in (s.scale, s.amax_history)]
+    return [
+        (t.clone(), s.update_count)
+        for s in layer.fp8_scaling.values()
+        for t in (s.scale, s.amax_history)
+    ]
 
 
 class _ReplayBackwardAmaxes(torch.autograd.Function):
@@ -54,12 +67,18 @@ def test_recorded_amaxes_replayed_into_the_passes_equal_the_eager_passes():
             with record_amaxes(current_fp8_context()) as recording:
                 h = x.clone().requires_grad_(True)
                 y = recorded(h)
-                torch.autograd.grad(y, (h, recorded.weight, recorded.bias), dy)  # a captured backward
+                torch.autograd.grad(
+                    y, (h, recorded.weight, recorded.bias), dy
+                )  # a captured backward
             forward, backward = recording.take()
             for (a, n), (b, m) in zip(before, state_of(recorded)):
                 assert torch.equal(a, b) and n == m, "recording flushed something"
-            assert {id(o.state) for o in forward} == {id(recorded.fp8_scaling[r]) for r in ("input", "weight")}
-            assert [id(o.state) for _, obs in backward for o in obs] == [id(recorded.fp8_scaling["grad_output"])]
+            assert {id(o.state) for o in forward} == {
+                id(recorded.fp8_scaling[r]) for r in ("input", "weight")
+            }
+            assert [id(o.state) for _, obs in backward for o in obs] == [
+                id(recorded.fp8_scaling["grad_output"])
+            ]
             replay_forward_amaxes(current_fp8_context(), forward)
             out = _ReplayBackwardAmaxes.apply(y.detach().requires_grad_(True), backward)
         out.backward(dy)
@@ -76,8 +95,10 @@ def test_quantize_into_an_earlier_cast_overwrites_it_in_place():
     fresh = quantize(x, torch.float8_e4m3fn, columnwise=True)
     for name in ("data", "data_t", "scale_inv"):
         assert getattr(again, name).data_ptr() == getattr(first, name).data_ptr()
-        assert torch.equal(getattr(again, name).view(torch.uint8) if name != "scale_inv" else again.scale_inv,
-                           getattr(fresh, name).view(torch.uint8) if name != "scale_inv" else fresh.scale_inv)
+        assert torch.equal(
+            getattr(again, name).view(torch.uint8) if name != "scale_inv" else again.scale_inv,
+            getattr(fresh, name).view(torch.uint8) if name != "scale_inv" else fresh.scale_inv,
+        )
 
 
 def test_a_graphed_layer_refreshes_its_weight_cast_in_place_and_an_eager_one_in_new_buffers():
@@ -88,7 +109,9 @@ def test_a_graphed_layer_refreshes_its_weight_cast_in_place_and_an_eager_one_in_
         addresses = []
         for x, dy in batches:
             with fp8_autocast(recipe=RECIPE):
-                layer.refresh_weight_cast(current_fp8_context())  # nothing cached before the first pass
+                layer.refresh_weight_cast(
+                    current_fp8_context()
+                )  # nothing cached before the first pass
                 layer(x).backward(dy)
             optimizer.step()
             with fp8_autocast(recipe=RECIPE):

@@ -1,11 +1,11 @@
 """Tensor- and sequence-parallel linears (gloo, tp = 2 and 4) against the same layers at tp = 1."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-from megafp8 import DelayedScaling, fp8_autocast
-from megafp8 import collectives
 from megafp8.parallel.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+from megafp8 import DelayedScaling, collectives, fp8_autocast
 
 from ..fp8.helpers import gemm_error_bound, rel_err
 from ..multiprocess import run_on_ranks
@@ -18,12 +18,22 @@ def build(group, sequence_parallel, overlap=False):
     """An MLP's two linears, from the global seed (the same full weights at any tp size);
     `overlap`: their collectives overlapped with the GEMMs (tp_comm_overlap)."""
     torch.manual_seed(0)
-    fc1 = ColumnParallelLinear(HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel,
-                               tp_comm_overlap=overlap)
-    fc2 = RowParallelLinear(FFN, HIDDEN, tp_group=group, input_is_parallel=True, sequence_parallel=sequence_parallel,
-                            tp_comm_overlap=overlap)
+    fc1 = ColumnParallelLinear(
+        HIDDEN, FFN, tp_group=group, sequence_parallel=sequence_parallel, tp_comm_overlap=overlap
+    )
+    fc2 = RowParallelLinear(
+        FFN,
+        HIDDEN,
+        tp_group=group,
+        input_is_parallel=True,
+        sequence_parallel=sequence_parallel,
+        tp_comm_overlap=overlap,
+    )
     generator = torch.Generator().manual_seed(1)  # non-zero biases, the same on every rank
-    full_b1, full_b2 = torch.randn(FFN, generator=generator), torch.randn(HIDDEN, generator=generator)
+    full_b1, full_b2 = (
+        torch.randn(FFN, generator=generator),
+        torch.randn(HIDDEN, generator=generator),
+    )
     with torch.no_grad():
         fc1.bias.copy_(full_b1.chunk(fc1.tp_size)[dist.get_rank(group) if group else 0])
         fc2.bias.copy_(full_b2)
@@ -41,8 +51,11 @@ def mlp_step(fc1, fc2, x, dy, fp8, group):
 
 
 def scales_of(fc1, fc2):
-    return {f"{name}.{role}": layer.fp8_scaling[role].scale.item()
-            for name, layer in (("fc1", fc1), ("fc2", fc2)) for role in layer.fp8_scaling}
+    return {
+        f"{name}.{role}": layer.fp8_scaling[role].scale.item()
+        for name, layer in (("fc1", fc1), ("fc2", fc2))
+        for role in layer.fp8_scaling
+    }
 
 
 def compare_mlp(rank, tp, group):
@@ -50,8 +63,10 @@ def compare_mlp(rank, tp, group):
     and gradient against this rank's part of the tp = 1 result, over three steps; the final
     scales; and for each fp8, the largest difference of the overlapped run from the plain one."""
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g))
-               for _ in range(3)]
+    batches = [
+        (torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g))
+        for _ in range(3)
+    ]
     errors, scales = {}, {}
     for fp8 in (False, True):
         ref1, ref2 = build(None, False)
@@ -71,16 +86,24 @@ def compare_mlp(rank, tp, group):
                 b2 = out[5].clone()
                 if sp:  # the row bias gradient covers this rank's sequence shard: sum it
                     dist.all_reduce(b2, group=group)
-                expected = (shard(ref[0]), shard(ref[1]), ref[2].chunk(tp, 0)[rank], ref[3].chunk(tp, 0)[rank],
-                            ref[4].chunk(tp, 1)[rank], ref[5])
+                expected = (
+                    shard(ref[0]),
+                    shard(ref[1]),
+                    ref[2].chunk(tp, 0)[rank],
+                    ref[3].chunk(tp, 0)[rank],
+                    ref[4].chunk(tp, 1)[rank],
+                    ref[5],
+                )
                 for got, want in zip((*out[:5], b2), expected):
                     worst = max(worst, rel_err(got, want))
             errors[(fp8, sp, overlap)] = worst
             if fp8:
                 scales[(sp, overlap)] = scales_of(fc1, fc2)
         errors[(fp8, "overlapped vs plain")] = max(
-            (a - b).abs().max().item() for plain, overlapped in zip(runs[False], runs[True])
-            for a, b in zip(plain, overlapped))
+            (a - b).abs().max().item()
+            for plain, overlapped in zip(runs[False], runs[True])
+            for a, b in zip(plain, overlapped)
+        )
     return errors, scales
 
 
@@ -148,16 +171,26 @@ def compare_qkv(rank, tp, group):
             (q.sum() + 2 * k.sum() + 3 * v.sum()).backward()
             outputs.append((q, k, v, xi.grad))
         (q0, k0, v0, dx0), (q1, k1, v1, dx1) = outputs
-        worst = max(worst, rel_err(q1, q0.chunk(tp, -2)[rank]), rel_err(k1, k0.chunk(tp, -2)[rank]),
-                    rel_err(v1, v0.chunk(tp, -2)[rank]), rel_err(dx1, dx0))
+        worst = max(
+            worst,
+            rel_err(q1, q0.chunk(tp, -2)[rank]),
+            rel_err(k1, k0.chunk(tp, -2)[rank]),
+            rel_err(v1, v0.chunk(tp, -2)[rank]),
+            rel_err(dx1, dx0),
+        )
     return worst
 
 
 def body(rank, tp):
     group = dist.group.WORLD
     errors, scales = compare_mlp(rank, tp, group)
-    return {"errors": errors, "scales": scales, "traffic": sequence_parallel_traffic(rank, tp, group),
-            "bad": errors_for_bad_sizes(group), "qkv": compare_qkv(rank, tp, group)}
+    return {
+        "errors": errors,
+        "scales": scales,
+        "traffic": sequence_parallel_traffic(rank, tp, group),
+        "bad": errors_for_bad_sizes(group),
+        "qkv": compare_qkv(rank, tp, group),
+    }
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -214,6 +247,8 @@ def test_qkv_heads_split_into_groups():
     q, k, v = qkv.split_heads(qkv(x))
     assert q.shape == (3, 5, 8, 4) and k.shape == v.shape == (3, 5, 2, 4)
     full = qkv(x).view(3, 5, 2, 6, 4)  # per kv group: 4 query heads, k, v
-    assert torch.equal(q[..., 4:8, :], full[..., 1, :4, :]) and torch.equal(v[..., 1, :], full[..., 1, 5, :])
+    assert torch.equal(q[..., 4:8, :], full[..., 1, :4, :]) and torch.equal(
+        v[..., 1, :], full[..., 1, 5, :]
+    )
     with pytest.raises(ValueError, match="num_heads=8 is not a multiple of num_kv_heads=3"):
         QKVParallelLinear(HIDDEN, num_heads=8, num_kv_heads=3, head_dim=4)

@@ -3,15 +3,13 @@ tp2 x pp2 x dp2 with sequence parallelism, train several steps to the same losse
 gradients as one process running the whole model (no pipelining), with FP8 on and off;
 the tied embedding's gradient sync; the 1F1B in-flight bound; the order of passes within a
 stage (FP8 amax collectives); the pairing of transfers; layer splits and bad arguments."""
+
 import functools
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from megafp8 import DelayedScaling, fp8_autocast
-from megafp8.fp8 import scaling
 from megafp8.models import TransformerLM, preset
 from megafp8.parallel import (
     P2PCommunicator,
@@ -23,6 +21,9 @@ from megafp8.parallel import (
     stage_layers,
 )
 from megafp8.parallel.data_parallel import GradientBuffer
+
+from megafp8 import DelayedScaling, fp8_autocast
+from megafp8.fp8 import scaling
 
 from ..fp8.helpers import rel_err
 from ..models.test_model_parallel import shard_of
@@ -41,7 +42,9 @@ def micro_batches(config, step, dp_rank=0, dp=1, eval_=False):
     """This dp rank's (tokens, labels) micro-batches of one step; dp=1 with dp_rank=None gives
     the global batch: micro-batch i of every dp rank concatenated (the one-process reference)."""
     g = torch.Generator().manual_seed(1000 * step + (99 if eval_ else 0))
-    data = torch.randint(0, config.vocab_size, (NUM_MICRO_BATCHES, dp, MICRO_BATCH, 2, SEQ), generator=g)
+    data = torch.randint(
+        0, config.vocab_size, (NUM_MICRO_BATCHES, dp, MICRO_BATCH, 2, SEQ), generator=g
+    )
     picked = data.flatten(1, 2) if dp_rank is None else data[:, dp_rank]
     return [(batch[:, 0], batch[:, 1]) for batch in picked]
 
@@ -51,11 +54,15 @@ def make_forward_step(fp8, amax_group):
         device = next(chunk.parameters()).device
         tokens, labels = (t.to(device) for t in batch)
         with fp8_autocast(enabled=fp8, recipe=RECIPE, amax_reduction_group=amax_group):
-            out = chunk(tokens if input_tensor is None else input_tensor, labels if chunk.post_process else None)
+            out = chunk(
+                tokens if input_tensor is None else input_tensor,
+                labels if chunk.post_process else None,
+            )
         if not chunk.post_process:
             return out
         loss = out.mean()
         return loss / NUM_MICRO_BATCHES, loss.detach()
+
     return forward_step
 
 
@@ -65,37 +72,65 @@ def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=No
     parameters and the tied-embedding sync) and the schedule's stats."""
     config = chunks[0].config
     params = [p for chunk in chunks for p in chunk.parameters()]
-    buffer = GradientBuffer(params, groups.dp_group if groups else None)  # one buffer for all chunks
+    buffer = GradientBuffer(
+        params, groups.dp_group if groups else None
+    )  # one buffer for all chunks
     forward_step = make_forward_step(fp8, groups.amax_reduction_group if groups else None)
-    shape = dict(seq_length=SEQ, micro_batch_size=MICRO_BATCH * (1 if dp_rank is not None else dp),
-                 hidden_size=config.hidden_size, dtype=torch.float32, sequence_parallel=sequence_parallel)
+    shape = dict(
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH * (1 if dp_rank is not None else dp),
+        hidden_size=config.hidden_size,
+        dtype=torch.float32,
+        sequence_parallel=sequence_parallel,
+    )
     results = []
     for step in range(STEPS):
         buffer.zero()
         stats = {}
-        losses = forward_backward(schedule, chunks, data_iterator=iter(micro_batches(config, step, dp_rank, dp)),
-                                  forward_step=forward_step, num_micro_batches=NUM_MICRO_BATCHES, groups=groups,
-                                  grad_buffers=buffer, stats=stats, **shape)
+        losses = forward_backward(
+            schedule,
+            chunks,
+            data_iterator=iter(micro_batches(config, step, dp_rank, dp)),
+            forward_step=forward_step,
+            num_micro_batches=NUM_MICRO_BATCHES,
+            groups=groups,
+            grad_buffers=buffer,
+            stats=stats,
+            **shape,
+        )
         finalize_grads(chunks, groups, buffer)
-        grads = {name: param.main_grad.cpu().clone() for chunk in chunks for name, param in chunk.named_parameters()}
+        grads = {
+            name: param.main_grad.cpu().clone()
+            for chunk in chunks
+            for name, param in chunk.named_parameters()
+        }
         with torch.no_grad():
             for param in params:
                 param.sub_(LR * param.main_grad)
         results.append({"losses": [loss.item() for loss in losses], "grads": grads, "stats": stats})
-    eval_losses = forward_backward(schedule, chunks, data_iterator=iter(micro_batches(config, 0, dp_rank, dp, eval_=True)),
-                                   forward_step=forward_step, num_micro_batches=NUM_MICRO_BATCHES, groups=groups,
-                                   forward_only=True, **shape)
+    eval_losses = forward_backward(
+        schedule,
+        chunks,
+        data_iterator=iter(micro_batches(config, 0, dp_rank, dp, eval_=True)),
+        forward_step=forward_step,
+        num_micro_batches=NUM_MICRO_BATCHES,
+        groups=groups,
+        forward_only=True,
+        **shape,
+    )
     buffer.remove_hooks()
     return {"steps": results, "eval": [loss.item() for loss in eval_losses]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name, fp8, dp=1, device="cpu"):
     """One process, the whole model, no pipelining; micro-batches of dp ranks concatenated."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the workers
     try:
-        return train([TransformerLM(config_of(name), seed=SEED, device=device)], None, fp8, None, dp)
+        return train(
+            [TransformerLM(config_of(name), seed=SEED, device=device)], None, fp8, None, dp
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -121,14 +156,27 @@ def layout_body(rank, world_size, layouts, device="cpu"):
     for name, tp, pp, vpp, sp, fp8 in layouts:
         groups = ParallelGroups(tp, pp)
         config = config_of(name)
-        chunks = [TransformerLM(config, tp_group=groups.tp_group, sequence_parallel=sp, layers=span, seed=SEED,
-                                device=device)
-                  for span in stage_layers(config.num_layers, pp, groups.pp_rank, vpp)]
+        chunks = [
+            TransformerLM(
+                config,
+                tp_group=groups.tp_group,
+                sequence_parallel=sp,
+                layers=span,
+                seed=SEED,
+                device=device,
+            )
+            for span in stage_layers(config.num_layers, pp, groups.pp_rank, vpp)
+        ]
         check_embeddings_in_sync(chunks, groups)
         before = counter["collectives"]
         result = train(chunks, groups, fp8, groups.dp_rank, groups.dp_size, sp)
-        result.update(fp8_collectives=counter["collectives"] - before, tp_rank=groups.tp_rank,
-                      pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, rank=rank)
+        result.update(
+            fp8_collectives=counter["collectives"] - before,
+            tp_rank=groups.tp_rank,
+            pp_rank=groups.pp_rank,
+            dp_rank=groups.dp_rank,
+            rank=rank,
+        )
         out[(name, tp, pp, vpp, sp, fp8)] = result
     return out
 
@@ -148,7 +196,14 @@ def compare(results, layout, tp=1, ref=None):
         for r in results:
             mine = r[layout]
             for param_name, grad in mine["steps"][step]["grads"].items():
-                full = shard_of(param_name, ref["steps"][step]["grads"][param_name], grad, tp, mine["tp_rank"], config)
+                full = shard_of(
+                    param_name,
+                    ref["steps"][step]["grads"][param_name],
+                    grad,
+                    tp,
+                    mine["tp_rank"],
+                    config,
+                )
                 per_parameter[step] = max(per_parameter[step], rel_err(grad, full))
                 difference += (grad.double() - full.double()).norm().item() ** 2
                 norm += full.double().norm().item() ** 2
@@ -158,7 +213,9 @@ def compare(results, layout, tp=1, ref=None):
     # The losses, on the last stage: each reference micro-batch is the mean of the dp ranks' ones.
     last = [r[layout] for r in results if r[layout]["steps"][0]["losses"]]
     assert len(last) == tp * dp
-    ours = torch.tensor([[s["losses"] for s in r["steps"]] + [r["eval"]] for r in last], dtype=torch.float64)
+    ours = torch.tensor(
+        [[s["losses"] for s in r["steps"]] + [r["eval"]] for r in last], dtype=torch.float64
+    )
     theirs = torch.tensor([s["losses"] for s in ref["steps"]] + [ref["eval"]], dtype=torch.float64)
     assert ours.shape[1:] == (STEPS + 1, NUM_MICRO_BATCHES)
     loss = ((ours.mean(0) - theirs).abs() / theirs.abs()).max().item()
@@ -169,15 +226,19 @@ def worst(errors):
     return max(max(errors["per_parameter"]), errors["loss"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp8_own_error(name, dp=1):
     """FP8's own error per step: the one-process FP8 run against the fp32 one, all gradients together."""
     fp8, plain = reference(name, True, dp), reference(name, False, dp)
     errors = []
     for step in range(STEPS):
         grads = fp8["steps"][step]["grads"], plain["steps"][step]["grads"]
-        difference = sum((grads[0][n].double() - grads[1][n].double()).norm() ** 2 for n in grads[1])
-        errors.append((difference / sum(grads[1][n].double().norm() ** 2 for n in grads[1])).sqrt().item())
+        difference = sum(
+            (grads[0][n].double() - grads[1][n].double()).norm() ** 2 for n in grads[1]
+        )
+        errors.append(
+            (difference / sum(grads[1][n].double().norm() ** 2 for n in grads[1])).sqrt().item()
+        )
     return errors
 
 
@@ -188,7 +249,8 @@ def check_pass_order_within_stages(results, layout):
     for r in results:
         mine = r[layout]
         by_stage.setdefault(mine["pp_rank"], []).append(
-            ([s["stats"]["order"] for s in mine["steps"]], mine["fp8_collectives"]))
+            ([s["stats"]["order"] for s in mine["steps"]], mine["fp8_collectives"])
+        )
     for stage, entries in by_stage.items():
         assert all(entry == entries[0] for entry in entries), f"stage {stage} ranks disagree"
     return {stage: entries[0][1] for stage, entries in by_stage.items()}
@@ -197,7 +259,10 @@ def check_pass_order_within_stages(results, layout):
 def check_p2p_pairing(results, layout):
     """For every pair of ranks, the kinds (activation / gradient) one sends the other, in
     order, are the kinds the other receives from it, in order: NCCL pairs them that way."""
-    logs = {r[layout]["rank"]: [e for s in r[layout]["steps"] for e in s["stats"].get("p2p", [])] for r in results}
+    logs = {
+        r[layout]["rank"]: [e for s in r[layout]["steps"] for e in s["stats"].get("p2p", [])]
+        for r in results
+    }
     transfers = 0
     for a in logs:
         for b in logs:
@@ -210,8 +275,12 @@ def check_p2p_pairing(results, layout):
 
 # -- pp = 2: 1F1B and interleaved (2 virtual stages), GPT (tied) and Llama, FP8 on and off ------
 
-PP2 = [(name, 1, 2, vpp, False, fp8) for name in ("gpt-tiny", "llama-tiny") for vpp in (1, 2)
-       for fp8 in (False, True)]
+PP2 = [
+    (name, 1, 2, vpp, False, fp8)
+    for name in ("gpt-tiny", "llama-tiny")
+    for vpp in (1, 2)
+    for fp8 in (False, True)
+]
 
 
 def pp2_body(rank, world_size):
@@ -225,7 +294,9 @@ def pp2_results():
     return run_on_ranks(pp2_body, 2, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("layout", PP2, ids=lambda l: f"{l[0]}-vpp{l[3]}-{'fp8' if l[-1] else 'fp32'}")
+@pytest.mark.parametrize(
+    "layout", PP2, ids=lambda x: f"{x[0]}-vpp{x[3]}-{'fp8' if x[-1] else 'fp32'}"
+)
 def test_pp2_equals_one_process(pp2_results, layout):
     error = worst(compare(pp2_results, layout))
     # Each stage runs exactly the reference's operations on the same values (activations cross
@@ -249,10 +320,13 @@ def test_pp2_stage_order_and_pairing(pp2_results):
 
 def test_tied_embedding_gradients_are_synced(pp2_results):
     """The first stage's embedding and the last stage's copy get the same, full gradient."""
-    for layout in [l for l in PP2 if l[0] == "gpt-tiny"]:
+    for layout in [x for x in PP2 if x[0] == "gpt-tiny"]:
         first, last = (pp2_results[rank][layout] for rank in (0, 1))
         for step in range(STEPS):
-            grads = first["steps"][step]["grads"]["embedding.weight"], last["steps"][step]["grads"]["embedding.weight"]
+            grads = (
+                first["steps"][step]["grads"]["embedding.weight"],
+                last["steps"][step]["grads"]["embedding.weight"],
+            )
             assert torch.equal(*grads)
             ref = reference("gpt-tiny", layout[-1])["steps"][step]["grads"]["embedding.weight"]
             assert rel_err(grads[0], ref) < 1e-5
@@ -260,7 +334,9 @@ def test_tied_embedding_gradients_are_synced(pp2_results):
 
 # -- pp = 4: 1F1B (and interleaved on 8 virtual stages), the in-flight bound ----------------------
 
-PP4 = [("llama-tiny", 1, 4, 1, False, fp8) for fp8 in (False, True)] + [("gpt-tiny", 1, 4, 1, False, True)]
+PP4 = [("llama-tiny", 1, 4, 1, False, fp8) for fp8 in (False, True)] + [
+    ("gpt-tiny", 1, 4, 1, False, True)
+]
 
 
 def pp4_body(rank, world_size):
@@ -270,21 +346,36 @@ def pp4_body(rank, world_size):
     # In flight: 1F1B with more micro-batches than stages, and interleaved with 2 chunks.
     live, sizes = {}, {}
     for vpp, num in ((1, 8), (1, 2), (2, 8), (2, 4)):
-        chunks = [TransformerLM(config, layers=span, seed=SEED)
-                  for span in stage_layers(config.num_layers, 4, groups.pp_rank, vpp)]
+        chunks = [
+            TransformerLM(config, layers=span, seed=SEED)
+            for span in stage_layers(config.num_layers, 4, groups.pp_rank, vpp)
+        ]
         batches = [(torch.randint(0, 1000, (1, SEQ)),) * 2 for _ in range(num)]
         sent = []  # the outputs handed to the next stage
 
         def forward_step(chunk_index, chunk, input_tensor, batch):
-            out = chunk(batch[0] if input_tensor is None else input_tensor, batch[1] if chunk.post_process else None)
+            out = chunk(
+                batch[0] if input_tensor is None else input_tensor,
+                batch[1] if chunk.post_process else None,
+            )
             if not chunk.post_process:
                 sent.append(out)
             return out.mean() / num if chunk.post_process else out
 
         stats = {}
-        forward_backward(None, chunks, data_iterator=iter(batches), forward_step=forward_step, num_micro_batches=num,
-                         groups=groups, seq_length=SEQ, micro_batch_size=1, hidden_size=config.hidden_size,
-                         dtype=torch.float32, stats=stats)
+        forward_backward(
+            None,
+            chunks,
+            data_iterator=iter(batches),
+            forward_step=forward_step,
+            num_micro_batches=num,
+            groups=groups,
+            seq_length=SEQ,
+            micro_batch_size=1,
+            hidden_size=config.hidden_size,
+            dtype=torch.float32,
+            stats=stats,
+        )
         live[(vpp, num)] = stats["max_live_forwards"]
         sizes[(vpp, num)] = sorted({t.numel() for t in sent})
     out["live"], out["sent_sizes"] = live, sizes
@@ -296,7 +387,7 @@ def pp4_results():
     return run_on_ranks(pp4_body, 4, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("layout", PP4, ids=lambda l: f"{l[0]}-{'fp8' if l[-1] else 'fp32'}")
+@pytest.mark.parametrize("layout", PP4, ids=lambda x: f"{x[0]}-{'fp8' if x[-1] else 'fp32'}")
 def test_pp4_equals_one_process(pp4_results, layout):
     error = worst(compare(pp4_results, layout))
     assert error < 1e-5, error  # as for pp = 2
@@ -350,12 +441,18 @@ def test_tp2_pp2_dp2_equals_one_process():
             # error. So gradients are only held to FP8's own error (FP8 against fp32, same
             # steps, all gradients together); the losses stay close (measured ~1e-5).
             own = fp8_own_error("gpt-tiny", dp=2)
-            assert all(e < o for e, o in zip(errors["together"][1:], own[1:])), (layout, errors, own)
+            assert all(e < o for e, o in zip(errors["together"][1:], own[1:])), (
+                layout,
+                errors,
+                own,
+            )
             assert errors["loss"] < 1e-3, (layout, errors)
         collectives = check_pass_order_within_stages(results, layout)
         if layout[-1]:  # one forward and one backward reduction per micro-batch and chunk
-            assert all(n == 2 * NUM_MICRO_BATCHES * layout[3] * (STEPS + 1) - NUM_MICRO_BATCHES * layout[3]
-                       for n in collectives.values()), collectives
+            assert all(
+                n == 2 * NUM_MICRO_BATCHES * layout[3] * (STEPS + 1) - NUM_MICRO_BATCHES * layout[3]
+                for n in collectives.values()
+            ), collectives
         check_p2p_pairing(results, layout)
 
 
@@ -364,31 +461,50 @@ def test_tp2_pp2_dp2_equals_one_process():
 
 def test_stage_layers():
     assert stage_layers(8, 2, 0) == [(0, 4)] and stage_layers(8, 2, 1) == [(4, 8)]
-    assert stage_layers(8, 2, 0, vpp=2) == [(0, 2), (4, 6)] and stage_layers(8, 2, 1, vpp=2) == [(2, 4), (6, 8)]
+    assert stage_layers(8, 2, 0, vpp=2) == [(0, 2), (4, 6)] and stage_layers(8, 2, 1, vpp=2) == [
+        (2, 4),
+        (6, 8),
+    ]
     spans = [stage_layers(10, 4, r, first_stage_layers=1, last_stage_layers=3) for r in range(4)]
     assert spans == [[(0, 1)], [(1, 4)], [(4, 7)], [(7, 10)]]
     assert [stage_layers(7, 2, r, last_stage_layers=3) for r in range(2)] == [[(0, 4)], [(4, 7)]]
     assert stage_layers(5, 1, 0) == [(0, 5)]
     # Virtual stages: the first and last virtual stage (chunk 0 of rank 0, last chunk of the last rank).
-    assert stage_layers(8, 2, 0, vpp=2, first_stage_layers=2, last_stage_layers=2) == [(0, 2), (4, 6)]
+    assert stage_layers(8, 2, 0, vpp=2, first_stage_layers=2, last_stage_layers=2) == [
+        (0, 2),
+        (4, 6),
+    ]
 
 
-@pytest.mark.parametrize("args, message", [
-    ((10, 4, 0), r"num_layers=10 does not split evenly over pp=4 pipeline stages \(10 % 4 = 2\)"),
-    ((10, 2, 0, 2), r"num_layers=10 does not split evenly over pp=2 x vpp=2 = 4 pipeline stages"),
-    ((3, 4, 0), r"num_layers=3 .* fewer layers than stages"),
-    ((10, 4, 0, 1, 2), r"the 8 layers left after first_stage_layers=2 do not split evenly over the other 3"),
-    ((4, 2, 0, 1, 0), r"first_stage_layers must be a positive int"),
-    ((4, 2, 2), r"pp_rank must be an int in 0..1"),
-    ((4, 2, 0, 1, 1, 1), r"add up to 2 layers, but the model has num_layers=4"),
-])
-
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            (10, 4, 0),
+            r"num_layers=10 does not split evenly over pp=4 pipeline stages \(10 % 4 = 2\)",
+        ),
+        (
+            (10, 2, 0, 2),
+            r"num_layers=10 does not split evenly over pp=2 x vpp=2 = 4 pipeline stages",
+        ),
+        ((3, 4, 0), r"num_layers=3 .* fewer layers than stages"),
+        (
+            (10, 4, 0, 1, 2),
+            r"the 8 layers left after first_stage_layers=2 do not split evenly over the other 3",
+        ),
+        ((4, 2, 0, 1, 0), r"first_stage_layers must be a positive int"),
+        ((4, 2, 2), r"pp_rank must be an int in 0..1"),
+        ((4, 2, 0, 1, 1, 1), r"add up to 2 layers, but the model has num_layers=4"),
+    ],
+)
 def test_stage_layers_errors(args, message):
     with pytest.raises(ValueError, match=message):
         stage_layers(*args)
 
+
 def test_balanced_stage_split_evens_out_the_ranks_work():
     from megafp8.parallel import balanced_stage_split
+
     # GPT-1.3B, pp 2 x vpp 2, the output layer ~1.7 layers' work: 6, 6, 6, 6 left the last rank
     # 13.7 layers against 12; 7, 6, 6, 5 gives 13 and 12.7.
     assert balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.7) == (7, 5)
@@ -401,12 +517,14 @@ def test_balanced_stage_split_evens_out_the_ranks_work():
     # Not divisible evenly: the least uneven split that stage_layers accepts.
     first, last = balanced_stage_split(6, 2, vpp=2)
     spans = [stage_layers(6, 2, rank, 2, first, last) for rank in range(2)]
-    assert sorted(span for rank in spans for span in rank)[0][0] == 0 and max(e for r in spans for _, e in r) == 6
+    assert (
+        sorted(span for rank in spans for span in rank)[0][0] == 0
+        and max(e for r in spans for _, e in r) == 6
+    )
     with pytest.raises(ValueError, match="num_layers=3 cannot be split over pp=2 x vpp=2"):
         balanced_stage_split(3, 2, vpp=2)
     with pytest.raises(ValueError, match="output_layer_cost"):
         balanced_stage_split(24, 2, output_layer_cost=-1)
-
 
 
 def fake_groups(pp, tp=1):
@@ -415,17 +533,32 @@ def fake_groups(pp, tp=1):
 
 def test_schedule_argument_errors():
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    shape = dict(data_iterator=[], forward_step=None, seq_length=16, micro_batch_size=1, hidden_size=8,
-                 dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"num_micro_batches divisible by the pipeline-parallel size: "
-                                         r"num_micro_batches=5 % pp=2 = 1"):
+    shape = dict(
+        data_iterator=[],
+        forward_step=None,
+        seq_length=16,
+        micro_batch_size=1,
+        hidden_size=8,
+        dtype=torch.float32,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"num_micro_batches divisible by the pipeline-parallel size: "
+        r"num_micro_batches=5 % pp=2 = 1",
+    ):
         forward_backward(None, chunks, num_micro_batches=5, groups=fake_groups(2), **shape)
-    with pytest.raises(ValueError, match="num_micro_batches divisible .* num_micro_batches=6 % pp=4 = 2"):
-        forward_backward("interleaved_1f1b", chunks, num_micro_batches=6, groups=fake_groups(4), **shape)
+    with pytest.raises(
+        ValueError, match="num_micro_batches divisible .* num_micro_batches=6 % pp=4 = 2"
+    ):
+        forward_backward(
+            "interleaved_1f1b", chunks, num_micro_batches=6, groups=fake_groups(4), **shape
+        )
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         forward_backward("interleaved_1f1b", chunks, num_micro_batches=4, groups=None, **shape)
     with pytest.raises(ValueError, match="no_pipelining schedule runs one model chunk"):
-        forward_backward("no_pipelining", chunks[0], num_micro_batches=4, groups=fake_groups(2), **shape)
+        forward_backward(
+            "no_pipelining", chunks[0], num_micro_batches=4, groups=fake_groups(2), **shape
+        )
     with pytest.raises(ValueError, match="1f1b schedule runs one model chunk per rank"):
         forward_backward("1f1b", chunks, num_micro_batches=4, groups=fake_groups(2), **shape)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'gpipe'"):
@@ -433,8 +566,17 @@ def test_schedule_argument_errors():
     with pytest.raises(ValueError, match="num_micro_batches must be a positive int"):
         forward_backward(None, chunks[0], num_micro_batches=0, groups=None, **shape)
     with pytest.raises(ValueError, match="data_iterator ran out after 1 of num_micro_batches=2"):
-        forward_backward(None, chunks[0], num_micro_batches=2, groups=None,
-                         **{**shape, "data_iterator": [torch.ones(2)], "forward_step": lambda c, m, x, b: m(b).sum()})
+        forward_backward(
+            None,
+            chunks[0],
+            num_micro_batches=2,
+            groups=None,
+            **{
+                **shape,
+                "data_iterator": [torch.ones(2)],
+                "forward_step": lambda c, m, x, b: m(b).sum(),
+            },
+        )
 
 
 def test_tensor_shape_and_its_check():
@@ -443,9 +585,13 @@ def test_tensor_shape_and_its_check():
     assert pipeline_tensor_shape(16, 2, 64, tp_size=4) == (16, 2, 64)
     with pytest.raises(ValueError, match="seq_length=18 does not split over tp_size=4"):
         pipeline_tensor_shape(18, 2, 64, tp_size=4, sequence_parallel=True)
-    groups = types.SimpleNamespace(pp_group=None, pp_size=1, pp_ranks=(0,), next_stage_rank=0, prev_stage_rank=0)
+    groups = types.SimpleNamespace(
+        pp_group=None, pp_size=1, pp_ranks=(0,), next_stage_rank=0, prev_stage_rank=0
+    )
     p2p = P2PCommunicator(groups, (4, 2, 64), torch.float32, "cpu")
-    with pytest.raises(ValueError, match=r"output activation has shape \(16, 2, 64\) .* exchanges \(4, 2, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"output activation has shape \(16, 2, 64\) .* exchanges \(4, 2, 64\)"
+    ):
         p2p.communicate(send_next=torch.zeros(16, 2, 64))
 
 
@@ -469,17 +615,25 @@ def test_check_embeddings_in_sync_finds_a_difference(pp2_results):
 
 # -- over NCCL (needs CUDA GPUs) --------------------------------------------------------------------
 
-GPU_LAYOUTS = {2: [(name, 1, 2, vpp, False, fp8) for name in ("gpt-tiny", "llama-tiny") for vpp in (1, 2)
-                   for fp8 in (False, True)],
-               4: [("gpt-tiny", 1, 4, vpp, False, fp8) for vpp in (1,) for fp8 in (False, True)]
-               + [("gpt-tiny", 2, 2, vpp, True, fp8) for vpp in (1, 2) for fp8 in (False, True)]}
+GPU_LAYOUTS = {
+    2: [
+        (name, 1, 2, vpp, False, fp8)
+        for name in ("gpt-tiny", "llama-tiny")
+        for vpp in (1, 2)
+        for fp8 in (False, True)
+    ],
+    4: [("gpt-tiny", 1, 4, vpp, False, fp8) for vpp in (1,) for fp8 in (False, True)]
+    + [("gpt-tiny", 2, 2, vpp, True, fp8) for vpp in (1, 2) for fp8 in (False, True)],
+}
 
 
 def gpu_body(rank, world_size, layouts):
     out = {"layouts": layout_body(rank, world_size, layouts, device="cuda")}
     if rank == 0:  # the one-GPU references
-        out["refs"] = {(name, fp8, dp): reference(name, fp8, dp, "cuda") for name, fp8, dp in
-                       {(l[0], l[-1], world_size // (l[1] * l[2])) for l in layouts}}
+        out["refs"] = {
+            (name, fp8, dp): reference(name, fp8, dp, "cuda")
+            for name, fp8, dp in {(x[0], x[-1], world_size // (x[1] * x[2])) for x in layouts}
+        }
     return out
 
 

@@ -1,11 +1,11 @@
 """The tp x dp x pp rank grid and its process groups (gloo), against lists computed here from
 Megatron's formula: global_rank = tp_rank + dp_rank*tp + pp_rank*tp*dp."""
+
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from megafp8.parallel.process_groups import ParallelGroups, ParallelSizes
 
 from ..multiprocess import run_on_ranks
@@ -92,15 +92,18 @@ def test_every_group_all_reduces_over_exactly_its_ranks(world_8, layout):
         for name in GROUPS:
             # Middle pipeline stages belong to no embedding group.
             member = name != "embedding" or rank in want["embedding"]
-            assert seen[layout]["sums"][name] == (sum(want[name]) if member else None), f"rank {rank} {name}"
+            assert seen[layout]["sums"][name] == (sum(want[name]) if member else None), (
+                f"rank {rank} {name}"
+            )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipeline_stages_and_neighbours(world_8, layout):
     for rank, seen in enumerate(world_8):
         want = expected(rank, WORLD, *layout)
-        assert {k: seen[layout][k] for k in ("first", "last", "next", "prev")} == \
-               {k: want[k] for k in ("first", "last", "next", "prev")}, f"rank {rank}"
+        assert {k: seen[layout][k] for k in ("first", "last", "next", "prev")} == {
+            k: want[k] for k in ("first", "last", "next", "prev")
+        }, f"rank {rank}"
 
 
 def test_pipeline_neighbours_wrap_around_at_tp_2_pp_4(world_8):
@@ -115,8 +118,13 @@ def test_pipeline_neighbours_wrap_around_at_tp_2_pp_4(world_8):
 @pytest.mark.parametrize("world, tp, pp", [(16, 2, 2), (64, 4, 4), (64, 8, 2), (24, 2, 3)])
 def test_grid_of_larger_worlds_without_processes(world, tp, pp):
     sizes = ParallelSizes.resolve(world, tp, pp)
-    dims = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "model_parallel": ("tp", "pp"),
-            "amax_reduction": ("tp", "dp")}
+    dims = {
+        "tp": ("tp",),
+        "dp": ("dp",),
+        "pp": ("pp",),
+        "model_parallel": ("tp", "pp"),
+        "amax_reduction": ("tp", "dp"),
+    }
     for rank in range(world):
         want = expected(rank, world, tp, pp)
         coords = sizes.coordinates(rank)
@@ -124,22 +132,63 @@ def test_grid_of_larger_worlds_without_processes(world, tp, pp):
         for name, along in dims.items():
             assert want[name] in sizes.groups_along(*along)
     for along in dims.values():  # each layout's groups partition the world
-        assert sorted(r for ranks in sizes.groups_along(*along) for r in ranks) == list(range(world))
+        assert sorted(r for ranks in sizes.groups_along(*along) for r in ranks) == list(
+            range(world)
+        )
 
 
-@pytest.mark.parametrize("world, tp, pp, dp, message", [
-    (8, 3, 1, None, "tensor-model-parallel size 3 x pipeline-model-parallel size 1 = 3 "
-                    "does not divide the world size 8"),
-    (8, 2, 3, None, "tensor-model-parallel size 2 x pipeline-model-parallel size 3 = 6 "
-                    "does not divide the world size 8"),
-    (8, 2, 2, 4, "tensor-model-parallel size 2 x pipeline-model-parallel size 2 x data-parallel size 4 = 16 "
-                 "is not the world size 8"),
-    (8, 0, 1, None, "tensor-model-parallel size must be a positive integer, got 0 (world size 8)"),
-    (8, 1, -2, None, "pipeline-model-parallel size must be a positive integer, got -2 (world size 8)"),
-    (8, 2, 2.0, None, "pipeline-model-parallel size must be a positive integer, got 2.0 (world size 8)"),
-    (8, 2, 2, 0, "data-parallel size must be a positive integer, got 0 (world size 8)"),
-    (0, 1, 1, None, "world size must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "world, tp, pp, dp, message",
+    [
+        (
+            8,
+            3,
+            1,
+            None,
+            "tensor-model-parallel size 3 x pipeline-model-parallel size 1 = 3 "
+            "does not divide the world size 8",
+        ),
+        (
+            8,
+            2,
+            3,
+            None,
+            "tensor-model-parallel size 2 x pipeline-model-parallel size 3 = 6 "
+            "does not divide the world size 8",
+        ),
+        (
+            8,
+            2,
+            2,
+            4,
+            "tensor-model-parallel size 2 x pipeline-model-parallel size 2 x data-parallel size 4 = 16 "
+            "is not the world size 8",
+        ),
+        (
+            8,
+            0,
+            1,
+            None,
+            "tensor-model-parallel size must be a positive integer, got 0 (world size 8)",
+        ),
+        (
+            8,
+            1,
+            -2,
+            None,
+            "pipeline-model-parallel size must be a positive integer, got -2 (world size 8)",
+        ),
+        (
+            8,
+            2,
+            2.0,
+            None,
+            "pipeline-model-parallel size must be a positive integer, got 2.0 (world size 8)",
+        ),
+        (8, 2, 2, 0, "data-parallel size must be a positive integer, got 0 (world size 8)"),
+        (0, 1, 1, None, "world size must be a positive integer, got 0"),
+    ],
+)
 def test_bad_sizes_say_which(world, tp, pp, dp, message):
     with pytest.raises(ValueError) as error:
         ParallelSizes.resolve(world, tp, pp, dp)
@@ -167,11 +216,15 @@ def test_bad_sizes_fail_before_any_group_is_created(monkeypatch):
 def test_from_torchrun_checks_sizes_before_the_rendezvous(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", refuse)
-    for name, value in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT="29500").items():
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+    ).items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match="tensor-model-parallel size 2 x pipeline-model-parallel size 3 = 6 "
-                                         "does not divide the world size 8"):
+    with pytest.raises(
+        ValueError,
+        match="tensor-model-parallel size 2 x pipeline-model-parallel size 3 = 6 "
+        "does not divide the world size 8",
+    ):
         ParallelGroups.from_torchrun(2, 3)
 
 
@@ -179,8 +232,11 @@ def test_no_process_group_and_no_torchrun_environment(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match="not initialised and the torchrun environment lacks RANK, WORLD_SIZE, "
-                                           "LOCAL_RANK, MASTER_ADDR, MASTER_PORT"):
+    with pytest.raises(
+        RuntimeError,
+        match="not initialised and the torchrun environment lacks RANK, WORLD_SIZE, "
+        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT",
+    ):
         ParallelGroups.from_torchrun(2, 2)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         ParallelGroups(2, 2)
@@ -192,8 +248,14 @@ def from_torchrun_environment(rank, world_size, port):
     would rightly take NCCL and GPU LOCAL_RANK)."""
     dist.destroy_process_group()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     groups = ParallelGroups.from_torchrun(tensor_parallel_size=2, pipeline_parallel_size=2)
     return dist.get_backend(), describe(groups, rank)
 

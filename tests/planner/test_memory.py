@@ -2,15 +2,22 @@
 buffer, optimizer states and FP8 weight casts exactly, per rank of tensor/pipeline/data-parallel
 layouts; activations (what autograd saves in a forward) within 1%, and a layer's by what keeps
 them (the model's roles)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
-
-from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
 from megafp8.models import transformer
 from megafp8.models.config import gpt_config, llama_config
 from megafp8.models.transformer import TransformerLayer, TransformerLM
-from megafp8.planner.memory import MemoryLayout, estimate, layer_activation_roles, micro_batches_in_flight, static_bytes
+
+from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8.planner.memory import (
+    MemoryLayout,
+    estimate,
+    layer_activation_roles,
+    micro_batches_in_flight,
+    static_bytes,
+)
 from megafp8.training.trainer import pretrain
 
 from ..multiprocess import run_on_ranks
@@ -36,8 +43,11 @@ def saved_bytes(model, recipe, inputs, labels, tp_group=None):
     buffers and weight casts left out. The saved tensors are held, so no storage is reused."""
     held = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
-        with fp8_autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None,
-                          amax_reduction_group=tp_group):
+        with fp8_autocast(
+            enabled=recipe is not None,
+            recipe=RECIPES[recipe]() if recipe else None,
+            amax_reduction_group=tp_group,
+        ):
             model(inputs, labels)
     static = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     static |= weight_cast_storages(model)
@@ -58,8 +68,9 @@ def test_activations_within_one_percent(config, recipe, recompute):
     model = TransformerLM(config, dtype=torch.bfloat16, device="cpu", recompute=recompute)
     tokens = torch.randint(0, config.vocab_size, (batch, seq))
     measured = saved_bytes(model, recipe, tokens, torch.randint(0, config.vocab_size, (batch, seq)))
-    layout = MemoryLayout(seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute,
-                          norm_on_cuda=False)
+    layout = MemoryLayout(
+        seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute, norm_on_cuda=False
+    )
     predicted = estimate(config, layout)[0]["activations"]
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
 
@@ -96,7 +107,9 @@ def saved_bytes_by_role(model, recipe, tokens, monkeypatch):
             norm.register_forward_hook(leave)
         for block in (layer.attention, layer.mlp):  # their input is their norm's
             block.register_forward_pre_hook(lambda module, args: mark(args[0], "norms"))
-        linears = dict(zip(LINEARS, (layer.attention.qkv, layer.attention.proj, layer.mlp.fc1, layer.mlp.fc2)))
+        linears = dict(
+            zip(LINEARS, (layer.attention.qkv, layer.attention.proj, layer.mlp.fc1, layer.mlp.fc2))
+        )
         for name, linear in linears.items():
             linear.register_forward_pre_hook(enter(name))
             linear.register_forward_hook(leave)
@@ -108,6 +121,7 @@ def saved_bytes_by_role(model, recipe, tokens, monkeypatch):
             out = function(*args, **kwargs)
             mark(args[1] if mark_input else out, role)
             return out
+
         return wrapped
 
     def attention_core(*args, **kwargs):
@@ -119,17 +133,23 @@ def saved_bytes_by_role(model, recipe, tokens, monkeypatch):
 
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", attention_core)
-    monkeypatch.setattr(transformer, "apply_rotary", marking(transformer.apply_rotary, "rotated_qk"))
+    monkeypatch.setattr(
+        transformer, "apply_rotary", marking(transformer.apply_rotary, "rotated_qk")
+    )
     for method in ("high_precision_linear", "fp8_linear"):
-        monkeypatch.setattr(Fp8Linear, method, marking(getattr(Fp8Linear, method), "linear_inputs", mark_input=True))
+        monkeypatch.setattr(
+            Fp8Linear, method, marking(getattr(Fp8Linear, method), "linear_inputs", mark_input=True)
+        )
 
     def pack(t):
         if inside:
             saves.append((t.untyped_storage(), t.dtype, t.dim(), inside[-1]))
         return t
 
-    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-          fp8_autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        fp8_autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None),
+    ):
         model(tokens, tokens)
     static = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     static |= weight_cast_storages(model)
@@ -145,7 +165,9 @@ def saved_bytes_by_role(model, recipe, tokens, monkeypatch):
             elif where == "norm" or (where in LINEARS and dtype == torch.float32):
                 role = "norms"
             else:
-                role = {"core": "log_sum_exp", "fc2": "silu_gate"}.get(where, f"unknown, saved in {where}")
+                role = {"core": "log_sum_exp", "fc2": "silu_gate"}.get(
+                    where, f"unknown, saved in {where}"
+                )
         roles[role] = roles.get(role, 0) + storage.nbytes()
     return roles
 
@@ -160,10 +182,16 @@ def test_each_role_of_a_layers_activations(config, recipe, recompute, monkeypatc
     seq, batch = 64, 2
     torch.manual_seed(0)
     model = TransformerLM(config, dtype=torch.bfloat16, device="cpu", recompute=recompute)
-    measured = saved_bytes_by_role(model, recipe, torch.randint(0, config.vocab_size, (batch, seq)), monkeypatch)
-    layout = MemoryLayout(seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute,
-                          norm_on_cuda=False)
-    predicted = {role: config.num_layers * value for role, value in layer_activation_roles(config, layout).items()}
+    measured = saved_bytes_by_role(
+        model, recipe, torch.randint(0, config.vocab_size, (batch, seq)), monkeypatch
+    )
+    layout = MemoryLayout(
+        seq_length=seq, micro_batch_size=batch, fp8=recipe, recompute=recompute, norm_on_cuda=False
+    )
+    predicted = {
+        role: config.num_layers * value
+        for role, value in layer_activation_roles(config, layout).items()
+    }
     assert set(measured) <= set(predicted), measured
     for role, value in predicted.items():
         assert abs(measured.get(role, 0) - value) <= 0.01 * value, (role, measured, predicted)
@@ -174,10 +202,17 @@ def test_micro_batches_in_flight_follow_the_schedules():
     for rank in range(4):
         layout = MemoryLayout(seq_length=8, pp=4, num_micro_batches=8)
         assert micro_batches_in_flight(layout, rank) == 4 - rank
-        assert micro_batches_in_flight(MemoryLayout(seq_length=8, pp=4, num_micro_batches=2), rank) == min(4 - rank, 2)
+        assert micro_batches_in_flight(
+            MemoryLayout(seq_length=8, pp=4, num_micro_batches=2), rank
+        ) == min(4 - rank, 2)
         interleaved = MemoryLayout(seq_length=8, pp=4, vpp=2, num_micro_batches=8)
         assert micro_batches_in_flight(interleaved, rank) == ((4 - rank - 1) * 2 + 4 + 1) / 2
-        assert micro_batches_in_flight(MemoryLayout(seq_length=8, pp=4, vpp=2, num_micro_batches=4), rank) == 4
+        assert (
+            micro_batches_in_flight(
+                MemoryLayout(seq_length=8, pp=4, vpp=2, num_micro_batches=4), rank
+            )
+            == 4
+        )
     assert micro_batches_in_flight(MemoryLayout(seq_length=8, num_micro_batches=16), 0) == 1
 
 
@@ -188,7 +223,9 @@ def trainer_bytes(trainer):
     optimizer = 0
     for *_, master in trainer.optimizer.shards:
         state = trainer.optimizer.optimizer.state[master]
-        optimizer += sum(t.numel() * t.element_size() for t in (master, state["exp_avg"], state["exp_avg_sq"]))
+        optimizer += sum(
+            t.numel() * t.element_size() for t in (master, state["exp_avg"], state["exp_avg_sq"])
+        )
     for gathered in getattr(trainer.optimizer, "_gather_inputs", {}).values():
         optimizer += gathered.numel() * gathered.element_size()
     casts = 0
@@ -196,19 +233,60 @@ def trainer_bytes(trainer):
         if isinstance(module, Fp8Linear) and module._weight_fp8 is not None:
             q = module._weight_fp8[1]
             casts += sum(t.numel() for t in (q.data, q.data_t) if t is not None)
-    return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "fp8_weight_casts": casts}
+    return {
+        "parameters": params,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "fp8_weight_casts": casts,
+    }
 
 
 LAYOUTS = {  # name: (flags, MemoryLayout fields)
-    "tp2-pp2-fp8-uneven": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                            "--sequence-parallel", "--fp8-format", "hybrid", "--decoder-last-pipeline-num-layers", "1"],
-                           dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1)),
-    "pp2-dp2-vpp2-distributed": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                                  "--use-distributed-optimizer"],
-                                 dict(pp=2, dp=2, vpp=2, distributed_optimizer=True)),
+    "tp2-pp2-fp8-uneven": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--fp8-format",
+            "hybrid",
+            "--decoder-last-pipeline-num-layers",
+            "1",
+        ],
+        dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1),
+    ),
+    "pp2-dp2-vpp2-distributed": (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--use-distributed-optimizer",
+        ],
+        dict(pp=2, dp=2, vpp=2, distributed_optimizer=True),
+    ),
 }
-BASE = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1",
-        "--lr", "1e-3", "--lr-warmup-iters", "0", "--mock-data", "--bf16", "--seed", "3", "--log-interval", "1"]
+BASE = [
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "0",
+    "--mock-data",
+    "--bf16",
+    "--seed",
+    "3",
+    "--log-interval",
+    "1",
+]
 
 
 def layouts_body(rank, world_size, model):
@@ -225,15 +303,22 @@ def test_static_memory_is_exact_on_every_rank(model):
     for name, (_, fields) in LAYOUTS.items():
         for rank_result in results:
             pp_rank, measured, config = rank_result[name]
-            layout = MemoryLayout(seq_length=32, micro_batch_size=2, num_micro_batches=4 // fields.get("dp", 1),
-                                  **fields)
+            layout = MemoryLayout(
+                seq_length=32,
+                micro_batch_size=2,
+                num_micro_batches=4 // fields.get("dp", 1),
+                **fields,
+            )
             predicted = static_bytes(config, layout, pp_rank)
             assert predicted["parameters"] == measured["parameters"], (name, pp_rank)
             assert predicted["fp8_weight_casts"] == measured["fp8_weight_casts"], (name, pp_rank)
             # The distributed optimizer pads each bucket to a multiple of dp: under dp elements a bucket.
             slack = 4 * 4 * fields.get("dp", 1) if fields.get("distributed_optimizer") else 0
             assert 0 <= measured["gradients"] - predicted["gradients"] <= slack, (name, pp_rank)
-            assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 14 * slack / 4, (name, pp_rank)
+            assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 14 * slack / 4, (
+                name,
+                pp_rank,
+            )
 
 
 def tp2_activations_body(rank, world_size):
@@ -244,18 +329,31 @@ def tp2_activations_body(rank, world_size):
         for recipe in (None, "delayed", "current"):
             for sp in (False, True):
                 torch.manual_seed(0)
-                model = TransformerLM(config, tp_group=dist.group.WORLD, sequence_parallel=sp, dtype=torch.bfloat16,
-                                      device="cpu")
+                model = TransformerLM(
+                    config,
+                    tp_group=dist.group.WORLD,
+                    sequence_parallel=sp,
+                    dtype=torch.bfloat16,
+                    device="cpu",
+                )
                 tokens = torch.randint(0, config.vocab_size, (2, 64))
-                out[(name, recipe, sp)] = saved_bytes(model, recipe, tokens, tokens, tp_group=dist.group.WORLD)
+                out[(name, recipe, sp)] = saved_bytes(
+                    model, recipe, tokens, tokens, tp_group=dist.group.WORLD
+                )
     return out
 
 
 def test_tensor_parallel_activations_within_one_percent():
     measured = run_on_ranks(tp2_activations_body, 2)[0]
     for (name, recipe, sp), value in measured.items():
-        layout = MemoryLayout(seq_length=64, micro_batch_size=2, tp=2, sequence_parallel=sp, fp8=recipe,
-                              norm_on_cuda=False)
+        layout = MemoryLayout(
+            seq_length=64,
+            micro_batch_size=2,
+            tp=2,
+            sequence_parallel=sp,
+            fp8=recipe,
+            norm_on_cuda=False,
+        )
         predicted = estimate({"gpt": GPT, "llama": LLAMA}[name], layout)[0]["activations"]
         assert abs(predicted / value - 1) < 0.01, (name, recipe, sp, predicted, value)
 
@@ -271,8 +369,11 @@ def test_against_the_peaks_measured_on_eight_gpus(capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.main([]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gpt") or
-            line.startswith("| llama")]
+    rows = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| gpt") or line.startswith("| llama")
+    ]
     assert len(rows) == 9  # GPT-1.3B in six layouts, Llama-2-7B in three
     errors = [float(row.split("|")[6].strip().rstrip("%")) for row in rows]
     assert max(map(abs, errors)) < 10, rows

@@ -1,17 +1,23 @@
 """megafp8.planner.throughput: the planner's step-time prediction from measured layer maps
 and collective bandwidths; exact arithmetic on small inputs, refusals where nothing was measured,
 and the stretches it reports; the optimizer's bytes against what the fused AdamW pass moves."""
+
 import dataclasses
 import importlib.util
 import json
 
 import pytest
 import torch
-
 from megafp8.models.config import preset
+
 from megafp8.planner.memory import MemoryLayout, rank_parameters
-from megafp8.planner.throughput import (OPTIMIZER_BYTES_PER_FP8_WEIGHT, OPTIMIZER_BYTES_PER_PARAMETER, Calibration,
-                                        NotPredicted, predict)
+from megafp8.planner.throughput import (
+    OPTIMIZER_BYTES_PER_FP8_WEIGHT,
+    OPTIMIZER_BYTES_PER_PARAMETER,
+    Calibration,
+    NotPredicted,
+    predict,
+)
 
 from ..interpreter import run_interpreted_checks
 
@@ -21,17 +27,39 @@ COPY_GBS = 2500.0
 
 def point(tp=1, micro_batch=4, seq=2048, scale=1.0):
     """A gpt-1.3b layer-map point (as bench_layer_grid.py --model writes it), times x `scale`."""
-    return {"arch": "gpt", "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "seq": seq, "tp": tp,
-            "micro_batch": micro_batch, "model": "gpt-1.3b", "vocab": GPT.vocab_size,
-            **{f"{recipe}_{kind}": value * scale for recipe, values in
-               {"bf16": (5.0, 1.6, 3.0), "delayed": (4.0, 1.3, 3.5)}.items()
-               for kind, value in zip(("ms", "fwd_ms", "host_ms"), values)},
-            **{f"head_{recipe}_ms": 8.0 * scale for recipe in ("bf16", "delayed")}}
+    return {
+        "arch": "gpt",
+        "hidden": 2048,
+        "heads": 16,
+        "kv_heads": 16,
+        "ffn": 8192,
+        "seq": seq,
+        "tp": tp,
+        "micro_batch": micro_batch,
+        "model": "gpt-1.3b",
+        "vocab": GPT.vocab_size,
+        **{
+            f"{recipe}_{kind}": value * scale
+            for recipe, values in {"bf16": (5.0, 1.6, 3.0), "delayed": (4.0, 1.3, 3.5)}.items()
+            for kind, value in zip(("ms", "fwd_ms", "host_ms"), values)
+        },
+        **{f"head_{recipe}_ms": 8.0 * scale for recipe in ("bf16", "delayed")},
+    }
 
 
 def collectives(busbw=100.0):
-    return [{"op": op, "group_size": 2, "bytes": size, "ms": 1.0, "algbw_gbs": busbw, "busbw_gbs": busbw}
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv") for size in (2**20, 2**30)]
+    return [
+        {
+            "op": op,
+            "group_size": 2,
+            "bytes": size,
+            "ms": 1.0,
+            "algbw_gbs": busbw,
+            "busbw_gbs": busbw,
+        }
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        for size in (2**20, 2**30)
+    ]
 
 
 def calibration(points, results=()):
@@ -55,11 +83,17 @@ def test_one_gpu_is_layers_output_end_and_optimizer():
 
 
 def test_full_recomputation_repeats_the_forward_and_micro_batches_interpolate():
-    layout = MemoryLayout(seq_length=2048, micro_batch_size=2, num_micro_batches=16, recompute="full")
-    result = predict(GPT, layout, calibration([point(micro_batch=1, scale=0.5), point(micro_batch=4)]), 32)
+    layout = MemoryLayout(
+        seq_length=2048, micro_batch_size=2, num_micro_batches=16, recompute="full"
+    )
+    result = predict(
+        GPT, layout, calibration([point(micro_batch=1, scale=0.5), point(micro_batch=4)]), 32
+    )
     layer = 5.0 * (0.5 + (2 - 1) / 3 * 0.5)  # a third of the way from micro-batch 1 to 4
     forward, head = 1.6 * (0.5 + 0.5 / 3), 8.0 * (0.5 + 0.5 / 3)
-    assert result["step_ms"] == pytest.approx(16 * (24 * (layer + forward) + head) + optimizer_ms(layout))
+    assert result["step_ms"] == pytest.approx(
+        16 * (24 * (layer + forward) + head) + optimizer_ms(layout)
+    )
     assert result["extrapolated"] == ["micro-batch 2: between the measured 1 and 4"]
     # An output end measured with another vocabulary is scaled to this one's, and says so.
     other = [{**point(micro_batch=4), "vocab": GPT.vocab_size // 2}]
@@ -67,52 +101,77 @@ def test_full_recomputation_repeats_the_forward_and_micro_batches_interpolate():
     result = predict(GPT, layout, calibration(other), 32)
     head = 8.0 * GPT.vocab_size / (GPT.vocab_size // 2)
     assert result["step_ms"] == pytest.approx(8 * (24 * 5.0 + head) + optimizer_ms(layout))
-    assert result["extrapolated"] == [f"output end: measured with a {GPT.vocab_size // 2}-token vocabulary, "
-                                      f"scaled to {GPT.vocab_size}"]
+    assert result["extrapolated"] == [
+        f"output end: measured with a {GPT.vocab_size // 2}-token vocabulary, "
+        f"scaled to {GPT.vocab_size}"
+    ]
 
 
 def test_selective_recomputation_takes_its_measured_step():
-    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, recompute="selective",
-                          fp8="delayed")
-    measured = [{**point(), "delayed_selective_ms": 4.3}]  # the attention core once more in backward
+    layout = MemoryLayout(
+        seq_length=2048,
+        micro_batch_size=4,
+        num_micro_batches=8,
+        recompute="selective",
+        fp8="delayed",
+    )
+    measured = [
+        {**point(), "delayed_selective_ms": 4.3}
+    ]  # the attention core once more in backward
     result = predict(GPT, layout, calibration(measured), 32)
     assert result["step_ms"] == pytest.approx(8 * (24 * 4.3 + 8.0) + optimizer_ms(layout))
     assert result["extrapolated"] == []
     # A map from before the map timed it: the plain step, and it says what is missing.
     older = predict(GPT, layout, calibration([point()]), 32)
     assert older["step_ms"] == pytest.approx(8 * (24 * 4.0 + 8.0) + optimizer_ms(layout))
-    assert older["extrapolated"] == ["selective recomputation: the attention core's second forward is not in the map"]
+    assert older["extrapolated"] == [
+        "selective recomputation: the attention core's second forward is not in the map"
+    ]
 
 
 def test_the_pipeline_pays_its_bubble_and_its_sends():
-    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed")
+    layout = MemoryLayout(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed"
+    )
     result = predict(GPT, layout, calibration([point()], collectives()), 32)
     send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)  # one activation at 100 GB/s
-    per_micro_batch = 12 * 4.0 + 8.0 + 2 * send  # the last stage: its layers, the output end, two sends
+    per_micro_batch = (
+        12 * 4.0 + 8.0 + 2 * send
+    )  # the last stage: its layers, the output end, two sends
     expected = (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
     assert result["step_ms"] == pytest.approx(expected)
     assert result["breakdown_ms"]["pipeline_bubble"] == pytest.approx(per_micro_batch)
     # Interleaving shrinks the bubble by the virtual stages, and sends once per chunk.
-    interleaved = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed")
+    interleaved = MemoryLayout(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed"
+    )
     per_micro_batch = 12 * 4.0 + 8.0 + 4 * send
-    assert predict(GPT, interleaved, calibration([point()], collectives()), 32)["step_ms"] == pytest.approx(
-        (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
+    assert predict(GPT, interleaved, calibration([point()], collectives()), 32)[
+        "step_ms"
+    ] == pytest.approx((8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
     # Graphed (the default, as the recipes run pipelines), a stage does not wait on a slow host.
     slow_host = [{**point(), "delayed_host_ms": 6.0}]
     graphed = predict(GPT, layout, calibration(slow_host, collectives()), 32)
-    assert graphed["step_ms"] == pytest.approx((8 + 1) * (12 * 4.0 + 8.0 + 2 * send) + optimizer_ms(layout, pp_rank=1))
+    assert graphed["step_ms"] == pytest.approx(
+        (8 + 1) * (12 * 4.0 + 8.0 + 2 * send) + optimizer_ms(layout, pp_rank=1)
+    )
     assert graphed["extrapolated"] == []
     # Nor does one graphed without a pipeline.
     one = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, fp8="delayed")
     assert predict(GPT, one, calibration(slow_host), 32)["step_ms"] == pytest.approx(
-        8 * (24 * 4.0 + 8.0) + optimizer_ms(one))
+        8 * (24 * 4.0 + 8.0) + optimizer_ms(one)
+    )
 
 
 def test_an_eager_pipeline_waits_on_a_slow_host():
     """Without CUDA graphs (the recipes' CUDA_GRAPH=0) a pipeline stage takes the longer of its
     GPU's and its host's time."""
-    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed")
-    interleaved = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed")
+    layout = MemoryLayout(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed"
+    )
+    interleaved = MemoryLayout(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed"
+    )
     send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)
 
     def eager(points, pipeline=layout):
@@ -120,44 +179,65 @@ def test_an_eager_pipeline_waits_on_a_slow_host():
 
     slow_host = [{**point(), "delayed_host_ms": 6.0}]
     per_micro_batch = 12 * 6.0 + 8.0 + 2 * send
-    assert eager(slow_host)["step_ms"] == pytest.approx((8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    assert eager(slow_host)["step_ms"] == pytest.approx(
+        (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
+    )
     # A map without the split says that it counted the pass's share in every layer.
     assert any("host time" in note for note in eager(slow_host)["extrapolated"])
     # The stack's split: the pass's host time once per micro-batch and chunk, each layer's share per layer.
     split = [{**point(), "delayed_host_layer_ms": 5.0, "delayed_host_pass_ms": 10.0}]
     per_micro_batch = (10.0 + 12 * 5.0) + 8.0 + 2 * send
     result = eager(split)
-    assert result["step_ms"] == pytest.approx((8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    assert result["step_ms"] == pytest.approx(
+        (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
+    )
     assert result["extrapolated"] == []
     per_micro_batch = (2 * 10.0 + 12 * 5.0) + 8.0 + 4 * send
     assert eager(split, interleaved)["step_ms"] == pytest.approx(
-        (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1))
+        (8 + 0.5) * per_micro_batch + optimizer_ms(interleaved, pp_rank=1)
+    )
     # Where the GPU takes longer than the host, the GPU's time counts.
     fast = [{**point(), "delayed_host_layer_ms": 1.0, "delayed_host_pass_ms": 3.0}]
     per_micro_batch = 12 * 4.0 + 8.0 + 2 * send
-    assert eager(fast)["step_ms"] == pytest.approx((8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1))
+    assert eager(fast)["step_ms"] == pytest.approx(
+        (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
+    )
     # FP8 with tensor and pipeline parallelism run eagerly is host-bound in ways the map cannot show:
     # not predicted, with the reason; graphed it is; bf16 eager is.
-    tp_pp = dict(seq_length=2048, micro_batch_size=4, num_micro_batches=8, tp=2, pp=2, sequence_parallel=True)
-    with pytest.raises(NotPredicted, match="FP8 with tensor and pipeline parallelism, run eagerly, is host-bound"):
+    tp_pp = dict(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, tp=2, pp=2, sequence_parallel=True
+    )
+    with pytest.raises(
+        NotPredicted, match="FP8 with tensor and pipeline parallelism, run eagerly, is host-bound"
+    ):
         eager([point(tp=2)], MemoryLayout(**tp_pp, fp8="delayed"))
-    graphed = predict(GPT, MemoryLayout(**tp_pp, fp8="delayed"), calibration([point(tp=2)], collectives()), 32)
+    graphed = predict(
+        GPT, MemoryLayout(**tp_pp, fp8="delayed"), calibration([point(tp=2)], collectives()), 32
+    )
     assert graphed["step_ms"] > 0
     # A tp layer measured without the recipes' --tp-comm-overlap is said to be; one measured with it not.
     plain = "tp 2: the layer measured without --tp-comm-overlap, which the recipes run (slower; measure the map again)"
     assert plain in graphed["extrapolated"]
-    overlapped = predict(GPT, MemoryLayout(**tp_pp, fp8="delayed"),
-                         calibration([{**point(tp=2), "tp_comm_overlap": True}], collectives()), 32)
+    overlapped = predict(
+        GPT,
+        MemoryLayout(**tp_pp, fp8="delayed"),
+        calibration([{**point(tp=2), "tp_comm_overlap": True}], collectives()),
+        32,
+    )
     assert plain not in overlapped["extrapolated"] and overlapped["step_ms"] == graphed["step_ms"]
-    assert eager([point(tp=2)], MemoryLayout(**tp_pp))["step_ms"] > graphed["step_ms"]  # bf16: slower layers
+    assert (
+        eager([point(tp=2)], MemoryLayout(**tp_pp))["step_ms"] > graphed["step_ms"]
+    )  # bf16: slower layers
 
 
 def test_host_times_are_the_median_over_the_measured_micro_batches():
     """The host launches the same kernels at every micro-batch size: the map's host times of all
     its micro-batches are samples of one cost, not a curve to interpolate."""
     shares = (6.0, 2.0, 5.0)  # noisy splits of the same launches
-    points = [{**point(micro_batch=mb), "delayed_host_layer_ms": share, "delayed_host_pass_ms": 1.0}
-              for mb, share in zip((1, 2, 4), shares)]
+    points = [
+        {**point(micro_batch=mb), "delayed_host_layer_ms": share, "delayed_host_pass_ms": 1.0}
+        for mb, share in zip((1, 2, 4), shares)
+    ]
     layer = calibration(points).layer(GPT, 2048, 4, 1, "delayed", [])
     assert layer["host_layer"] == 5.0 and layer["host_pass"] == 1.0 and layer["host"] == 3.5
     between = calibration(points).layer(GPT, 2048, 3, 1, "delayed", [])
@@ -172,39 +252,70 @@ def test_data_parallel_sync_counts_only_what_outlasts_the_last_backward():
     for busbw in (1.0, 1e4):  # a slow link shows; a fast one hides behind the backward
         result = predict(GPT, layout, calibration([point()], collectives(busbw)), 32)
         all_reduce = gradients * 2 * (2 - 1) / 2 / (busbw * 1e6)
-        assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(max(0.0, all_reduce - backward))
-    distributed = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2,
-                               distributed_optimizer=True)
+        assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(
+            max(0.0, all_reduce - backward)
+        )
+    distributed = MemoryLayout(
+        seq_length=2048, micro_batch_size=4, num_micro_batches=4, dp=2, distributed_optimizer=True
+    )
     result = predict(GPT, distributed, calibration([point()], collectives(1.0)), 32)
     # The reduce-scatter of fp32 gradients hides partly behind the last backward; the all-gather of
     # bf16 parameters after the step not, or with --overlap-param-gather behind the next step's first forward.
     reduce_scatter, all_gather, forward = gradients / 2 / 1e6, gradients / 2 / 2 / 1e6, 24 * 1.6
-    assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(reduce_scatter - backward + all_gather)
-    assert result["breakdown_ms"]["optimizer"] == pytest.approx(optimizer_ms(distributed, share=1 / 2))
+    assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(
+        reduce_scatter - backward + all_gather
+    )
+    assert result["breakdown_ms"]["optimizer"] == pytest.approx(
+        optimizer_ms(distributed, share=1 / 2)
+    )
     overlapped = dataclasses.replace(distributed, overlap_param_gather=True)
     result = predict(GPT, overlapped, calibration([point()], collectives(1.0)), 32)
     assert all_gather > forward
     assert result["breakdown_ms"]["gradient_sync_exposed"] == pytest.approx(
-        reduce_scatter - backward + all_gather - forward)
+        reduce_scatter - backward + all_gather - forward
+    )
     hidden = predict(GPT, overlapped, calibration([point()], collectives(1e4)), 32)
     assert hidden["breakdown_ms"]["gradient_sync_exposed"] == 0.0
 
 
 def test_what_was_not_measured_is_not_predicted():
-    layout = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=4, tp=2, sequence_parallel=True,
-                          fp8="delayed")
-    with pytest.raises(NotPredicted, match="no measured delayed layer of this model at sequence 2048, tp 2 "
-                                           r"\(measure it: torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py "
-                                           "--model gpt-1.3b"):
+    layout = MemoryLayout(
+        seq_length=2048,
+        micro_batch_size=4,
+        num_micro_batches=4,
+        tp=2,
+        sequence_parallel=True,
+        fp8="delayed",
+    )
+    with pytest.raises(
+        NotPredicted,
+        match="no measured delayed layer of this model at sequence 2048, tp 2 "
+        r"\(measure it: torchrun --nproc-per-node 2 benchmarks/bench_layer_grid.py "
+        "--model gpt-1.3b",
+    ):
         predict(GPT, layout, calibration([point()]), 32, model="gpt-1.3b")
     with pytest.raises(NotPredicted, match=r"micro-batch 8 is outside the measured ones \(4\)"):
-        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=8, num_micro_batches=4), calibration([point()]), 32)
+        predict(
+            GPT,
+            MemoryLayout(seq_length=2048, micro_batch_size=8, num_micro_batches=4),
+            calibration([point()]),
+            32,
+        )
     with pytest.raises(NotPredicted, match="no measured send_recv .*bench_collectives.py"):
-        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2),
-                calibration([point()]), 32)
+        predict(
+            GPT,
+            MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2),
+            calibration([point()]),
+            32,
+        )
     with pytest.raises(NotPredicted, match="lacks the forward or output-end times"):
         bare = {k: v for k, v in point().items() if not k.startswith("head_")}
-        predict(GPT, MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8), calibration([bare]), 32)
+        predict(
+            GPT,
+            MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=8),
+            calibration([bare]),
+            32,
+        )
 
 
 def test_stretched_collectives_say_so():
@@ -214,17 +325,28 @@ def test_stretched_collectives_say_so():
     assert any("spans nodes" in note for note in result["extrapolated"])
     # Gradients go in the trainer's buckets (40M fp32 elements, 153 MiB), within the measured sizes.
     assert not any("all_reduce of" in note for note in result["extrapolated"])
-    small = [r for r in collectives() if r["bytes"] == 2**20]  # only 1 MiB measured: the buckets stretch it
+    small = [
+        r for r in collectives() if r["bytes"] == 2**20
+    ]  # only 1 MiB measured: the buckets stretch it
     result = predict(GPT, layout, calibration([point()], small), 64, gpus_per_node=8)
     assert "all_reduce of 153 MiB: the bandwidth measured at 1 MiB" in result["extrapolated"]
     assert len(result["extrapolated"]) == len(set(result["extrapolated"]))
     # Ranks go tp, dp, pp: dp 8 fills one node of 8; with pp 2 the stages' sends cross nodes.
     within = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=1, dp=8)
-    assert not any("spans nodes" in n for n in predict(GPT, within, calibration([point()], collectives()), 32,
-                                                       gpus_per_node=8)["extrapolated"])
+    assert not any(
+        "spans nodes" in n
+        for n in predict(GPT, within, calibration([point()], collectives()), 32, gpus_per_node=8)[
+            "extrapolated"
+        ]
+    )
     across = MemoryLayout(seq_length=2048, micro_batch_size=4, num_micro_batches=2, dp=4, pp=4)
-    notes = predict(GPT, across, calibration([point()], collectives()), 32, gpus_per_node=8)["extrapolated"]
-    assert "send_recv over 2 ranks spans nodes: a node's bandwidth, the network's not measured" in notes
+    notes = predict(GPT, across, calibration([point()], collectives()), 32, gpus_per_node=8)[
+        "extrapolated"
+    ]
+    assert (
+        "send_recv over 2 ranks spans nodes: a node's bandwidth, the network's not measured"
+        in notes
+    )
     assert not any(n.startswith("all_reduce") and "spans" in n for n in notes)
 
 
@@ -257,8 +379,15 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     spec.loader.exec_module(tool)
     config = preset(tool.MODELS["gpt"][0], vocab_size=tool.VOCAB)
     grid = tmp_path / "grid.json"
-    grid.write_text(json.dumps({"device": "NVIDIA H200", "copy_gbs": COPY_GBS,
-                                "points": [{**point(), "vocab": config.vocab_size}]}))
+    grid.write_text(
+        json.dumps(
+            {
+                "device": "NVIDIA H200",
+                "copy_gbs": COPY_GBS,
+                "points": [{**point(), "vocab": config.vocab_size}],
+            }
+        )
+    )
     coll = tmp_path / "coll.json"
     coll.write_text(json.dumps({"device": "NVIDIA H200", "gpus": 8, "results": collectives(300.0)}))
     calibration = Calibration.load([grid], coll)
@@ -266,28 +395,56 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     records.mkdir()
 
     def record(label, dp, pp, tokens):
-        return {"label": label, "precision": "delayed", "tp": 1, "pp": pp, "dp": dp, "vpp": None,
-                "micro_batch_size": 4, "global_batch_size": 64, "seq_length": 2048,
-                "tokens_per_sec_per_gpu": tokens, "peak_memory_gib": 30.0}
+        return {
+            "label": label,
+            "precision": "delayed",
+            "tp": 1,
+            "pp": pp,
+            "dp": dp,
+            "vpp": None,
+            "micro_batch_size": 4,
+            "global_batch_size": 64,
+            "seq_length": 2048,
+            "tokens_per_sec_per_gpu": tokens,
+            "peak_memory_gib": 30.0,
+        }
 
     runs = {"gpt_dp8": (8, 1), "gpt_pp4": (2, 4)}
-    predicted = {label: predict(config, tool.layout_of(record(label, dp, pp, 1))[1], calibration, 64)
-                 ["tokens_per_s_per_gpu"] for label, (dp, pp) in runs.items()}
-    for label, (dp, pp) in runs.items():  # measured 5% under the prediction: within the bar, same order
-        (records / f"{label}.jsonl").write_text(json.dumps(record(label, dp, pp, predicted[label] / 1.05)) + "\n")
+    predicted = {
+        label: predict(config, tool.layout_of(record(label, dp, pp, 1))[1], calibration, 64)[
+            "tokens_per_s_per_gpu"
+        ]
+        for label, (dp, pp) in runs.items()
+    }
+    for label, (
+        dp,
+        pp,
+    ) in runs.items():  # measured 5% under the prediction: within the bar, same order
+        (records / f"{label}.jsonl").write_text(
+            json.dumps(record(label, dp, pp, predicted[label] / 1.05)) + "\n"
+        )
     assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
     out = capsys.readouterr().out
     assert "| gpt_dp8 (8 GPUs) | delayed | 1 x 1 x 8 |" in out and "+5.0% |" in out
     assert "predicted the same" in out and "in the measured order: yes" in out
     # The pipeline layout measured faster than data parallelism: the order is wrong, and said so.
-    (records / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, 2 * predicted["gpt_dp8"])) + "\n")
+    (records / "gpt_pp4.jsonl").write_text(
+        json.dumps(record("gpt_pp4", 2, 4, 2 * predicted["gpt_dp8"])) + "\n"
+    )
     assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
     out = capsys.readouterr().out
-    assert ("measured order gpt_pp4 (8 GPUs), gpt_dp8 (8 GPUs); predicted gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs)" in out
-            and "measured order: no" in out)
+    assert (
+        "measured order gpt_pp4 (8 GPUs), gpt_dp8 (8 GPUs); predicted gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs)"
+        in out
+        and "measured order: no" in out
+    )
     # Layouts of another GPU count are ranked among themselves, not against the eight-GPU ones.
-    (records / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, predicted["gpt_pp4"])) + "\n")
-    small = predict(config, tool.layout_of(record("gpt_dp2", 2, 1, 1))[1], calibration, 64)["tokens_per_s_per_gpu"]
+    (records / "gpt_pp4.jsonl").write_text(
+        json.dumps(record("gpt_pp4", 2, 4, predicted["gpt_pp4"])) + "\n"
+    )
+    small = predict(config, tool.layout_of(record("gpt_dp2", 2, 1, 1))[1], calibration, 64)[
+        "tokens_per_s_per_gpu"
+    ]
     # Measured 12% under its prediction: within the bar, and slower than dp 8 (predicted faster).
     (records / "gpt_dp2.jsonl").write_text(json.dumps(record("gpt_dp2", 2, 1, 0.88 * small)) + "\n")
     assert tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
@@ -297,38 +454,56 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
     assert "on 2 GPUs" not in out  # one layout: nothing to rank
     (records / "gpt_dp2.jsonl").unlink()
     # A pipeline run with --enable-cuda-graph is predicted graphed, and named so.
-    (records / "gpt_pp4.jsonl").write_text(json.dumps({**record("gpt_pp4", 2, 4, predicted["gpt_pp4"]),
-                                                       "cuda_graph": True}) + "\n")
+    (records / "gpt_pp4.jsonl").write_text(
+        json.dumps({**record("gpt_pp4", 2, 4, predicted["gpt_pp4"]), "cuda_graph": True}) + "\n"
+    )
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
     out = capsys.readouterr().out
-    *_, line = (line for line in out.splitlines() if line.startswith("| gpt_pp4 (8 GPUs, graphed) | delayed |"))
+    *_, line = (
+        line
+        for line in out.splitlines()
+        if line.startswith("| gpt_pp4 (8 GPUs, graphed) | delayed |")
+    )
     assert "| +0.0% | – |" in line  # predicted graphed: exactly the figure written
     # The same layout eager, 2% faster: the model times both alike here (its host keeps ahead), so
     # the pair claims no order, and the check passes.
     eager = tmp_path / "eager"
     eager.mkdir()
-    (eager / "gpt_pp4.jsonl").write_text(json.dumps(record("gpt_pp4", 2, 4, 1.02 * predicted["gpt_pp4"])) + "\n")
-    assert tool.main([str(records), str(eager), "--layer-maps", str(grid), "--collectives", str(coll)]) == 0
+    (eager / "gpt_pp4.jsonl").write_text(
+        json.dumps(record("gpt_pp4", 2, 4, 1.02 * predicted["gpt_pp4"])) + "\n"
+    )
+    assert (
+        tool.main([str(records), str(eager), "--layer-maps", str(grid), "--collectives", str(coll)])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("measured order gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs), gpt_pp4 (8 GPUs, graphed); predicted gpt_dp8 (8 GPUs), "
-            "gpt_pp4 (8 GPUs, graphed) = gpt_pp4 (8 GPUs) (agrees: equals claim no order)") in out
+    assert (
+        "measured order gpt_dp8 (8 GPUs), gpt_pp4 (8 GPUs), gpt_pp4 (8 GPUs, graphed); predicted gpt_dp8 (8 GPUs), "
+        "gpt_pp4 (8 GPUs, graphed) = gpt_pp4 (8 GPUs) (agrees: equals claim no order)"
+    ) in out
     assert tool.order_agrees([("a", 2.0, 1.0), ("b", 1.0, 1.0), ("c", 3.0, 5.0)])
     assert not tool.order_agrees([("a", 2.0, 1.0), ("b", 1.0, 1.5)])
     # A record of a tp the maps do not hold is listed as not covered.
-    (records / "gpt_tp2.jsonl").write_text(json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n")
+    (records / "gpt_tp2.jsonl").write_text(
+        json.dumps({**record("gpt_tp2", 4, 1, 1000.0), "tp": 2}) + "\n"
+    )
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
     out = capsys.readouterr().out
     assert "not covered: no measured delayed layer of this model at sequence 2048, tp 2" in out
     assert "different GPUs" not in out  # records without a device, maps of one GPU
     # Runs on other GPUs than the maps': checked all the same, with the warning.
-    (records / "gpt_dp8.jsonl").write_text(json.dumps({**record("gpt_dp8", 8, 1, 1000.0),
-                                                       "device": "NVIDIA H100 80GB HBM3"}) + "\n")
+    (records / "gpt_dp8.jsonl").write_text(
+        json.dumps({**record("gpt_dp8", 8, 1, 1000.0), "device": "NVIDIA H100 80GB HBM3"}) + "\n"
+    )
     tool.main([str(records), "--layer-maps", str(grid), "--collectives", str(coll)])
-    assert "warning: the measurements come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)" in (
-        capsys.readouterr().out)
+    assert (
+        "warning: the measurements come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)"
+        in (capsys.readouterr().out)
+    )
 
 
 # -- the optimizer's bytes: the fused AdamW pass in Triton's interpreter, on the CPU ---------------------------
+
 
 def bytes_moved(step) -> int:
     """Bytes the Triton kernels that `step()` launches load and store element-wise, counted in the
@@ -357,7 +532,10 @@ def bytes_moved(step) -> int:
         count(ptrs, mask, True)
         return store(self, ptrs, value, mask, *args)
 
-    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = counted_load, counted_store
+    InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = (
+        counted_load,
+        counted_store,
+    )
     try:
         step()
     finally:
@@ -369,8 +547,9 @@ def interpreted_checks():
     """MixedPrecisionAdamW's fused pass over a bf16 FP8 linear (its weight and bias) moves
     OPTIMIZER_BYTES_PER_PARAMETER per element, and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per weight
     element where it also writes the weight's FP8 cast (delayed scaling)."""
-    from megafp8.fp8 import DelayedScaling, Fp8Linear, fp8_autocast
     from megafp8.parallel.data_parallel import GradientBuffer
+
+    from megafp8.fp8 import DelayedScaling, Fp8Linear, fp8_autocast
     from megafp8.training.optimizer import MixedPrecisionAdamW
 
     for casts in (False, True):
@@ -378,8 +557,14 @@ def interpreted_checks():
         layer = Fp8Linear(80, 144, dtype=torch.bfloat16)
         params = list(layer.named_parameters())
         buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
-        optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, fused=True,
-                                        fp8_linears=[layer] if casts else ())
+        optimizer = MixedPrecisionAdamW(
+            params,
+            buffer,
+            lr=1e-2,
+            weight_decay=0.1,
+            fused=True,
+            fp8_linears=[layer] if casts else (),
+        )
         with fp8_autocast(recipe=DelayedScaling()):
             y = layer(torch.randn(32, 80, dtype=torch.bfloat16))
         buffer.zero()
@@ -387,7 +572,9 @@ def interpreted_checks():
         buffer.finish()
         moved = bytes_moved(optimizer.step)
         elements, weights = sum(p.numel() for _, p in params), layer.weight.numel()
-        expected = OPTIMIZER_BYTES_PER_PARAMETER * elements + (OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casts else 0)
+        expected = OPTIMIZER_BYTES_PER_PARAMETER * elements + (
+            OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casts else 0
+        )
         assert layer._weight_cast_by_optimizer == casts
         assert moved == expected, (casts, moved / elements, moved, expected)
 

@@ -2,6 +2,7 @@
 their READMEs run it: the memory model within 3% of every measured peak (2.6% and 1.3% at worst
 today), every covered run's throughput within the script's bar, and each group of layouts
 predicted in its measured order."""
+
 import importlib.util
 import re
 from pathlib import Path
@@ -11,8 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PLANNER = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner"
 GRAPHED = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_graphed_pipelines"
-CALIBRATION = ["--layer-maps", str(PLANNER / "gpt-1.3b_tp1.json"), str(PLANNER / "gpt-1.3b_tp2.json"),
-               "--collectives", str(PLANNER / "collectives.json")]
+CALIBRATION = [
+    "--layer-maps",
+    str(PLANNER / "gpt-1.3b_tp1.json"),
+    str(PLANNER / "gpt-1.3b_tp2.json"),
+    "--collectives",
+    str(PLANNER / "collectives.json"),
+]
 NOT_COVERED = "not covered: FP8 with tensor and pipeline parallelism, run eagerly, is host-bound"
 
 
@@ -28,15 +34,33 @@ def number(text: str) -> float:
     return float(text.strip().rstrip("%").replace(",", ""))
 
 
-@pytest.mark.parametrize("folders, memory_runs, covered, verdicts", [
-    ([PLANNER / "gpus_1_2", PLANNER / "gpus_4"], 8, 22, {
-        f"gpt {precision} on {gpus} GPUs": "predicted the same"
-        for precision in ("bf16", "current", "delayed") for gpus in (2, 4)}),
-    ([GRAPHED / "graphed", GRAPHED / "eager"], 4, 10, {
-        # A bf16 pipeline graphed and eager are predicted alike: the pair claims no order.
-        "gpt bf16 on 4 GPUs": "(agrees: equals claim no order)",
-        "gpt current on 4 GPUs": "predicted the same", "gpt delayed on 4 GPUs": "predicted the same"}),
-], ids=["planner", "graphed_pipelines"])
+@pytest.mark.parametrize(
+    "folders, memory_runs, covered, verdicts",
+    [
+        (
+            [PLANNER / "gpus_1_2", PLANNER / "gpus_4"],
+            8,
+            22,
+            {
+                f"gpt {precision} on {gpus} GPUs": "predicted the same"
+                for precision in ("bf16", "current", "delayed")
+                for gpus in (2, 4)
+            },
+        ),
+        (
+            [GRAPHED / "graphed", GRAPHED / "eager"],
+            4,
+            10,
+            {
+                # A bf16 pipeline graphed and eager are predicted alike: the pair claims no order.
+                "gpt bf16 on 4 GPUs": "(agrees: equals claim no order)",
+                "gpt current on 4 GPUs": "predicted the same",
+                "gpt delayed on 4 GPUs": "predicted the same",
+            },
+        ),
+    ],
+    ids=["planner", "graphed_pipelines"],
+)
 def test_the_four_gpu_records(folders, memory_runs, covered, verdicts, capsys):
     tool = load_validator()
     assert tool.main([*map(str, folders), *CALIBRATION]) == 0
@@ -45,16 +69,31 @@ def test_the_four_gpu_records(folders, memory_runs, covered, verdicts, capsys):
     memory = [row for row in rows if len(row) == 6]
     assert len(memory) == memory_runs
     for run, _, _, measured, predicted, error in memory:
-        assert abs(number(predicted) / number(measured) - 1) <= 0.03 and abs(number(error)) <= 3, run
+        assert abs(number(predicted) / number(measured) - 1) <= 0.03 and abs(number(error)) <= 3, (
+            run
+        )
     throughput = [row for row in rows if len(row) == 7]
     predicted = [row for row in throughput if not row[4].strip().startswith("not covered")]
     assert len(predicted) == covered and len(throughput) == covered + 2
     assert all(row[4].strip().startswith(NOT_COVERED) for row in throughput if row not in predicted)
     for run, precision, _, measured, prediction, error, _ in predicted:
-        assert abs(number(prediction) / number(measured) - 1) <= tool.THROUGHPUT_BAR, (run, precision, error)
-    groups = dict(re.match(r"(.+?): measured order .*; (predicted the same|predicted .*)$", line).groups()
-                  for line in lines if ": measured order " in line)
-    assert {group: verdict if verdict == "predicted the same" else verdict[verdict.rindex(" ("):].strip()
-            for group, verdict in groups.items()} == verdicts
-    assert lines[-1] == (f"throughput within 15% and in the measured order: yes ({covered} runs predicted; "
-                         f"2 not covered, each with why, above)")
+        assert abs(number(prediction) / number(measured) - 1) <= tool.THROUGHPUT_BAR, (
+            run,
+            precision,
+            error,
+        )
+    groups = dict(
+        re.match(r"(.+?): measured order .*; (predicted the same|predicted .*)$", line).groups()
+        for line in lines
+        if ": measured order " in line
+    )
+    assert {
+        group: verdict
+        if verdict == "predicted the same"
+        else verdict[verdict.rindex(" (") :].strip()
+        for group, verdict in groups.items()
+    } == verdicts
+    assert lines[-1] == (
+        f"throughput within 15% and in the measured order: yes ({covered} runs predicted; "
+        f"2 not covered, each with why, above)"
+    )

@@ -1,4 +1,5 @@
 """Load a script from tools/ (not a package) as a module."""
+
 import importlib.util
 import sys
 from pathlib import Path

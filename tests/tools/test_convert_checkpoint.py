@@ -2,6 +2,7 @@
 models with the same logits; Hugging Face -> megafp8 -> Hugging Face is bitwise; a converted
 checkpoint loads under another tensor-parallel size; tokenizers travel; errors say what is wrong.
 Everything runs on the CPU in fp32 (the FP8 state of the runs is dropped); nothing is downloaded."""
+
 import json
 import re
 import shutil
@@ -13,15 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
 from megafp8.data.tokenizers import build_tokenizer
-from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
 from megafp8.models import hf_mapping, preset
 from megafp8.models.transformer import TransformerLM
 from megafp8.parallel import ParallelGroups
 from megafp8.parallel.data_parallel import GradientBuffer
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from megafp8.fp8 import CurrentScaling, DelayedScaling, fp8_autocast
 from megafp8.training import arguments, checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
 from megafp8.training.trainer import pretrain
@@ -40,8 +48,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MODELS = ["gpt-tiny", "llama-tiny"]  # llama-tiny: 4 heads sharing 2 key/value heads (GQA)
 RECIPES = {"gpt-tiny": DelayedScaling(amax_history_len=4), "llama-tiny": CurrentScaling()}
 SEQ = 32
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x * 2\n",
-         "naïve éclair, 数据 and 模型 — 12345"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x * 2\n",
+    "naïve éclair, 数据 and 模型 — 12345",
+]
 
 
 def tokens(vocab, seed=3, shape=(2, 24)):
@@ -50,9 +61,25 @@ def tokens(vocab, seed=3, shape=(2, 24)):
 
 def run_args(name, tp=2):
     """The arguments a `megafp8-train` run of the preset records in its checkpoints."""
-    args = arguments.parse_args(["--model", name, "--mock-data", "--train-iters", "3", "--micro-batch-size", "2",
-                                 "--lr", "1e-2", "--seq-length", str(SEQ), "--fp8-format", "hybrid",
-                                 "--tensor-model-parallel-size", str(tp)])
+    args = arguments.parse_args(
+        [
+            "--model",
+            name,
+            "--mock-data",
+            "--train-iters",
+            "3",
+            "--micro-batch-size",
+            "2",
+            "--lr",
+            "1e-2",
+            "--seq-length",
+            str(SEQ),
+            "--fp8-format",
+            "hybrid",
+            "--tensor-model-parallel-size",
+            str(tp),
+        ]
+    )
     return arguments.args_to_dict(args)
 
 
@@ -64,21 +91,41 @@ def train_and_save_body(rank, world_size, folders):
         bf16 = name.endswith("-bf16")
         name = name.removesuffix("-bf16")
         config = preset(name)
-        model = TransformerLM(config, tp_group=groups.tp_group, seed=0,
-                              dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = TransformerLM(
+            config,
+            tp_group=groups.tp_group,
+            seed=0,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
         buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=5_000)
-        optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-2, weight_decay=0.1,
-                                        model_parallel_group=groups.model_parallel_group,
-                                        tp_group=groups.tp_group, dp_group=groups.dp_group)
+        optimizer = MixedPrecisionAdamW(
+            model.named_parameters(),
+            buffer,
+            lr=1e-2,
+            weight_decay=0.1,
+            model_parallel_group=groups.model_parallel_group,
+            tp_group=groups.tp_group,
+            dp_group=groups.dp_group,
+        )
         for step in range(3):
             buffer.zero()
             batch = tokens(config.vocab_size, seed=100 + step, shape=(2, SEQ + 1))
-            with fp8_autocast(recipe=RECIPES[name], amax_reduction_group=groups.amax_reduction_group):
+            with fp8_autocast(
+                recipe=RECIPES[name], amax_reduction_group=groups.amax_reduction_group
+            ):
                 model(batch[:, :-1], batch[:, 1:]).float().mean().backward()
             buffer.finish()
             optimizer.step()
-        checkpointing.save_checkpoint(folder, 3, model, optimizer, groups=groups, train_state={"iteration": 3},
-                                      args=run_args(name), model_config=config)
+        checkpointing.save_checkpoint(
+            folder,
+            3,
+            model,
+            optimizer,
+            groups=groups,
+            train_state={"iteration": 3},
+            args=run_args(name),
+            model_config=config,
+        )
 
 
 def load_tp2_body(rank, world_size, folders):
@@ -88,17 +135,28 @@ def load_tp2_body(rank, world_size, folders):
     out = {}
     for name, folder in folders.items():
         config = preset(name)
-        model = TransformerLM(config, tp_group=groups.tp_group, seed=1)  # another init: all must be loaded
+        model = TransformerLM(
+            config, tp_group=groups.tp_group, seed=1
+        )  # another init: all must be loaded
         buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=5_000)
-        optimizer = MixedPrecisionAdamW(model.named_parameters(), buffer, lr=1e-3,
-                                        model_parallel_group=groups.model_parallel_group,
-                                        tp_group=groups.tp_group, dp_group=groups.dp_group)
-        state = checkpointing.load_checkpoint(folder, model, optimizer, groups=groups,
-                                              load_optimizer=False, load_rng=False)
+        optimizer = MixedPrecisionAdamW(
+            model.named_parameters(),
+            buffer,
+            lr=1e-3,
+            model_parallel_group=groups.model_parallel_group,
+            tp_group=groups.tp_group,
+            dp_group=groups.dp_group,
+        )
+        state = checkpointing.load_checkpoint(
+            folder, model, optimizer, groups=groups, load_optimizer=False, load_rng=False
+        )
         with torch.no_grad():
             logits = model.eval()(tokens(config.vocab_size))
         masters = optimizer.state_for_checkpoint()
-        reset = all(torch.equal(masters[n]["master"], p.detach().float()) for n, p in model.named_parameters())
+        reset = all(
+            torch.equal(masters[n]["master"], p.detach().float())
+            for n, p in model.named_parameters()
+        )
         buffer.zero()
         batch = tokens(config.vocab_size, seed=200, shape=(2, SEQ + 1))
         model.train()(batch[:, :-1], batch[:, 1:]).mean().backward()
@@ -114,14 +172,19 @@ def megafp8_logits(folder, name, inputs=None):
     model = TransformerLM(config)
     checkpointing.load_checkpoint(folder, model, None, groups=None, load_rng=False)
     with torch.no_grad():
-        return model.eval()(tokens(config.vocab_size) if inputs is None else inputs)[..., :config.vocab_size]
+        return model.eval()(tokens(config.vocab_size) if inputs is None else inputs)[
+            ..., : config.vocab_size
+        ]
 
 
 def hf_weights(folder):
     """Every tensor of a Hugging Face folder, sharded or not."""
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
         else ["model.safetensors"]
+    )
     out = {}
     for file in files:
         out.update(load_file(folder / file))
@@ -163,7 +226,9 @@ def test_tp2_fp8_checkpoint_to_hf_gives_the_same_logits(trained, name):
     generated = hf.generate(inputs[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert generated.shape == (2, 12)
     # Greedy decoding's first token is megafp8's most likely next token.
-    assert torch.equal(generated[:, 8], megafp8_logits(trained / name, name, inputs[:, :8])[:, -1].argmax(-1))
+    assert torch.equal(
+        generated[:, 8], megafp8_logits(trained / name, name, inputs[:, :8])[:, -1].argmax(-1)
+    )
 
 
 def test_into_another_layout_and_back(trained, tmp_path):
@@ -172,14 +237,22 @@ def test_into_another_layout_and_back(trained, tmp_path):
     folders = {}
     for name in MODELS:
         with pytest.warns(UserWarning, match="no tokenizer files"):
-            folders[name] = str(convert.from_hf(trained / f"{name}-hf", tmp_path / name,
-                                                tensor_model_parallel_size=2, progress=False).parent)
+            folders[name] = str(
+                convert.from_hf(
+                    trained / f"{name}-hf",
+                    tmp_path / name,
+                    tensor_model_parallel_size=2,
+                    progress=False,
+                ).parent
+            )
         saved = json.loads((tmp_path / name / "iter_0000000" / "megafp8.json").read_text())
         assert saved["args"]["tensor_model_parallel_size"] == 2 and saved["iteration"] == 0
     results = run_on_ranks(load_tp2_body, 2, folders)
     for name in MODELS:
         config = preset(name)
-        logits = torch.cat([results[rank][name][0] for rank in range(2)], dim=-1)[..., :config.vocab_size]
+        logits = torch.cat([results[rank][name][0] for rank in range(2)], dim=-1)[
+            ..., : config.vocab_size
+        ]
         assert rel_err(logits, megafp8_logits(trained / name, name)) < 1e-5
         _, reset, applied, state = results[0][name]
         assert reset and applied and state == convert.TRAIN_STATE
@@ -197,28 +270,61 @@ def randomize(model, dtype=torch.float32):
 
 
 def small_gpt2(**overrides):
-    return GPT2LMHeadModel(GPT2Config(**{
-        "vocab_size": 400, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4, "bos_token_id": 0,
-        "eos_token_id": 0, **overrides}))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            **{
+                "vocab_size": 400,
+                "n_positions": 64,
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+                **overrides,
+            }
+        )
+    )
 
 
 def small_llama(**overrides):
-    return LlamaForCausalLM(LlamaConfig(**{
-        "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, **overrides}))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            **{
+                "vocab_size": 400,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 64,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                **overrides,
+            }
+        )
+    )
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 ROUND_TRIPS = {
     "gpt2": lambda: small_gpt2(),
-    "gpt2-untied-erf-gelu": lambda: small_gpt2(tie_word_embeddings=False, activation_function="gelu"),
+    "gpt2-untied-erf-gelu": lambda: small_gpt2(
+        tie_word_embeddings=False, activation_function="gelu"
+    ),
     "llama-gqa": lambda: small_llama(),
-    "llama-tied-bias-llama3-rope": lambda: small_llama(tie_word_embeddings=True, attention_bias=True,
-                                                       mlp_bias=True, rope_parameters=LLAMA3_ROPE),
+    "llama-tied-bias-llama3-rope": lambda: small_llama(
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE
+    ),
 }
 
 
@@ -226,12 +332,28 @@ ROUND_TRIPS = {
 @pytest.mark.parametrize("kind", ROUND_TRIPS)
 def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     hf = randomize(ROUND_TRIPS[kind](), dtype)
-    hf.save_pretrained(tmp_path / "a", max_shard_size="40KB")  # sharded, with an index, on the way in
+    hf.save_pretrained(
+        tmp_path / "a", max_shard_size="40KB"
+    )  # sharded, with an index, on the way in
     with pytest.warns(UserWarning) as caught:
         convert.from_hf(tmp_path / "a", tmp_path / "ckpt", progress=False)
-    assert all("no tokenizer files" in str(w.message) for w in caught)  # and nothing about the model is lost
-    convert.main(["--direction", "to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
-                  "--max-shard-size", "100KB", "--no-progress", "--no-tokenizer"])
+    assert all(
+        "no tokenizer files" in str(w.message) for w in caught
+    )  # and nothing about the model is lost
+    convert.main(
+        [
+            "--direction",
+            "to-hf",
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--output",
+            str(tmp_path / "b"),
+            "--max-shard-size",
+            "100KB",
+            "--no-progress",
+            "--no-tokenizer",
+        ]
+    )
     assert (tmp_path / "b" / "model.safetensors.index.json").exists()  # sharded on the way out
     assert_same_weights(tmp_path / "a", tmp_path / "b")
     # Both folders load as the same model (from_pretrained, not the model in memory: casting that
@@ -247,21 +369,36 @@ def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     checkpointing.load_checkpoint(tmp_path / "ckpt", ours, None, groups=None, load_rng=False)
     with torch.no_grad():
         expected = hf.float()(inputs).logits
-        assert rel_err(ours.eval()(inputs)[..., :400], expected) < (1e-4 if dtype == torch.float32 else 1e-2)
+        assert rel_err(ours.eval()(inputs)[..., :400], expected) < (
+            1e-4 if dtype == torch.float32 else 1e-2
+        )
 
 
 def test_fp32_export_of_a_bf16_run_takes_the_master_weights(trained, tmp_path):
     ckpt = trained / "gpt-tiny-bf16"
-    masters = {"final_norm.weight": torch.empty(64), "layers.1.mlp.fc1.weight": torch.empty(256, 64)}
-    dcp.load({f"optimizer/{n}/master": t for n, t in masters.items()}, checkpoint_id=str(ckpt / "iter_0000003"),
-             no_dist=True)
+    masters = {
+        "final_norm.weight": torch.empty(64),
+        "layers.1.mlp.fc1.weight": torch.empty(256, 64),
+    }
+    dcp.load(
+        {f"optimizer/{n}/master": t for n, t in masters.items()},
+        checkpoint_id=str(ckpt / "iter_0000003"),
+        no_dist=True,
+    )
     convert.to_hf(ckpt, tmp_path / "bf16", progress=False, no_tokenizer=True)
-    convert.to_hf(ckpt / "iter_0000003", tmp_path / "fp32", dtype="fp32", progress=False, no_tokenizer=True)
+    convert.to_hf(
+        ckpt / "iter_0000003", tmp_path / "fp32", dtype="fp32", progress=False, no_tokenizer=True
+    )
     bf16, fp32 = hf_weights(tmp_path / "bf16"), hf_weights(tmp_path / "fp32")
     assert bf16["transformer.ln_f.weight"].dtype == torch.bfloat16
     assert torch.equal(fp32["transformer.ln_f.weight"], masters["final_norm.weight"])
-    assert torch.equal(fp32["transformer.h.1.mlp.c_fc.weight"], masters["layers.1.mlp.fc1.weight"].t())
-    for name in ("transformer.ln_f.weight", "transformer.h.1.mlp.c_fc.weight"):  # not the bf16 weights
+    assert torch.equal(
+        fp32["transformer.h.1.mlp.c_fc.weight"], masters["layers.1.mlp.fc1.weight"].t()
+    )
+    for name in (
+        "transformer.ln_f.weight",
+        "transformer.h.1.mlp.c_fc.weight",
+    ):  # not the bf16 weights
         assert not torch.equal(fp32[name], bf16[name].float())
         assert torch.equal(fp32[name].bfloat16(), bf16[name])
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
@@ -274,7 +411,11 @@ def test_pytorch_bin_with_old_gpt2_names(tmp_path):
     hf.save_pretrained(tmp_path / "new")
     (tmp_path / "old").mkdir()
     shutil.copy(tmp_path / "new" / "config.json", tmp_path / "old")
-    old = {name.removeprefix("transformer."): t for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    old = {
+        name.removeprefix("transformer."): t
+        for name, t in hf.state_dict().items()
+        if name != "lm_head.weight"
+    }
     old.update({f"h.{i}.attn.bias": torch.ones(1, 1, 64, 64) for i in range(2)})
     torch.save(old, tmp_path / "old" / "pytorch_model.bin")
     with pytest.warns(UserWarning, match="no tokenizer"):
@@ -285,6 +426,7 @@ def test_pytorch_bin_with_old_gpt2_names(tmp_path):
 
 # ---- tokenizers ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A tiny byte-level BPE (tokenizer.json and vocab.json + merges.txt) and a SentencePiece model."""
@@ -292,10 +434,14 @@ def tokenizer_files(tmp_path_factory):
     (out / "bpe").mkdir()
     train_tiny_bpe(out / "bpe")
     train_tiny_sentencepiece(out / "spm")
-    return {"HuggingFaceTokenizer": {"tokenizer_model": str(out / "bpe" / "tokenizer.json")},
-            "GPT2BPETokenizer": {"vocab_file": str(out / "bpe" / "vocab.json"),
-                                 "merge_file": str(out / "bpe" / "merges.txt")},
-            "SentencePieceTokenizer": {"tokenizer_model": str(out / "spm.model")}}
+    return {
+        "HuggingFaceTokenizer": {"tokenizer_model": str(out / "bpe" / "tokenizer.json")},
+        "GPT2BPETokenizer": {
+            "vocab_file": str(out / "bpe" / "vocab.json"),
+            "merge_file": str(out / "bpe" / "merges.txt"),
+        },
+        "SentencePieceTokenizer": {"tokenizer_model": str(out / "spm.model")},
+    }
 
 
 def checkpoint_with_tokenizer(tmp_path, tokenizer_args):
@@ -309,13 +455,27 @@ def checkpoint_with_tokenizer(tmp_path, tokenizer_args):
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"])
+@pytest.mark.parametrize(
+    "kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"]
+)
 def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind, capsys):
     files = tokenizer_files[kind]
     ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": kind, **files})
-    convert.main(["--direction", "to-hf", "--load", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress"])
+    convert.main(
+        [
+            "--direction",
+            "to-hf",
+            "--load",
+            str(ckpt),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
     # The code the tool prints loads the model and its tokenizer.
-    hint = capsys.readouterr().err.split(f"wrote {tmp_path / 'out'}\nload it with transformers:\n")[1]
+    hint = capsys.readouterr().err.split(f"wrote {tmp_path / 'out'}\nload it with transformers:\n")[
+        1
+    ]
     loaded = {}
     exec(textwrap.dedent(hint), loaded)
     ours = build_tokenizer(kind, **files)
@@ -328,24 +488,48 @@ def test_the_runs_tokenizer_goes_with_the_model(tmp_path, tokenizer_files, kind,
     assert config["eos_token_id"] == ours.eod
     if kind != "SentencePieceTokenizer":  # byte-level BPE decodes exactly
         assert theirs.decode(ours.tokenize(TEXTS[1])) == TEXTS[1]
-    copies = {"HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
-              "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
-              "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"}}[kind]
+    copies = {
+        "HuggingFaceTokenizer": {"tokenizer_model": "tokenizer.json"},
+        "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
+        "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+    }[kind]
     for key, name in copies.items():  # the run's own files, byte for byte
         assert (tmp_path / "out" / name).read_bytes() == Path(files[key]).read_bytes()
 
 
-def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_path, tokenizer_files, capsys):
-    ckpt = checkpoint_with_tokenizer(tmp_path, {"tokenizer_type": "HuggingFaceTokenizer",
-                                                "tokenizer_model": str(tmp_path / "gone" / "tokenizer.json")})
-    with pytest.raises(convert.ConversionError, match="gone/tokenizer.json.*--tokenizer-dir.*--no-tokenizer"):
+def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(
+    tmp_path, tokenizer_files, capsys
+):
+    ckpt = checkpoint_with_tokenizer(
+        tmp_path,
+        {
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": str(tmp_path / "gone" / "tokenizer.json"),
+        },
+    )
+    with pytest.raises(
+        convert.ConversionError, match="gone/tokenizer.json.*--tokenizer-dir.*--no-tokenizer"
+    ):
         convert.to_hf(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()  # refused before anything was written
-    convert.main(["--direction", "to-hf", "--load", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress",
-                  "--no-tokenizer"])
+    convert.main(
+        [
+            "--direction",
+            "to-hf",
+            "--load",
+            str(ckpt),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--no-tokenizer",
+        ]
+    )
     assert not (tmp_path / "out" / "tokenizer_config.json").exists()
     hint = capsys.readouterr().err
-    assert "AutoModelForCausalLM.from_pretrained" in hint and "AutoTokenizer" not in hint.splitlines()[-1]
+    assert (
+        "AutoModelForCausalLM.from_pretrained" in hint
+        and "AutoTokenizer" not in hint.splitlines()[-1]
+    )
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the model itself is complete
     # --tokenizer-dir supplies them.
     bpe = tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"].rsplit("/", 1)[0]
@@ -358,13 +542,19 @@ def test_without_a_tokenizer_no_hugging_face_folder_is_written_unless_asked(tmp_
 
 
 @pytest.mark.filterwarnings("ignore:.*has no FP8 scaling state")  # a converted checkpoint has none
-def test_from_hf_points_the_run_at_the_hf_tokenizer_and_a_run_of_it_needs_no_shape_flags(tmp_path, tokenizer_files,
-                                                                                          capsys):
+def test_from_hf_points_the_run_at_the_hf_tokenizer_and_a_run_of_it_needs_no_shape_flags(
+    tmp_path, tokenizer_files, capsys
+):
     hf = randomize(small_llama())
     hf.save_pretrained(tmp_path / "hf")
     shutil.copy(tokenizer_files["HuggingFaceTokenizer"]["tokenizer_model"], tmp_path / "hf")
-    path = convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", tensor_model_parallel_size=2,
-                           pipeline_model_parallel_size=3, progress=False)
+    path = convert.from_hf(
+        tmp_path / "hf",
+        tmp_path / "ckpt",
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=3,
+        progress=False,
+    )
     saved = arguments.args_from_dict(json.loads((path / "megafp8.json").read_text())["args"])
     assert saved.tokenizer_type == "HuggingFaceTokenizer"
     assert saved.tokenizer_model == str((tmp_path / "hf" / "tokenizer.json").resolve())
@@ -375,22 +565,51 @@ def test_from_hf_points_the_run_at_the_hf_tokenizer_and_a_run_of_it_needs_no_sha
     assert f"--load {tmp_path / 'ckpt'} --finetune --tokenizer-type HuggingFaceTokenizer" in hint
     assert "--num-layers" not in hint and "--tensor-model-parallel-size 2" in hint
     # The run the printed flags start (any layout: pp = 1 here) builds the converted model and loads it.
-    trainer = pretrain(["--load", str(tmp_path / "ckpt"), "--finetune", "--tokenizer-type", saved.tokenizer_type,
-                        "--tokenizer-model", saved.tokenizer_model, "--mock-data", "--train-iters", "1",
-                        "--micro-batch-size", "1", "--lr", "1e-3", "--eval-iters", "0"])
+    trainer = pretrain(
+        [
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--finetune",
+            "--tokenizer-type",
+            saved.tokenizer_type,
+            "--tokenizer-model",
+            saved.tokenizer_model,
+            "--mock-data",
+            "--train-iters",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--lr",
+            "1e-3",
+            "--eval-iters",
+            "0",
+        ]
+    )
     assert trainer.config == config and trainer.last_checkpoint == path
-    assert (trainer.args.num_layers, trainer.args.num_query_groups, trainer.args.seq_length) == (3, 2, 64)
+    assert (trainer.args.num_layers, trainer.args.num_query_groups, trainer.args.seq_length) == (
+        3,
+        2,
+        64,
+    )
     # The checkpoint folder carries its tokenizer, as a training run's does.
     assert (tmp_path / "ckpt" / "tokenizer" / "tokenizer.json").read_bytes() == (
-        tmp_path / "hf" / "tokenizer.json").read_bytes()
+        tmp_path / "hf" / "tokenizer.json"
+    ).read_bytes()
     # No optimizer state, no FP8 state, no RNG: a --finetune start.
-    metadata = torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = (
+        torch.distributed.checkpoint.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    )
     assert all(k.startswith("model/") or k == "train" for k in metadata)
 
 
 @pytest.mark.filterwarnings("ignore:.*has no FP8 scaling state")  # a converted checkpoint has none
-@pytest.mark.parametrize("kind,setting", [("llama-tied-bias-llama3-rope", "rope_parameters"),
-                                          ("gpt2-untied-erf-gelu", "activation_function")])
+@pytest.mark.parametrize(
+    "kind,setting",
+    [
+        ("llama-tied-bias-llama3-rope", "rope_parameters"),
+        ("gpt2-untied-erf-gelu", "activation_function"),
+    ],
+)
 def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path, kind, setting):
     """Llama 3.1's llama3 rope scaling and GPT-2's erf GELU have no training flag: HF -> megafp8 ->
     a run of --load --finetune without shape flags -> its checkpoint -> HF keeps them."""
@@ -398,13 +617,34 @@ def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path
     hf.save_pretrained(tmp_path / "hf")
     with pytest.warns(UserWarning, match="no tokenizer files"):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
-    trainer = pretrain(["--load", str(tmp_path / "ckpt"), "--finetune", "--mock-data", "--train-iters", "2",
-                        "--micro-batch-size", "2", "--seq-length", str(SEQ), "--lr", "1e-3", "--eval-iters", "0",
-                        "--save", str(tmp_path / "run")])
+    trainer = pretrain(
+        [
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--finetune",
+            "--mock-data",
+            "--train-iters",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--seq-length",
+            str(SEQ),
+            "--lr",
+            "1e-3",
+            "--eval-iters",
+            "0",
+            "--save",
+            str(tmp_path / "run"),
+        ]
+    )
     assert [i for i, _ in trainer.history] == [1, 2]
-    assert trainer.config == hf_mapping.config_from_hf(hf.config)  # vocabulary too: the mock data's is the model's
+    assert trainer.config == hf_mapping.config_from_hf(
+        hf.config
+    )  # vocabulary too: the mock data's is the model's
     convert.to_hf(tmp_path / "run", tmp_path / "out", progress=False, no_tokenizer=True)
-    original, back = (json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("hf", "out"))
+    original, back = (
+        json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("hf", "out")
+    )
     assert back[setting] == original[setting]
     assert back[setting] == (LLAMA3_ROPE if setting == "rope_parameters" else "gelu")
 
@@ -412,6 +652,7 @@ def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path
 def test_checkpoints_from_before_the_model_was_recorded_convert_from_their_args(trained, tmp_path):
     """Written before megafp8.json had "model": to-hf rebuilds the model from the run's arguments,
     and from-hf's model_overrides of then (settings without a flag) still apply."""
+
     def without_model(folder, **args):
         record = next(Path(folder).glob("iter_*/megafp8.json"))
         info = json.loads(record.read_text())
@@ -428,12 +669,34 @@ def test_checkpoints_from_before_the_model_was_recorded_convert_from_their_args(
     hf.save_pretrained(tmp_path / "hf")
     with pytest.warns(UserWarning, match="no tokenizer files"):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
-    flags = arguments.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                                  "--max-position-embeddings", "64", "--mock-data", "--vocab-size", "400",
-                                  "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3"])
-    without_model(tmp_path / "ckpt", **arguments.args_to_dict(flags), model_overrides={"activation": "gelu"})
+    flags = arguments.parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--max-position-embeddings",
+            "64",
+            "--mock-data",
+            "--vocab-size",
+            "400",
+            "--train-iters",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--lr",
+            "1e-3",
+        ]
+    )
+    without_model(
+        tmp_path / "ckpt", **arguments.args_to_dict(flags), model_overrides={"activation": "gelu"}
+    )
     convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False, no_tokenizer=True)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu"
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu"
+    )
     assert_same_weights(tmp_path / "hf", tmp_path / "out")
 
 
@@ -443,39 +706,102 @@ def test_a_run_converted_from_another_folder_generates_text(tmp_path):
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
     elsewhere.mkdir()
-    tool = lambda *cmd, cwd=work: subprocess.run([sys.executable, *cmd], cwd=cwd, check=True, capture_output=True)
+
+    def tool(*cmd, cwd=work):
+        return subprocess.run([sys.executable, *cmd], cwd=cwd, check=True, capture_output=True)
+
     tool(str(REPO / "tools/make_sample_corpus.py"), "--output", "corpus", "--max-mb", "0.2")
-    tool(str(REPO / "tools/train_tokenizer.py"), "--input", "corpus", "--type", "bpe", "--vocab-size", "512",
-         "--output", "tok")
-    tool(str(REPO / "tools/preprocess_data.py"), "--input", "corpus", "--output-prefix", "ds",
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok", "--append-eod")
-    tool("-m", "megafp8.train", "--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "4",
-         "--train-iters", "20", "--lr", "1e-2", "--data-path", "ds_text_document", "--split", "1",
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok", "--eval-iters", "0",
-         "--save", "run")
-    assert (work / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (work / "tok" / "tokenizer.json").read_bytes()
+    tool(
+        str(REPO / "tools/train_tokenizer.py"),
+        "--input",
+        "corpus",
+        "--type",
+        "bpe",
+        "--vocab-size",
+        "512",
+        "--output",
+        "tok",
+    )
+    tool(
+        str(REPO / "tools/preprocess_data.py"),
+        "--input",
+        "corpus",
+        "--output-prefix",
+        "ds",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        "tok",
+        "--append-eod",
+    )
+    tool(
+        "-m",
+        "megafp8.train",
+        "--model",
+        "gpt-tiny",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "20",
+        "--lr",
+        "1e-2",
+        "--data-path",
+        "ds_text_document",
+        "--split",
+        "1",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        "tok",
+        "--eval-iters",
+        "0",
+        "--save",
+        "run",
+    )
+    assert (work / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (
+        work / "tok" / "tokenizer.json"
+    ).read_bytes()
     recorded = json.loads((work / "run" / "iter_0000020" / "megafp8.json").read_text())["args"]
-    assert recorded["tokenizer_model"] == str(work / "tok") and recorded["data_path"] == [str(work / "ds_text_document")]
+    assert recorded["tokenizer_model"] == str(work / "tok") and recorded["data_path"] == [
+        str(work / "ds_text_document")
+    ]
     (work / "tok").rename(tmp_path / "moved")  # even with the run's own tokenizer files gone
-    tool(str(REPO / "tools/convert_checkpoint.py"), "--direction", "to-hf", "--load", "../work/run",
-         "--output", "hf", "--no-progress", cwd=elsewhere)
+    tool(
+        str(REPO / "tools/convert_checkpoint.py"),
+        "--direction",
+        "to-hf",
+        "--load",
+        "../work/run",
+        "--output",
+        "hf",
+        "--no-progress",
+        cwd=elsewhere,
+    )
     tokenizer = AutoTokenizer.from_pretrained(elsewhere / "hf")
     model = AutoModelForCausalLM.from_pretrained(elsewhere / "hf")
     prompt = tokenizer("def main():", return_tensors="pt")
     assert prompt["input_ids"].shape[1] > 0
-    out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    out = model.generate(
+        **prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
     assert out.shape[1] > prompt["input_ids"].shape[1]
     assert tokenizer.decode(out[0]).startswith("def main():")
 
 
 # ---- errors -------------------------------------------------------------------------------------
 
+
 def test_unknown_architecture(tmp_path):
     randomize(small_gpt2()).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(convert.ConversionError, match="model_type 'mistral' is not supported; supported: gpt2 "
-                       r"\(GPT2LMHeadModel\), llama \(LlamaForCausalLM\)"):
+    with pytest.raises(
+        convert.ConversionError,
+        match="model_type 'mistral' is not supported; supported: gpt2 "
+        r"\(GPT2LMHeadModel\), llama \(LlamaForCausalLM\)",
+    ):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
 
 
@@ -483,9 +809,12 @@ def test_config_that_does_not_match_the_weights(tmp_path):
     randomize(small_llama()).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
-    with pytest.raises(convert.ConversionError, match=r"config.json does not match the weights: "
-                       r"model.layers.0.self_attn.k_proj.weight is \[32, 64\] in the weights, config.json "
-                       r"implies \[64, 64\]"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"config.json does not match the weights: "
+        r"model.layers.0.self_attn.k_proj.weight is \[32, 64\] in the weights, config.json "
+        r"implies \[64, 64\]",
+    ):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
 
 
@@ -494,7 +823,9 @@ def test_missing_shard(tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     gone = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     (tmp_path / "hf" / gone).unlink()
-    with pytest.raises(convert.ConversionError, match=f"lists {gone}, which is not in .*incomplete"):
+    with pytest.raises(
+        convert.ConversionError, match=f"lists {gone}, which is not in .*incomplete"
+    ):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
 
 
@@ -515,27 +846,42 @@ def test_weights_that_config_json_does_not_describe_are_refused(tmp_path):
     buffers Hugging Face recomputes, and a stored copy of a tied output layer, are skipped."""
     randomize(small_gpt2()).save_pretrained(tmp_path / "gpt2")
     edit_config(tmp_path / "gpt2", n_layer=1)  # the weights hold two layers
-    with pytest.raises(convert.ConversionError, match=r"config.json describes 1 layer, the weights hold layer\(s\) 1 "
-                       r"too \(transformer.h.1.attn.c_attn.bias, .* and 7 more\): converting would lose them"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"config.json describes 1 layer, the weights hold layer\(s\) 1 "
+        r"too \(transformer.h.1.attn.c_attn.bias, .* and 7 more\): converting would lose them",
+    ):
         convert.from_hf(tmp_path / "gpt2", tmp_path / "ckpt", progress=False)
 
     randomize(small_llama()).save_pretrained(tmp_path / "llama")
-    edit_weights(tmp_path / "llama", lambda w: w.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
-    with pytest.raises(convert.ConversionError, match=r"the weights are not a LlamaForCausalLM of config.json's "
-                       r"shape: they hold 1 tensor\(s\) it has not \(model.layers.0.self_attn.q_norm.weight\): "
-                       "converting would lose them"):
+    edit_weights(
+        tmp_path / "llama",
+        lambda w: w.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
+    )
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"the weights are not a LlamaForCausalLM of config.json's "
+        r"shape: they hold 1 tensor\(s\) it has not \(model.layers.0.self_attn.q_norm.weight\): "
+        "converting would lose them",
+    ):
         convert.from_hf(tmp_path / "llama", tmp_path / "ckpt", progress=False)
 
     # Missing ones are named too: whole layers, or single tensors.
     randomize(small_llama()).save_pretrained(tmp_path / "short")
     edit_config(tmp_path / "short", num_hidden_layers=4)
-    with pytest.raises(convert.ConversionError, match=r"config.json describes 4 layers, the weights lack layer\(s\) 3: "
-                       r"model.layers.3.input_layernorm.weight, .* and 4 more$"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"config.json describes 4 layers, the weights lack layer\(s\) 3: "
+        r"model.layers.3.input_layernorm.weight, .* and 4 more$",
+    ):
         convert.from_hf(tmp_path / "short", tmp_path / "ckpt", progress=False)
     edit_config(tmp_path / "short", num_hidden_layers=3)
     edit_weights(tmp_path / "short", lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(convert.ConversionError, match=r"the weights lack 1 tensor\(s\) of the LlamaForCausalLM "
-                       r"config.json describes: model.layers.1.mlp.up_proj.weight$"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"the weights lack 1 tensor\(s\) of the LlamaForCausalLM "
+        r"config.json describes: model.layers.1.mlp.up_proj.weight$",
+    ):
         convert.from_hf(tmp_path / "short", tmp_path / "ckpt", progress=False)
 
     # Llama's rotary frequencies (recomputed from rope_theta) are skipped; the weights come back bitwise.
@@ -547,16 +893,24 @@ def test_weights_that_config_json_does_not_describe_are_refused(tmp_path):
         convert.from_hf(tmp_path / "rope", tmp_path / "rope-ckpt", progress=False)
     convert.to_hf(tmp_path / "rope-ckpt", tmp_path / "rope-out", progress=False, no_tokenizer=True)
     back, original = hf_weights(tmp_path / "rope-out"), hf.state_dict()
-    assert sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+    assert sorted(back) == sorted(original) and all(
+        torch.equal(back[n], original[n]) for n in original
+    )
 
     # A tied model's stored lm_head.weight: a copy of the embedding is skipped, anything else refused.
     randomize(small_gpt2()).save_pretrained(tmp_path / "tied")
-    edit_weights(tmp_path / "tied", lambda w: w.update({"lm_head.weight": w["transformer.wte.weight"].clone()}))
+    edit_weights(
+        tmp_path / "tied",
+        lambda w: w.update({"lm_head.weight": w["transformer.wte.weight"].clone()}),
+    )
     with pytest.warns(UserWarning, match="no tokenizer files"):
         convert.from_hf(tmp_path / "tied", tmp_path / "tied-ckpt", progress=False)
     edit_weights(tmp_path / "tied", lambda w: w.update({"lm_head.weight": torch.randn(400, 64)}))
-    with pytest.raises(convert.ConversionError, match="ties the output layer to the embedding .* but the weights' "
-                       "lm_head.weight differs from transformer.wte.weight: converting would lose it"):
+    with pytest.raises(
+        convert.ConversionError,
+        match="ties the output layer to the embedding .* but the weights' "
+        "lm_head.weight differs from transformer.wte.weight: converting would lose it",
+    ):
         convert.from_hf(tmp_path / "tied", tmp_path / "ckpt", progress=False)
 
 
@@ -565,12 +919,17 @@ def test_an_index_names_only_files_in_its_folder(tmp_path):
     index_path = tmp_path / "hf" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     shard = index["weight_map"]["model.norm.weight"]
-    shutil.copy(tmp_path / "hf" / shard, tmp_path / "elsewhere.safetensors")  # there, so only the name is wrong
+    shutil.copy(
+        tmp_path / "hf" / shard, tmp_path / "elsewhere.safetensors"
+    )  # there, so only the name is wrong
     for outside in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
         weight_map = {**index["weight_map"], "model.norm.weight": outside}
         index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
-        with pytest.raises(convert.ConversionError, match=f"names {re.escape(outside)}, outside .*: an index may "
-                           "only name files in its own folder"):
+        with pytest.raises(
+            convert.ConversionError,
+            match=f"names {re.escape(outside)}, outside .*: an index may "
+            "only name files in its own folder",
+        ):
             convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
     assert not (tmp_path / "ckpt").exists()
 
@@ -584,22 +943,47 @@ def shard(folder, i):
 
 
 BAD_INPUTS = {  # a GPT-2 folder (sharded, with an index) made bad, and the error
-    "config.json not JSON": (lambda d: (d / "config.json").write_text("{"), "config.json: not a readable JSON file"),
-    "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "config.json: holds JSON but not an object"),
-    "config.json n_layer a string": (lambda d: edit_config(d, n_layer="two"),
-                                     r"config.json: not a valid GPT2Config \(.*'n_layer'"),
+    "config.json not JSON": (
+        lambda d: (d / "config.json").write_text("{"),
+        "config.json: not a readable JSON file",
+    ),
+    "config.json a list": (
+        lambda d: (d / "config.json").write_text("[]"),
+        "config.json: holds JSON but not an object",
+    ),
+    "config.json n_layer a string": (
+        lambda d: edit_config(d, n_layer="two"),
+        r"config.json: not a valid GPT2Config \(.*'n_layer'",
+    ),
     # config.json is read before the weights, which need not match here.
-    "llama3 rope without factors": (lambda d: edit_config(d, model_type="llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 1e4}), r"config.json: not a valid LlamaConfig \(.*factor"),
-    "index not JSON": (lambda d: truncate(d / "model.safetensors.index.json", 10),
-                       "model.safetensors.index.json: not a readable JSON file"),
-    "truncated safetensors": (lambda d: truncate(shard(d, 1), 1000),
-                              r"model-00002-of-\d+.safetensors: not a valid safetensors file, truncated or corrupt"),
-    "safetensors header": (lambda d: truncate(shard(d, 0), 4), r"model-00001-of-\d+.safetensors: not a valid"),
-    "layers beyond config.json's": (lambda d: edit_config(d, n_layer=1),
-                                    r"config.json describes 1 layer, the weights hold layer\(s\) 1 too"),
-    "index outside its folder": (lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"transformer.wte.weight": "/etc/passwd"}})), "names /etc/passwd, outside"),
+    "llama3 rope without factors": (
+        lambda d: edit_config(
+            d, model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}
+        ),
+        r"config.json: not a valid LlamaConfig \(.*factor",
+    ),
+    "index not JSON": (
+        lambda d: truncate(d / "model.safetensors.index.json", 10),
+        "model.safetensors.index.json: not a readable JSON file",
+    ),
+    "truncated safetensors": (
+        lambda d: truncate(shard(d, 1), 1000),
+        r"model-00002-of-\d+.safetensors: not a valid safetensors file, truncated or corrupt",
+    ),
+    "safetensors header": (
+        lambda d: truncate(shard(d, 0), 4),
+        r"model-00001-of-\d+.safetensors: not a valid",
+    ),
+    "layers beyond config.json's": (
+        lambda d: edit_config(d, n_layer=1),
+        r"config.json describes 1 layer, the weights hold layer\(s\) 1 too",
+    ),
+    "index outside its folder": (
+        lambda d: (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"transformer.wte.weight": "/etc/passwd"}})
+        ),
+        "names /etc/passwd, outside",
+    ),
 }
 
 
@@ -610,8 +994,17 @@ def test_bad_hugging_face_folders_are_one_line_errors(tmp_path, capsys, case):
     tamper(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar
     with pytest.raises(SystemExit) as exit_info:
-        convert.main(["--direction", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "c"),
-                      "--no-progress"])
+        convert.main(
+            [
+                "--direction",
+                "from-hf",
+                "--hf-dir",
+                str(tmp_path / "hf"),
+                "--save",
+                str(tmp_path / "c"),
+                "--no-progress",
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("convert_checkpoint: error: ") and err.count("\n") == 1, err
@@ -619,13 +1012,16 @@ def test_bad_hugging_face_folders_are_one_line_errors(tmp_path, capsys, case):
 
 
 def test_unsupported_hf_settings_are_named(tmp_path):
-    randomize(small_llama(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})) \
-        .save_pretrained(tmp_path / "hf")
+    randomize(
+        small_llama(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+    ).save_pretrained(tmp_path / "hf")
     with pytest.raises(convert.ConversionError, match="rope type 'linear'"):
         convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
     randomize(small_llama()).save_pretrained(tmp_path / "hf2")
     with pytest.raises(convert.ConversionError, match="tp_size=3 does not divide"):
-        convert.from_hf(tmp_path / "hf2", tmp_path / "ckpt", tensor_model_parallel_size=3, progress=False)
+        convert.from_hf(
+            tmp_path / "hf2", tmp_path / "ckpt", tensor_model_parallel_size=3, progress=False
+        )
 
 
 def test_incomplete_megafp8_checkpoints(tmp_path):
@@ -650,15 +1046,20 @@ def test_incomplete_megafp8_checkpoints(tmp_path):
 
     broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "no_metadata")
     (broken / "iter_0000000" / ".metadata").unlink()
-    with pytest.raises(convert.ConversionError, match="incomplete megafp8 checkpoint.*names iteration 0"):
+    with pytest.raises(
+        convert.ConversionError, match="incomplete megafp8 checkpoint.*names iteration 0"
+    ):
         convert.to_hf(broken, tmp_path / "out", progress=False)
 
     broken = shutil.copytree(tmp_path / "ckpt", tmp_path / "other_shape")
     info = json.loads((broken / "iter_0000000" / "megafp8.json").read_text())
     info["model"]["ffn_hidden_size"] = 128
     (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
-    with pytest.raises(convert.ConversionError, match=r"model/layers.0.mlp.fc1.weight is \[256, 64\].*needs "
-                       r"\[128, 64\]: the recorded model and the weights disagree"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"model/layers.0.mlp.fc1.weight is \[256, 64\].*needs "
+        r"\[128, 64\]: the recorded model and the weights disagree",
+    ):
         convert.to_hf(broken, tmp_path / "out", progress=False)
 
     info["model"].update(ffn_hidden_size=256, position_embedding="rope")
@@ -668,15 +1069,20 @@ def test_incomplete_megafp8_checkpoints(tmp_path):
 
     info["model"].update(position_embedding="learned", hidden_size=65)
     (broken / "iter_0000000" / "megafp8.json").write_text(json.dumps(info))
-    with pytest.raises(convert.ConversionError, match=r"megafp8.json: its \"model\" is not a valid model config: "
-                       "hidden_size=65"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"megafp8.json: its \"model\" is not a valid model config: "
+        "hidden_size=65",
+    ):
         convert.to_hf(broken, tmp_path / "out", progress=False)
     assert iteration.exists()
 
 
 def test_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        convert.main(["--direction", "from-hf", "--hf-dir", str(tmp_path), "--save", str(tmp_path / "c")])
+        convert.main(
+            ["--direction", "from-hf", "--hf-dir", str(tmp_path), "--save", str(tmp_path / "c")]
+        )
     assert exit_info.value.code == 2
     assert "convert_checkpoint: error:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -686,6 +1092,7 @@ def test_command_line_errors(tmp_path, capsys):
 
 def pretrain_body(rank, world_size, argv):
     from megafp8.training.trainer import pretrain
+
     pretrain(argv)
 
 
@@ -693,10 +1100,31 @@ def pretrain_body(rank, world_size, argv):
 def test_pp2_training_run_to_hf_gives_the_same_logits(tmp_path, name):
     """A `megafp8-train` run with two pipeline stages (FP8, tied embeddings for GPT) converts
     like any other: the stages' checkpoint keys are the whole model's."""
-    run_on_ranks(pretrain_body, 2, ["--model", name, "--mock-data", "--train-iters", "2", "--micro-batch-size", "2",
-                                    "--global-batch-size", "4", "--seq-length", str(SEQ), "--lr", "1e-2",
-                                    "--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2",
-                                    "--save", str(tmp_path / "run")])
+    run_on_ranks(
+        pretrain_body,
+        2,
+        [
+            "--model",
+            name,
+            "--mock-data",
+            "--train-iters",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--seq-length",
+            str(SEQ),
+            "--lr",
+            "1e-2",
+            "--fp8-format",
+            "hybrid",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--save",
+            str(tmp_path / "run"),
+        ],
+    )
     convert.to_hf(str(tmp_path / "run"), tmp_path / "hf", progress=False, no_tokenizer=True)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     inputs = tokens(preset(name).vocab_size)

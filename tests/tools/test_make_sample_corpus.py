@@ -1,10 +1,10 @@
 """tools/make_sample_corpus.py: SlimPajama-format stand-in corpus from the Python stdlib."""
+
 import io
 import json
 from pathlib import Path
 
 import pytest
-
 import zstandard  # a dependency of megafp8: its absence is a failure, not a skip
 
 from .load import load_tool
@@ -15,12 +15,17 @@ tool = load_tool("make_sample_corpus")
 
 
 def _build(out: Path, *extra) -> Path:
-    assert tool.main(["--output", str(out), "--max-mb", str(MAX_MB), "--docs-per-chunk", "40", *extra]) == 0
+    assert (
+        tool.main(["--output", str(out), "--max-mb", str(MAX_MB), "--docs-per-chunk", "40", *extra])
+        == 0
+    )
     return out
 
 
 def _files(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def _tiny_stdlib(stdlib):
@@ -138,7 +143,9 @@ PACKAGE_FILES = {
     "first/alpha/include/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
     "second/delta/include/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
     "first/gamma/kernel.cu": "__global__ void gamma_kernel(float *x) { x[threadIdx.x] *= 2; }\n",
-    "first/gamma/generated.h": "static const int table[][3] = {\n" + "{ -1, -1, -1 },\n" * 300 + "};\n",
+    "first/gamma/generated.h": "static const int table[][3] = {\n"
+    + "{ -1, -1, -1 },\n" * 300
+    + "};\n",
     "first/gamma/bundle.js": "var a=1;" * 200 + "\n",
     "first/gamma/Makefile": "gamma: kernel.cu\n\tnvcc -o gamma kernel.cu  # gamma's build\n",
     "first/gamma/schema.sql": "CREATE TABLE gamma_runs (id INTEGER PRIMARY KEY, note TEXT);\n",
@@ -156,8 +163,23 @@ def _package_tree(root: Path) -> Path:
 
 
 def _build_packages(tree: Path, out: Path, *extra) -> Path:
-    assert tool.main(["--output", str(out), "--packages", str(tree / "first"), str(tree / "second"),
-                      "--docs-per-chunk", "3", "--validation-fraction", "0.4", *extra]) == 0
+    assert (
+        tool.main(
+            [
+                "--output",
+                str(out),
+                "--packages",
+                str(tree / "first"),
+                str(tree / "second"),
+                "--docs-per-chunk",
+                "3",
+                "--validation-fraction",
+                "0.4",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -169,31 +191,53 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     tree = _package_tree(tmp_path / "tree")
     out = _build_packages(tree, tmp_path / "out")
     train, validation = _documents(out / "train"), _documents(out / "validation")
-    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.jsonl.zst"))[0].startswith("train/chunk1/")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.jsonl.zst"))[0].startswith(
+        "train/chunk1/"
+    )
     assert (out / "validation" / "chunk1" / "example_holdout_0.jsonl.zst").is_file()
     train_packages = {d["meta"]["package"] for d in train}
     validation_packages = {d["meta"]["package"] for d in validation}
     assert train_packages and validation_packages and not train_packages & validation_packages
     assert train_packages | validation_packages == {"alpha", "beta", "gamma", "delta", "epsilon"}
     texts = [d["text"] for d in train + validation]
-    assert not any("shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts)
-    assert not any("alpha's own test" in t or "regression tests" in t for t in texts)  # no test suites
+    assert not any(
+        "shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts
+    )
+    assert not any(
+        "alpha's own test" in t or "regression tests" in t for t in texts
+    )  # no test suites
     by_text = {d["text"]: d["meta"] for d in train + validation}
     header = PACKAGE_FILES["first/alpha/include/alpha.h"]
-    assert texts.count(header) == 1 and by_text[header] == {"redpajama_set_name": tool.GITHUB, "package": "alpha"}
-    for name in ("kernel.cu", "Makefile", "schema.sql"):  # RedPajama's GitHub languages, by suffix or name
-        assert by_text[PACKAGE_FILES[f"first/gamma/{name}"]] == {"redpajama_set_name": tool.GITHUB, "package": "gamma"}
+    assert texts.count(header) == 1 and by_text[header] == {
+        "redpajama_set_name": tool.GITHUB,
+        "package": "alpha",
+    }
+    for name in (
+        "kernel.cu",
+        "Makefile",
+        "schema.sql",
+    ):  # RedPajama's GitHub languages, by suffix or name
+        assert by_text[PACKAGE_FILES[f"first/gamma/{name}"]] == {
+            "redpajama_set_name": tool.GITHUB,
+            "package": "gamma",
+        }
     assert not any("{ -1, -1, -1 }" in t or "var a=1" in t for t in texts)  # data-like and minified
     sets = {(d["meta"]["package"], d["meta"]["redpajama_set_name"]) for d in train + validation}
     assert {("alpha", tool.GITHUB), ("alpha", tool.BOOK), ("alpha", tool.WIKI)} <= sets
     readme = (out / "README.txt").read_text()
     # Duplicates: delta's copy of the header, and delta's docstrings (beta's, word for word).
     assert "Left out: 2 duplicates, 2 generated or data-like sources." in readme
-    assert "NOT SlimPajama" in readme and f"held out whole): {', '.join(sorted(validation_packages))}" in readme
+    assert (
+        "NOT SlimPajama" in readme
+        and f"held out whole): {', '.join(sorted(validation_packages))}" in readme
+    )
     # The same input gives the same bytes, and the split depends on the package names only.
     again = _build_packages(tree, tmp_path / "again", "--workers", "3")  # read in 3 processes
     assert _files(again) == _files(out)
-    assert tool.validation_packages(["alpha", "beta", "gamma", "delta", "epsilon"], 0.4) == validation_packages
+    assert (
+        tool.validation_packages(["alpha", "beta", "gamma", "delta", "epsilon"], 0.4)
+        == validation_packages
+    )
 
 
 def test_test_suites_are_added_on_request(tmp_path, capsys):
@@ -213,7 +257,8 @@ def test_test_suites_are_added_on_request(tmp_path, capsys):
 SOURCE_FILES = {
     "include/stdio.h": "#pragma once\nint printf(const char *format, ...);  /* the C library */\n",
     "include/linux/types.h": "typedef unsigned int __u32;  /* the kernel's types */\n",
-    "include/linux/README.md": "# linux headers\n\n" + "What the kernel exports to user space. " * 10,
+    "include/linux/README.md": "# linux headers\n\n"
+    + "What the kernel exports to user space. " * 10,
     "include/boost/config.hpp": "#define BOOST_VERSION 108300  // boost's configuration\n",
     "include/boost/detail/alpha.h": "#pragma once\nint alpha_version(void);  /* header of alpha */\n",
     "include/table.dat": "numbers " * 100,
@@ -229,25 +274,47 @@ def test_sources_add_projects_in_other_languages_held_out_whole(tmp_path, capsys
     out = _build_packages(tree, tmp_path / "out", "--sources", str(tree / "include"))
     train, validation = _documents(out / "train"), _documents(out / "validation")
     by_text = {d["text"]: d["meta"] for d in train + validation}
-    for name, project in (("stdio.h", "include/stdio.h"), ("linux/types.h", "include/linux"),
-                          ("boost/config.hpp", "include/boost")):
-        assert by_text[SOURCE_FILES[f"include/{name}"]] == {"redpajama_set_name": tool.GITHUB, "package": project}
-    assert by_text[SOURCE_FILES["include/linux/README.md"].strip()]["redpajama_set_name"] == tool.WIKI
+    for name, project in (
+        ("stdio.h", "include/stdio.h"),
+        ("linux/types.h", "include/linux"),
+        ("boost/config.hpp", "include/boost"),
+    ):
+        assert by_text[SOURCE_FILES[f"include/{name}"]] == {
+            "redpajama_set_name": tool.GITHUB,
+            "package": project,
+        }
+    assert (
+        by_text[SOURCE_FILES["include/linux/README.md"].strip()]["redpajama_set_name"] == tool.WIKI
+    )
     # Packages come first: boost's copy of alpha's header is a duplicate; data and dot files are no code.
     assert by_text[PACKAGE_FILES["first/alpha/include/alpha.h"]]["package"] == "alpha"
     assert not any("numbers" in t or "hidden" in t for t in by_text)
     train_names = {d["meta"]["package"] for d in train}
     validation_names = {d["meta"]["package"] for d in validation}
     assert not train_names & validation_names
-    assert train_names | validation_names == {"alpha", "beta", "gamma", "delta", "epsilon", "include/stdio.h",
-                                              "include/linux", "include/boost"}
+    assert train_names | validation_names == {
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "include/stdio.h",
+        "include/linux",
+        "include/boost",
+    }
     readme = (out / "README.txt").read_text()
     assert f"--sources {tree / 'include'} from 8 packages and projects" in readme
-    again = _build_packages(tree, tmp_path / "again", "--sources", str(tree / "include"), "--workers", "2")
+    again = _build_packages(
+        tree, tmp_path / "again", "--sources", str(tree / "include"), "--workers", "2"
+    )
     assert _files(again) == _files(out)
-    for argv, message in ((["--sources", str(tree / "include")], "--sources goes with --packages"),
-                          (["--packages", str(tree / "first"), "--sources", str(tmp_path / "nowhere")],
-                           "--sources: no folder")):
+    for argv, message in (
+        (["--sources", str(tree / "include")], "--sources goes with --packages"),
+        (
+            ["--packages", str(tree / "first"), "--sources", str(tmp_path / "nowhere")],
+            "--sources: no folder",
+        ),
+    ):
         with pytest.raises(SystemExit) as exit:
             tool.main(["--output", str(tmp_path / "refused"), *argv])
         assert exit.value.code == 2 and message in capsys.readouterr().err
@@ -264,7 +331,10 @@ def test_packages_mode_refuses_bad_input(tmp_path, capsys):
     assert exit.value.code == 2 and "no Python package or module under" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:
         tool.main(["--output", str(tmp_path / "out"), "--packages", "--validation-fraction", "1.5"])
-    assert exit.value.code == 2 and "--validation-fraction 1.5: give a share in [0, 1)" in capsys.readouterr().err
+    assert (
+        exit.value.code == 2
+        and "--validation-fraction 1.5: give a share in [0, 1)" in capsys.readouterr().err
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -275,28 +345,45 @@ def test_validation_packages_always_leave_some_to_train():
     assert tool.validation_packages(["a", "b"], 0.0) == set()
 
 
-def test_default_roots_are_every_site_folder_imports_read_then_the_standard_library(tmp_path, monkeypatch):
+def test_default_roots_are_every_site_folder_imports_read_then_the_standard_library(
+    tmp_path, monkeypatch
+):
     pure, system, stdlib = (tmp_path / name for name in ("pure", "system", "stdlib"))
     for folder in (pure, system, stdlib):
         folder.mkdir()
-    monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"purelib": str(pure), "platlib": str(pure)})
+    monkeypatch.setattr(
+        tool.sysconfig, "get_paths", lambda: {"purelib": str(pure), "platlib": str(pure)}
+    )
     monkeypatch.setattr(tool.sys, "base_prefix", tool.sys.prefix)
     # A Debian Python's site list: its own site-packages, the system's, and one that is absent.
-    monkeypatch.setattr(tool.site, "getsitepackages",
-                        lambda prefixes=None: [str(pure), str(system), str(tmp_path / "absent")])
+    monkeypatch.setattr(
+        tool.site,
+        "getsitepackages",
+        lambda prefixes=None: [str(pure), str(system), str(tmp_path / "absent")],
+    )
     roots = tool.default_package_roots(stdlib)
     assert list(dict.fromkeys(roots)) == [pure, system, stdlib]
 
 
-def test_default_roots_in_a_virtual_environment_add_the_base_interpreters_packages(tmp_path, monkeypatch):
+def test_default_roots_in_a_virtual_environment_add_the_base_interpreters_packages(
+    tmp_path, monkeypatch
+):
     venv, base, stdlib = (tmp_path / name for name in ("venv", "base", "stdlib"))
     for folder in (venv, base, stdlib):
         (folder / "site-packages").mkdir(parents=True) if folder != stdlib else folder.mkdir()
-    monkeypatch.setattr(tool.sysconfig, "get_paths",
-                        lambda: {"purelib": str(venv / "site-packages"), "platlib": str(venv / "site-packages")})
+    monkeypatch.setattr(
+        tool.sysconfig,
+        "get_paths",
+        lambda: {"purelib": str(venv / "site-packages"), "platlib": str(venv / "site-packages")},
+    )
     monkeypatch.setattr(tool.sys, "prefix", str(venv))
     monkeypatch.setattr(tool.sys, "base_prefix", str(base))
-    monkeypatch.setattr(tool.site, "getsitepackages",
-                        lambda prefixes=None: [str(Path(p) / "site-packages") for p in prefixes or [tool.sys.prefix]])
+    monkeypatch.setattr(
+        tool.site,
+        "getsitepackages",
+        lambda prefixes=None: [
+            str(Path(p) / "site-packages") for p in prefixes or [tool.sys.prefix]
+        ],
+    )
     roots = tool.default_package_roots(stdlib)
     assert list(dict.fromkeys(roots)) == [venv / "site-packages", base / "site-packages", stdlib]

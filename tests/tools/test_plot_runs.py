@@ -1,4 +1,5 @@
 """tools/plot_runs.py: a PNG from two runs' metrics.jsonl, and clear errors on bad input."""
+
 import json
 
 import pytest
@@ -22,12 +23,25 @@ def write_run(folder, records):
 def training_records(offset, fp8=True):
     records = []
     for it in range(10, 110, 10):
-        record = {"iteration": it, "time": 0.0, "loss": 8.0 - it / 50 + offset, "lr": 1e-3, "grad_norm": 1.0}
+        record = {
+            "iteration": it,
+            "time": 0.0,
+            "loss": 8.0 - it / 50 + offset,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+        }
         if fp8:
             record.update(fp8_scale_min=50.0 + it, fp8_scale_max=1e10, fp8_saturation=1e-6)
         records.append(record)
         if it % 50 == 0:
-            records.append({"iteration": it, "time": 0.0, "valid_loss": 8.1 - it / 50 + offset, "valid_ppl": 1.0})
+            records.append(
+                {
+                    "iteration": it,
+                    "time": 0.0,
+                    "valid_loss": 8.1 - it / 50 + offset,
+                    "valid_ppl": 1.0,
+                }
+            )
     return records
 
 
@@ -38,22 +52,43 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     with open(fp8 / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"iteration": 100, "time": 1.0, "loss": "nan"}) + "\n")
     output = tmp_path / "out" / "curves.png"
-    assert plot_runs.main([str(bf16), str(fp8 / "metrics.jsonl"), "--output", str(output), "--fields",
-                           "fp8_saturation", "fp8_scale_min", "--log-y", "fp8_scale_min", "--smooth", "3"]) == 0
+    assert (
+        plot_runs.main(
+            [
+                str(bf16),
+                str(fp8 / "metrics.jsonl"),
+                "--output",
+                str(output),
+                "--fields",
+                "fp8_saturation",
+                "fp8_scale_min",
+                "--log-y",
+                "fp8_scale_min",
+                "--smooth",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert output.read_bytes().startswith(PNG) and output.stat().st_size > 10_000
     assert f"wrote {output}" in capsys.readouterr().out
     run = plot_runs.read_run(fp8 / "metrics.jsonl")
     iterations, losses = run["loss"]
-    assert iterations == list(range(10, 110, 10)) and losses[-1] != losses[-1]  # NaN, the later record
+    assert (
+        iterations == list(range(10, 110, 10)) and losses[-1] != losses[-1]
+    )  # NaN, the later record
     assert run["valid_loss"][0] == [50, 100]
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "no metrics.jsonl there"),
-    ("", "no logged iteration"),
-    ("{not json\n", "line 1: not JSON"),
-    ('{"loss": 3.0}\n', 'without an integer "iteration"'),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no metrics.jsonl there"),
+        ("", "no logged iteration"),
+        ("{not json\n", "line 1: not JSON"),
+        ('{"loss": 3.0}\n', 'without an integer "iteration"'),
+    ],
+)
 def test_bad_input_is_refused_clearly(tmp_path, capsys, content, message):
     run = tmp_path / "run"
     run.mkdir()
@@ -66,7 +101,12 @@ def test_bad_input_is_refused_clearly(tmp_path, capsys, content, message):
 
 def test_an_unknown_field_names_the_known_ones(tmp_path, capsys):
     run = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
-    assert plot_runs.main([str(run), "--output", str(tmp_path / "c.png"), "--fields", "fp8_saturation"]) == 2
+    assert (
+        plot_runs.main(
+            [str(run), "--output", str(tmp_path / "c.png"), "--fields", "fp8_saturation"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--fields fp8_saturation: no run logged it" in err and "grad_norm" in err
 
@@ -85,23 +125,52 @@ def test_table_of_final_losses_against_the_first_run(tmp_path, capsys):
             record["loss"] = 8.0 - 50 / 50 + 0.02 + 1.0
     fp8 = write_run(tmp_path / "fp8", spiky)
     table = tmp_path / "final.md"
-    assert plot_runs.main([str(bf16), str(fp8), "--output", str(tmp_path / "c.png"), "--labels", "bf16", "FP8",
-                           "--table", str(table), "--final-points", "2"]) == 0
+    assert (
+        plot_runs.main(
+            [
+                str(bf16),
+                str(fp8),
+                "--output",
+                str(tmp_path / "c.png"),
+                "--labels",
+                "bf16",
+                "FP8",
+                "--table",
+                str(table),
+                "--final-points",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert f"and {table}" in capsys.readouterr().out
     header, rule, base, other = table.read_text().splitlines()
     assert "vs bf16" in header and "mean of last 2 logged" in header
     # bf16: valid 8.1 - 2 = 6.1 at 100; training loss mean of iterations 90 and 100: 6.1; no spike.
     assert base == "| bf16 | 100 | 6.1000 | +0.00% | 6.1000 | +0.00% | 0.0% |"
     # FP8: 0.02 higher everywhere; its spike rises 1.0 over the lowest loss before it, 7.02.
-    assert other == (f"| FP8 | 100 | 6.1200 | {100 * (6.12 / 6.1 - 1):+.2f}% | 6.1200 | "
-                     f"{100 * (6.12 / 6.1 - 1):+.2f}% | {100 * (8.02 / 7.02 - 1):.1f}% |")
+    assert other == (
+        f"| FP8 | 100 | 6.1200 | {100 * (6.12 / 6.1 - 1):+.2f}% | 6.1200 | "
+        f"{100 * (6.12 / 6.1 - 1):+.2f}% | {100 * (8.02 / 7.02 - 1):.1f}% |"
+    )
 
 
 def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
     bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
     only_valid = write_run(tmp_path / "v", [{"iteration": 100, "valid_loss": 6.0}])
-    assert plot_runs.main([str(bf16), str(only_valid), "--output", str(tmp_path / "c.png"),
-                           "--table", str(tmp_path / "t.md")]) == 2
+    assert (
+        plot_runs.main(
+            [
+                str(bf16),
+                str(only_valid),
+                "--output",
+                str(tmp_path / "c.png"),
+                "--table",
+                str(tmp_path / "t.md"),
+            ]
+        )
+        == 2
+    )
     assert "--table: v logged no training loss" in capsys.readouterr().err
     assert not (tmp_path / "t.md").exists()
 
@@ -109,27 +178,43 @@ def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
 def test_relative_panel_compares_validation_losses_with_the_first_run(tmp_path, capsys):
     bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
     fp8 = write_run(tmp_path / "fp8", training_records(0.02))
-    untested = write_run(tmp_path / "untested", [r for r in training_records(0.0) if "valid_loss" not in r])
+    untested = write_run(
+        tmp_path / "untested", [r for r in training_records(0.0) if "valid_loss" not in r]
+    )
     runs = [plot_runs.read_run(path / "metrics.jsonl") for path in (bf16, fp8, untested)]
     base, other, none = plot_runs.relative_to_first(runs)
     assert base == ([50, 100], [0.0, 0.0]) and none is None
     assert other[0] == [50, 100] and other[1] == pytest.approx([100 * 0.02 / 7.1, 100 * 0.02 / 6.1])
     output = tmp_path / "c.png"
-    assert plot_runs.main([str(bf16), str(fp8), str(untested), "--output", str(output), "--relative"]) == 0
+    assert (
+        plot_runs.main([str(bf16), str(fp8), str(untested), "--output", str(output), "--relative"])
+        == 0
+    )
     assert output.read_bytes().startswith(PNG)
     capsys.readouterr()
     assert plot_runs.main([str(untested), str(bf16), "--output", str(output), "--relative"]) == 2
-    assert "--relative: the first run (the baseline) logged no valid_loss" in capsys.readouterr().err
+    assert (
+        "--relative: the first run (the baseline) logged no valid_loss" in capsys.readouterr().err
+    )
 
 
 def test_default_labels_are_the_runs_names(tmp_path):
     def labels(*folders):
-        return plot_runs.default_labels([write_run(tmp_path / folder, []) / "metrics.jsonl" for folder in folders])
+        return plot_runs.default_labels(
+            [write_run(tmp_path / folder, []) / "metrics.jsonl" for folder in folders]
+        )
 
     assert labels("runs/bf16", "runs/fp8") == ["bf16", "fp8"]
     # The recipes and the quickstart save to WORKDIR/checkpoints: the run is WORKDIR.
-    assert labels("quickstart_run/checkpoints", "gpt_1b_fp8/checkpoints") == ["quickstart_run", "gpt_1b_fp8"]
-    assert labels("gpt/bf16", "lr2x/bf16", "lr2x/fp8") == ["gpt/bf16", "lr2x/bf16", "lr2x/fp8"]  # told apart
+    assert labels("quickstart_run/checkpoints", "gpt_1b_fp8/checkpoints") == [
+        "quickstart_run",
+        "gpt_1b_fp8",
+    ]
+    assert labels("gpt/bf16", "lr2x/bf16", "lr2x/fp8") == [
+        "gpt/bf16",
+        "lr2x/bf16",
+        "lr2x/fp8",
+    ]  # told apart
     (tmp_path / "runs" / "bf16" / "metrics.jsonl").rename(tmp_path / "bf16_seed1.jsonl")
     assert plot_runs.default_labels([tmp_path / "bf16_seed1.jsonl"]) == ["bf16_seed1"]
 
@@ -137,5 +222,7 @@ def test_default_labels_are_the_runs_names(tmp_path):
 def test_the_table_names_a_checkpoints_folder_by_its_run(tmp_path, capsys):
     run = write_run(tmp_path / "quickstart_run" / "checkpoints", training_records(0.0))
     table = tmp_path / "final.md"
-    assert plot_runs.main([str(run), "--output", str(tmp_path / "c.png"), "--table", str(table)]) == 0
+    assert (
+        plot_runs.main([str(run), "--output", str(tmp_path / "c.png"), "--table", str(table)]) == 0
+    )
     assert table.read_text().splitlines()[2].startswith("| quickstart_run | 100 |")

@@ -1,4 +1,5 @@
 """examples/prepare_sample_data.sh: a fresh folder, a re-run, and a half-finished corpus."""
+
 import os
 import subprocess
 import sys
@@ -13,8 +14,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "prepare_sample_data
 def prepare(cwd, workdir, vocab="512"):
     # `python` in the script must be this interpreter (the one with megafp8 installed).
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-    return subprocess.run(["bash", str(SCRIPT), workdir, vocab], cwd=cwd, env=env, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        ["bash", str(SCRIPT), workdir, vocab], cwd=cwd, env=env, capture_output=True, text=True
+    )
 
 
 def snapshot(folder):

@@ -1,4 +1,5 @@
 """tools/preprocess_data.py: the .bin holds the tokenizer's ids, for every input form and worker count."""
+
 import json
 import re
 import subprocess
@@ -6,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.tokenizers import build_tokenizer
 
@@ -30,19 +30,40 @@ def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     write_jsonl(root / "train.jsonl", records(300, seed=9))
     for kind in ("bpe", "sentencepiece"):
-        train_tokenizer.main(["--input", str(root / "train.jsonl"), "--type", kind,
-                              "--vocab-size", "400", "--output", str(root / kind)])
+        train_tokenizer.main(
+            [
+                "--input",
+                str(root / "train.jsonl"),
+                "--type",
+                kind,
+                "--vocab-size",
+                "400",
+                "--output",
+                str(root / kind),
+            ]
+        )
     return {
         "HuggingFaceTokenizer": ["--tokenizer-model", str(root / "bpe" / "tokenizer.json")],
-        "GPT2BPETokenizer": ["--vocab-file", str(root / "bpe" / "vocab.json"),
-                             "--merge-file", str(root / "bpe" / "merges.txt")],
-        "SentencePieceTokenizer": ["--tokenizer-model", str(root / "sentencepiece" / "tokenizer.model")],
+        "GPT2BPETokenizer": [
+            "--vocab-file",
+            str(root / "bpe" / "vocab.json"),
+            "--merge-file",
+            str(root / "bpe" / "merges.txt"),
+        ],
+        "SentencePieceTokenizer": [
+            "--tokenizer-model",
+            str(root / "sentencepiece" / "tokenizer.model"),
+        ],
     }
 
 
 def tokenizer_of(flags, kind):
-    names = {"--tokenizer-model": "tokenizer_model", "--vocab-file": "vocab_file",
-             "--merge-file": "merge_file", "--vocab-size": "vocab_size"}
+    names = {
+        "--tokenizer-model": "tokenizer_model",
+        "--vocab-file": "vocab_file",
+        "--merge-file": "merge_file",
+        "--vocab-size": "vocab_size",
+    }
     kwargs = {names[flag]: value for flag, value in zip(flags[::2], flags[1::2])}
     if "vocab_size" in kwargs:
         kwargs["vocab_size"] = int(kwargs["vocab_size"])
@@ -50,8 +71,18 @@ def tokenizer_of(flags, kind):
 
 
 def run(inputs, prefix, kind="HuggingFaceTokenizer", flags=(), *extra):
-    return tool.main(["--input", *map(str, inputs), "--output-prefix", str(prefix),
-                      "--tokenizer-type", kind, *flags, *extra])
+    return tool.main(
+        [
+            "--input",
+            *map(str, inputs),
+            "--output-prefix",
+            str(prefix),
+            "--tokenizer-type",
+            kind,
+            *flags,
+            *extra,
+        ]
+    )
 
 
 def files_of(prefix, key="text"):
@@ -62,16 +93,21 @@ def read_bytes(paths):
     return [open(path, "rb").read() for path in paths]
 
 
-@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"])
+@pytest.mark.parametrize(
+    "kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"]
+)
 @pytest.mark.parametrize("append_eod", [True, False])
 def test_bin_holds_the_tokenizer_ids(tmp_path, rows, tokenizers, kind, append_eod):
     path = write_jsonl(tmp_path / "corpus.jsonl", rows)
-    summary = run([path], tmp_path / "out", kind, tokenizers[kind],
-                  *(["--append-eod"] if append_eod else []))
+    summary = run(
+        [path], tmp_path / "out", kind, tokenizers[kind], *(["--append-eod"] if append_eod else [])
+    )
     tokenizer = tokenizer_of(tokenizers[kind], kind)
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert ds.dtype == np.uint16 and len(ds) == N_DOCS
-    np.testing.assert_array_equal(ds.document_indices, np.arange(N_DOCS + 1))  # a sequence per document
+    np.testing.assert_array_equal(
+        ds.document_indices, np.arange(N_DOCS + 1)
+    )  # a sequence per document
     for i, row in enumerate(rows):
         want = tokenizer.tokenize(row["text"]) + ([tokenizer.eod] if append_eod else [])
         assert ds[i].tolist() == want
@@ -82,6 +118,7 @@ def test_bin_holds_the_tokenizer_ids(tmp_path, rows, tokenizers, kind, append_eo
 
 def test_every_input_form_gives_identical_outputs(tmp_path, rows, tokenizers):
     import datasets
+
     flags = tokenizers["HuggingFaceTokenizer"]
     reference = run([write_jsonl(tmp_path / "all.jsonl", rows)], tmp_path / "ref", flags=flags)
     want = read_bytes(reference["outputs"])
@@ -106,10 +143,19 @@ def test_every_input_form_gives_identical_outputs(tmp_path, rows, tokenizers):
 
 def test_workers_do_not_change_the_bytes(tmp_path, rows, tokenizers):
     write_formats(tmp_path / "corpus", rows)
-    outputs = [run([tmp_path / "corpus"], tmp_path / f"w{workers}", "HuggingFaceTokenizer",
-                   tokenizers["HuggingFaceTokenizer"], "--append-eod", "--workers", str(workers),
-                   "--split-by-set")["outputs"]
-               for workers in (1, 2)]
+    outputs = [
+        run(
+            [tmp_path / "corpus"],
+            tmp_path / f"w{workers}",
+            "HuggingFaceTokenizer",
+            tokenizers["HuggingFaceTokenizer"],
+            "--append-eod",
+            "--workers",
+            str(workers),
+            "--split-by-set",
+        )["outputs"]
+        for workers in (1, 2)
+    ]
     assert len(outputs[0]) == 2 * len(SUBSETS)
     assert [p.replace("/w1_", "/w2_") for p in outputs[0]] == outputs[1]
     assert read_bytes(outputs[0]) == read_bytes(outputs[1])
@@ -134,21 +180,39 @@ def test_split_by_set(tmp_path, rows, tokenizers, capsys):
 
 
 def test_empty_and_missing_texts_are_counted_and_reported(tmp_path, tokenizers, capsys):
-    docs = [{"text": "first", "title": "one"}, {"text": "", "title": "two"},
-            {"text": "  \n ", "title": None}, {"title": "four"}, {"text": "fifth"}]
+    docs = [
+        {"text": "first", "title": "one"},
+        {"text": "", "title": "two"},
+        {"text": "  \n ", "title": None},
+        {"title": "four"},
+        {"text": "fifth"},
+    ]
     path = write_jsonl(tmp_path / "corpus.jsonl", docs)
     flags = tokenizers["HuggingFaceTokenizer"]
-    summary = run([path], tmp_path / "out", "HuggingFaceTokenizer", flags, "--json-keys", "text", "title")
+    summary = run(
+        [path], tmp_path / "out", "HuggingFaceTokenizer", flags, "--json-keys", "text", "title"
+    )
     assert summary["documents"] == 5
-    assert summary["keys"]["text"] == {"documents": 2, "tokens": summary["keys"]["text"]["tokens"],
-                                       "empty": 2, "missing": 1}
-    assert (summary["keys"]["title"]["documents"], summary["keys"]["title"]["empty"],
-            summary["keys"]["title"]["missing"]) == (3, 0, 2)
+    assert summary["keys"]["text"] == {
+        "documents": 2,
+        "tokens": summary["keys"]["text"]["tokens"],
+        "empty": 2,
+        "missing": 1,
+    }
+    assert (
+        summary["keys"]["title"]["documents"],
+        summary["keys"]["title"]["empty"],
+        summary["keys"]["title"]["missing"],
+    ) == (3, 0, 2)
     tokenizer = tokenizer_of(flags, "HuggingFaceTokenizer")
     text = IndexedDataset(tmp_path / "out_text_document")
     title = IndexedDataset(tmp_path / "out_title_document")
-    assert [text[i].tolist() for i in range(len(text))] == [tokenizer.tokenize(t) for t in ("first", "fifth")]
-    assert [title[i].tolist() for i in range(len(title))] == [tokenizer.tokenize(t) for t in ("one", "two", "four")]
+    assert [text[i].tolist() for i in range(len(text))] == [
+        tokenizer.tokenize(t) for t in ("first", "fifth")
+    ]
+    assert [title[i].tolist() for i in range(len(title))] == [
+        tokenizer.tokenize(t) for t in ("one", "two", "four")
+    ]
     out = capsys.readouterr().out
     assert "'text': 2 documents" in out and "skipped 2 empty, 1 missing" in out
     assert "'title': 3 documents" in out and "skipped 0 empty, 2 missing" in out
@@ -156,8 +220,12 @@ def test_empty_and_missing_texts_are_counted_and_reported(tmp_path, tokenizers, 
 
 def test_summary_and_progress_are_printed(tmp_path, tokenizers, capsys):
     docs = [{"text": "x"}, {"text": ""}, {"other": 1}]
-    run([write_jsonl(tmp_path / "c.jsonl", docs)], tmp_path / "out", "HuggingFaceTokenizer",
-        tokenizers["HuggingFaceTokenizer"])
+    run(
+        [write_jsonl(tmp_path / "c.jsonl", docs)],
+        tmp_path / "out",
+        "HuggingFaceTokenizer",
+        tokenizers["HuggingFaceTokenizer"],
+    )
     captured = capsys.readouterr()
     assert "skipped 1 empty, 1 missing" in captured.out
     for rate in ("docs/s", "tokens/s", "MB/s", "out_text_document.idx"):
@@ -170,18 +238,27 @@ def test_a_failed_run_leaves_no_index(tmp_path):
     path = write_jsonl(tmp_path / "corpus.jsonl", docs)
     for workers in ("1", "2"):
         with pytest.raises(ValueError, match=r"corpus\.jsonl:51: tokenizing 'text' failed"):
-            run([path], tmp_path / "out" / "ds", "NullTokenizer", ["--vocab-size", "100"],
-                "--workers", workers)
+            run(
+                [path],
+                tmp_path / "out" / "ds",
+                "NullTokenizer",
+                ["--vocab-size", "100"],
+                "--workers",
+                workers,
+            )
         assert list((tmp_path / "out").iterdir()) == []  # no .idx, .bin nor temporary files
 
 
-@pytest.mark.parametrize("vocab_size, dtype", [(1000, np.uint16), (65499, np.uint16),
-                                               (65500, np.int32), (70000, np.int32)])
+@pytest.mark.parametrize(
+    "vocab_size, dtype",
+    [(1000, np.uint16), (65499, np.uint16), (65500, np.int32), (70000, np.int32)],
+)
 def test_token_dtype_follows_the_vocabulary(tmp_path, vocab_size, dtype):
     top = vocab_size - 2
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": f"0 1 {top}"}, {"text": "7"}])
-    summary = run([path], tmp_path / "out", "NullTokenizer", ["--vocab-size", str(vocab_size)],
-                  "--append-eod")
+    summary = run(
+        [path], tmp_path / "out", "NullTokenizer", ["--vocab-size", str(vocab_size)], "--append-eod"
+    )
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert ds.dtype == dtype and summary["dtype"] == np.dtype(dtype).name
     assert ds[0].tolist() == [0, 1, top, vocab_size - 1] and ds[1].tolist() == [7, vocab_size - 1]
@@ -192,13 +269,22 @@ def test_bad_arguments_are_clear(tmp_path, tokenizers, capsys):
     flags = tokenizers["HuggingFaceTokenizer"]
     cases = [
         ([path], "HuggingFaceTokenizer", [], "needs --tokenizer-model"),
-        ([path], "HuggingFaceTokenizer", ["--tokenizer-model", str(tmp_path / "nope.json")],
-         "no tokenizer.json"),
+        (
+            [path],
+            "HuggingFaceTokenizer",
+            ["--tokenizer-model", str(tmp_path / "nope.json")],
+            "no tokenizer.json",
+        ),
         ([path], "GPT2BPETokenizer", ["--vocab-file", flags[1]], "merge_file"),
         ([path], "NullTokenizer", [], "vocab_size >= 2"),
         ([tmp_path / "*.parquet"], "HuggingFaceTokenizer", flags, "no .* files matched"),
         ([tmp_path / "missing.jsonl"], "HuggingFaceTokenizer", flags, "no such file"),
-        ([path], "HuggingFaceTokenizer", [*flags, "--workers", "0"], "--workers must be at least 1"),
+        (
+            [path],
+            "HuggingFaceTokenizer",
+            [*flags, "--workers", "0"],
+            "--workers must be at least 1",
+        ),
     ]
     for inputs, kind, kind_flags, message in cases:
         with pytest.raises(SystemExit):
@@ -213,8 +299,13 @@ def test_bad_arguments_are_clear(tmp_path, tokenizers, capsys):
 
 def test_meta_as_json_string_splits_too(tmp_path, tokenizers):
     rows = [{"text": "hello", "meta": json.dumps({"redpajama_set_name": "RedPajamaArXiv"})}]
-    summary = run([write_jsonl(tmp_path / "c.jsonl", rows)], tmp_path / "o", "HuggingFaceTokenizer",
-                  tokenizers["HuggingFaceTokenizer"], "--split-by-set")
+    summary = run(
+        [write_jsonl(tmp_path / "c.jsonl", rows)],
+        tmp_path / "o",
+        "HuggingFaceTokenizer",
+        tokenizers["HuggingFaceTokenizer"],
+        "--split-by-set",
+    )
     assert summary["outputs"] == files_of(tmp_path / "o_RedPajamaArXiv")
 
 
@@ -222,7 +313,12 @@ NULL = ["--vocab-size", "100"]  # NullTokenizer: text is ids, nothing to train
 
 
 def test_existing_outputs_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
-    run([write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}])], tmp_path / "out", "NullTokenizer", NULL)
+    run(
+        [write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}])],
+        tmp_path / "out",
+        "NullTokenizer",
+        NULL,
+    )
     before = read_bytes(files_of(tmp_path / "out"))
     capsys.readouterr()
 
@@ -247,25 +343,48 @@ def test_existing_outputs_are_refused_before_any_work(tmp_path, monkeypatch, cap
 
 
 def test_overwrite_replaces_the_outputs(tmp_path):
-    run([write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}, {"text": "4"}])], tmp_path / "out",
-        "NullTokenizer", NULL)
-    run([write_jsonl(tmp_path / "b.jsonl", [{"text": "7 8"}])], tmp_path / "out", "NullTokenizer",
-        NULL, "--overwrite")
+    run(
+        [write_jsonl(tmp_path / "a.jsonl", [{"text": "1 2 3"}, {"text": "4"}])],
+        tmp_path / "out",
+        "NullTokenizer",
+        NULL,
+    )
+    run(
+        [write_jsonl(tmp_path / "b.jsonl", [{"text": "7 8"}])],
+        tmp_path / "out",
+        "NullTokenizer",
+        NULL,
+        "--overwrite",
+    )
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert [ds[i].tolist() for i in range(len(ds))] == [[7, 8]]
-    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.glob("out*")) == [
+        "out_text_document.bin",
+        "out_text_document.idx",
+    ]
 
 
 def test_overwrite_by_set_names_what_an_earlier_run_left(tmp_path):
     def rows(*subsets):
         return [{"text": str(i), "meta": {"redpajama_set_name": s}} for i, s in enumerate(subsets)]
 
-    run([write_jsonl(tmp_path / "a.jsonl", rows("RedPajamaBook", "RedPajamaGitHub"))], tmp_path / "sp",
-        "NullTokenizer", NULL, "--split-by-set")
+    run(
+        [write_jsonl(tmp_path / "a.jsonl", rows("RedPajamaBook", "RedPajamaGitHub"))],
+        tmp_path / "sp",
+        "NullTokenizer",
+        NULL,
+        "--split-by-set",
+    )
     left = [str(tmp_path / f"sp_RedPajamaGitHub_text_document.{ext}") for ext in ("bin", "idx")]
     with pytest.warns(UserWarning, match="2 files of an earlier run") as caught:
-        run([write_jsonl(tmp_path / "b.jsonl", rows("RedPajamaBook", "RedPajamaBook"))], tmp_path / "sp",
-            "NullTokenizer", NULL, "--split-by-set", "--overwrite")
+        run(
+            [write_jsonl(tmp_path / "b.jsonl", rows("RedPajamaBook", "RedPajamaBook"))],
+            tmp_path / "sp",
+            "NullTokenizer",
+            NULL,
+            "--split-by-set",
+            "--overwrite",
+        )
     assert all(path in str(caught[0].message) for path in left)
     assert len(IndexedDataset(tmp_path / "sp_RedPajamaBook_text_document")) == 2
 
@@ -282,17 +401,36 @@ def test_user_errors_are_one_line_and_exit_code_2(tmp_path):
     null = ["--tokenizer-type", "NullTokenizer", *NULL]
     cases = [
         ([malformed], "out/a", null, r"malformed\.jsonl:2: malformed JSON"),
-        ([write_jsonl(tmp_path / "words.jsonl", [{"text": "1 two"}])], "out/b", null,
-         r"words\.jsonl:1: tokenizing 'text' failed"),
+        (
+            [write_jsonl(tmp_path / "words.jsonl", [{"text": "1 two"}])],
+            "out/b",
+            null,
+            r"words\.jsonl:1: tokenizing 'text' failed",
+        ),
         ([tmp_path / "missing.jsonl"], "out/c", null, "no such file"),
         ([good], "out/d", [*hf, "--tokenizer-model", str(tmp_path / "nope")], "no tokenizer.json"),
-        ([good], "out/e", [*hf, "--tokenizer-model", str(garbage)],
-         r"garbage\.json: not a readable tokenizer"),
+        (
+            [good],
+            "out/e",
+            [*hf, "--tokenizer-model", str(garbage)],
+            r"garbage\.json: not a readable tokenizer",
+        ),
         ([good], "taken", null, r"taken_text_document\.bin\).*--overwrite"),
     ]
     for inputs, prefix, flags, message in cases:
-        done = subprocess.run([sys.executable, str(TOOL), "--input", *map(str, inputs), "--output-prefix",
-                               str(tmp_path / prefix), *flags], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(TOOL),
+                "--input",
+                *map(str, inputs),
+                "--output-prefix",
+                str(tmp_path / prefix),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 2 and re.search(message, done.stderr), (message, done.stderr)
         assert "Traceback" not in done.stderr, done.stderr
     assert list((tmp_path / "out").iterdir()) == []  # the failed runs removed their partial outputs

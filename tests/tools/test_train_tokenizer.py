@@ -1,10 +1,10 @@
 """tools/train_tokenizer.py: BPE and SentencePiece from any corpus format, deterministic, loadable."""
+
 import re
 import subprocess
 import sys
 
 import pytest
-
 from megafp8.data.tokenizers import build_tokenizer
 
 from ..data.corpora import records, write_formats, write_jsonl
@@ -28,10 +28,15 @@ def train(corpus, out, *extra):
 def test_bpe_writes_tokenizer_json_and_gpt2_files(corpus, tmp_path):
     summary = train(corpus, tmp_path, "--type", "bpe")
     assert summary["vocab_size"] == 400 and summary["documents"] == 300
-    assert [p.rsplit("/", 1)[1] for p in summary["files"]] == ["tokenizer.json", "vocab.json", "merges.txt"]
+    assert [p.rsplit("/", 1)[1] for p in summary["files"]] == [
+        "tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+    ]
     hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
-    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=tmp_path / "vocab.json",
-                           merge_file=tmp_path / "merges.txt")
+    gpt2 = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=tmp_path / "vocab.json", merge_file=tmp_path / "merges.txt"
+    )
     assert hf.eod == gpt2.eod == summary["eod"]
     assert hf.detokenize([hf.eod]) == "<|endoftext|>"
     assert hf.tokenize(TEXT) == gpt2.tokenize(TEXT) and hf.detokenize(hf.tokenize(TEXT)) == TEXT
@@ -39,7 +44,9 @@ def test_bpe_writes_tokenizer_json_and_gpt2_files(corpus, tmp_path):
 
 def test_sentencepiece_writes_a_model_with_eos(corpus, tmp_path):
     summary = train(corpus, tmp_path, "--type", "sentencepiece")
-    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tmp_path / "tokenizer.model")
+    tokenizer = build_tokenizer(
+        "SentencePieceTokenizer", tokenizer_model=tmp_path / "tokenizer.model"
+    )
     assert summary["vocab_size"] == tokenizer.vocab_size == 400
     assert tokenizer.eod == summary["eod"] == 2
     assert tokenizer.detokenize(tokenizer.tokenize(TEXT)) == TEXT  # code's spaces kept
@@ -87,12 +94,16 @@ def test_existing_tokenizer_files_are_refused(corpus, tmp_path, capsys):
         train(corpus, tmp_path, "--type", "bpe", "--max-documents", "10")
     err = capsys.readouterr().err
     assert exit.value.code == 2
-    assert all(str(tmp_path / name) in err for name in ("tokenizer.json", "vocab.json", "merges.txt"))
+    assert all(
+        str(tmp_path / name) in err for name in ("tokenizer.json", "vocab.json", "merges.txt")
+    )
     assert "pass --overwrite to replace the tokenizer, or choose another --output" in err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
-@pytest.mark.filterwarnings("ignore:this corpus yields only")  # 30 documents give a little less than 400
+@pytest.mark.filterwarnings(
+    "ignore:this corpus yields only"
+)  # 30 documents give a little less than 400
 def test_overwrite_replaces_the_tokenizer(corpus, tmp_path):
     train(corpus, tmp_path / "tok", "--type", "bpe")
     train(corpus, tmp_path / "tok", "--type", "bpe", "--max-documents", "30", "--overwrite")
@@ -100,7 +111,9 @@ def test_overwrite_replaces_the_tokenizer(corpus, tmp_path):
     for path in fresh:
         name = path.rsplit("/", 1)[1]
         assert (tmp_path / "tok" / name).read_bytes() == open(path, "rb").read(), name
-    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(tool.FILES["bpe"])  # no leftovers
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
+        tool.FILES["bpe"]
+    )  # no leftovers
 
 
 def test_an_interrupted_run_leaves_no_tokenizer(corpus, tmp_path, monkeypatch):
@@ -120,18 +133,28 @@ def test_as_a_command_messages_are_lines(tmp_path):
     """A small corpus's notice and a bad input's error read as one-line messages, no traceback."""
     command = [sys.executable, str(TOOLS / "train_tokenizer.py"), "--vocab-size", "400"]
     small = write_jsonl(tmp_path / "small.jsonl", [{"text": "tiny corpus"}])
-    done = subprocess.run([*command, "--input", str(small), "--output", str(tmp_path / "tok")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [*command, "--input", str(small), "--output", str(tmp_path / "tok")],
+        capture_output=True,
+        text=True,
+    )
     size = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path / "tok").vocab_size
     assert done.returncode == 0 and size < 400
-    assert re.search(rf"^train_tokenizer: warning: this corpus yields only {size} tokens, fewer than "
-                     rf"--vocab-size 400, so the tokenizer has {size}\. .*train on more text$",
-                     done.stderr, re.MULTILINE), done.stderr
+    assert re.search(
+        rf"^train_tokenizer: warning: this corpus yields only {size} tokens, fewer than "
+        rf"--vocab-size 400, so the tokenizer has {size}\. .*train on more text$",
+        done.stderr,
+        re.MULTILINE,
+    ), done.stderr
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text('{"text": "fine"}\n{"text": \n')
-    done = subprocess.run([*command, "--input", str(malformed), "--output", str(tmp_path / "bad")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [*command, "--input", str(malformed), "--output", str(tmp_path / "bad")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert re.search(r"^train_tokenizer: error: .*malformed\.jsonl:2: malformed JSON", done.stderr,
-                     re.MULTILINE), done.stderr
+    assert re.search(
+        r"^train_tokenizer: error: .*malformed\.jsonl:2: malformed JSON", done.stderr, re.MULTILINE
+    ), done.stderr
     assert list((tmp_path / "bad").iterdir()) == []

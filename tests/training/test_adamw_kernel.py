@@ -1,17 +1,18 @@
 """The fused AdamW pass (megafp8/training/adamw_kernel.py) of MixedPrecisionAdamW: in Triton's
 interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit against torch's fused
 AdamW followed by the copy into the parameters."""
+
 import importlib.util
 import math
 
 import pytest
 import torch
+from megafp8.parallel.data_parallel import GradientBuffer
 
 from megafp8.fp8.autocast import fp8_autocast
 from megafp8.fp8.linear import Fp8Linear
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
-from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
 from ..interpreter import run_interpreted_checks
@@ -19,22 +20,38 @@ from ..multiprocess import run_on_ranks
 
 # Odd sizes, tensors of one, two and three kernel chunks (16384 elements each); 1-D ones and
 # biases take no weight decay.
-SHAPES = {"a.weight": (37, 19), "a.bias": (19,), "b.weight": (131, 257), "c.weight": (3, 5, 7),
-          "norm.weight": (16385,), "d.weight": (128, 128)}
+SHAPES = {
+    "a.weight": (37, 19),
+    "a.bias": (19,),
+    "b.weight": (131, 257),
+    "c.weight": (3, 5, 7),
+    "norm.weight": (16385,),
+    "d.weight": (128, 128),
+}
 STEPS = 4
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
 def make_params(shapes, dtype, device):
     g = torch.Generator().manual_seed(0)
-    return [(name, torch.nn.Parameter(torch.randn(shape, generator=g).to(device, dtype)))
-            for name, shape in shapes.items()]
+    return [
+        (name, torch.nn.Parameter(torch.randn(shape, generator=g).to(device, dtype)))
+        for name, shape in shapes.items()
+    ]
 
 
 def make_optimizer(params, fused, group=None, distributed=False):
     buffer = GradientBuffer([p for _, p in params], group, bucket_size=20_000, shard=distributed)
-    optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                    dp_group=group, distributed=distributed, fused=fused)
+    optimizer = MixedPrecisionAdamW(
+        params,
+        buffer,
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        dp_group=group,
+        distributed=distributed,
+        fused=fused,
+    )
     return buffer, optimizer
 
 
@@ -46,7 +63,11 @@ def train(params, buffer, optimizer, steps, rank=0):
         g = torch.Generator().manual_seed(1000 * step + rank)
         buffer.zero()
         for _, p in params:
-            grad = torch.randn(p.shape, generator=g) * torch.rand(p.shape, generator=g) * (3.0 if step % 2 else 0.01)
+            grad = (
+                torch.randn(p.shape, generator=g)
+                * torch.rand(p.shape, generator=g)
+                * (3.0 if step % 2 else 0.01)
+            )
             p.main_grad.add_(grad.to(p.main_grad.device))
         buffer.finish()
         applied, norm = optimizer.step()
@@ -56,7 +77,10 @@ def train(params, buffer, optimizer, steps, rank=0):
 
 
 def snapshot(params, optimizer):
-    states = {name: {k: v.clone() for k, v in entry.items()} for name, entry in optimizer.state_for_checkpoint().items()}
+    states = {
+        name: {k: v.clone() for k, v in entry.items()}
+        for name, entry in optimizer.state_for_checkpoint().items()
+    }
     return {name: p.detach().clone() for name, p in params}, states
 
 
@@ -80,12 +104,15 @@ def rel_err(out, ref):
 # 0.05), so the two meet to ~5e-7 relative error after four steps. The weights the kernel writes
 # must be exactly the masters' rounding, and a resumed run exactly the straight one.
 
+
 def check_against_torch(dtype):
     straight = make_params(SHAPES, dtype, "cpu")
     fused_params = make_params(SHAPES, dtype, "cpu")
     buffer, optimizer = make_optimizer(straight, fused=False)
     fused_buffer, fused = make_optimizer(fused_params, fused=True)
-    assert train(straight, buffer, optimizer, range(STEPS)) == train(fused_params, fused_buffer, fused, range(STEPS))
+    assert train(straight, buffer, optimizer, range(STEPS)) == train(
+        fused_params, fused_buffer, fused, range(STEPS)
+    )
     params, states = snapshot(straight, optimizer)
     fused_out, fused_states = snapshot(fused_params, fused)
     for name, entry in states.items():
@@ -112,7 +139,9 @@ def check_resume_is_exact():
 
 def distributed_body(rank, world_size, fused):
     params = make_params(SHAPES, torch.bfloat16, "cpu")
-    buffer, optimizer = make_optimizer(params, fused, torch.distributed.group.WORLD, distributed=True)
+    buffer, optimizer = make_optimizer(
+        params, fused, torch.distributed.group.WORLD, distributed=True
+    )
     train(params, buffer, optimizer, range(STEPS), rank)
     return snapshot(params, optimizer)
 
@@ -164,18 +193,31 @@ def check_the_pass_casts_fp8_weights(device, dtype):
     for pass_casts in (False, True):
         torch.manual_seed(0)
         # [144, 80] and [48, 144]: partial kernel tiles (64 x 128) both ways.
-        layers = torch.nn.ModuleList([Fp8Linear(80, 144, device=device, dtype=dtype),
-                                      Fp8Linear(144, 48, device=device, dtype=dtype)])
+        layers = torch.nn.ModuleList(
+            [
+                Fp8Linear(80, 144, device=device, dtype=dtype),
+                Fp8Linear(144, 48, device=device, dtype=dtype),
+            ]
+        )
         for layer in layers:  # the fused pass sets this for its own; both runs alike
             layer.keep_weight_cast_addresses = True
         params = list(layers.named_parameters())
         buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
-        optimizer = MixedPrecisionAdamW(params, buffer, lr=1e-2, weight_decay=0.1, clip_grad=1.0, fused=True,
-                                        fp8_linears=list(layers) if pass_casts else ())
+        optimizer = MixedPrecisionAdamW(
+            params,
+            buffer,
+            lr=1e-2,
+            weight_decay=0.1,
+            clip_grad=1.0,
+            fused=True,
+            fp8_linears=list(layers) if pass_casts else (),
+        )
         x = torch.randn(32, 80, device=device, dtype=dtype)
         outputs = []
         for step in range(4):
-            with fp8_autocast(recipe=DelayedScaling(amax_history_len=4), collect_saturation=step == 2):
+            with fp8_autocast(
+                recipe=DelayedScaling(amax_history_len=4), collect_saturation=step == 2
+            ):
                 y = layers[1](layers[0](x))
             buffer.zero()
             y.float().square().sum().backward()
@@ -186,19 +228,37 @@ def check_the_pass_casts_fp8_weights(device, dtype):
                 assert layer._weight_cast_by_optimizer == pass_casts
                 if pass_casts:
                     q = layer._weight_fp8[1]
-                    ref = quantize_torch(layer.weight.detach(), q.data.dtype, layer.fp8_scaling["weight"].scale, 0,
-                                         True, True)
-                    for got, want in ((q.data, ref.data), (q.data_t, ref.data_t), (q.scale_inv, ref.scale_inv),
-                                      (layer.fp8_scaling["weight"].amax, ref.amax)):
-                        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
-                                           want.view(torch.uint8) if want.element_size() == 1 else want), step
-        state = {k: v.clone() for k, v in layers.state_dict().items() if isinstance(v, torch.Tensor)}
+                    ref = quantize_torch(
+                        layer.weight.detach(),
+                        q.data.dtype,
+                        layer.fp8_scaling["weight"].scale,
+                        0,
+                        True,
+                        True,
+                    )
+                    for got, want in (
+                        (q.data, ref.data),
+                        (q.data_t, ref.data_t),
+                        (q.scale_inv, ref.scale_inv),
+                        (layer.fp8_scaling["weight"].amax, ref.amax),
+                    ):
+                        assert torch.equal(
+                            got.view(torch.uint8) if got.element_size() == 1 else got,
+                            want.view(torch.uint8) if want.element_size() == 1 else want,
+                        ), step
+        state = {
+            k: v.clone() for k, v in layers.state_dict().items() if isinstance(v, torch.Tensor)
+        }
         saturation = [s.cast_counts.clone() for layer in layers for s in layer.fp8_scaling.values()]
         runs.append((outputs, state, saturation))
     (outputs, state, saturation), (ref_outputs, ref_state, ref_saturation) = runs
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
-    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
-    assert all(torch.equal(a, b) for a, b in zip(saturation, ref_saturation)) and saturation[1][1] > 0
+    assert state.keys() == ref_state.keys() and all(
+        torch.equal(state[k], ref_state[k]) for k in state
+    )
+    assert (
+        all(torch.equal(a, b) for a, b in zip(saturation, ref_saturation)) and saturation[1][1] > 0
+    )
 
 
 def check_a_non_finite_step_is_skipped():
@@ -218,7 +278,9 @@ def check_a_non_finite_step_is_skipped():
             buffer.finish()
             applied, norm = optimizer.step()
             assert not applied and math.isnan(norm) and optimizer.step_count() == 1
-            assert all(optimizer.optimizer.state[m]["step"].item() == 1 for *_, m in optimizer.shards)
+            assert all(
+                optimizer.optimizer.state[m]["step"].item() == 1 for *_, m in optimizer.shards
+            )
             assert_same_snapshot(before, snapshot(params, optimizer))
         train(params, buffer, optimizer, range(1, STEPS))
         runs.append(snapshot(params, optimizer))
@@ -282,7 +344,9 @@ def distributed_cuda_body(rank, world_size):
     runs = []
     for fused in (True, False):
         params = make_params(GPU_SHAPES, torch.bfloat16, "cuda")
-        buffer, optimizer = make_optimizer(params, fused, torch.distributed.group.WORLD, distributed=True)
+        buffer, optimizer = make_optimizer(
+            params, fused, torch.distributed.group.WORLD, distributed=True
+        )
         train(params, buffer, optimizer, range(STEPS), rank)
         runs.append(snapshot(params, optimizer))
     assert_same_run(*runs)
@@ -296,16 +360,20 @@ def test_fused_pass_with_the_distributed_optimizer_on_cuda():
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 tensor cores",
+)
 def test_fp8_weight_casts_follow_the_fused_step_on_cuda():
     check_fp8_weight_casts_follow_the_step("cuda")
 
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 tensor cores",
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_fused_pass_casts_fp8_weights_on_cuda(dtype):
     check_the_pass_casts_fp8_weights("cuda", dtype)

@@ -1,15 +1,16 @@
 """Checkpoints: exact resume, loading under another tp / dp layout, shape errors, and a save
 killed half way leaving the previous checkpoint loadable."""
+
 import json
 
 import pytest
 import torch
-
-from megafp8.fp8 import DelayedScaling, fp8_autocast
 from megafp8.models import preset
 from megafp8.models.transformer import TransformerLM
 from megafp8.parallel import ParallelGroups
 from megafp8.parallel.data_parallel import GradientBuffer
+
+from megafp8.fp8 import DelayedScaling, fp8_autocast
 from megafp8.training import checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
 
@@ -30,35 +31,53 @@ class Run:
         self.groups = ParallelGroups(tp)
         self.config = preset(name, **overrides)
         self.model = TransformerLM(self.config, tp_group=self.groups.tp_group, seed=0)
-        self.buffer = GradientBuffer(self.model.parameters(), self.groups.dp_group, bucket_size=5_000,
-                                     shard=distributed)
+        self.buffer = GradientBuffer(
+            self.model.parameters(), self.groups.dp_group, bucket_size=5_000, shard=distributed
+        )
         self.optimizer = MixedPrecisionAdamW(
-            self.model.named_parameters(), self.buffer, lr=1e-2, weight_decay=0.1,
-            model_parallel_group=self.groups.model_parallel_group, tp_group=self.groups.tp_group,
-            dp_group=self.groups.dp_group, distributed=distributed)
+            self.model.named_parameters(),
+            self.buffer,
+            lr=1e-2,
+            weight_decay=0.1,
+            model_parallel_group=self.groups.model_parallel_group,
+            tp_group=self.groups.tp_group,
+            dp_group=self.groups.dp_group,
+            distributed=distributed,
+        )
 
     def loss(self, tokens):
-        with fp8_autocast(recipe=DelayedScaling(amax_history_len=4),
-                          amax_reduction_group=self.groups.amax_reduction_group):
+        with fp8_autocast(
+            recipe=DelayedScaling(amax_history_len=4),
+            amax_reduction_group=self.groups.amax_reduction_group,
+        ):
             return self.model(tokens[:, :-1], tokens[:, 1:]).float().mean()
 
     def step(self, step):
         self.buffer.zero()
         tokens = batch(step, self.config.vocab_size)
         rank, size = self.groups.dp_rank, self.groups.dp_size
-        loss = self.loss(tokens[rank * 2 // size:(rank + 1) * 2 // size])
+        loss = self.loss(tokens[rank * 2 // size : (rank + 1) * 2 // size])
         loss.backward()
         self.buffer.finish()
         self.optimizer.step()
         return loss.item()
 
     def save(self, folder, iteration):
-        return checkpointing.save_checkpoint(folder, iteration, self.model, self.optimizer, groups=self.groups,
-                                             train_state={"iteration": iteration}, args={"model": "gpt-tiny"},
-                                             model_config=self.config)
+        return checkpointing.save_checkpoint(
+            folder,
+            iteration,
+            self.model,
+            self.optimizer,
+            groups=self.groups,
+            train_state={"iteration": iteration},
+            args={"model": "gpt-tiny"},
+            model_config=self.config,
+        )
 
     def load(self, folder, **kwargs):
-        return checkpointing.load_checkpoint(folder, self.model, self.optimizer, groups=self.groups, **kwargs)
+        return checkpointing.load_checkpoint(
+            folder, self.model, self.optimizer, groups=self.groups, **kwargs
+        )
 
 
 def resume_body(rank, world_size, folder):
@@ -78,7 +97,9 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert resumed == losses[2:]  # exact, FP8 scaling state and Adam moments included
     assert state == {"iteration": 2}
     assert (tmp_path / checkpointing.LATEST).read_text() == "2"
-    assert json.loads((tmp_path / "iter_0000002" / "megafp8.json").read_text())["args"] == {"model": "gpt-tiny"}
+    assert json.loads((tmp_path / "iter_0000002" / "megafp8.json").read_text())["args"] == {
+        "model": "gpt-tiny"
+    }
 
 
 def save_tp2_body(rank, world_size, folder, name, distributed):
@@ -128,11 +149,14 @@ def mismatch_body(rank, world_size, folder, name, overrides):
     Run(name=name, **overrides).load(folder)
 
 
-@pytest.mark.parametrize("name,overrides,match", [
-    ("gpt-tiny", {"ffn_hidden_size": 128}, "shapes differ"),
-    ("gpt-tiny", {"num_layers": 3}, "has no 'model/layers.2.*saved from another model"),
-    ("llama-tiny", {}, "shapes differ"),
-])
+@pytest.mark.parametrize(
+    "name,overrides,match",
+    [
+        ("gpt-tiny", {"ffn_hidden_size": 128}, "shapes differ"),
+        ("gpt-tiny", {"num_layers": 3}, "has no 'model/layers.2.*saved from another model"),
+        ("llama-tiny", {}, "shapes differ"),
+    ],
+)
 def test_a_different_model_is_a_clear_error(tmp_path, name, overrides, match):
     with pytest.raises(AssertionError, match=match):
         run_on_ranks(mismatch_body, 1, str(tmp_path), name, overrides)
@@ -174,8 +198,12 @@ def save_killed(run, folder, iteration, owner, name, killer):
 def killed_save_body(rank, world_size, folder):
     def dies_half_way(real_save):
         def save(state, checkpoint_id):
-            real_save({k: v for i, (k, v) in enumerate(state.items()) if i % 2}, checkpoint_id=checkpoint_id)
+            real_save(
+                {k: v for i, (k, v) in enumerate(state.items()) if i % 2},
+                checkpoint_id=checkpoint_id,
+            )
             raise KeyboardInterrupt("killed during the save")
+
         return save
 
     run, before = saved_then_stepped(folder)
@@ -204,6 +232,7 @@ def replaced_save_killed_body(rank, world_size, folder):
             if str(src).endswith("iter_0000001.tmp"):
                 raise KeyboardInterrupt("killed during the save")
             real_replace(src, dst)
+
         return replace
 
     run, before = saved_then_stepped(folder)
@@ -218,12 +247,15 @@ def test_replacing_a_checkpoint_never_leaves_none(tmp_path):
     before, restored, after, reloaded = run_on_ranks(replaced_save_killed_body, 1, str(tmp_path))[0]
     assert restored == before  # the loader fell back to the set-aside copy
     assert reloaded == after != before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000001"
+    ]
 
 
 def durable_save_body(rank, world_size, folder):
     """The order of fsyncs (by path) and renames of one save."""
     import os
+
     events, real_fsync, real_replace = [], os.fsync, os.replace
 
     def fsync(fd):
@@ -242,26 +274,34 @@ def durable_save_body(rank, world_size, folder):
     return events
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/fd"), reason="maps descriptors to paths via /proc")
+@pytest.mark.skipif(
+    not __import__("os").path.exists("/proc/self/fd"), reason="maps descriptors to paths via /proc"
+)
 def test_the_latest_pointer_and_run_record_are_on_disk_before_they_count(tmp_path):
     events = run_on_ranks(durable_save_body, 1, str(tmp_path))[0]
     for name in ("iter_0000001.tmp/megafp8.json.tmp", "latest_checkpointed_iteration.txt.tmp"):
         path = str(tmp_path / name)
         renamed = events.index(("replace", path))
         assert ("fsync", path) in events[:renamed], (name, events)
-        assert ("fsync", str((tmp_path / name).parent)) in events[renamed:], (name, events)  # the rename too
+        assert ("fsync", str((tmp_path / name).parent)) in events[renamed:], (
+            name,
+            events,
+        )  # the rename too
 
 
 def failing_save_body(rank, world_size, folder, where):
     import errno
     import time
+
     run, before = saved_then_stepped(folder)
     disk_full = OSError(errno.ENOSPC, "No space left on device")
     if where == "writing rank, finishing" and rank == 0:
         checkpointing._write_durably = lambda *args: (_ for _ in ()).throw(disk_full)
     if where == "other rank, writing its shard" and rank == 1:
+
         def fsync(fd):
             raise disk_full
+
         checkpointing.os.fsync = fsync
     start = time.monotonic()
     try:
@@ -295,11 +335,20 @@ class _RunsCode:
 
 def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     import pickle
+
     marker = tmp_path / "ran"
-    folder = checkpointing.write_checkpoint(tmp_path / "run", 1, {"model/w": torch.ones(3), "extra": _RunsCode(str(marker))},
-                                            train_state={}, args={}, model_config=preset("gpt-tiny"))
+    folder = checkpointing.write_checkpoint(
+        tmp_path / "run",
+        1,
+        {"model/w": torch.ones(3), "extra": _RunsCode(str(marker))},
+        train_state={},
+        args={},
+        model_config=preset("gpt-tiny"),
+    )
     assert not marker.exists()
-    with pytest.raises(checkpointing.CheckpointError, match="pickled object, not plain data: refused"):
+    with pytest.raises(
+        checkpointing.CheckpointError, match="pickled object, not plain data: refused"
+    ):
         checkpointing.read_state({"extra": ""}, folder)  # a pickled object among the items
     good = {"model/w": torch.zeros(3), "train": ""}
     checkpointing.read_state(good, folder)  # tensors and strings load
@@ -308,27 +357,49 @@ def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
     tampered = pickle.loads(metadata.read_bytes())
     tampered.storage_meta = _RunsCode(str(marker))
     metadata.write_bytes(pickle.dumps(tampered))
-    for load in (lambda: checkpointing.read_metadata(folder),
-                 lambda: checkpointing.load_checkpoint(folder, TransformerLM(preset("gpt-tiny")), None, groups=None)):
-        with pytest.raises(checkpointing.CheckpointError, match=r"asks to load _?io.open, .*refused"):
+    for load in (
+        lambda: checkpointing.read_metadata(folder),
+        lambda: checkpointing.load_checkpoint(
+            folder, TransformerLM(preset("gpt-tiny")), None, groups=None
+        ),
+    ):
+        with pytest.raises(
+            checkpointing.CheckpointError, match=r"asks to load _?io.open, .*refused"
+        ):
             load()
     assert not marker.exists()
 
 
 def test_fp8_state_missing_from_a_checkpoint_is_reported(tmp_path):
     model = TransformerLM(preset("gpt-tiny"), seed=0)
-    complete = checkpointing.save_checkpoint(tmp_path / "full", 1, model, None, groups=None, train_state={}, args={},
-                                             model_config=model.config)
+    complete = checkpointing.save_checkpoint(
+        tmp_path / "full",
+        1,
+        model,
+        None,
+        groups=None,
+        train_state={},
+        args={},
+        model_config=model.config,
+    )
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to report
-        checkpointing.load_checkpoint(complete, TransformerLM(preset("gpt-tiny")), None, groups=None)
+        checkpointing.load_checkpoint(
+            complete, TransformerLM(preset("gpt-tiny")), None, groups=None
+        )
     # As checkpoints store them: the vocabulary without its padding rows.
-    weights_only = {f"model/{name}": p.detach()[:getattr(p, "unpadded_rows", None)]
-                    for name, p in model.named_parameters()}
-    partial = checkpointing.write_checkpoint(tmp_path / "weights", 1, weights_only, train_state={}, args={},
-                                             model_config=model.config)
-    with pytest.warns(UserWarning, match=r"no FP8 scaling state for \d+ entries \(e\.g\. layers\.0\."):
+    weights_only = {
+        f"model/{name}": p.detach()[: getattr(p, "unpadded_rows", None)]
+        for name, p in model.named_parameters()
+    }
+    partial = checkpointing.write_checkpoint(
+        tmp_path / "weights", 1, weights_only, train_state={}, args={}, model_config=model.config
+    )
+    with pytest.warns(
+        UserWarning, match=r"no FP8 scaling state for \d+ entries \(e\.g\. layers\.0\."
+    ):
         checkpointing.load_checkpoint(partial, TransformerLM(preset("gpt-tiny")), None, groups=None)
 
 
@@ -337,9 +408,12 @@ def test_fp8_state_missing_from_a_checkpoint_is_reported(tmp_path):
 
 def test_the_model_config_is_recorded_and_read_back(tmp_path):
     from megafp8.models.config import RopeScaling
+
     config = preset("llama-tiny", rope_scaling=RopeScaling(original_max_position_embeddings=64))
     weights = {"model/w": torch.ones(3)}
-    path = checkpointing.write_checkpoint(tmp_path / "run", 4, weights, train_state={}, args={}, model_config=config)
+    path = checkpointing.write_checkpoint(
+        tmp_path / "run", 4, weights, train_state={}, args={}, model_config=config
+    )
     assert json.loads((path / "megafp8.json").read_text())["model"] == config.to_dict()
     assert checkpointing.saved_model_config(path) == config
     assert checkpointing.latest_model_config(tmp_path / "run") == (path, config)  # a --save folder
@@ -351,8 +425,14 @@ def test_the_model_config_is_recorded_and_read_back(tmp_path):
 
 
 def test_a_checkpoint_from_before_the_model_was_recorded_gives_none(tmp_path):
-    path = checkpointing.write_checkpoint(tmp_path, 1, {"model/w": torch.ones(3)}, train_state={}, args={},
-                                          model_config=preset("gpt-tiny"))
+    path = checkpointing.write_checkpoint(
+        tmp_path,
+        1,
+        {"model/w": torch.ones(3)},
+        train_state={},
+        args={},
+        model_config=preset("gpt-tiny"),
+    )
     info = json.loads((path / "megafp8.json").read_text())
     del info["model"]
     (path / "megafp8.json").write_text(json.dumps(info))
@@ -360,22 +440,36 @@ def test_a_checkpoint_from_before_the_model_was_recorded_gives_none(tmp_path):
     assert checkpointing.latest_model_config(tmp_path) is None
 
 
-@pytest.mark.parametrize("model,match", [
-    ({"num_layers": 2}, "lacks hidden_size"),
-    ({**preset("gpt-tiny").to_dict(), "num_experts": 8}, "unknown field num_experts"),
-    ({**preset("gpt-tiny").to_dict(), "hidden_size": 65}, "hidden_size=65 must be divisible"),
-    ("gpt-tiny", "mapping"),
-])
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        ({"num_layers": 2}, "lacks hidden_size"),
+        ({**preset("gpt-tiny").to_dict(), "num_experts": 8}, "unknown field num_experts"),
+        ({**preset("gpt-tiny").to_dict(), "hidden_size": 65}, "hidden_size=65 must be divisible"),
+        ("gpt-tiny", "mapping"),
+    ],
+)
 def test_an_invalid_recorded_model_names_the_file_and_the_problem(tmp_path, model, match):
-    path = checkpointing.write_checkpoint(tmp_path, 1, {"model/w": torch.ones(3)}, train_state={}, args={},
-                                          model_config=preset("gpt-tiny"))
+    path = checkpointing.write_checkpoint(
+        tmp_path,
+        1,
+        {"model/w": torch.ones(3)},
+        train_state={},
+        args={},
+        model_config=preset("gpt-tiny"),
+    )
     info = json.loads((path / "megafp8.json").read_text())
     (path / "megafp8.json").write_text(json.dumps({**info, "model": model}))
-    with pytest.raises(checkpointing.CheckpointError, match=rf"{path}/megafp8.json: its \"model\" is not a valid "
-                                                            rf"model config: .*{match}"):
+    with pytest.raises(
+        checkpointing.CheckpointError,
+        match=rf"{path}/megafp8.json: its \"model\" is not a valid "
+        rf"model config: .*{match}",
+    ):
         checkpointing.latest_model_config(tmp_path)
     (path / "megafp8.json").write_text("{not json")
-    with pytest.raises(checkpointing.CheckpointError, match=rf"{path}/megafp8.json is not valid JSON"):
+    with pytest.raises(
+        checkpointing.CheckpointError, match=rf"{path}/megafp8.json is not valid JSON"
+    ):
         checkpointing.saved_model_config(path)
 
 
@@ -385,16 +479,25 @@ def test_an_invalid_recorded_model_names_the_file_and_the_problem(tmp_path, mode
 def small_checkpoint(folder, iteration=1, *, size=1000):
     """A one-process checkpoint of fresh random tensors; (its folder, its one shard)."""
     state = {"model/w": torch.randn(size), "model/v": torch.randn(size // 2)}
-    path = checkpointing.write_checkpoint(folder, iteration, state, train_state={}, args={},
-                                          model_config=preset("gpt-tiny"))
+    path = checkpointing.write_checkpoint(
+        folder, iteration, state, train_state={}, args={}, model_config=preset("gpt-tiny")
+    )
     return path, next(path.glob("__0_*.distcp"))
 
 
-@pytest.mark.parametrize("damage,match", [
-    (lambda data: data[:100] + bytes(b ^ 0xFF for b in data[100:164]) + data[164:],
-     r"__0_0\.distcp is damaged: bytes 0 to [\d,]+ do not match"),
-    (lambda data: data[:len(data) // 2], r"__0_0\.distcp is [\d,]+ bytes where the save wrote [\d,]+: it was truncated"),
-])
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (
+            lambda data: data[:100] + bytes(b ^ 0xFF for b in data[100:164]) + data[164:],
+            r"__0_0\.distcp is damaged: bytes 0 to [\d,]+ do not match",
+        ),
+        (
+            lambda data: data[: len(data) // 2],
+            r"__0_0\.distcp is [\d,]+ bytes where the save wrote [\d,]+: it was truncated",
+        ),
+    ],
+)
 def test_a_damaged_shard_is_named_before_anything_loads(tmp_path, damage, match):
     path, shard = small_checkpoint(tmp_path)
     checkpointing.read_state({"model/w": torch.empty(1000)}, path)  # intact: loads
@@ -406,7 +509,10 @@ def test_a_damaged_shard_is_named_before_anything_loads(tmp_path, damage, match)
 def test_each_rank_records_the_checksums_of_the_files_it_wrote(tmp_path):
     run_on_ranks(two_rank_save_body, 2, str(tmp_path))
     checkpoint = tmp_path / "iter_0000001"
-    records = {path.name: json.loads(path.read_text()) for path in (checkpoint / checkpointing.CHECKSUMS).iterdir()}
+    records = {
+        path.name: json.loads(path.read_text())
+        for path in (checkpoint / checkpointing.CHECKSUMS).iterdir()
+    }
     assert sorted(records) == ["rank_00000.json", "rank_00001.json"]
     assert sorted(records["rank_00000.json"]["files"]) == [".metadata", "__0_0.distcp"]
     assert sorted(records["rank_00001.json"]["files"]) == ["__1_0.distcp"]
@@ -423,20 +529,26 @@ def two_rank_save_body(rank, world_size, folder):
 
 def test_metadata_that_points_outside_its_folder_is_refused(tmp_path):
     import pickle
+
     path, _ = small_checkpoint(tmp_path)
     metadata = pickle.loads((path / ".metadata").read_bytes())
     for info in metadata.storage_data.values():
         info.relative_path = "../../secret.bin"
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(checkpointing.CheckpointError, match=r"points at '\.\./\.\./secret\.bin', outside"):
+    with pytest.raises(
+        checkpointing.CheckpointError, match=r"points at '\.\./\.\./secret\.bin', outside"
+    ):
         checkpointing.read_metadata(path)
 
 
 def test_a_pointer_that_is_not_text_names_its_file(tmp_path):
     small_checkpoint(tmp_path)
     (tmp_path / checkpointing.LATEST).write_bytes(b"\xff\xfe7")
-    with pytest.raises(checkpointing.CheckpointError, match=rf"{tmp_path}/{checkpointing.LATEST} should hold an "
-                                                            "iteration number, not binary data"):
+    with pytest.raises(
+        checkpointing.CheckpointError,
+        match=rf"{tmp_path}/{checkpointing.LATEST} should hold an "
+        "iteration number, not binary data",
+    ):
         checkpointing.latest_checkpoint(tmp_path)
 
 
@@ -444,8 +556,11 @@ def test_a_lost_pointer_resumes_from_the_checkpoint_saved_last(tmp_path):
     for iteration in (9, 4):  # saved in this order: a run rolled back to an earlier checkpoint
         small_checkpoint(tmp_path, iteration)
     (tmp_path / checkpointing.LATEST).unlink()
-    with pytest.warns(UserWarning, match=r"has no latest_checkpointed_iteration.txt but holds complete checkpoints "
-                                         r"\(iterations 4, 9\): resuming from iteration 4, the one saved last"):
+    with pytest.warns(
+        UserWarning,
+        match=r"has no latest_checkpointed_iteration.txt but holds complete checkpoints "
+        r"\(iterations 4, 9\): resuming from iteration 4, the one saved last",
+    ):
         assert checkpointing.latest_checkpoint(tmp_path) == checkpointing.iteration_dir(tmp_path, 4)
 
 
@@ -454,12 +569,18 @@ def saved(folder, iteration, when, streak=0):
     path = checkpointing.iteration_dir(folder, iteration)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    (path / "megafp8.json").write_text(json.dumps({"saved_at": when, "train": {"skipped_in_a_row": streak}}))
+    (path / "megafp8.json").write_text(
+        json.dumps({"saved_at": when, "train": {"skipped_in_a_row": streak}})
+    )
     (folder / checkpointing.LATEST).write_text(str(iteration))
 
 
 def test_rotation_keeps_what_was_saved_last_not_the_highest_iterations(tmp_path):
-    for iteration, when in ((5, 1.0), (10, 2.0), (7, 3.0)):  # resumed from 5 after reaching 10, saved 7
+    for iteration, when in (
+        (5, 1.0),
+        (10, 2.0),
+        (7, 3.0),
+    ):  # resumed from 5 after reaching 10, saved 7
         saved(tmp_path, iteration, when)
     assert checkpointing.keep_last_checkpoints(tmp_path, 1, just_saved=7) == [5, 10]
     assert checkpointing.saved_iterations(tmp_path) == [7]
@@ -491,14 +612,18 @@ def hold_lock(folder, ready, release):
 
 def test_a_save_folder_has_one_writer_at_a_time(tmp_path):
     import multiprocessing
+
     context = multiprocessing.get_context("fork")  # quick: the child only takes a lock
     ready, release = context.Event(), context.Event()
     holder = context.Process(target=hold_lock, args=(str(tmp_path), ready, release))
     holder.start()
     try:
         assert ready.wait(60)
-        with pytest.raises(checkpointing.CheckpointError, match=rf"--save {tmp_path}: another run is writing to "
-                                                                rf"this folder \(host .*, pid {holder.pid}, started"):
+        with pytest.raises(
+            checkpointing.CheckpointError,
+            match=rf"--save {tmp_path}: another run is writing to "
+            rf"this folder \(host .*, pid {holder.pid}, started",
+        ):
             checkpointing.SaveFolderLock(tmp_path).acquire()
     finally:
         release.set()
@@ -512,6 +637,7 @@ def test_a_killed_writer_leaves_no_lock_behind(tmp_path):
     import multiprocessing
     import os
     import signal
+
     context = multiprocessing.get_context("fork")  # quick: the child only takes a lock
     ready, release = context.Event(), context.Event()
     holder = context.Process(target=hold_lock, args=(str(tmp_path), ready, release))
@@ -519,7 +645,9 @@ def test_a_killed_writer_leaves_no_lock_behind(tmp_path):
     assert ready.wait(60)
     os.kill(holder.pid, signal.SIGKILL)
     holder.join(60)
-    assert (tmp_path / checkpointing.LOCK).exists()  # the file stays, its lock went with the process
+    assert (
+        tmp_path / checkpointing.LOCK
+    ).exists()  # the file stays, its lock went with the process
     with checkpointing.SaveFolderLock(tmp_path):
         assert str(os.getpid()) in (tmp_path / checkpointing.LOCK).read_text()
 

@@ -3,6 +3,7 @@ for bit (losses and every parameter), with FP8 delayed and current scaling, grad
 accumulation, the per-step weight cast, recomputation and dropout, on one GPU and under tensor
 (with sequence), data and pipeline parallelism (1F1B, interleaved) on two. (Start-up refusals
 are in test_arguments.py.)"""
+
 import pytest
 import torch
 
@@ -14,9 +15,30 @@ pytestmark = pytest.mark.gpu
 
 # Four micro-batches per step; a log step every other step, whose first micro-batch counts FP8
 # saturation (a second set of graphs).
-BASE = ["--model", "gpt-tiny", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "5", "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "2", "--seed", "7",
-        "--mock-data", "--eval-iters", "0", "--bf16"]
+BASE = [
+    "--model",
+    "gpt-tiny",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "5",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "2",
+    "--seed",
+    "7",
+    "--mock-data",
+    "--eval-iters",
+    "0",
+    "--bf16",
+]
 GRAPHED = ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]
 
 
@@ -26,15 +48,27 @@ def run(argv):
     return trainer, trainer.history, params
 
 
-@pytest.mark.parametrize("extra", [
-    ["--fp8-format", "hybrid"],
-    ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
-    ["--fp8-format", "hybrid", "--recompute-granularity", "selective"],
-    ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--recompute-granularity", "full"],
-    ["--fp8-format", "hybrid", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
-    ["--fp8-format", "e4m3", "--fp8-interval", "2", "--fp8-amax-compute-algo", "most_recent"],
-    [],  # bf16
-], ids=["delayed", "current", "delayed-selective", "current-full", "delayed-dropout", "e4m3-interval", "bf16"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--fp8-format", "hybrid"],
+        ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
+        ["--fp8-format", "hybrid", "--recompute-granularity", "selective"],
+        ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--recompute-granularity", "full"],
+        ["--fp8-format", "hybrid", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+        ["--fp8-format", "e4m3", "--fp8-interval", "2", "--fp8-amax-compute-algo", "most_recent"],
+        [],  # bf16
+    ],
+    ids=[
+        "delayed",
+        "current",
+        "delayed-selective",
+        "current-full",
+        "delayed-dropout",
+        "e4m3-interval",
+        "bf16",
+    ],
+)
 def test_graphed_training_equals_eager_bitwise(extra):
     _, eager, eager_params = run(BASE + extra)
     trainer, graphed, graphed_params = run(BASE + extra + GRAPHED)
@@ -49,36 +83,103 @@ def two_gpu_body(rank, world_size, extra):
     _, eager, eager_params = run(BASE + extra)
     trainer, graphed, graphed_params = run(BASE + extra + GRAPHED)
     graphs = trainer.captured_graphs  # what the run captured, recorded as it released them
-    assert len(graphs) == len(trainer.chunks) and all(g["graph sets"] for g in graphs), "the layers were not graphed"
-    if "--pipeline-model-parallel-size" in extra and rank == 0:  # the first stage: micro-batches in flight
+    assert len(graphs) == len(trainer.chunks) and all(g["graph sets"] for g in graphs), (
+        "the layers were not graphed"
+    )
+    if (
+        "--pipeline-model-parallel-size" in extra and rank == 0
+    ):  # the first stage: micro-batches in flight
         assert all(g["slots"] > 1 for g in graphs)
     return eager, graphed, eager_params, graphed_params
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("extra", [
-    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],  # bf16: async reduce-scatter
-    ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"],
-    ["--fp8-format", "hybrid", "--use-distributed-optimizer"],  # dp 2: the buckets launched after each replay
-    ["--fp8-format", "hybrid", "--use-distributed-optimizer", "--overlap-param-gather"],  # waited before each replay
-    ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"],
-    ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--pipeline-model-parallel-size", "2",
-     "--recompute-granularity", "selective"],
-    ["--pipeline-model-parallel-size", "2"],  # bf16
-    ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-     "--num-layers-per-virtual-pipeline-stage", "1"],
-], ids=["tp2-sp-delayed", "tp2-sp-current", "tp2-sp-overlap-delayed", "tp2-sp-overlap-bf16", "tp2-delayed", "dp2-delayed",
-        "dp2-overlap-param-gather-delayed", "pp2-delayed", "pp2-current-selective",
-        "pp2-bf16", "pp2-vpp2-delayed"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        [
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "current",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        [
+            "--fp8-format",
+            "hybrid",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--tp-comm-overlap",
+        ],
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--tp-comm-overlap",
+        ],  # bf16: async reduce-scatter
+        ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"],
+        [
+            "--fp8-format",
+            "hybrid",
+            "--use-distributed-optimizer",
+        ],  # dp 2: the buckets launched after each replay
+        [
+            "--fp8-format",
+            "hybrid",
+            "--use-distributed-optimizer",
+            "--overlap-param-gather",
+        ],  # waited before each replay
+        ["--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"],
+        [
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "current",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "selective",
+        ],
+        ["--pipeline-model-parallel-size", "2"],  # bf16
+        [
+            "--fp8-format",
+            "hybrid",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+    ],
+    ids=[
+        "tp2-sp-delayed",
+        "tp2-sp-current",
+        "tp2-sp-overlap-delayed",
+        "tp2-sp-overlap-bf16",
+        "tp2-delayed",
+        "dp2-delayed",
+        "dp2-overlap-param-gather-delayed",
+        "pp2-delayed",
+        "pp2-current-selective",
+        "pp2-bf16",
+        "pp2-vpp2-delayed",
+    ],
+)
 def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
     """The sequence-parallel gathers and reduce-scatters replay inside the graphs; the amax
     reduction over tp, the gradient buckets over dp and the pipeline's sends run eagerly around
     them. A pipeline stage keeps several micro-batches in flight, each in its own graphs' slot,
     and only the step's first backward overwrites the gradient buffer."""
-    for eager, graphed, eager_params, graphed_params in run_on_ranks(two_gpu_body, 2, extra, backend="nccl"):
-        assert repr(graphed) == repr(eager)  # a first pipeline stage logs NaN losses (the last has them)
+    for eager, graphed, eager_params, graphed_params in run_on_ranks(
+        two_gpu_body, 2, extra, backend="nccl"
+    ):
+        assert repr(graphed) == repr(
+            eager
+        )  # a first pipeline stage logs NaN losses (the last has them)
         for name, value in eager_params.items():
             assert torch.equal(graphed_params[name], value), name

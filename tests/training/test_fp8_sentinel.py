@@ -2,6 +2,7 @@
 the CPU: silent on a healthy run, a fallback within one interval of an injected FP8 fault and a
 return with re-seeded scales, bf16 for good when FP8 keeps failing, every rank of a tp2 x pp2
 run switching together, and a resumed run switching where the straight one does."""
+
 import json
 import math
 
@@ -15,9 +16,31 @@ from megafp8.training.trainer import Trainer, pretrain
 from ..multiprocess import run_on_ranks
 
 INTERVAL = 2
-BASE = ["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--lr", "1e-3", "--log-interval", "1", "--seed", "3", "--mock-data", "--fp8-format", "hybrid",
-        "--fp8-check-interval", str(INTERVAL), "--fp8-fallback-iters", "3", "--fp8-max-fallbacks", "2"]
+BASE = [
+    "--model",
+    "gpt-tiny",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--seed",
+    "3",
+    "--mock-data",
+    "--fp8-format",
+    "hybrid",
+    "--fp8-check-interval",
+    str(INTERVAL),
+    "--fp8-fallback-iters",
+    "3",
+    "--fp8-max-fallbacks",
+    "2",
+]
 
 
 def test_decisions():
@@ -31,7 +54,9 @@ def test_decisions():
     assert not sentinel.due(6)  # no check while in bf16
     assert not sentinel.returns_at(6) and sentinel.returns_at(7) and sentinel.fp8_on(7)
     state = sentinel.state_dict()
-    assert sentinel.judge(8, math.nan, 5.0)["fp8_check"] == "disabled"  # failed again right after returning
+    assert (
+        sentinel.judge(8, math.nan, 5.0)["fp8_check"] == "disabled"
+    )  # failed again right after returning
     assert not any(sentinel.fp8_on(i) for i in range(8, 100)) and not sentinel.due(10)
     resumed = Fp8Sentinel(2, 0.05, 3, 2)
     resumed.load_state_dict(state)
@@ -76,12 +101,17 @@ def run(argv, fault=None, monkeypatch=None):
 
 
 def checks_of(folder):
-    return [(r["iteration"], r["fp8_check"]) for r in map(json.loads, (folder / "metrics.jsonl").open())
-            if "fp8_check" in r]
+    return [
+        (r["iteration"], r["fp8_check"])
+        for r in map(json.loads, (folder / "metrics.jsonl").open())
+        if "fp8_check" in r
+    ]
 
 
 def test_a_healthy_run_is_never_switched(tmp_path, monkeypatch):
-    trainer, steps = run(BASE + ["--train-iters", "8", "--save", str(tmp_path / "run")], monkeypatch=monkeypatch)
+    trainer, steps = run(
+        BASE + ["--train-iters", "8", "--save", str(tmp_path / "run")], monkeypatch=monkeypatch
+    )
     assert all(fp8 for _, fp8 in steps)
     assert checks_of(tmp_path / "run") == [(2, "ok"), (4, "ok"), (6, "ok"), (8, "ok")]
 
@@ -96,18 +126,30 @@ def test_an_fp8_fault_falls_back_and_returns(tmp_path, monkeypatch):
         original(self)
 
     monkeypatch.setattr(Trainer, "return_to_fp8", noting_return)
-    trainer, steps = run(BASE + ["--train-iters", "12", "--save", str(tmp_path / "run")],
-                         fault=lambda t: t.iteration >= 3 and not seen["fallback"], monkeypatch=monkeypatch)
+    trainer, steps = run(
+        BASE + ["--train-iters", "12", "--save", str(tmp_path / "run")],
+        fault=lambda t: t.iteration >= 3 and not seen["fallback"],
+        monkeypatch=monkeypatch,
+    )
     # Checked after iteration 4 (the first check after the fault): bf16 for 3 iterations, then FP8.
-    assert checks_of(tmp_path / "run") == [(2, "ok"), (4, "fallback"), (7, "return"), (8, "ok"), (10, "ok"),
-                                           (12, "ok")]
+    assert checks_of(tmp_path / "run") == [
+        (2, "ok"),
+        (4, "fallback"),
+        (7, "return"),
+        (8, "ok"),
+        (10, "ok"),
+        (12, "ok"),
+    ]
     assert [fp8 for _, fp8 in steps] == [True] * 4 + [False] * 3 + [True] * 5
     assert trainer.sentinel.fallbacks_in_a_row == 0 and not trainer.sentinel.disabled
 
 
 def test_fp8_that_keeps_failing_stays_in_bf16(tmp_path, monkeypatch):
-    trainer, steps = run(BASE + ["--train-iters", "14", "--save", str(tmp_path / "run")],
-                         fault=lambda t: t.iteration >= 1, monkeypatch=monkeypatch)
+    trainer, steps = run(
+        BASE + ["--train-iters", "14", "--save", str(tmp_path / "run")],
+        fault=lambda t: t.iteration >= 1,
+        monkeypatch=monkeypatch,
+    )
     assert checks_of(tmp_path / "run") == [(2, "fallback"), (5, "return"), (6, "disabled")]
     assert [fp8 for _, fp8 in steps] == [True] * 2 + [False] * 3 + [True] + [False] * 8
     assert trainer.sentinel.disabled
@@ -115,30 +157,59 @@ def test_fp8_that_keeps_failing_stays_in_bf16(tmp_path, monkeypatch):
 
 def test_a_resumed_run_switches_where_the_straight_one_does(tmp_path, monkeypatch):
     always = lambda t: t.iteration >= 1  # noqa: E731
-    _, straight = run(BASE + ["--train-iters", "8", "--save", str(tmp_path / "a")], fault=always,
-                      monkeypatch=monkeypatch)
-    run(BASE + ["--train-iters", "3", "--save", str(tmp_path / "b")], fault=always, monkeypatch=monkeypatch)
-    _, resumed = run(BASE + ["--train-iters", "8", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")],
-                     fault=always, monkeypatch=monkeypatch)  # from iteration 3, inside the fallback
+    _, straight = run(
+        BASE + ["--train-iters", "8", "--save", str(tmp_path / "a")],
+        fault=always,
+        monkeypatch=monkeypatch,
+    )
+    run(
+        BASE + ["--train-iters", "3", "--save", str(tmp_path / "b")],
+        fault=always,
+        monkeypatch=monkeypatch,
+    )
+    _, resumed = run(
+        BASE + ["--train-iters", "8", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")],
+        fault=always,
+        monkeypatch=monkeypatch,
+    )  # from iteration 3, inside the fallback
     assert resumed == straight[3:]
 
 
 def test_the_sentinel_flags_are_checked():
     base = "--model gpt-tiny --train-iters 10 --lr 1e-3 --micro-batch-size 2 --mock-data"
-    with pytest.raises(arguments.ArgumentsError, match="--fp8-check-interval.*without --fp8-format"):
+    with pytest.raises(
+        arguments.ArgumentsError, match="--fp8-check-interval.*without --fp8-format"
+    ):
         arguments.parse_args((base + " --fp8-check-interval 5").split())
-    with pytest.raises(arguments.ArgumentsError, match="--fp8-fallback-iters applies only to the bf16 sentinel"):
+    with pytest.raises(
+        arguments.ArgumentsError, match="--fp8-fallback-iters applies only to the bf16 sentinel"
+    ):
         arguments.parse_args((base + " --fp8-format hybrid --fp8-fallback-iters 5").split())
-    with pytest.raises(arguments.ArgumentsError, match="--fp8-check-tolerance: expected a number > 0"):
-        arguments.parse_args((base + " --fp8-format hybrid --fp8-check-interval 5 --fp8-check-tolerance 0").split())
+    with pytest.raises(
+        arguments.ArgumentsError, match="--fp8-check-tolerance: expected a number > 0"
+    ):
+        arguments.parse_args(
+            (base + " --fp8-format hybrid --fp8-check-interval 5 --fp8-check-tolerance 0").split()
+        )
 
 
 def tp2_pp2_body(rank, world_size):
     monkeypatch = pytest.MonkeyPatch()
     try:
-        _, steps = run(BASE + ["--train-iters", "8", "--tensor-model-parallel-size", "2",
-                               "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
-                       fault=lambda t: t.iteration >= 1, monkeypatch=monkeypatch)
+        _, steps = run(
+            BASE
+            + [
+                "--train-iters",
+                "8",
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+            fault=lambda t: t.iteration >= 1,
+            monkeypatch=monkeypatch,
+        )
         return steps
     finally:
         monkeypatch.undo()

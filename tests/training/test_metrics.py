@@ -1,4 +1,5 @@
 """Metrics: the FLOPs count, throughput and MFU, FP8 health, the logger's outputs and the run summary."""
+
 import fcntl
 import io
 import json
@@ -16,8 +17,8 @@ import types
 
 import pytest
 import torch
-
 from megafp8.models import preset
+
 from megafp8.training import metrics
 from megafp8.training.metrics import (
     MetricsError,
@@ -43,7 +44,9 @@ def test_flops_hand_count_with_gqa_and_swiglu():
         + 128 * 64  # down
     )
     assert gemm_weights == 36864
-    per_layer = 6 * gemm_weights + 3 * (2 * s * 64 + 2 * s * 64)  # + QK^T and AV, forward and backward
+    per_layer = 6 * gemm_weights + 3 * (
+        2 * s * 64 + 2 * s * 64
+    )  # + QK^T and AV, forward and backward
     output_layer = 6 * 64 * 1024  # vocabulary 1000 padded to 1024
     assert flops_per_token(config, s) == 2 * per_layer + output_layer == 884736
 
@@ -67,22 +70,27 @@ def test_recompute_adds_the_recomputed_forward():
 
 
 def test_vocabulary_padding_follows_tensor_parallelism():
-    config = preset("gpt-tiny")  # vocabulary 1000: 1024 at tp 1 (multiples of 128), 1152 at tp 3 (of 384)
+    config = preset(
+        "gpt-tiny"
+    )  # vocabulary 1000: 1024 at tp 1 (multiples of 128), 1152 at tp 3 (of 384)
     assert flops_per_token(config, 32, tp_size=3) - flops_per_token(config, 32) == 6 * 64 * 128
 
 
 # -- peaks, throughput, MFU -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989.4e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H200", 989.4e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA B200", 2250e12),
-    ("NVIDIA H100 NVL", None),
-    ("NVIDIA GeForce RTX 4090", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_peak_by_gpu_name(name, peak):
     assert peak_bf16_flops_by_name(name) == peak
 
@@ -99,8 +107,9 @@ def fake_clock(monkeypatch, times):
 
 def test_throughput_and_mfu_with_a_fake_peak(monkeypatch):
     fake_clock(monkeypatch, [100.0, 102.0, 103.0])
-    throughput = Throughput(flops_per_token=6e6, world_size=4, peak_flops=1e12,
-                            hardware_flops_per_token=8e6)
+    throughput = Throughput(
+        flops_per_token=6e6, world_size=4, peak_flops=1e12, hardware_flops_per_token=8e6
+    )
     for _ in range(4):
         throughput.add(5000)
     stats = throughput.read()  # 20000 tokens in 2 s
@@ -140,11 +149,18 @@ def test_the_cpu_line_leaves_out_the_gpu_figures(monkeypatch, tmp_path):
         assert "lm loss: 2.000000E+00 | tokens/s: 500 | ms/iter: 500\n" in line
         assert "TFLOP/s" not in line and "MFU" not in line
         (written,) = read_jsonl(tmp_path / str(device) / "metrics.jsonl")
-        assert written["tflops_per_gpu"] == pytest.approx(500 * 1e6 / 1e12) and written["mfu"] is None
+        assert (
+            written["tflops_per_gpu"] == pytest.approx(500 * 1e6 / 1e12) and written["mfu"] is None
+        )
 
 
 def test_tflops_are_printed_only_with_log_throughput(tmp_path):
-    record = {"tokens_per_sec": 1000.0, "tflops_per_gpu": 412.5, "hw_tflops_per_gpu": 530.0, "mfu": 0.417}
+    record = {
+        "tokens_per_sec": 1000.0,
+        "tflops_per_gpu": 412.5,
+        "hw_tflops_per_gpu": 530.0,
+        "mfu": 0.417,
+    }
     quiet = line_of(tmp_path / "quiet", record, device="cuda")
     assert "TFLOP/s" not in quiet and "tokens/s: 1000 | MFU: 41.7%\n" in quiet
     loud = line_of(tmp_path / "loud", record, device="cuda", log_throughput=True)
@@ -155,16 +171,28 @@ def test_tflops_are_printed_only_with_log_throughput(tmp_path):
 
 
 def test_fp8_fields_only_when_the_run_has_fp8_layers(tmp_path):
-    without = line_of(tmp_path / "bf16", {"loss": 2.0, "skipped_steps": 0, "fp8_scale_min": None,
-                                          "fp8_scale_max": None, "fp8_saturation": None})
+    without = line_of(
+        tmp_path / "bf16",
+        {
+            "loss": 2.0,
+            "skipped_steps": 0,
+            "fp8_scale_min": None,
+            "fp8_scale_max": None,
+            "fp8_saturation": None,
+        },
+    )
     assert "fp8" not in without and "skipped" not in without and without.count("\n") == 1
-    uncounted = line_of(tmp_path / "fp8", {"loss": 2.0, "fp8_scale_min": 1.0, "fp8_scale_max": 2.0,
-                                           "fp8_saturation": None})
+    uncounted = line_of(
+        tmp_path / "fp8",
+        {"loss": 2.0, "fp8_scale_min": 1.0, "fp8_scale_max": 2.0, "fp8_saturation": None},
+    )
     first, second = uncounted.splitlines()
     assert first.endswith("iteration 1 | lm loss: 2.000000E+00")
     assert second == " " * first.index("iteration") + "fp8 scale: [1, 2] | fp8 saturated: n/a"
-    skipped = line_of(tmp_path / "skipped", {"loss": 2.0, "skipped_steps": 3, "fp8_scale_min": None,
-                                             "fp8_scale_max": None})
+    skipped = line_of(
+        tmp_path / "skipped",
+        {"loss": 2.0, "skipped_steps": 3, "fp8_scale_min": None, "fp8_scale_max": None},
+    )
     assert skipped.splitlines()[1].strip() == "skipped iterations: 3"
 
 
@@ -181,30 +209,60 @@ def read_jsonl(path):
 
 def test_line_and_jsonl_record(tmp_path):
     stream = io.StringIO()
-    logger = MetricsLogger(tmp_path, stream=stream, total_iterations=100, device="cuda", log_throughput=True)
-    record = {"consumed_samples": 640, "loss": torch.tensor(2.5), "lr": 3e-4, "grad_norm": 1.25,
-              "skipped_steps": 1, "tokens_per_sec": 12345.6, "tflops_per_gpu": 123.4, "mfu": 0.25,
-              "memory_gib": 1.5, "fp8_scale_min": 2.0, "fp8_scale_max": 448.0, "fp8_saturation": 1e-5}
+    logger = MetricsLogger(
+        tmp_path, stream=stream, total_iterations=100, device="cuda", log_throughput=True
+    )
+    record = {
+        "consumed_samples": 640,
+        "loss": torch.tensor(2.5),
+        "lr": 3e-4,
+        "grad_norm": 1.25,
+        "skipped_steps": 1,
+        "tokens_per_sec": 12345.6,
+        "tflops_per_gpu": 123.4,
+        "mfu": 0.25,
+        "memory_gib": 1.5,
+        "fp8_scale_min": 2.0,
+        "fp8_scale_max": 448.0,
+        "fp8_saturation": 1e-5,
+    }
     logger.log(10, record)
     # Flushed at once: a crash right now keeps the record.
     (written,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert written["iteration"] == 10 and written["loss"] == 2.5 and written["mfu"] == 0.25
     assert set(record) <= set(written) and "time" in written
     first, second = stream.getvalue().splitlines()
-    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] iteration  10/100 \| lm loss: 2\.500000E\+00 \| lr: 3\.00E-04 \| "
-                        r"grad norm: 1\.250 \| tokens/s: 12346 \| TFLOP/s/GPU: 123\.4 \| MFU: 25\.0% \| "
-                        r"memory \(GiB\): 1\.50", first), first
-    assert second == " " * 11 + "fp8 scale: [2, 448] | fp8 saturated: 1.00e-05 | skipped iterations: 1"
+    assert re.fullmatch(
+        r"\[\d\d:\d\d:\d\d\] iteration  10/100 \| lm loss: 2\.500000E\+00 \| lr: 3\.00E-04 \| "
+        r"grad norm: 1\.250 \| tokens/s: 12346 \| TFLOP/s/GPU: 123\.4 \| MFU: 25\.0% \| "
+        r"memory \(GiB\): 1\.50",
+        first,
+    ), first
+    assert (
+        second == " " * 11 + "fp8 scale: [2, 448] | fp8 saturated: 1.00e-05 | skipped iterations: 1"
+    )
     logger.close()
 
 
 def test_the_line_fits_a_terminal(tmp_path):
     """GPT-1.3B's record on a GPU, FP8 health included: each line fits 160 columns (Megatron's line of
     the same fields is over 350)."""
-    record = {"consumed_samples": 960, "iteration_time_ms": 1060.1, "tokens_per_sec": 61823.4, "tflops_per_gpu": 546.9,
-              "mfu": 0.553, "lr": 2.060855e-05, "loss": 6.778075, "grad_norm": 1.195, "skipped_steps": 0,
-              "memory_gib": 35.39, "fp8_scale_min": 64.3, "fp8_scale_max": 2.01e11, "fp8_saturation": 0.0,
-              "fp8_underflow": 1.2e-06}
+    record = {
+        "consumed_samples": 960,
+        "iteration_time_ms": 1060.1,
+        "tokens_per_sec": 61823.4,
+        "tflops_per_gpu": 546.9,
+        "mfu": 0.553,
+        "lr": 2.060855e-05,
+        "loss": 6.778075,
+        "grad_norm": 1.195,
+        "skipped_steps": 0,
+        "memory_gib": 35.39,
+        "fp8_scale_min": 64.3,
+        "fp8_scale_max": 2.01e11,
+        "fp8_saturation": 0.0,
+        "fp8_underflow": 1.2e-06,
+    }
     stream = io.StringIO()
     with MetricsLogger(tmp_path, stream=stream, total_iterations=500, device="cuda") as logger:
         logger.log(30, record)
@@ -215,8 +273,14 @@ def test_the_line_fits_a_terminal(tmp_path):
 def test_jsonl_keeps_non_finite_values_as_strings(tmp_path):
     stream = io.StringIO()
     with MetricsLogger(tmp_path, stream=stream) as logger:
-        logger.log(1, {"loss": torch.tensor(float("nan")), "grad_norm": float("inf"),
-                       "fp8_layers": {"0": {"scale_min": float("-inf")}}})
+        logger.log(
+            1,
+            {
+                "loss": torch.tensor(float("nan")),
+                "grad_norm": float("inf"),
+                "fp8_layers": {"0": {"scale_min": float("-inf")}},
+            },
+        )
     (record,) = read_jsonl(tmp_path / "metrics.jsonl")
     assert record["loss"] == "nan" and record["grad_norm"] == "inf"
     assert record["fp8_layers"]["0"]["scale_min"] == "-inf"
@@ -239,7 +303,10 @@ def test_a_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path):
     assert re.fullmatch(r"metrics\.\d{8}-\d{6}\.jsonl", aside.name)
     assert aside.read_bytes() == earlier
     assert f"moved to {aside}" in output.splitlines()[0]
-    assert [(r["iteration"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(10, 2.0), (20, 2.0)]
+    assert [(r["iteration"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (10, 2.0),
+        (20, 2.0),
+    ]
 
 
 def test_moving_aside_never_overwrites_an_earlier_copy(tmp_path):
@@ -266,10 +333,20 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with open(path, "a") as f:
         f.write('{"iteration": 40, "lo')  # a write cut short by a crash
-    output = log_run(tmp_path, [30, 40], start_iteration=20, loss=2.0)  # resumes from the checkpoint at 20
+    output = log_run(
+        tmp_path, [30, 40], start_iteration=20, loss=2.0
+    )  # resumes from the checkpoint at 20
     assert [(r["iteration"], r.get("loss")) for r in read_jsonl(path)] == [
-        (10, 3.0), (20, 3.0), (20, None), (30, 2.0), (40, 2.0)]
-    assert "dropped 1 records logged after iteration 20 and 1 unreadable lines" in output.splitlines()[0]
+        (10, 3.0),
+        (20, 3.0),
+        (20, None),
+        (30, 2.0),
+        (40, 2.0),
+    ]
+    assert (
+        "dropped 1 records logged after iteration 20 and 1 unreadable lines"
+        in output.splitlines()[0]
+    )
     assert os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
@@ -314,7 +391,9 @@ def test_other_numbers_are_printed_by_name(tmp_path):
 
 
 def test_no_tensorboard_is_one_info_line(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as when not installed
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", None
+    )  # import fails as when not installed
     stream = io.StringIO()
     with MetricsLogger(tmp_path, tensorboard_dir=tmp_path / "tb", stream=stream) as logger:
         logger.log(1, {"loss": 1.0})
@@ -341,9 +420,22 @@ def test_numbers_go_to_tensorboard_when_it_imports(tmp_path, monkeypatch):
     module.SummaryWriter = SummaryWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
     with MetricsLogger(tmp_path, tensorboard_dir=tmp_path / "tb", stream=io.StringIO()) as logger:
-        logger.log(3, {"loss": torch.tensor(2.0), "mfu": None, "fp8_layers": {"0": {}}, "skipped_steps": 1,
-                       "grad_norm": float("inf")})
-    assert scalars == [("loss", 2.0, 3), ("skipped_steps", 1, 3), ("grad_norm", math.inf, 3), "closed"]
+        logger.log(
+            3,
+            {
+                "loss": torch.tensor(2.0),
+                "mfu": None,
+                "fp8_layers": {"0": {}},
+                "skipped_steps": 1,
+                "grad_norm": float("inf"),
+            },
+        )
+    assert scalars == [
+        ("loss", 2.0, 3),
+        ("skipped_steps", 1, 3),
+        ("grad_norm", math.inf, 3),
+        "closed",
+    ]
 
 
 class FakeWandb(types.ModuleType):
@@ -371,18 +463,37 @@ def test_wandb_run_gets_every_number_at_its_iteration(tmp_path, monkeypatch):
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     config = {"lr": 1e-3, "wandb_project": "fp8"}
-    with MetricsLogger(tmp_path, stream=io.StringIO(), wandb_project="fp8", wandb_exp_name="gpt-1b",
-                       wandb_config=config) as logger:
-        logger.log(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "mfu": None, "fp8_layers": {"0": {}},
-                        "skipped_steps": 0, "grad_norm": float("nan")})
+    with MetricsLogger(
+        tmp_path,
+        stream=io.StringIO(),
+        wandb_project="fp8",
+        wandb_exp_name="gpt-1b",
+        wandb_config=config,
+    ) as logger:
+        logger.log(
+            10,
+            {
+                "loss": torch.tensor(2.5),
+                "lr": 1e-3,
+                "mfu": None,
+                "fp8_layers": {"0": {}},
+                "skipped_steps": 0,
+                "grad_norm": float("nan"),
+            },
+        )
         logger.log(10, {"valid_loss": 2.4})
         logger.log(20, {"fp8_layers": {}})  # nothing numeric: nothing to log
         assert wandb.calls[-1] != "finish"
     init, first, second, finish = wandb.calls
-    assert init == ("init", {"project": "fp8", "name": "gpt-1b", "dir": str(tmp_path / "wandb"), "config": config})
+    assert init == (
+        "init",
+        {"project": "fp8", "name": "gpt-1b", "dir": str(tmp_path / "wandb"), "config": config},
+    )
     assert (tmp_path / "wandb").is_dir()
     assert first[0] == "log" and first[2] == 10
-    assert first[1].keys() == {"loss", "lr", "skipped_steps", "grad_norm"} and first[1]["loss"] == 2.5
+    assert (
+        first[1].keys() == {"loss", "lr", "skipped_steps", "grad_norm"} and first[1]["loss"] == 2.5
+    )
     assert math.isnan(first[1]["grad_norm"])
     assert second == ("log", {"valid_loss": 2.4}, 10) and finish == "finish"
 
@@ -390,10 +501,17 @@ def test_wandb_run_gets_every_number_at_its_iteration(tmp_path, monkeypatch):
 def test_wandb_dir_and_only_the_logging_rank(tmp_path, monkeypatch):
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
-    with MetricsLogger(tmp_path / "run", stream=io.StringIO(), wandb_project="fp8",
-                       wandb_dir=tmp_path / "elsewhere") as logger:
+    with MetricsLogger(
+        tmp_path / "run",
+        stream=io.StringIO(),
+        wandb_project="fp8",
+        wandb_dir=tmp_path / "elsewhere",
+    ) as logger:
         logger.log(1, {"loss": 1.0})
-    assert wandb.calls[0][1]["dir"] == str(tmp_path / "elsewhere") and wandb.calls[0][1]["name"] is None
+    assert (
+        wandb.calls[0][1]["dir"] == str(tmp_path / "elsewhere")
+        and wandb.calls[0][1]["name"] is None
+    )
     assert (tmp_path / "elsewhere").is_dir() and not (tmp_path / "run" / "wandb").exists()
     wandb.calls.clear()
     with MetricsLogger(tmp_path / "other", rank_is_logger=False, wandb_project="fp8") as logger:
@@ -405,14 +523,21 @@ def test_wandb_dir_and_only_the_logging_rank(tmp_path, monkeypatch):
 def test_wandb_missing_fails_at_construction(tmp_path, monkeypatch, rank_is_logger):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as when not installed
     with pytest.raises(MetricsError, match="pip install wandb, or drop --wandb-project"):
-        MetricsLogger(tmp_path / "run", stream=io.StringIO(), rank_is_logger=rank_is_logger, wandb_project="fp8")
+        MetricsLogger(
+            tmp_path / "run",
+            stream=io.StringIO(),
+            rank_is_logger=rank_is_logger,
+            wandb_project="fp8",
+        )
     assert not (tmp_path / "run").exists()
     MetricsLogger(tmp_path / "run", stream=io.StringIO()).close()  # no project: wandb is not needed
 
 
 def test_only_the_logging_rank_writes(tmp_path):
     stream = io.StringIO()
-    logger = MetricsLogger(tmp_path / "run", tensorboard_dir=tmp_path / "tb", rank_is_logger=False, stream=stream)
+    logger = MetricsLogger(
+        tmp_path / "run", tensorboard_dir=tmp_path / "tb", rank_is_logger=False, stream=stream
+    )
     logger.progress(1)
     logger.log(1, {"loss": 1.0})
     logger.close()
@@ -427,7 +552,9 @@ class _Terminal(io.StringIO):
 def test_progress_bar_only_on_a_terminal(tmp_path):
     terminal, pipe = _Terminal(), io.StringIO()
     for stream in (terminal, pipe):
-        with MetricsLogger(tmp_path / type(stream).__name__, stream=stream, total_iterations=4) as logger:
+        with MetricsLogger(
+            tmp_path / type(stream).__name__, stream=stream, total_iterations=4
+        ) as logger:
             logger.progress(1)
             logger.log(2, {"loss": 1.0})
             logger.progress(4)
@@ -455,10 +582,14 @@ def test_messages_go_above_the_bar_not_onto_it(tmp_path):
 
 
 def test_a_bar_on_a_terminal_that_reports_no_size(tmp_path):
-    controller, terminal = pty.openpty()  # 0 x 0 until someone sets its size: tqdm alone draws nothing
+    controller, terminal = (
+        pty.openpty()
+    )  # 0 x 0 until someone sets its size: tqdm alone draws nothing
     try:
-        with open(terminal, "w", closefd=False) as stream, \
-                MetricsLogger(tmp_path, stream=stream, total_iterations=4) as logger:
+        with (
+            open(terminal, "w", closefd=False) as stream,
+            MetricsLogger(tmp_path, stream=stream, total_iterations=4) as logger,
+        ):
             logger.progress(1)
             logger.log(2, {"loss": 1.0})
         output = b""
@@ -469,7 +600,9 @@ def test_a_bar_on_a_terminal_that_reports_no_size(tmp_path):
         os.close(controller)
     lines = screen_lines(output.decode())
     assert any(re.search(r"\| 2/4 \[", line) for line in lines), lines
-    assert any(line.startswith("[") and line.endswith("lm loss: 1.000000E+00") for line in lines), lines
+    assert any(line.startswith("[") and line.endswith("lm loss: 1.000000E+00") for line in lines), (
+        lines
+    )
 
 
 def run_on_a_terminal(argv, cwd, columns=120, timeout=300):
@@ -477,12 +610,21 @@ def run_on_a_terminal(argv, cwd, columns=120, timeout=300):
     terminal does; (exit status, what it wrote)."""
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    process = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdin=subprocess.DEVNULL, stdout=terminal,
-                               stderr=terminal, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     os.close(terminal)
     output, deadline = b"", time.time() + timeout
     try:
-        while time.time() < deadline and select.select([controller], [], [], deadline - time.time())[0]:
+        while (
+            time.time() < deadline
+            and select.select([controller], [], [], deadline - time.time())[0]
+        ):
             try:
                 chunk = os.read(controller, 65536)
             except OSError:  # EIO: the child closed the terminal
@@ -499,25 +641,56 @@ def run_on_a_terminal(argv, cwd, columns=120, timeout=300):
 
 def test_the_trainer_shows_a_progress_bar_on_a_terminal(tmp_path):
     status, output = run_on_a_terminal(
-        ["-m", "megafp8.train", "--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--log-interval", "2",
-         "--eval-iters", "0", "--num-workers", "0"], cwd=tmp_path)
+        [
+            "-m",
+            "megafp8.train",
+            "--model",
+            "gpt-tiny",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "4",
+            "--lr",
+            "1e-3",
+            "--mock-data",
+            "--log-interval",
+            "2",
+            "--eval-iters",
+            "0",
+            "--num-workers",
+            "0",
+        ],
+        cwd=tmp_path,
+    )
     assert status == 0, output
     lines = screen_lines(output)
     bars = [line for line in lines if re.search(r"\d+%\|.*\| [1-4]/4 \[", line)]
     assert bars and all(len(line) <= 120 for line in bars), lines
     logged = [line for line in lines if re.search(r"\] iteration +\d+/", line)]
-    assert len(logged) == 2 and all(re.fullmatch(r"\[[\d:]+\] iteration [24]/4 \|.*\(GiB\): [\d.]+", line)
-                                    for line in logged), lines
+    assert len(logged) == 2 and all(
+        re.fullmatch(r"\[[\d:]+\] iteration [24]/4 \|.*\(GiB\): [\d.]+", line) for line in logged
+    ), lines
 
 
 # -- the run summary ------------------------------------------------------------------------
 
 
 def test_run_summary_of_a_resumed_run():
-    lines = run_summary(start_iteration=100, end_iteration=160, wall_time_s=3725.0, tokens=60 * 512 * 2048,
-                        first_loss=3.21, last_loss=2.98766, valid_loss=3.05, checkpoint="ckpt/iter_0000160",
-                        metrics_path="ckpt/metrics.jsonl")
+    lines = run_summary(
+        start_iteration=100,
+        end_iteration=160,
+        wall_time_s=3725.0,
+        tokens=60 * 512 * 2048,
+        first_loss=3.21,
+        last_loss=2.98766,
+        valid_loss=3.05,
+        checkpoint="ckpt/iter_0000160",
+        metrics_path="ckpt/metrics.jsonl",
+    )
     assert lines == [
         "run summary:",
         "  iterations: 60 (101 to 160)",
@@ -531,8 +704,15 @@ def test_run_summary_of_a_resumed_run():
 
 
 def test_run_summary_without_evaluation_or_checkpoint():
-    lines = run_summary(start_iteration=0, end_iteration=30, wall_time_s=125.2, tokens=30 * 128,
-                        first_loss=6.93, last_loss=float("nan"), metrics_path="runs/latest/metrics.jsonl")
+    lines = run_summary(
+        start_iteration=0,
+        end_iteration=30,
+        wall_time_s=125.2,
+        tokens=30 * 128,
+        first_loss=6.93,
+        last_loss=float("nan"),
+        metrics_path="runs/latest/metrics.jsonl",
+    )
     assert lines == [
         "run summary:",
         "  iterations: 30 (1 to 30)",
@@ -545,10 +725,19 @@ def test_run_summary_without_evaluation_or_checkpoint():
 
 
 def test_run_summary_when_no_iteration_ran():
-    lines = run_summary(start_iteration=30, end_iteration=30, wall_time_s=0.4, tokens=0,
-                        checkpoint="ckpt/iter_0000030")
-    assert lines == ["run summary:", "  iterations: none run (the run was already at iteration 30)",
-                     "  wall time: 0.4 s", "  checkpoint: ckpt/iter_0000030"]
+    lines = run_summary(
+        start_iteration=30,
+        end_iteration=30,
+        wall_time_s=0.4,
+        tokens=0,
+        checkpoint="ckpt/iter_0000030",
+    )
+    assert lines == [
+        "run summary:",
+        "  iterations: none run (the run was already at iteration 30)",
+        "  wall time: 0.4 s",
+        "  checkpoint: ckpt/iter_0000030",
+    ]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full plays the full disk")
@@ -556,8 +745,12 @@ def test_a_full_disk_under_metrics_is_said_once_with_the_path_and_the_run_goes_o
     logger = metrics.MetricsLogger(tmp_path, stream=io.StringIO())
     logger._file.close()
     logger._file = open("/dev/full", "a")
-    with pytest.warns(UserWarning, match=rf"cannot write {tmp_path}/metrics.jsonl \(No space left on device\)") as said:
+    with pytest.warns(
+        UserWarning, match=rf"cannot write {tmp_path}/metrics.jsonl \(No space left on device\)"
+    ) as said:
         for step in range(1, 4):
             logger.log(step, {"loss": 1.0})
         logger.close()
-    assert len([w for w in said if "metrics.jsonl" in str(w.message)]) == 2  # once while logging, once at close
+    assert (
+        len([w for w in said if "metrics.jsonl" in str(w.message)]) == 2
+    )  # once while logging, once at close

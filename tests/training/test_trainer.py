@@ -1,6 +1,7 @@
 """The pretraining job end to end on the CPU: the loss falls on the sample corpus, data
 parallelism and the distributed optimizer match one process, resume is exact, SIGTERM saves,
 non-finite steps are skipped then abort, bad flags fail at start-up."""
+
 import json
 import math
 import os
@@ -11,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from megafp8.parallel import check_embeddings_in_sync
 
 from megafp8.fp8 import Fp8Linear
-from megafp8.parallel import check_embeddings_in_sync
 from megafp8.training import arguments, checkpointing
 from megafp8.training.checkpointing import CheckpointError
 from megafp8.training.trainer import NonFiniteError, pretrain
@@ -21,8 +22,25 @@ from megafp8.training.trainer import NonFiniteError, pretrain
 from ..multiprocess import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "7", "--mock-data"]
+TINY = [
+    "--model",
+    "gpt-tiny",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--seed",
+    "7",
+    "--mock-data",
+]
 
 
 def losses_of(rank, world_size, argv):
@@ -31,22 +49,75 @@ def losses_of(rank, world_size, argv):
 
 
 def test_loss_falls_on_the_sample_corpus(tmp_path):
-    run = lambda *cmd: subprocess.run([sys.executable, *cmd], check=True, cwd=REPO, capture_output=True)
+    def run(*cmd):
+        return subprocess.run([sys.executable, *cmd], check=True, cwd=REPO, capture_output=True)
+
     run("tools/make_sample_corpus.py", "--output", str(tmp_path / "corpus"), "--max-mb", "0.3")
-    run("tools/train_tokenizer.py", "--input", str(tmp_path / "corpus"), "--type", "bpe", "--vocab-size", "512",
-        "--output", str(tmp_path / "tok"))
-    run("tools/preprocess_data.py", "--input", str(tmp_path / "corpus"), "--output-prefix", str(tmp_path / "ds"),
-        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok"), "--append-eod")
-    trainer = pretrain(["--model", "gpt-tiny", "--seq-length", "64", "--micro-batch-size", "4",
-                        "--global-batch-size", "8", "--train-iters", "40", "--lr", "1e-2", "--lr-warmup-iters", "5",
-                        "--fp8-format", "hybrid", "--data-path", str(tmp_path / "ds_text_document"),
-                        "--split", "95,5,0", "--tokenizer-type", "HuggingFaceTokenizer",
-                        "--tokenizer-model", str(tmp_path / "tok"), "--log-interval", "10",
-                        "--eval-interval", "20", "--eval-iters", "1", "--save", str(tmp_path / "run")])
+    run(
+        "tools/train_tokenizer.py",
+        "--input",
+        str(tmp_path / "corpus"),
+        "--type",
+        "bpe",
+        "--vocab-size",
+        "512",
+        "--output",
+        str(tmp_path / "tok"),
+    )
+    run(
+        "tools/preprocess_data.py",
+        "--input",
+        str(tmp_path / "corpus"),
+        "--output-prefix",
+        str(tmp_path / "ds"),
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "tok"),
+        "--append-eod",
+    )
+    trainer = pretrain(
+        [
+            "--model",
+            "gpt-tiny",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            "40",
+            "--lr",
+            "1e-2",
+            "--lr-warmup-iters",
+            "5",
+            "--fp8-format",
+            "hybrid",
+            "--data-path",
+            str(tmp_path / "ds_text_document"),
+            "--split",
+            "95,5,0",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(tmp_path / "tok"),
+            "--log-interval",
+            "10",
+            "--eval-interval",
+            "20",
+            "--eval-iters",
+            "1",
+            "--save",
+            str(tmp_path / "run"),
+        ]
+    )
     losses = [loss for _, loss in trainer.history]
     assert losses[0] == pytest.approx(math.log(512), abs=0.1)  # a uniform guess at the start
     assert sum(losses[-5:]) / 5 < losses[0] - 0.75, losses
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in records if "lm_loss" in r or "loss" in r] == [10, 20, 30, 40]
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "40"
 
@@ -56,8 +127,14 @@ def one_process():
     return run_on_ranks(losses_of, 1, TINY + ["--train-iters", "4"])[0]
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"],
-                                   ["--use-distributed-optimizer", "--overlap-param-gather"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--use-distributed-optimizer"],
+        ["--use-distributed-optimizer", "--overlap-param-gather"],
+    ],
+)
 def test_data_parallel_matches_one_process(one_process, extra):
     for history in run_on_ranks(losses_of, 2, TINY + ["--train-iters", "4"] + extra):
         assert [i for i, _ in history] == [i for i, _ in one_process]
@@ -69,17 +146,36 @@ def test_overlapped_param_gather_trains_as_the_gather_at_once():
     """--overlap-param-gather with buckets smaller than a layer: each part of the forward waits
     for its own buckets as it reaches them (the untied output layer's last), bit for bit the run
     that gathers everything right after the step."""
-    argv = TINY + ["--train-iters", "3", "--use-distributed-optimizer", "--ddp-bucket-size", "5000",
-                   "--untie-embeddings-and-output-weights"]
+    argv = TINY + [
+        "--train-iters",
+        "3",
+        "--use-distributed-optimizer",
+        "--ddp-bucket-size",
+        "5000",
+        "--untie-embeddings-and-output-weights",
+    ]
     plain = run_on_ranks(losses_of, 2, argv)
     assert run_on_ranks(losses_of, 2, argv + ["--overlap-param-gather"]) == plain
 
 
-@pytest.mark.parametrize("world, extra", [
-    (1, ["--fp8-format", "hybrid"]),
-    (1, ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--recompute-granularity", "selective"]),
-    (2, ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-])
+@pytest.mark.parametrize(
+    "world, extra",
+    [
+        (1, ["--fp8-format", "hybrid"]),
+        (
+            1,
+            [
+                "--fp8-format",
+                "hybrid",
+                "--fp8-recipe",
+                "current",
+                "--recompute-granularity",
+                "selective",
+            ],
+        ),
+        (2, ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ],
+)
 def test_compiled_layers_train_as_eager_ones(world, extra):
     """--torch-compile compiles the glue between the FP8 linears: the losses are the eager run's
     to fp32 rounding (fused kernels round norms differently in the last bit, and an FP8 cast
@@ -88,16 +184,28 @@ def test_compiled_layers_train_as_eager_ones(world, extra):
     eager = run_on_ranks(losses_of, world, argv)
     compiled = run_on_ranks(losses_of, world, argv + ["--torch-compile"])
     for history, reference in zip(compiled, eager):
-        assert [loss for _, loss in history] == pytest.approx([loss for _, loss in reference], rel=1e-4)
+        assert [loss for _, loss in history] == pytest.approx(
+            [loss for _, loss in reference], rel=1e-4
+        )
 
 
-@pytest.mark.parametrize("precision", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
-                                       []], ids=["delayed", "current", "high-precision"])
+@pytest.mark.parametrize(
+    "precision",
+    [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"], []],
+    ids=["delayed", "current", "high-precision"],
+)
 def test_overlapped_tensor_parallel_collectives_train_as_the_plain_ones(precision):
     """--tp-comm-overlap: the linears' gathers and reduce-scatters in blocks beside their GEMMs
     (a ring of partial sums for the reduce-scatter). At tp 2 each sum has one term from each
     side, added in either order alike: bit for bit the plain run."""
-    argv = TINY + ["--train-iters", "3", *precision, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    argv = TINY + [
+        "--train-iters",
+        "3",
+        *precision,
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     plain = run_on_ranks(losses_of, 2, argv)
     assert run_on_ranks(losses_of, 2, argv + ["--tp-comm-overlap"]) == plain
 
@@ -115,11 +223,19 @@ def transport_body(rank, world_size, argv):
 def test_tp_comm_overlap_takes_nccl_where_copy_engines_cannot_run():
     """auto keeps NCCL (here gloo) where the GPUs cannot share memory; copy-engine asked for there
     stops the run at start with the reason."""
-    argv = TINY + ["--train-iters", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                   "--tp-comm-overlap"]
+    argv = TINY + [
+        "--train-iters",
+        "3",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--tp-comm-overlap",
+    ]
     for chosen, refused in run_on_ranks(transport_body, 2, argv):
         assert chosen == "nccl"
-        assert refused.startswith("--tp-comm-overlap-transport copy-engine: copy engines need CUDA GPUs")
+        assert refused.startswith(
+            "--tp-comm-overlap-transport copy-engine: copy engines need CUDA GPUs"
+        )
         assert refused.endswith("give nccl or auto")
 
 
@@ -131,7 +247,9 @@ def resume_body(rank, world_size, argv, save):
 
 
 # With dropout, so that the RNG state must be restored, and restored last, for the test to pass.
-@pytest.mark.parametrize("extra", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"]])
+@pytest.mark.parametrize(
+    "extra", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"]]
+)
 def test_resume_is_bitwise_exact(tmp_path, extra):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     straight, first, second = run_on_ranks(resume_body, 1, TINY + dropout + extra, str(tmp_path))[0]
@@ -141,36 +259,92 @@ def test_resume_is_bitwise_exact(tmp_path, extra):
 
 def test_a_run_resumes_from_its_checkpoint_without_shape_flags(tmp_path):
     """The checkpoint records the model: --load of it needs no --model and no shape flags."""
-    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-             "--vocab-size", "300"]
-    run = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
-           "--mock-data", "--eval-iters", "0", "--save", str(tmp_path)]
+    shape = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--vocab-size",
+        "300",
+    ]
+    run = [
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--mock-data",
+        "--eval-iters",
+        "0",
+        "--save",
+        str(tmp_path),
+    ]
     first = pretrain(shape + run + ["--train-iters", "2"])
     resumed = pretrain(run + ["--train-iters", "3", "--load", str(tmp_path)])
     assert [i for i, _ in resumed.history] == [3]
-    assert resumed.config == first.config == checkpointing.saved_model_config(tmp_path / "iter_0000002")
+    assert (
+        resumed.config
+        == first.config
+        == checkpointing.saved_model_config(tmp_path / "iter_0000002")
+    )
     # Its own record still describes the model in flags (and the mock vocabulary is the model's).
     recorded = checkpointing.checkpoint_info(tmp_path / "iter_0000003")
     assert recorded["model"] == first.config.to_dict()
     args = recorded["args"]
-    assert (args["num_layers"], args["num_query_groups"], args["swiglu"], args["vocab_size"]) == (2, 2, True, 300)
+    assert (args["num_layers"], args["num_query_groups"], args["swiglu"], args["vocab_size"]) == (
+        2,
+        2,
+        True,
+        300,
+    )
 
 
 def test_a_vocabulary_other_than_the_checkpoints_is_refused(tmp_path, monkeypatch):
     hash_file = checkpointing._file_checksum
-    monkeypatch.setattr(checkpointing, "_file_checksum", lambda *a, **k: time.sleep(0.5) or hash_file(*a, **k))
+    monkeypatch.setattr(
+        checkpointing, "_file_checksum", lambda *a, **k: time.sleep(0.5) or hash_file(*a, **k)
+    )
     pretrain(TINY + ["--train-iters", "3", "--save", str(tmp_path)])  # gpt-tiny: 1000 tokens
     checkpoint = tmp_path / "iter_0000003"
     # The last save's checksums, however slow, are recorded before pretrain returns: hashing them
     # at interpreter exit could no longer start its threads.
     assert (checkpoint / checkpointing.CHECKSUMS / "rank_00000.json").exists()
-    with pytest.raises(CheckpointError, match=rf"the tokenizer \(NullTokenizer\) has 500 tokens, but the model in "
-                                              rf"{checkpoint} has a vocabulary of 1000: give the tokenizer it was"):
-        pretrain(TINY + ["--train-iters", "4", "--load", str(tmp_path), "--tokenizer-type", "NullTokenizer",
-                         "--vocab-size", "500"])
-    with pytest.raises(CheckpointError, match=rf"--vocab-size is 500, but the model in {checkpoint} has a "
-                                              "vocabulary of 1000"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"the tokenizer \(NullTokenizer\) has 500 tokens, but the model in "
+        rf"{checkpoint} has a vocabulary of 1000: give the tokenizer it was",
+    ):
+        pretrain(
+            TINY
+            + [
+                "--train-iters",
+                "4",
+                "--load",
+                str(tmp_path),
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "500",
+            ]
+        )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"--vocab-size is 500, but the model in {checkpoint} has a "
+        "vocabulary of 1000",
+    ):
         pretrain(TINY + ["--train-iters", "4", "--load", str(tmp_path), "--vocab-size", "500"])
 
 
@@ -178,20 +352,31 @@ def test_a_save_folder_of_another_run_is_never_written_over(tmp_path, capsys):
     argv = TINY + ["--train-iters", "3", "--save", str(tmp_path)]
     pretrain(argv)
     before = sorted(p.name for p in tmp_path.iterdir())
-    for extra, why in (([], "this new run would write over them"),
-                       (["--load", str(tmp_path), "--finetune"], "--finetune starts a new run"),
-                       (["--load", str(tmp_path / "elsewhere")], "no such folder")):
+    for extra, why in (
+        ([], "this new run would write over them"),
+        (["--load", str(tmp_path), "--finetune"], "--finetune starts a new run"),
+        (["--load", str(tmp_path / "elsewhere")], "no such folder"),
+    ):
         with pytest.raises(CheckpointError, match=why):
             pretrain(argv + extra)
         assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing touched
-    with pytest.raises(CheckpointError, match=f"To resume that run, add --load {tmp_path}.*--overwrite-save"):
+    with pytest.raises(
+        CheckpointError, match=f"To resume that run, add --load {tmp_path}.*--overwrite-save"
+    ):
         pretrain(argv)
     # Resuming the run in that folder is what --save of it is for.
-    assert pretrain(TINY + ["--train-iters", "4", "--save", str(tmp_path), "--load", str(tmp_path)]).iteration == 4
+    assert (
+        pretrain(
+            TINY + ["--train-iters", "4", "--save", str(tmp_path), "--load", str(tmp_path)]
+        ).iteration
+        == 4
+    )
     # --overwrite-save: the earlier run's checkpoints go once the new run has saved its own (its
     # iteration 3 replaces the earlier run's).
     pretrain(argv + ["--overwrite-save"])
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000003"
+    ]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
@@ -200,7 +385,10 @@ def test_load_of_a_missing_folder_is_a_typo_unless_it_is_also_save(tmp_path, cap
         pretrain(TINY + ["--train-iters", "3", "--load", str(tmp_path / "nope")])
     # A job that resumes itself passes --save X --load X from its first launch on (Megatron's habit).
     run = tmp_path / "run"
-    assert pretrain(TINY + ["--train-iters", "3", "--save", str(run), "--load", str(run)]).iteration == 3
+    assert (
+        pretrain(TINY + ["--train-iters", "3", "--save", str(run), "--load", str(run)]).iteration
+        == 3
+    )
     (tmp_path / "empty").mkdir()
     assert pretrain(TINY + ["--train-iters", "3", "--load", str(tmp_path / "empty")]).iteration == 3
     assert "no checkpoint in" in capsys.readouterr().out
@@ -211,22 +399,37 @@ def test_resuming_says_what_changed_and_when_there_is_nothing_to_do(tmp_path, ca
     pretrain(argv + ["--train-iters", "3"])
     capsys.readouterr()
     assert pretrain(argv + ["--train-iters", "3"]).history == []
-    assert "nothing to do: the checkpoint is at iteration 3 and --train-iters is 3" in capsys.readouterr().out
+    assert (
+        "nothing to do: the checkpoint is at iteration 3 and --train-iters is 3"
+        in capsys.readouterr().out
+    )
     pretrain(argv + ["--train-iters", "4"])
     out = capsys.readouterr().out
     assert "another learning-rate schedule" in out and "--train-iters 3 -> 4" in out
     assert "give --lr-decay-iters 3" in out
     assert "run summary:" in out and "iterations: 1 (4 to 4)" in out and "data-seed" not in out
-    pretrain(argv + ["--train-iters", "5", "--lr-decay-iters", "3", "--seed", "8"])  # --data-seed follows --seed
+    pretrain(
+        argv + ["--train-iters", "5", "--lr-decay-iters", "3", "--seed", "8"]
+    )  # --data-seed follows --seed
     assert "give --data-seed 7" in capsys.readouterr().out
 
 
 def test_keep_last_checkpoints_deletes_the_older_ones_once_the_newest_is_saved(tmp_path):
-    argv = TINY + ["--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "1",
-                   "--keep-last-checkpoints", "2"]
+    argv = TINY + [
+        "--save",
+        str(tmp_path),
+        "--load",
+        str(tmp_path),
+        "--save-interval",
+        "1",
+        "--keep-last-checkpoints",
+        "2",
+    ]
     pretrain(argv + ["--train-iters", "4"])
     assert checkpointing.saved_iterations(tmp_path) == [3, 4]
-    resumed = pretrain(argv + ["--train-iters", "5", "--lr-decay-iters", "4", "--lr-warmup-iters", "2"])
+    resumed = pretrain(
+        argv + ["--train-iters", "5", "--lr-decay-iters", "4", "--lr-warmup-iters", "2"]
+    )
     assert resumed.history[0][0] == 5  # resumed from iteration 4, which was kept
     assert checkpointing.saved_iterations(tmp_path) == [4, 5]
 
@@ -236,12 +439,30 @@ def test_sigterm_to_the_process_group_saves_a_checkpoint_and_exits_zero(tmp_path
     # under torchrun: tests/multigpu/test_check_layouts.py.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "megafp8.train", *TINY, "--train-iters", "100000", "--save", str(tmp_path),
-         "--fp8-format", "hybrid"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "megafp8.train",
+            *TINY,
+            "--train-iters",
+            "100000",
+            "--save",
+            str(tmp_path),
+            "--fp8-format",
+            "hybrid",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+    while (
+        not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline
+    ):
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
@@ -253,16 +474,39 @@ def test_a_run_rolled_back_to_an_older_checkpoint_keeps_what_it_saves(tmp_path, 
     save = ["--save", str(tmp_path), "--save-interval", "5"]
     pretrain(TINY + save + ["--train-iters", "10"])
     capfd.readouterr()
-    pretrain(TINY + save + ["--train-iters", "7", "--lr-decay-iters", "10", "--load", str(tmp_path / "iter_0000005"),
-                            "--keep-last-checkpoints", "1"])
+    pretrain(
+        TINY
+        + save
+        + [
+            "--train-iters",
+            "7",
+            "--lr-decay-iters",
+            "10",
+            "--load",
+            str(tmp_path / "iter_0000005"),
+            "--keep-last-checkpoints",
+            "1",
+        ]
+    )
     assert "deleted the checkpoints of iterations 5, 10" in capfd.readouterr().out
     assert checkpointing.saved_iterations(tmp_path) == [7]
-    resumed = pretrain(TINY + save + ["--train-iters", "8", "--lr-decay-iters", "10", "--load", str(tmp_path)])
+    resumed = pretrain(
+        TINY + save + ["--train-iters", "8", "--lr-decay-iters", "10", "--load", str(tmp_path)]
+    )
     assert resumed.history[0][0] == 8
 
 
 def test_a_lost_pointer_resumes_from_the_checkpoint_saved_last(tmp_path, capsys):
-    argv = TINY + ["--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "2", "--lr-decay-iters", "6"]
+    argv = TINY + [
+        "--save",
+        str(tmp_path),
+        "--load",
+        str(tmp_path),
+        "--save-interval",
+        "2",
+        "--lr-decay-iters",
+        "6",
+    ]
     pretrain(argv + ["--train-iters", "4"])
     (tmp_path / checkpointing.LATEST).unlink()
     with pytest.warns(UserWarning, match="resuming from iteration 4, the one saved last"):
@@ -277,13 +521,37 @@ def test_a_second_run_on_a_save_folder_is_refused_before_it_writes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_a_streak_of_nonfinite_steps_neither_saves_nor_rotates_out_the_finite_checkpoint(tmp_path, capfd):
-    pretrain(TINY + ["--train-iters", "6", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
-                     "--skip-nonfinite-steps-max", "10", "--save", str(tmp_path), "--save-interval", "1",
-                     "--keep-last-checkpoints", "1"])
+def test_a_streak_of_nonfinite_steps_neither_saves_nor_rotates_out_the_finite_checkpoint(
+    tmp_path, capfd
+):
+    pretrain(
+        TINY
+        + [
+            "--train-iters",
+            "6",
+            "--lr",
+            "1e30",
+            "--lr-warmup-iters",
+            "0",
+            "--clip-grad",
+            "0",
+            "--skip-nonfinite-steps-max",
+            "10",
+            "--save",
+            str(tmp_path),
+            "--save-interval",
+            "1",
+            "--keep-last-checkpoints",
+            "1",
+        ]
+    )
     out = capfd.readouterr().out
-    streaks = {i: json.loads((checkpointing.iteration_dir(tmp_path, i) / "megafp8.json").read_text())["train"]
-               for i in checkpointing.saved_iterations(tmp_path)}
+    streaks = {
+        i: json.loads((checkpointing.iteration_dir(tmp_path, i) / "megafp8.json").read_text())[
+            "train"
+        ]
+        for i in checkpointing.saved_iterations(tmp_path)
+    }
     finite = [i for i, train in streaks.items() if train["skipped_in_a_row"] == 0]
     assert finite and 6 in streaks, (streaks, out)  # the last finite one, and the run's end
     assert "checkpoint postponed until a step is finite again" in out
@@ -292,6 +560,7 @@ def test_a_streak_of_nonfinite_steps_neither_saves_nor_rotates_out_the_finite_ch
 
 def test_the_distributed_timeout_reaches_the_process_group(monkeypatch):
     from megafp8.training import trainer
+
     seen = {}
     real = trainer.ParallelGroups.from_torchrun
 
@@ -306,19 +575,58 @@ def test_the_distributed_timeout_reaches_the_process_group(monkeypatch):
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
     with pytest.raises(NonFiniteError, match="3 steps in a row"):
-        pretrain(TINY + ["--train-iters", "20", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
-                         "--skip-nonfinite-steps-max", "3"])
+        pretrain(
+            TINY
+            + [
+                "--train-iters",
+                "20",
+                "--lr",
+                "1e30",
+                "--lr-warmup-iters",
+                "0",
+                "--clip-grad",
+                "0",
+                "--skip-nonfinite-steps-max",
+                "3",
+            ]
+        )
 
 
 def test_under_torchrun_a_configuration_problem_is_said_once_as_a_message():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "megafp8.train", *TINY, "--train-iters", "3", "--sequence-parallel",
-                           "--global-batch-size", "6"], cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "megafp8.train",
+            *TINY,
+            "--train-iters",
+            "3",
+            "--sequence-parallel",
+            "--global-batch-size",
+            "6",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0
-    assert done.stderr.count("megafp8-train: warning: --sequence-parallel has no effect") == 1, done.stderr
-    assert done.stderr.count("megafp8-train: error: --global-batch-size 6 is not divisible") == 1, done.stderr
-    assert "warnings.warn(" not in done.stderr and "Traceback" not in done.stderr.split("megafp8-train: error")[0]
+    assert done.stderr.count("megafp8-train: warning: --sequence-parallel has no effect") == 1, (
+        done.stderr
+    )
+    assert done.stderr.count("megafp8-train: error: --global-batch-size 6 is not divisible") == 1, (
+        done.stderr
+    )
+    assert (
+        "warnings.warn(" not in done.stderr
+        and "Traceback" not in done.stderr.split("megafp8-train: error")[0]
+    )
 
 
 def test_bad_flags_fail_at_start_up():
@@ -334,35 +642,94 @@ def reshard_body(rank, world_size, argv):
 
 def test_a_tp2_run_resumes_with_tp1(tmp_path):
     argv = TINY + ["--fp8-format", "hybrid", "--save", str(tmp_path)]
-    tp2 = run_on_ranks(reshard_body, 2, argv + ["--train-iters", "4", "--tensor-model-parallel-size", "2",
-                                                "--global-batch-size", "4", "--exit-interval", "2"])[0]
-    resumed = run_on_ranks(reshard_body, 1, argv + ["--train-iters", "4", "--global-batch-size", "4",
-                                                    "--load", str(tmp_path)])[0]
+    tp2 = run_on_ranks(
+        reshard_body,
+        2,
+        argv
+        + [
+            "--train-iters",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--exit-interval",
+            "2",
+        ],
+    )[0]
+    resumed = run_on_ranks(
+        reshard_body,
+        1,
+        argv + ["--train-iters", "4", "--global-batch-size", "4", "--load", str(tmp_path)],
+    )[0]
     assert [i for i, _ in tp2] == [1, 2] and [i for i, _ in resumed] == [3, 4]
-    straight = run_on_ranks(reshard_body, 2, TINY + ["--fp8-format", "hybrid", "--train-iters", "4",
-                                                     "--tensor-model-parallel-size", "2", "--global-batch-size", "4"])[0]
+    straight = run_on_ranks(
+        reshard_body,
+        2,
+        TINY
+        + [
+            "--fp8-format",
+            "hybrid",
+            "--train-iters",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "4",
+        ],
+    )[0]
     assert resumed[0][1] == pytest.approx(straight[2][1], rel=1e-3)
 
 
 def fp8_layer_records(rank, world_size, argv, save):
     pretrain(argv + ["--save", f"{save}"])
     metrics = Path(save) / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if rank == world_size - 1 else None
+    return (
+        [json.loads(line) for line in metrics.read_text().splitlines()]
+        if rank == world_size - 1
+        else None
+    )
 
 
-@pytest.mark.parametrize("ranks,extra", [
-    (1, []),
-    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]),
-])
+@pytest.mark.parametrize(
+    "ranks,extra",
+    [
+        (1, []),
+        (
+            4,
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--pipeline-model-parallel-size",
+                "2",
+            ],
+        ),
+    ],
+)
 def test_log_fp8_layers_records_every_layer_of_every_stage(tmp_path, ranks, extra):
-    argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--fp8-format", "hybrid", "--log-fp8-layers", *extra]
-    records = [r for r in run_on_ranks(fp8_layer_records, ranks, argv, tmp_path / "run") if r is not None][0]
+    argv = TINY + [
+        "--num-layers",
+        "4",
+        "--train-iters",
+        "3",
+        "--fp8-format",
+        "hybrid",
+        "--log-fp8-layers",
+        *extra,
+    ]
+    records = [
+        r for r in run_on_ranks(fp8_layer_records, ranks, argv, tmp_path / "run") if r is not None
+    ][0]
     logged = [r for r in records if "fp8_layers" in r]
     assert [r["iteration"] for r in logged] == [1, 2, 3]
     layers = logged[-1]["fp8_layers"]
     # Every FP8 linear of the four layers, on whichever stage it lives, by its global name.
-    assert list(layers) == [f"layers.{i}.{name}" for i in range(4)
-                            for name in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")]
+    assert list(layers) == [
+        f"layers.{i}.{name}"
+        for i in range(4)
+        for name in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")
+    ]
     for layer in layers.values():
         assert set(layer["roles"]) == {"input", "weight", "grad_output"}
         assert 0 <= layer["underflow"] < 0.5 and layer["saturation"] is not None
@@ -370,7 +737,9 @@ def test_log_fp8_layers_records_every_layer_of_every_stage(tmp_path, ranks, extr
 
 
 def test_log_fp8_layers_without_fp8_is_refused():
-    with pytest.raises(arguments.ArgumentsError, match="--log-fp8-layers given without --fp8-format"):
+    with pytest.raises(
+        arguments.ArgumentsError, match="--log-fp8-layers given without --fp8-format"
+    ):
         arguments.parse_args(TINY + ["--log-fp8-layers"])
 
 
@@ -382,21 +751,51 @@ def last_stage_losses(rank, world_size, argv):
 # FP8 on with pp = 2: each stage's amax group is one rank, as in one process, so the scales
 # agree. With dp > 1 the amaxes are maxed over replicas that saw other micro-batches (one
 # process sees them in turn), so FP8 scales, and losses, differ beyond this tolerance.
-@pytest.mark.parametrize("layout,extra", [
-    (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
-    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
-    # 6 layers over 4 virtual stages: the trainer sizes the first and last apart
-    (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-         "--balance-pipeline-split", "--num-layers", "6"]),
-    (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-])
+@pytest.mark.parametrize(
+    "layout,extra",
+    [
+        (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
+        (
+            2,
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ),
+        (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
+        # 6 layers over 4 virtual stages: the trainer sizes the first and last apart
+        (
+            2,
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--balance-pipeline-split",
+                "--num-layers",
+                "6",
+            ],
+        ),
+        (
+            8,
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+        ),
+    ],
+)
 def test_pipeline_layouts_match_one_process(layout, extra):
     argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "8"]
-    shared = [x for i, x in enumerate(extra)  # what the one process runs too: the model and its precision
-              if x in ("--fp8-format", "hybrid", "--num-layers") or i and extra[i - 1] == "--num-layers"]
+    shared = [
+        x
+        for i, x in enumerate(extra)  # what the one process runs too: the model and its precision
+        if x in ("--fp8-format", "hybrid", "--num-layers") or i and extra[i - 1] == "--num-layers"
+    ]
     reference = run_on_ranks(last_stage_losses, 1, argv + shared)[0]
-    assert_last_stages_match(run_on_ranks(last_stage_losses, layout, argv + extra), reference, rel=1e-4)
+    assert_last_stages_match(
+        run_on_ranks(last_stage_losses, layout, argv + extra), reference, rel=1e-4
+    )
 
 
 def assert_last_stages_match(histories, reference, rel):
@@ -411,11 +810,41 @@ def assert_last_stages_match(histories, reference, rel):
 # Tied embeddings under the distributed optimizer: each dp rank owns one slice of each copy's
 # gradient, and the first and last stage must own the same slice for their sum to be right. Small
 # buckets give each stage several, laid out differently; the embedding alone spans several.
-TIED = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
-        "--mock-data", "--vocab-size", "1024", "--ddp-bucket-size", "20000", "--log-interval", "1",
-        "--eval-iters", "0", "--seed", "1234"]
+TIED = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--lr-decay-style",
+    "cosine",
+    "--mock-data",
+    "--vocab-size",
+    "1024",
+    "--ddp-bucket-size",
+    "20000",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "1234",
+]
 
 
 def tied_run(rank, world_size, argv):
@@ -433,18 +862,38 @@ def tied_reference():
     return run_on_ranks(tied_run, 1, TIED)[0]
 
 
-@pytest.mark.parametrize("world_size,layout", [
-    (4, ["--pipeline-model-parallel-size", "2"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
-    (8, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-         "--decoder-last-pipeline-num-layers", "1"]),
-    # The last stage's tied embedding is read by its output layer, not its embedding's forward.
-    (4, ["--pipeline-model-parallel-size", "2", "--overlap-param-gather"]),
-], ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven", "pp2xdp2-overlap-param-gather"])
-def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(tied_reference, world_size, layout):
+@pytest.mark.parametrize(
+    "world_size,layout",
+    [
+        (4, ["--pipeline-model-parallel-size", "2"]),
+        (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
+        (
+            8,
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--decoder-last-pipeline-num-layers",
+                "1",
+            ],
+        ),
+        # The last stage's tied embedding is read by its output layer, not its embedding's forward.
+        (4, ["--pipeline-model-parallel-size", "2", "--overlap-param-gather"]),
+    ],
+    ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven", "pp2xdp2-overlap-param-gather"],
+)
+def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(
+    tied_reference, world_size, layout
+):
     assert 1024 * 64 > 20000  # the embedding is larger than a bucket
     history, norms, _ = tied_reference
-    results = [r for r in run_on_ranks(tied_run, world_size, TIED + layout + ["--use-distributed-optimizer"]) if r]
+    results = [
+        r
+        for r in run_on_ranks(tied_run, world_size, TIED + layout + ["--use-distributed-optimizer"])
+        if r
+    ]
     assert results
     for got_history, got_norms, difference in results:
         assert difference == 0.0
@@ -457,20 +906,51 @@ def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
     # The layout and options of examples/pretrain_llama2_7b_fp8.sh (RoPE, SwiGLU, untied output,
     # selective recomputation, distributed optimizer) at tp2 x pp2 x dp2.
     argv = ["llama-tiny" if a == "gpt-tiny" else a for a in TINY] + [
-        "--num-layers", "4", "--train-iters", "3", "--recompute-granularity", "selective",
-        "--use-distributed-optimizer"]
+        "--num-layers",
+        "4",
+        "--train-iters",
+        "3",
+        "--recompute-granularity",
+        "selective",
+        "--use-distributed-optimizer",
+    ]
     reference = run_on_ranks(last_stage_losses, 1, argv)[0]
-    layout = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     assert_last_stages_match(run_on_ranks(last_stage_losses, 8, argv + layout), reference, rel=1e-5)
 
 
 def test_a_pp2_run_resumes_with_pp1(tmp_path):
-    argv = TINY + ["--num-layers", "4", "--fp8-format", "hybrid", "--train-iters", "4", "--save", str(tmp_path)]
-    first = [h for h in run_on_ranks(last_stage_losses, 2, argv + ["--pipeline-model-parallel-size", "2",
-                                                                   "--exit-interval", "2"]) if h][0]
+    argv = TINY + [
+        "--num-layers",
+        "4",
+        "--fp8-format",
+        "hybrid",
+        "--train-iters",
+        "4",
+        "--save",
+        str(tmp_path),
+    ]
+    first = [
+        h
+        for h in run_on_ranks(
+            last_stage_losses,
+            2,
+            argv + ["--pipeline-model-parallel-size", "2", "--exit-interval", "2"],
+        )
+        if h
+    ][0]
     resumed = run_on_ranks(last_stage_losses, 1, argv + ["--load", str(tmp_path)])[0]
-    straight = run_on_ranks(last_stage_losses, 1, TINY + ["--num-layers", "4", "--fp8-format", "hybrid",
-                                                          "--train-iters", "4"])[0]
+    straight = run_on_ranks(
+        last_stage_losses,
+        1,
+        TINY + ["--num-layers", "4", "--fp8-format", "hybrid", "--train-iters", "4"],
+    )[0]
     assert [i for i, _ in first] == [1, 2] and [i for i, _ in resumed] == [3, 4]
     for (_, a), (_, b) in zip(first + resumed, straight):  # FP8 state of both stages carried over
         assert a == pytest.approx(b, rel=1e-4)
@@ -478,13 +958,28 @@ def test_a_pp2_run_resumes_with_pp1(tmp_path):
 
 def profiled_files(rank, world_size, argv):
     pretrain(argv)
-    return sorted(p.name for p in (Path(argv[argv.index("--tensorboard-dir") + 1]) / "profile").glob("*"))
+    return sorted(
+        p.name for p in (Path(argv[argv.index("--tensorboard-dir") + 1]) / "profile").glob("*")
+    )
 
 
 def test_profile_records_the_chosen_steps_on_the_chosen_ranks(tmp_path):
-    argv = TINY + ["--fp8-format", "hybrid", "--train-iters", "4", "--tensorboard-dir", str(tmp_path),
-                   "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
-                   "--profile-ranks", "1"]
+    argv = TINY + [
+        "--fp8-format",
+        "hybrid",
+        "--train-iters",
+        "4",
+        "--tensorboard-dir",
+        str(tmp_path),
+        "--profile",
+        "--use-pytorch-profiler",
+        "--profile-step-start",
+        "1",
+        "--profile-step-end",
+        "3",
+        "--profile-ranks",
+        "1",
+    ]
     names = run_on_ranks(profiled_files, 2, argv)[0]
     assert names == ["rank1_steps2-3.json", "rank1_steps2-3.txt"]
     summary = (tmp_path / "profile" / "rank1_steps2-3.txt").read_text()
@@ -498,8 +993,19 @@ def test_profile_flags_are_checked():
     with pytest.raises(arguments.ArgumentsError, match="only with --profile"):
         pretrain(TINY + ["--train-iters", "2", "--profile-step-start", "1"])
     with pytest.raises(arguments.ArgumentsError, match="must be after --profile-step-start"):
-        pretrain(TINY + ["--train-iters", "2", "--profile", "--use-pytorch-profiler",
-                         "--profile-step-start", "3", "--profile-step-end", "3"])
+        pretrain(
+            TINY
+            + [
+                "--train-iters",
+                "2",
+                "--profile",
+                "--use-pytorch-profiler",
+                "--profile-step-start",
+                "3",
+                "--profile-step-end",
+                "3",
+            ]
+        )
     with pytest.raises(arguments.ArgumentsError, match="needs a GPU"):
         pretrain(TINY + ["--train-iters", "2", "--profile"])
 
@@ -510,45 +1016,81 @@ def test_kernel_time_separates_exposed_communication():
     def kernel(name, ts, dur):
         return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
-    trace = {"traceEvents": [
-        kernel("sm90_gemm", 0, 100), kernel("quantize", 50, 100),       # compute 0..150
-        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 60),  # 30 beside, 30 alone
-        kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 300, 50),  # alone
-        kernel("sm90_gemm", 400, 10),
-        kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", 405, 20),
-        {"cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 440, "dur": 30},  # alone
-        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 500, "dur": 5},   # local: neither
-        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999}]}
+    trace = {
+        "traceEvents": [
+            kernel("sm90_gemm", 0, 100),
+            kernel("quantize", 50, 100),  # compute 0..150
+            kernel(
+                "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 60
+            ),  # 30 beside, 30 alone
+            kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 300, 50),  # alone
+            kernel("sm90_gemm", 400, 10),
+            kernel(
+                "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)",
+                405,
+                20,
+            ),
+            {
+                "cat": "gpu_memcpy",
+                "name": "Memcpy PtoP (Device -> Device)",
+                "ts": 440,
+                "dur": 30,
+            },  # alone
+            {
+                "cat": "gpu_memcpy",
+                "name": "Memcpy DtoD (Device -> Device)",
+                "ts": 500,
+                "dur": 5,
+            },  # local: neither
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999},
+        ]
+    }
     times = kernel_time(trace)
     assert times["kernels"] == 6
     assert times["busy_ms"] * 1000 == 150 + 30 + 50 + 25 + 30
     assert times["compute_ms"] * 1000 == 160
     assert times["communication_ms"] * 1000 == 60 + 50 + 20 + 30
     assert times["communication_exposed_ms"] * 1000 == 30 + 50 + 15 + 30
-    assert {kind: (t["count"], round(t["ms"] * 1000), round(t["exposed_ms"] * 1000))
-            for kind, t in times["by_kind"].items()} == {
-        "AllGather": (1, 60, 30), "ReduceScatter": (1, 50, 50), "symmetric-memory barriers": (1, 20, 15),
-        "peer copies": (1, 30, 30)}
+    assert {
+        kind: (t["count"], round(t["ms"] * 1000), round(t["exposed_ms"] * 1000))
+        for kind, t in times["by_kind"].items()
+    } == {
+        "AllGather": (1, 60, 30),
+        "ReduceScatter": (1, 50, 50),
+        "symmetric-memory barriers": (1, 20, 15),
+        "peer copies": (1, 30, 30),
+    }
     assert list(times["by_kind"])[0] == "AllGather"  # largest first
 
 
 def test_kernel_categories_name_what_the_step_spent_its_gpu_time_on():
     from megafp8.training.profiling import kernel_categories
 
-    names = {"nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_bias_TNN": "FP8 GEMMs",
-             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "other GEMMs",
-             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
-             "_quantize_kernel": "FP8 casts", "_statistics_kernel": "loss", "_adamw_kernel": "optimizer",
-             "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "norms/activations",
-             "ncclDevKernel_AllGather_RING_LL": "communication",
-             "_activation_backward_quantize_kernel": "norms/activations",
-             "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "other elementwise"}
-    events = [{"cat": "kernel", "name": name, "ts": i, "dur": 1000 * (i + 1)} for i, name in enumerate(names)]
-    categories = kernel_categories({"traceEvents": events + [{"cat": "cpu_op", "name": "aten::mm", "dur": 5}]})
+    names = {
+        "nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_bias_TNN": "FP8 GEMMs",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "other GEMMs",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "_quantize_kernel": "FP8 casts",
+        "_statistics_kernel": "loss",
+        "_adamw_kernel": "optimizer",
+        "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "norms/activations",
+        "ncclDevKernel_AllGather_RING_LL": "communication",
+        "_activation_backward_quantize_kernel": "norms/activations",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "other elementwise",
+    }
+    events = [
+        {"cat": "kernel", "name": name, "ts": i, "dur": 1000 * (i + 1)}
+        for i, name in enumerate(names)
+    ]
+    categories = kernel_categories(
+        {"traceEvents": events + [{"cat": "cpu_op", "name": "aten::mm", "dur": 5}]}
+    )
     expected = {}
     for i, category in enumerate(names.values()):
         expected[category] = expected.get(category, 0.0) + i + 1.0
-    assert categories == expected and list(categories.values()) == sorted(expected.values(), reverse=True)
+    assert categories == expected and list(categories.values()) == sorted(
+        expected.values(), reverse=True
+    )
 
 
 def test_a_finished_run_frees_its_model_and_gradient_buffer():
@@ -558,8 +1100,10 @@ def test_a_finished_run_frees_its_model_and_gradient_buffer():
     import weakref
 
     trainer = pretrain(TINY + ["--train-iters", "3"])
-    refs = [weakref.ref(obj) for obj in (trainer, trainer.buffer, trainer.optimizer,
-                                         next(trainer.model.parameters()))]
+    refs = [
+        weakref.ref(obj)
+        for obj in (trainer, trainer.buffer, trainer.optimizer, next(trainer.model.parameters()))
+    ]
     del trainer
     gc.collect()
     assert [ref() for ref in refs] == [None] * len(refs)
@@ -573,7 +1117,9 @@ def test_gradient_accumulation_fusion_can_be_turned_off():
     trainer = pretrain(fp8 + ["--no-gradient-accumulation-fusion"])
     linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
     assert linears and not any(m.fuse_wgrad_accumulation for m in linears)
-    assert [loss for _, loss in trainer.history] == pytest.approx([loss for _, loss in fused], rel=1e-3)
+    assert [loss for _, loss in trainer.history] == pytest.approx(
+        [loss for _, loss in fused], rel=1e-3
+    )
 
 
 def test_neighbour_fusion_can_be_turned_off():
@@ -585,13 +1131,14 @@ def test_neighbour_fusion_can_be_turned_off():
     trainer = pretrain(fp8 + ["--no-fp8-neighbour-fusion"])
     linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
     assert linears and not any(m.fuse_neighbours for m in linears)
-    assert [loss for _, loss in trainer.history] == pytest.approx([loss for _, loss in fused.history], rel=1e-3)
+    assert [loss for _, loss in trainer.history] == pytest.approx(
+        [loss for _, loss in fused.history], rel=1e-3
+    )
 
 
 def test_a_data_path_per_split_trains_and_evaluates_on_its_own_documents(tmp_path):
     """--train-data-path / --valid-data-path: validation on the held-out prefix only."""
     import numpy as np
-
     from megafp8.data import IndexedDatasetBuilder
 
     rng = np.random.default_rng(0)
@@ -600,22 +1147,54 @@ def test_a_data_path_per_split_trains_and_evaluates_on_its_own_documents(tmp_pat
             for _ in range(40):
                 builder.add_item(rng.integers(low, low + 255, size=int(rng.integers(20, 80))))
                 builder.end_document()
-    trainer = pretrain(["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2",
-                        "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--log-interval", "2",
-                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
-                        "--train-data-path", str(tmp_path / "train"), "--valid-data-path", str(tmp_path / "valid"),
-                        "--eval-interval", "2", "--eval-iters", "2", "--save", str(tmp_path / "run")])
+    trainer = pretrain(
+        [
+            "--model",
+            "gpt-tiny",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "4",
+            "--lr",
+            "1e-3",
+            "--log-interval",
+            "2",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "512",
+            "--train-data-path",
+            str(tmp_path / "train"),
+            "--valid-data-path",
+            str(tmp_path / "valid"),
+            "--eval-interval",
+            "2",
+            "--eval-iters",
+            "2",
+            "--save",
+            str(tmp_path / "run"),
+        ]
+    )
     assert trainer.test_data is None
-    assert all(int(trainer.train_data[i]["tokens"].max()) < 256 for i in range(len(trainer.train_data)))
-    assert all(int(trainer.valid_data[i]["tokens"].min()) >= 256 for i in range(len(trainer.valid_data)))
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(
+        int(trainer.train_data[i]["tokens"].max()) < 256 for i in range(len(trainer.train_data))
+    )
+    assert all(
+        int(trainer.valid_data[i]["tokens"].min()) >= 256 for i in range(len(trainer.valid_data))
+    )
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in records if "valid_loss" in r] == [2, 4]
 
 
 def test_data_seed_keeps_the_data_order_while_seed_changes_the_initialisation(tmp_path):
     """--data-seed: the yardstick run of docs/convergence.md, another initialisation on the same batches."""
     import numpy as np
-
     from megafp8.data import IndexedDatasetBuilder
 
     rng = np.random.default_rng(0)
@@ -625,10 +1204,33 @@ def test_data_seed_keeps_the_data_order_while_seed_changes_the_initialisation(tm
             builder.end_document()
 
     def run(*seeds):
-        trainer = pretrain(["--model", "gpt-tiny", "--seq-length", "32", "--micro-batch-size", "2",
-                            "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3", "--log-interval", "1",
-                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--eval-iters", "0",
-                            "--train-data-path", str(tmp_path / "train"), *seeds])
+        trainer = pretrain(
+            [
+                "--model",
+                "gpt-tiny",
+                "--seq-length",
+                "32",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "4",
+                "--train-iters",
+                "1",
+                "--lr",
+                "1e-3",
+                "--log-interval",
+                "1",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "512",
+                "--eval-iters",
+                "0",
+                "--train-data-path",
+                str(tmp_path / "train"),
+                *seeds,
+            ]
+        )
         order = [trainer.train_data[i]["tokens"].tolist() for i in range(4)]
         return order, trainer.history[0][1]
 
@@ -639,14 +1241,16 @@ def test_data_seed_keeps_the_data_order_while_seed_changes_the_initialisation(tm
     assert other_init != loss
 
 
-def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(tmp_path, monkeypatch, capsys):
+def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(
+    tmp_path, monkeypatch, capsys
+):
     """An id the embedding has no row for (gpt-tiny pads a vocabulary of 500 to 512 rows) once
     crashed iteration 1 with a raw IndexError: now the run stops at start-up with one line."""
     import warnings
 
     import numpy as np
-
     from megafp8.data import IndexedDatasetBuilder
+
     from megafp8.training import trainer
 
     rng = np.random.default_rng(0)
@@ -656,18 +1260,46 @@ def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(tmp_pat
             tokens[0] = 700  # made with another tokenizer: an id in every batch
             builder.add_item(tokens)
             builder.end_document()
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it for the process
-    monkeypatch.setattr(sys, "argv", ["megafp8-train", "--model", "gpt-tiny", "--seq-length", "32",
-                                      "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
-                                      "--lr", "1e-3", "--log-interval", "1", "--tokenizer-type", "NullTokenizer",
-                                      "--vocab-size", "500", "--eval-iters", "0",
-                                      "--train-data-path", str(tmp_path / "train")])
+    monkeypatch.setattr(
+        warnings, "formatwarning", warnings.formatwarning
+    )  # main() sets it for the process
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "megafp8-train",
+            "--model",
+            "gpt-tiny",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "2",
+            "--lr",
+            "1e-3",
+            "--log-interval",
+            "1",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "500",
+            "--eval-iters",
+            "0",
+            "--train-data-path",
+            str(tmp_path / "train"),
+        ],
+    )
     with pytest.raises(SystemExit) as stopped:
         trainer.main()
     out, err = capsys.readouterr()
     assert stopped.value.code == 2
-    assert err == (f"megafp8-train: error: {tmp_path / 'train.bin'}: its largest token id is 700, past the "
-                   "vocabulary of 500 tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize "
-                   "it with this run's tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data "
-                   "was made with\n")
+    assert err == (
+        f"megafp8-train: error: {tmp_path / 'train.bin'}: its largest token id is 700, past the "
+        "vocabulary of 500 tokens (ids 0 to 499): the data was made with another tokenizer. Re-tokenize "
+        "it with this run's tokenizer (tools/preprocess_data.py), or give the run the tokenizer the data "
+        "was made with\n"
+    )
     assert "iteration" not in out  # no step ran
