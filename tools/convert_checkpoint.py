@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from megafp8.data.tokenizers import build_tokenizer
-from megafp8.models.config import RopeScaling, TransformerConfig
+from megafp8.models.config import TransformerConfig
 from megafp8.models.hf_mapping import (
     HF_BUFFERS,
     HF_EMBEDDING,
@@ -159,21 +159,6 @@ def _check_files(path: Path, metadata, keys) -> None:
             f"incomplete megafp8 checkpoint {path}: its .metadata names "
             f"{', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} missing"
         )
-
-
-def _legacy_config(args, vocab_size: int) -> TransformerConfig:
-    """The model of a checkpoint written before megafp8.json recorded it ("model"): rebuilt from
-    the run's arguments, plus the settings without a flag that from-hf then kept apart."""
-    try:
-        config = arguments.model_config(args, vocab_size)
-        overrides = dict(getattr(args, "model_overrides", None) or {})
-        if overrides.get("rope_scaling") is not None:
-            overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
-        return config.replace(**overrides)
-    except (ValueError, TypeError) as error:
-        raise ConversionError(
-            f"megafp8.json's args do not describe a valid model: {error}"
-        ) from None
 
 
 def _tokenizer_in(folder) -> tuple | None:
@@ -327,8 +312,6 @@ def to_hf(
     stored = metadata.state_dict_metadata
     if "model/embedding.weight" not in stored:
         raise ConversionError(f"incomplete megafp8 checkpoint {path}: no model/embedding.weight")
-    if config is None:  # written before megafp8.json recorded the model
-        config = _legacy_config(args, int(stored["model/embedding.weight"].size[0]))
     try:
         arch = hf_architecture(config)
     except HFMappingError as error:

@@ -698,8 +698,7 @@ def _resolve_model(args, given) -> TransformerConfig | None:
             + (f" (did you mean {close[0]}?)" if close else "")
             + f"; presets: {', '.join(PRESETS)}"
         )
-    # A first run of `--save X --load X` finds nothing, and a checkpoint from before megafp8.json
-    # recorded the model gives none: then the flags describe the model, as they always did.
+    # A first run of `--save X --load X` finds no checkpoint: then the flags describe the model.
     checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
     if saved is not None:
         _check_saved_model(args, saved, checkpoint)

@@ -194,9 +194,17 @@ def _record(checkpoint: Path) -> dict:
         return {}
 
 
+# megafp8.json's format. A reader refuses any other, so that a checkpoint it would misread is an
+# error saying so: raise it when a field changes meaning or a new one is required, and say what
+# changed in docs/checkpoints.md.
+FORMAT = 1
+_RECORDED = ("iteration", "args", "train", "model")  # what format 1 records beside "format"
+
+
 def checkpoint_info(checkpoint) -> dict:
-    """A checkpoint's megafp8.json: {"iteration", "args", "train", "model"} ({} if it has none;
-    checkpoints written before it recorded the model have no "model")."""
+    """A checkpoint's megafp8.json: {"format", "iteration", "saved_at", "args", "train", "model"}
+    ({} if it has none); a record of another format, or one that lacks a field, is a
+    CheckpointError."""
     path = Path(checkpoint) / "megafp8.json"
     if not path.exists():
         return {}
@@ -206,15 +214,35 @@ def checkpoint_info(checkpoint) -> dict:
         raise CheckpointError(f"{path} is not valid JSON ({error})") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"{path} should hold a JSON object, not a {type(info).__name__}")
+    version = info.get("format")
+    if version is None:
+        raise CheckpointError(
+            f"{path} names no checkpoint format: a megafp8 from before the format was versioned "
+            f"wrote it, and this one reads format {FORMAT} only; convert it to Hugging Face with the "
+            "megafp8 that wrote it (tools/convert_checkpoint.py to-hf), then back with this one"
+        )
+    if version != FORMAT:
+        newer = isinstance(version, int) and version > FORMAT
+        raise CheckpointError(
+            f"{path} is in checkpoint format {version!r}; this megafp8 reads format {FORMAT} only"
+            + (": upgrade megafp8 to load it" if newer else "")
+        )
+    missing = [key for key in _RECORDED if key not in info]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(repr(key) for key in missing)}, which checkpoint format "
+            f"{FORMAT} records: it was edited or damaged"
+        )
     return info
 
 
-def saved_model_config(checkpoint) -> TransformerConfig | None:
-    """The model config a checkpoint (an iter_N folder) recorded in its megafp8.json, or None for
-    one written before megafp8.json recorded the model (its run's flags describe it)."""
+def saved_model_config(checkpoint) -> TransformerConfig:
+    """The model config a checkpoint (an iter_N folder) recorded in its megafp8.json."""
     info = checkpoint_info(checkpoint)
-    if "model" not in info:
-        return None
+    if not info:
+        raise CheckpointError(
+            f"{checkpoint} has no megafp8.json, which records the model: not a complete checkpoint"
+        )
     try:
         return TransformerConfig.from_dict(info["model"])
     except (ValueError, TypeError) as error:
@@ -225,13 +253,11 @@ def saved_model_config(checkpoint) -> TransformerConfig | None:
 
 def latest_model_config(load) -> tuple[Path, TransformerConfig] | None:
     """(checkpoint, model config) of the checkpoint a --load folder designates (its latest, or
-    itself if it is one); None without --load (`load` None), if the folder has no checkpoint yet,
-    or if its checkpoint predates megafp8.json's "model"."""
+    itself if it is one); None without --load (`load` None) or if the folder has no checkpoint yet."""
     checkpoint = latest_checkpoint(load) if load is not None else None
     if checkpoint is None:
         return None
-    config = saved_model_config(checkpoint)
-    return None if config is None else (checkpoint, config)
+    return checkpoint, saved_model_config(checkpoint)
 
 
 def _describe(iterations) -> str:
@@ -608,6 +634,7 @@ def write_checkpoint(
     state["train"] = json.dumps(train_state)  # one object: DCP would flatten a dict into keys
     record = json.dumps(
         {
+            "format": FORMAT,
             "iteration": iteration,
             "saved_at": time.time(),
             "args": args,
@@ -723,8 +750,8 @@ def _own_file_name(name: str) -> bool:
 def verify_checkpoint(checkpoint) -> None:
     """Check a checkpoint's files against the checksums recorded with it; raise a CheckpointError
     naming the first damaged file. The files are shared out over the ranks (collective when
-    torch.distributed is initialised). Files without a record (a checkpoint saved before
-    checksums were, or killed before its record was written) pass."""
+    torch.distributed is initialised). Files without a record (a process killed before its
+    record was written) pass."""
     wait_for_checksums()  # one this process saved may still be hashing
     checkpoint = Path(checkpoint)
     files = {}

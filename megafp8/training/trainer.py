@@ -143,7 +143,7 @@ class Trainer:
         vocab_size = self.tokenizer.vocab_size if self.tokenizer else args.vocab_size
         self.eod = self.tokenizer.eod if self.tokenizer else vocab_size - 1
         # The model --load's checkpoint recorded is this run's model (None: no checkpoint there
-        # yet, or one from before megafp8.json recorded the model: the flags describe it).
+        # yet, the flags describe it).
         checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
         if saved is not None and saved.vocab_size != vocab_size:
             source = (
@@ -651,9 +651,7 @@ class Trainer:
     def _note_data_order_change(self, saved: dict):
         """Say so when the resumed run draws its batches in another order than the checkpoint's run
         (whose flags are `saved`)."""
-        before = saved.get(
-            "data_seed", saved.get("seed")
-        )  # runs from before --data-seed: their --seed
+        before = saved.get("data_seed")
         if before is not None and before != self.args.data_seed:
             self._print(
                 f"note: resuming with --data-seed {self.args.data_seed} where the checkpoint's run drew its "

@@ -649,57 +649,6 @@ def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path
     assert back[setting] == (LLAMA3_ROPE if setting == "rope_parameters" else "gelu")
 
 
-def test_checkpoints_from_before_the_model_was_recorded_convert_from_their_args(trained, tmp_path):
-    """Written before megafp8.json had "model": to-hf rebuilds the model from the run's arguments,
-    and from-hf's model_overrides of then (settings without a flag) still apply."""
-
-    def without_model(folder, **args):
-        record = next(Path(folder).glob("iter_*/megafp8.json"))
-        info = json.loads(record.read_text())
-        del info["model"]
-        info["args"].update(args)
-        record.write_text(json.dumps(info))
-        return folder
-
-    run = without_model(shutil.copytree(trained / "gpt-tiny", tmp_path / "run"))
-    convert.to_hf(run, tmp_path / "run-hf", progress=False, no_tokenizer=True)
-    assert_same_weights(trained / "gpt-tiny-hf", tmp_path / "run-hf")
-
-    hf = randomize(small_gpt2(activation_function="gelu", resid_pdrop=0.0, attn_pdrop=0.0))
-    hf.save_pretrained(tmp_path / "hf")
-    with pytest.warns(UserWarning, match="no tokenizer files"):
-        convert.from_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
-    flags = arguments.parse_args(
-        [
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "64",
-            "--num-attention-heads",
-            "4",
-            "--max-position-embeddings",
-            "64",
-            "--mock-data",
-            "--vocab-size",
-            "400",
-            "--train-iters",
-            "1",
-            "--micro-batch-size",
-            "1",
-            "--lr",
-            "1e-3",
-        ]
-    )
-    without_model(
-        tmp_path / "ckpt", **arguments.args_to_dict(flags), model_overrides={"activation": "gelu"}
-    )
-    convert.to_hf(tmp_path / "ckpt", tmp_path / "out", progress=False, no_tokenizer=True)
-    assert (
-        json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu"
-    )
-    assert_same_weights(tmp_path / "hf", tmp_path / "out")
-
-
 def test_a_run_converted_from_another_folder_generates_text(tmp_path):
     """The quickstart's way, shrunk: relative paths everywhere, then to-hf run from elsewhere.
     The checkpoint folder holds the tokenizer, so the HF folder gets it and generates."""

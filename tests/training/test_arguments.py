@@ -20,6 +20,7 @@ from megafp8.training.arguments import (
     parse_args,
     validate_args,
 )
+from megafp8.training.checkpointing import CheckpointError
 
 BASE = "--model gpt-tiny --mock-data --train-iters 10 --lr 1e-3 --micro-batch-size 2"
 
@@ -235,13 +236,13 @@ def test_without_a_saved_model_the_flags_describe_it(tmp_path):
     (tmp_path / "run").mkdir()
     fails(f"--load {tmp_path / 'run'}", "no model", "--model", base=LOAD_BASE)
     assert parse(f"--load {tmp_path / 'run'} --model gpt-tiny", LOAD_BASE).num_layers == 2
-    # A checkpoint from before megafp8.json recorded the model: the same.
-    checkpoint = saved_checkpoint(tmp_path / "old", preset("gpt-tiny", num_layers=3))
+    # A record without the model is not guessed from the flags: refused as damaged.
+    checkpoint = saved_checkpoint(tmp_path / "damaged", preset("gpt-tiny", num_layers=3))
     info = json.loads((checkpoint / "megafp8.json").read_text())
     del info["model"]
     (checkpoint / "megafp8.json").write_text(json.dumps(info))
-    fails(f"--load {tmp_path / 'old'}", "no model", base=LOAD_BASE)
-    assert parse(f"--load {tmp_path / 'old'} --model gpt-tiny", LOAD_BASE).num_layers == 2
+    with pytest.raises(CheckpointError, match="lacks 'model', which checkpoint format 1 records"):
+        parse(f"--load {tmp_path / 'damaged'} --model gpt-tiny", LOAD_BASE)
 
 
 # ---- unknown flags and choices ----------------------------------------------------------------

@@ -424,7 +424,7 @@ def test_the_model_config_is_recorded_and_read_back(tmp_path):
         assert checkpointing.latest_model_config(load) is None
 
 
-def test_a_checkpoint_from_before_the_model_was_recorded_gives_none(tmp_path):
+def test_a_record_of_another_format_is_refused_with_what_to_do(tmp_path):
     path = checkpointing.write_checkpoint(
         tmp_path,
         1,
@@ -433,11 +433,32 @@ def test_a_checkpoint_from_before_the_model_was_recorded_gives_none(tmp_path):
         args={},
         model_config=preset("gpt-tiny"),
     )
-    info = json.loads((path / "megafp8.json").read_text())
-    del info["model"]
-    (path / "megafp8.json").write_text(json.dumps(info))
-    assert checkpointing.saved_model_config(path) is None
-    assert checkpointing.latest_model_config(tmp_path) is None
+    record = path / "megafp8.json"
+    info = json.loads(record.read_text())
+    assert info["format"] == checkpointing.FORMAT == 1
+
+    def refused(edit, match):
+        record.write_text(json.dumps(edit(dict(info))))
+        with pytest.raises(checkpointing.CheckpointError, match=match):
+            checkpointing.latest_model_config(tmp_path)
+
+    refused(
+        lambda i: {k: v for k, v in i.items() if k != "format"},
+        r"names no checkpoint format: .* reads format 1 only; convert it to Hugging Face",
+    )
+    refused(
+        lambda i: {**i, "format": 2},
+        r"is in checkpoint format 2; this megafp8 reads format 1 only: upgrade",
+    )
+    refused(
+        lambda i: {k: v for k, v in i.items() if k != "model"},
+        r"lacks 'model', which checkpoint format 1 records",
+    )
+    record.unlink()
+    with pytest.raises(
+        checkpointing.CheckpointError, match="has no megafp8.json, which records the model"
+    ):
+        checkpointing.saved_model_config(path)
 
 
 @pytest.mark.parametrize(
@@ -570,7 +591,16 @@ def saved(folder, iteration, when, streak=0):
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
     (path / "megafp8.json").write_text(
-        json.dumps({"saved_at": when, "train": {"skipped_in_a_row": streak}})
+        json.dumps(
+            {
+                "format": checkpointing.FORMAT,
+                "iteration": iteration,
+                "saved_at": when,
+                "args": {},
+                "train": {"skipped_in_a_row": streak},
+                "model": {},
+            }
+        )
     )
     (folder / checkpointing.LATEST).write_text(str(iteration))
 
