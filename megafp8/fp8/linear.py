@@ -368,8 +368,8 @@ class Fp8Linear(nn.Linear):
 
 @dataclass(frozen=True)
 class _Collectives:
-    """The sequence-parallel collective around one FP8 linear (Fp8Linear.fp8_linear's arguments);
-    groups of one rank count as none."""
+    """The sequence-parallel collective around one linear (the gather and scatter groups of
+    Fp8Linear.fp8_linear and high_precision_linear); groups of one rank count as none."""
 
     gather: object = None
     scatter: object = None
@@ -379,6 +379,13 @@ class _Collectives:
         for name in ("gather", "scatter"):
             if collectives.group_size(getattr(self, name)) <= 1:
                 object.__setattr__(self, name, None)
+
+    def check_bias(self, bias) -> None:
+        """A reduce-scattered output is a partial sum until the scatter: its bias comes after."""
+        if self.scatter is not None and bias is not None:
+            raise ValueError(
+                "a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
+            )
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -402,10 +409,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         wgrad_fp8 = weight.requires_grad and not wgrad_hp
         dgrad_fp8 = x.requires_grad and not dgrad_hp
         gather, scatter = comm.gather, comm.scatter
-        if scatter is not None and bias is not None:
-            raise ValueError(
-                "an FP8 linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
-            )
+        comm.check_bias(bias)
         fp8_gather = gather is not None and not fprop_hp
         if gather is not None and not fp8_gather:
             x2 = collectives.all_gather(x2, gather)  # a high-precision forward GEMM
@@ -725,10 +729,7 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
                 x2.contiguous(), comm.gather, gemm, y
             )  # kept for wgrad
         else:
-            if bias is not None:
-                raise ValueError(
-                    "a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
-                )
+            comm.check_bias(bias)
             y = collective_gemm.gemm_reduce_scatter(
                 x2, comm.scatter, gemm, weight.shape[0], x2.dtype
             )

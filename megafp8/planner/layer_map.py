@@ -111,12 +111,17 @@ def write(layer_map: dict, path) -> None:
     os.replace(partial, path)
 
 
-def read(path) -> dict:
-    """The map at `path`; ValueError, saying what is wrong, if it is no map with points."""
+def read_json(path):
+    """A measurement file's JSON; ValueError naming the file if it cannot be read as JSON."""
     try:
-        layer_map = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+
+
+def read(path) -> dict:
+    """The map at `path`; ValueError, saying what is wrong, if it is no map with points."""
+    layer_map = read_json(path)
     if not isinstance(layer_map, dict) or not layer_map.get("points"):
         raise ValueError(
             f"{path}: no layer-map points in it (write one with benchmarks/bench_layer_grid.py)"

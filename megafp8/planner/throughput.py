@@ -37,11 +37,9 @@ NVLink bandwidth, not the network's).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from megafp8.models.config import TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
@@ -102,7 +100,7 @@ class Calibration:
             calibration.devices.append(data.get("device", UNKNOWN_DEVICE))
             calibration.sources.append(f"{path} ({calibration.devices[-1]})")
         if collectives is not None:
-            data = _read(collectives)
+            data = layer_map.read_json(collectives)
             if not data.get("results"):
                 raise ValueError(
                     f"{collectives}: no collective results in it "
@@ -241,13 +239,6 @@ class Calibration:
                 f"{nearest['bytes'] / 2**20:.0f} MiB"
             )
         return nbytes * BUS_FACTOR[op](group_size) / (nearest["busbw_gbs"] * 1e6)
-
-
-def _read(path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not a readable JSON file ({error})") from None
 
 
 def predict(
