@@ -109,10 +109,9 @@ train() {
     min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
     echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed, data seed $data_seed) in $dir"
     # Stopping leaves a minute for the checkpoint; the trainer counts from its own start.
-    local status=0
+    local status=0 args
     # shellcheck disable=SC2086  # MODEL_ARGS is a word list on purpose
-    torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train \
-        --model "$model" --seq-length "$SEQ" $MODEL_ARGS \
+    args=(--model "$model" --seq-length "$SEQ" $MODEL_ARGS \
         --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$iters" \
         --lr "$lr" --min-lr "$min_lr" --lr-warmup-iters "$warmup" --lr-decay-style cosine \
         --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed "$seed" --data-seed "$data_seed" \
@@ -121,8 +120,11 @@ train() {
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
         --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" \
         --save "$dir" --load "$dir" --keep-last-checkpoints 1 \
-        --exit-duration-in-mins "$(python -c "print(($left - 60) / 60)")" \
-    || status=$?
+        --exit-duration-in-mins "$(python -c "print(($left - 60) / 60)")")
+    # The trainer's checks of the flags before torchrun: a mistake is one line and exit status 2
+    # (explicit: a function called with || runs without set -e).
+    WORLD_SIZE=$GPUS python -m megafp8.train --check-args "${args[@]}" >/dev/null || exit "$?"
+    torchrun --standalone --nproc-per-node "$GPUS" -m megafp8.train "${args[@]}" || status=$?
     if [ "$status" != 0 ]; then echo "convergence_study: run $name failed (status $status)" >&2; exit "$status"; fi
     finished "$dir" "$iters" || return 1
 }
