@@ -34,9 +34,8 @@ from megafp8.collectives import all_gather_into, group_size, reduce_scatter_into
 from megafp8.fp8.gemm import fp8_gemm
 
 TRANSPORTS = ("nccl", "copy-engine")
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # its siblings' timing helpers (microseconds)
+# its siblings' timing helpers (microseconds)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def shapes(hidden: int, ffn: int, tp: int) -> list:

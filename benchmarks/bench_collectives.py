@@ -134,9 +134,8 @@ def run(args, device: torch.device, sizes: list[int]) -> list[dict]:
     element = DTYPES[args.dtype].itemsize
     results = []
     for op in args.ops:
-        for k in (
-            sizes if op != "send_recv" else [k for k in sizes if k == 2]
-        ):  # send_recv: pairs, k = 2
+        # send_recv: pairs, k = 2
+        for k in sizes if op != "send_recv" else [k for k in sizes if k == 2]:
             for mib in args.sizes_mb:
                 numel = max(k, round(mib * 2**20 / element / k) * k)
                 size = numel * element
@@ -149,12 +148,13 @@ def run(args, device: torch.device, sizes: list[int]) -> list[dict]:
                 backend = dist.get_backend(groups[k])
                 if op == "reduce_scatter" and backend in backends_without_reduce_scatter:
                     # megafp8 fell back to an all-reduce, alike on every rank: that is not the collective
+                    # said once, by rank 0
                     raise SystemExit(
                         f"bench_collectives: error: the {backend} backend has no reduce-scatter (megafp8 "
                         "runs an all-reduce instead); leave reduce_scatter out of --ops"
                         if rank == 0
                         else 1
-                    )  # said once, by rank 0
+                    )
                 algbw = size / ms / 1e6  # bytes per ms / 1e6 = GB/s
                 results.append(
                     {

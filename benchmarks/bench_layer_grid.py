@@ -105,9 +105,8 @@ def layer_flops(config, tokens: int, seq_length: int) -> float:
     )
     ffn = config.ffn_size * (3 if config.activation == "swiglu" else 2)
     linear = 2 * tokens * h * ((heads + 2 * kv) * d + heads * d + ffn)
-    attention = (
-        2 * tokens * seq_length * heads * d
-    )  # QK^T and PV, half of each under the causal mask
+    # QK^T and PV, half of each under the causal mask
+    attention = 2 * tokens * seq_length * heads * d
     return 3 * (linear + attention)
 
 
@@ -141,9 +140,8 @@ def time_point(config, seq, micro_batch, recipes, tp_group, planner=False, overl
     "host_pass_ms" (that of a HOST_STACK-layer stack, split per layer and per pass), "selective_ms" (the step with
     selective recomputation, the attention core run again in backward, graphed as the trainer
     graphs it) and "head" (the output end); `overlap`: the layers' --tp-comm-overlap."""
-    sys.path.insert(
-        0, str(Path(__file__).resolve().parent)
-    )  # the benchmarks' shared CUDA-graph helper
+    # the benchmarks' shared CUDA-graph helper
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_fp8_linear import graphed
     from megafp8.models.rope import rotary_tables
     from megafp8.models.transformer import TransformerLayer
@@ -431,9 +429,8 @@ def run_grid(args) -> dict:
                     )
                 points.append(point)
                 if rank == 0:
-                    layer_map.write(
-                        result, args.output
-                    )  # after every point: a grid cut short keeps what it measured
+                    # after every point: a grid cut short keeps what it measured
+                    layer_map.write(result, args.output)
                     print(
                         f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
                         + "  ".join(

@@ -79,9 +79,8 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
             else []
         )
     a, groups = trainer.args, trainer.groups
-    if (
-        trainer.iteration < a.train_iters
-    ):  # stopped early (SIGTERM, --exit-*): no figures for a partial run
+    # stopped early (SIGTERM, --exit-*): no figures for a partial run
+    if trainer.iteration < a.train_iters:
         raise SystemExit(
             f"bench_layouts: the {precision} run stopped at iteration {trainer.iteration} of "
             f"{a.train_iters}; nothing recorded for it"

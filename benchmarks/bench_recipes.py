@@ -62,6 +62,7 @@ def run_recipe(recipe: Path, layout: str, precision: str, args, folder: Path) ->
         "WORKDIR": str(args.output / "data"),
     }
     with open(folder / "run.log", "w") as log:
+        # a failed run is a row of the table
         status = subprocess.run(
             ["bash", str(recipe)],
             env=env,
@@ -69,7 +70,7 @@ def run_recipe(recipe: Path, layout: str, precision: str, args, folder: Path) ->
             stdout=log,
             stderr=subprocess.STDOUT,
             check=False,
-        ).returncode  # a failed run is a row of the table
+        ).returncode
     speeds = [
         record["tokens_per_sec"]
         for record in _records(folder / "metrics.jsonl")

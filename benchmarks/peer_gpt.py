@@ -170,9 +170,8 @@ def build(config: TransformerConfig, variant: str, device: torch.device) -> GPT:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         recipe = Float8LinearConfig.from_recipe_name(variant.removeprefix("float8_"))
-        convert_to_float8_training(
-            model.blocks, config=recipe
-        )  # the blocks only: the output layer stays bf16
+        # the blocks only: the output layer stays bf16
+        convert_to_float8_training(model.blocks, config=recipe)
     if variant != "bf16":
         for block in model.blocks:
             block.compile()

@@ -53,9 +53,8 @@ class IndexedDatasetBuilder:
     def __init__(self, prefix, dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        if (
-            self.dtype not in _CODES or self.dtype.kind not in "iu"
-        ):  # the reader refuses float tokens
+        # the reader refuses float tokens
+        if self.dtype not in _CODES or self.dtype.kind not in "iu":
             raise ValueError(
                 f"unsupported token dtype {self.dtype}; one of "
                 f"{sorted(str(dtype) for dtype in _CODES if dtype.kind in 'iu')}"

@@ -131,9 +131,8 @@ class _Workspace:
             dtype=torch.uint8,
             device=torch.cuda.current_device(),
         )
-        self.handle = symmetric.rendezvous(
-            self.mine, self.group.group_name
-        )  # collective over the group
+        # collective over the group
+        self.handle = symmetric.rendezvous(self.mine, self.group.group_name)
         self.peers = [
             self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8)
             for rank in range(self.size)
@@ -180,9 +179,8 @@ class _Workspace:
         multiplies its own rows, and adds them."""
         rows = a.shape[0] // self.size
         region = self._scatter_region(a.shape[0], out_features, dtype)
-        for step in range(
-            1, self.size
-        ):  # the previous call's reads are done: its barrier was joined
+        # the previous call's reads are done: its barrier was joined
+        for step in range(1, self.size):
             peer = (self.rank + step) % self.size
             gemm(a[peer * rows : (peer + 1) * rows], region[peer * rows : (peer + 1) * rows])
         pulled = self._pull_partials(rows, out_features, dtype)
@@ -247,9 +245,8 @@ def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(size: int) -> int:
-    return (
-        -(-size // 256) * 256
-    )  # regions start on 256-byte boundaries, as the GEMMs writing them expect
+    # regions start on 256-byte boundaries, as the GEMMs writing them expect
+    return -(-size // 256) * 256
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

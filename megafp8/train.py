@@ -28,11 +28,12 @@ def check_args(argv) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run itself says them
             args = arguments.validate_args(arguments.parse_args(argv), world_size)
+    # what the trainer says in one line
     except (
         checkpointing.CheckpointError,
         ValueError,
         OSError,
-    ) as error:  # what the trainer says in one line
+    ) as error:
         print(f"megafp8-train: error: {error}", file=sys.stderr)
         return 2
     micro = args.num_micro_batches

@@ -64,9 +64,8 @@ if triton is not None:
 
         @triton.jit
         def round_to(y, dtype: tl.constexpr):
-            if (
-                dtype == tl.bfloat16
-            ):  # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
+            # on the bits, as cvt.rn does; NaN, whose bits would carry, kept
+            if dtype == tl.bfloat16:
                 bits = y.to(tl.uint32, bitcast=True)
                 bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
                 y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)

@@ -197,9 +197,8 @@ class TransformerConfig:
         norm = 2 * h if self.normalization == "layernorm" else h
         qkv_out = (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
         attention = h * qkv_out + h * h + (qkv_out + h if self.bias else 0)
-        up_out = (
-            2 * self.ffn_size if self.activation == "swiglu" else self.ffn_size
-        )  # swiglu: gate and up
+        # swiglu: gate and up
+        up_out = 2 * self.ffn_size if self.activation == "swiglu" else self.ffn_size
         mlp = h * up_out + self.ffn_size * h + (up_out + h if self.bias else 0)
         layer = 2 * norm + attention + mlp
         embeddings = vocab * h + (

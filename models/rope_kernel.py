@@ -96,9 +96,8 @@ def _launch(
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((seq, batch, heads, head_dim), dtype=x.dtype, device=x.device)
-    cos_batch_stride = (
-        cos.stride(1) if cos.dim() == 3 else 0
-    )  # per-token tables, or one per position
+    # per-token tables, or one per position
+    cos_batch_stride = cos.stride(1) if cos.dim() == 3 else 0
     grid = (seq * batch, triton.cdiv(heads, BLOCK_HEADS))
     _rotary_kernel[grid](
         x,

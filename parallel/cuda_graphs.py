@@ -61,9 +61,8 @@ class _GraphSet:
     def __init__(self, count: int, slot: int):
         self.forward_graphs: list = [None] * count
         self.backward_graphs: list = [None] * count
-        self.inputs: list = [
-            None
-        ] * count  # static input of each unit (unit i+1's is unit i's output)
+        # static input of each unit (unit i+1's is unit i's output)
+        self.inputs: list = [None] * count
         self.outputs: list = [None] * count
         self.extras: tuple = ()  # static extra arguments, shared by the units
         self.grad_outputs: list = [None] * count  # unit i's is unit i+1's grad_input
@@ -231,9 +230,8 @@ class LayerGraphs:
                     output,
                 )
                 graphs.forward_amaxes[index], _ = recording.take()
-                inputs = (
-                    output.detach().requires_grad_()
-                )  # the next unit reads this output in place
+                # the next unit reads this output in place
+                inputs = output.detach().requires_grad_()
             grad_output = torch.empty_like(graphs.outputs[-1])
             for index in reversed(range(len(self.functions))):
                 graph, params = torch.cuda.CUDAGraph(), self.params[index]

@@ -72,9 +72,8 @@ class _ShardedLinear(Fp8Linear):
         self.bias = (
             nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
         )
-        if (
-            self.bias is not None and partition_dim == 0
-        ):  # a column-parallel bias is split with its outputs
+        # a column-parallel bias is split with its outputs
+        if self.bias is not None and partition_dim == 0:
             mark_partitioned(self.bias, 0, stack)
         self.fp8_scaling = scaling_states(device)
         self.tp_group = tp_group
@@ -147,6 +146,7 @@ class ColumnParallelLinear(_ShardedLinear):
         elif not self.sequence_parallel:
             y = self.linear(copy_to_tensor_parallel(x, self.tp_group), self.bias, context, fusion)
         elif context is not None:
+            # gathers in FP8
             y = self.fp8_linear(
                 x,
                 self.bias,
@@ -154,7 +154,7 @@ class ColumnParallelLinear(_ShardedLinear):
                 gather_group=self.tp_group,
                 fusion=fusion,
                 overlap=self.tp_comm_overlap,
-            )  # gathers in FP8
+            )
         elif self.tp_comm_overlap and not torch.is_autocast_enabled(x.device.type):
             y = self.high_precision_linear(x, self.bias, gather_group=self.tp_group)
         else:
@@ -213,9 +213,8 @@ class RowParallelLinear(_ShardedLinear):
         fusion, x = self.fusion(context, x, activation=activation, grad_to=grad_to)
         if self.tp_size == 1:  # nothing to sum: the bias goes into the GEMM's epilogue
             return self.linear(x, self.bias, context, fusion)
-        if (
-            self.tp_comm_overlap and context is not None
-        ):  # the reduce-scatter block by block beside the GEMM
+        # the reduce-scatter block by block beside the GEMM
+        if self.tp_comm_overlap and context is not None:
             y = self.fp8_linear(
                 x, None, context, fusion=fusion, scatter_group=self.tp_group, overlap=True
             )
@@ -333,8 +332,7 @@ class _SplitHeads(torch.autograd.Function):
             )
         source = HeadGradsSource(*grads, layer.head_dim)
         if handoff is not None and handoff.ready:
-            y_like = (
-                grads[0].new_zeros(()).expand(ctx.y_shape)
-            )  # shape, dtype and device, no memory
+            # shape, dtype and device, no memory
+            y_like = grads[0].new_zeros(()).expand(ctx.y_shape)
             return hand_over_gradient(source, layer, handoff, like=y_like), None, None
         return source.materialize().view(ctx.y_shape), None, None

@@ -199,9 +199,8 @@ def finalize_grads(model_chunks: nn.Module | Sequence[nn.Module], groups, grad_b
         for chunk in model_chunks:
             for param in chunk.parameters():
                 if getattr(param, "sequence_parallel", False) and param.requires_grad:
-                    dist.all_reduce(
-                        _gradient(param), group=groups.tp_group
-                    )  # each rank saw one shard
+                    # each rank saw one shard
+                    dist.all_reduce(_gradient(param), group=groups.tp_group)
     _sum_tied_embedding_grads(model_chunks, groups)
 
 

@@ -47,9 +47,8 @@ def test_running_the_quickstart_again_resumes_it(tmp_path):
         json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["iteration"] for r in records if "loss" in r] == [3, 5]  # one run, not two
-    assert not list(
-        checkpoints.glob("metrics.*.jsonl")
-    )  # nothing was moved aside: it is the same run
+    # nothing was moved aside: it is the same run
+    assert not list(checkpoints.glob("metrics.*.jsonl"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
@@ -119,12 +118,10 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             range(2, iterations + 1, 2)
         )
         assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
-        assert ("fp8_layers" in records[0]) == name.startswith(
-            "lr2x/fp8"
-        )  # per-layer health: lr groups' FP8
-    assert (
-        "peak LR 0.0012, 2 iterations" in done.stdout
-    )  # twice the default peak, the shorter schedule
+        # per-layer health: lr groups' FP8
+        assert ("fp8_layers" in records[0]) == name.startswith("lr2x/fp8")
+    # twice the default peak, the shorter schedule
+    assert "peak LR 0.0012, 2 iterations" in done.stdout
     assert (
         "lr2x/bf16_init1235 (llama-120m, bf16, peak LR 0.0012, 2 iterations, seed 1235, data seed 1234)"
         in done.stdout
@@ -222,7 +219,6 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
 def test_a_bad_flag_is_one_line_and_status_2_before_anything_runs(tmp_path, script, env, error):
     done = example(script, CPU="1", WORKDIR=str(tmp_path / "run"), **env)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith(error) and done.stderr.count("\n") == 1, (
-        done.stderr
-    )  # no torchrun report after it
+    # no torchrun report after it
+    assert done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "run").exists()  # nothing prepared, nothing launched

@@ -349,9 +349,8 @@ def to_hf(
         raise ConversionError(
             f"--output {output} already holds a model; give a new or empty folder"
         )
-    tokenizer = (
-        None if no_tokenizer else _tokenizer_source(args, tokenizer_dir, path)
-    )  # before any writing
+    # before any writing
+    tokenizer = None if no_tokenizer else _tokenizer_source(args, tokenizer_dir, path)
     output.mkdir(parents=True, exist_ok=True)
     bos, eos = (
         export_tokenizer(*tokenizer, output, config, getattr(args, "eod_token", None))
@@ -635,9 +634,8 @@ def from_hf(
     config_class = transformers.GPT2Config if model_type == "gpt2" else transformers.LlamaConfig
     try:
         hf = config_class.from_pretrained(str(folder))
-    except (
-        Exception
-    ) as error:  # transformers' checks raise ValueError, KeyError, huggingface_hub's errors, ...
+    # transformers' checks raise ValueError, KeyError, huggingface_hub's errors, ...
+    except Exception as error:
         raise ConversionError(
             f"{folder / 'config.json'}: not a valid {config_class.__name__} ({_one_line(error)})"
         ) from None
@@ -691,9 +689,8 @@ def from_hf(
                 if hasattr(param, "unpadded_rows")
                 else tensor.reshape(shape)
             )
-            state[f"model/{name}"] = tensor.to(
-                store_dtype, copy=True
-            )  # a copy: no view of a padded one
+            # a copy: no view of a padded one
+            state[f"model/{name}"] = tensor.to(store_dtype, copy=True)
     missing = [n for n in layout if f"model/{n}" not in state]
     if missing:  # a gap in models/hf_mapping.py, not in the user's folder
         raise ConversionError(

@@ -166,10 +166,11 @@ def table(runs: list, labels: list, points: int = 10) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for label, row in zip(labels, rows):
+        # no evaluation at the last iteration
         early = row["valid_iteration"] not in (
             None,
             row["iteration"],
-        )  # no evaluation at the last iteration
+        )
         lines.append(
             f"| {label} | {row['iteration']} | {number(row['valid'])}"
             + (f" (at {row['valid_iteration']})" if early else "")

@@ -217,9 +217,8 @@ class Norm:
     @property
     def eps(self) -> float:
         eps = self.module.eps
-        return (
-            torch.finfo(self.module.weight.dtype).eps if eps is None else eps
-        )  # nn.RMSNorm's default
+        # nn.RMSNorm's default
+        return torch.finfo(self.module.weight.dtype).eps if eps is None else eps
 
     @staticmethod
     def of(module: nn.Module) -> Norm | None:

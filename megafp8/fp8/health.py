@@ -46,9 +46,8 @@ def fp8_health(model: nn.Module, group=None, per_layer: bool = True) -> dict:
         if state.update_count == 0 and cast == 0 and scale == 1.0:
             continue
         path, _, role = name.rpartition(".")
-        path = (
-            "" if path == "fp8_scaling" else path.removesuffix(".fp8_scaling")
-        )  # the layer's own path
+        # the layer's own path
+        path = "" if path == "fp8_scaling" else path.removesuffix(".fp8_scaling")
         layers.setdefault(path, {})[role] = (scale, saturated, cast, flushed)
 
     distributed = group is not None and dist.get_world_size(group) > 1

@@ -725,9 +725,8 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
 
         if comm.gather is not None:
             y = x2.new_empty((collectives.group_size(comm.gather) * x2.shape[0], weight.shape[0]))
-            x2 = collective_gemm.gathered_gemm(
-                x2.contiguous(), comm.gather, gemm, y
-            )  # kept for wgrad
+            # kept for wgrad
+            x2 = collective_gemm.gathered_gemm(x2.contiguous(), comm.gather, gemm, y)
         else:
             comm.check_bias(bias)
             y = collective_gemm.gemm_reduce_scatter(
@@ -743,9 +742,8 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         comm = ctx.comm
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        if (
-            comm.scatter is not None
-        ):  # the output gradient gathered beside the dgrad of this rank's rows
+        # the output gradient gathered beside the dgrad of this rank's rows
+        if comm.scatter is not None:
             dx = dy2.new_empty((x2.shape[0], weight.shape[1]))
             dy2 = collective_gemm.gathered_gemm(
                 dy2, comm.scatter, lambda rows, out: torch.mm(rows, weight, out=out), dx

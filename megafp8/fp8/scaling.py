@@ -237,9 +237,8 @@ class AmaxPass:
             return
         reduced = [o.state.amax for o in observations if o.recipe.reduce_amax]
         if reduced and collectives.group_size(self.group) > 1:
-            amaxes = collectives.max_over(
-                torch.stack(reduced), self.group
-            )  # one collective, NaN seen as inf
+            # one collective, NaN seen as inf
+            amaxes = collectives.max_over(torch.stack(reduced), self.group)
             torch._foreach_copy_(reduced, list(amaxes.unbind(0)))
 
         batches: dict = {}

@@ -139,9 +139,8 @@ def layer_parameters(config: TransformerConfig, tp: int) -> dict:
     up_out = config.ffn_size * (2 if config.activation == "swiglu" else 1) // tp
     ffn = config.ffn_size // tp
     weights = h * qkv_out + query * h + h * up_out + ffn * h
-    biases = (
-        (qkv_out + h + up_out + h) if config.bias else 0
-    )  # row-parallel biases are whole on each rank
+    # row-parallel biases are whole on each rank
+    biases = (qkv_out + h + up_out + h) if config.bias else 0
     return {"fp8_weights": weights, "other": 2 * _norm_parameters(config) + biases}
 
 

@@ -182,9 +182,10 @@ class Calibration:
                 return None
             return at_low + share * (at_high - at_low)
 
+        # host work does not grow with the micro-batch: every measured one is a sample
         def pooled(
             kind,
-        ):  # host work does not grow with the micro-batch: every measured one is a sample
+        ):
             values = [
                 v for v in (layer_map.measured(p, recipe, kind) for p in points) if v is not None
             ]
@@ -192,9 +193,8 @@ class Calibration:
 
         head = between("head")
         vocab = low.get("vocab", config.vocab_size)
-        if (
-            head is not None and vocab != config.vocab_size
-        ):  # the output layer and loss scale with it
+        # the output layer and loss scale with it
+        if head is not None and vocab != config.vocab_size:
             head *= config.vocab_size / vocab
             extrapolated.append(
                 f"output end: measured with a {vocab}-token vocabulary, scaled to {config.vocab_size}"
@@ -280,9 +280,8 @@ def predict(
                 "selective recomputation: the attention core's second forward is not in the map"
             )
     host_layer = host_pass = 0.0
-    if (
-        pp > 1 and not pipeline_graphs
-    ):  # an eager pipeline: a stage takes the longer of its GPU and host times
+    # an eager pipeline: a stage takes the longer of its GPU and host times
+    if pp > 1 and not pipeline_graphs:
         if tp > 1 and recipe != "bf16":
             raise NotPredicted(
                 "FP8 with tensor and pipeline parallelism, run eagerly, is host-bound: each stage "
@@ -321,9 +320,8 @@ def predict(
     stage_ms = []
     for pp_rank in range(pp):
         layers, _ = stage_layer_indices(config, layout, pp_rank)
-        layer_ms = max(
-            len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer
-        )  # a pass per chunk
+        # a pass per chunk
+        layer_ms = max(len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer)
         stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
     slowest = max(range(pp), key=lambda r: stage_ms[r])
     micro_batch_ms = stage_ms[slowest]

@@ -363,9 +363,8 @@ class MultiTensorAdamW:
             shapes = [casts[i].data.shape for i in members]
             tiles = [-(-rows // TILE_ROWS) * -(-cols // TILE_COLS) for rows, cols in shapes]
             chunks, programs = chunk_table([-(-n // TILES) for n in tiles])
-            addresses = zip(
-                *([t.data_ptr() for t in casts[i]] for i in members)
-            )  # a row per WeightCast field
+            # a row per WeightCast field
+            addresses = zip(*([t.data_ptr() for t in casts[i]] for i in members))
             self.launches.append(
                 (
                     _adamw_cast_kernel,
@@ -395,9 +394,8 @@ class MultiTensorAdamW:
         outputs take the masters' rounding, as after any step, and the casts theirs). The host
         need not know either value, so it need not wait for the gradient norm before launching."""
         self.steps.add_(control[1])
-        powers = torch.pow(
-            self._betas_column, self.steps
-        )  # [beta1^t; beta2^t]: the powf of torch's kernel
+        # [beta1^t; beta2^t]: the powf of torch's kernel
+        powers = torch.pow(self._betas_column, self.steps)
         if self._amaxes:
             torch._foreach_zero_(self._amaxes)
         for kernel, dtypes, tensors, chunks, programs in self.launches:

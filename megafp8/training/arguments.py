@@ -472,9 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _given_only(parser):
     """The same parser, but a namespace holds only the flags actually given."""
-    for (
-        action
-    ) in parser._actions:  # not set_defaults: it would put the marker itself in the namespace
+    # not set_defaults: it would put the marker itself in the namespace
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
     return parser
 

@@ -665,13 +665,11 @@ def write_checkpoint(
     _on_writer(prepare, f"cannot create the checkpoint folder {tmp}")
     try:
         if _distributed():
-            dcp.save(
-                state, checkpoint_id=str(tmp)
-            )  # raises on every rank if one rank's write fails
+            # raises on every rank if one rank's write fails
+            dcp.save(state, checkpoint_id=str(tmp))
         else:
-            with (
-                warnings.catch_warnings()
-            ):  # DCP warns that there is no process group: none is meant
+            # DCP warns that there is no process group: none is meant
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException

@@ -291,9 +291,8 @@ class MetricsLogger:
         if start_iteration < 0:
             raise ValueError(f"start_iteration must be >= 0, got {start_iteration}")
         self.rank_is_logger = self.enabled = rank_is_logger
-        self.stream = (
-            stream if stream is not None else sys.stdout
-        )  # now: a redirection since import counts
+        # now: a redirection since import counts
+        self.stream = stream if stream is not None else sys.stdout
         self.total_iterations = total_iterations
         self.log_throughput = log_throughput
         self.on_gpu = device is not None and torch.device(device).type == "cuda"
@@ -537,11 +536,12 @@ def _bar_size(stream) -> dict:
     tqdm would draw nothing at all."""
     try:
         size = os.get_terminal_size(stream.fileno())
+    # no file descriptor (io.UnsupportedOperation is an OSError)
     except (
         AttributeError,
         OSError,
         ValueError,
-    ):  # no file descriptor (io.UnsupportedOperation is an OSError)
+    ):
         return {"dynamic_ncols": True}
     return (
         {"dynamic_ncols": True}

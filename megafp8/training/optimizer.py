@@ -238,9 +238,8 @@ class MixedPrecisionAdamW:
             for linear in self._cast_linears
         ]
         addresses = [None if cast is None else [t.data_ptr() for t in cast] for cast in casts]
-        if (
-            self._fused_pass is None or addresses != self._fused_casts
-        ):  # a layer's cast came or went
+        # a layer's cast came or went
+        if self._fused_pass is None or addresses != self._fused_casts:
             self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
         squared = self._squared_grad_norm()
         norm = squared.sqrt()

@@ -121,9 +121,8 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.is_logger = (
-            dist.get_rank() == dist.get_world_size() - 1
-        )  # on the last stage, which has the loss
+        # on the last stage, which has the loss
+        self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         # Before anything is built: a typo in --load, or a --save that would write over another run.
         self.replaced_run = checkpointing.check_run_folders(
             args.save, args.load, finetune=args.finetune, overwrite=args.overwrite_save
@@ -555,9 +554,8 @@ class Trainer:
             args=arguments.args_to_dict(a),
             model_config=self.config,
         )
-        if (
-            self.replaced_run
-        ):  # --overwrite-save: the earlier run goes once this one has a checkpoint
+        # --overwrite-save: the earlier run goes once this one has a checkpoint
+        if self.replaced_run:
             checkpointing.remove_checkpoints(a.save, self.replaced_run, keep=self.iteration)
             self._print(f"--overwrite-save: removed the earlier run's checkpoints from {a.save}")
             self.replaced_run = []
@@ -608,9 +606,8 @@ class Trainer:
         self.last_checkpoint = checkpoint
         self._print(f"loaded {checkpoint} at iteration {self.iteration}")
         if not a.finetune:
-            saved = checkpointing.checkpoint_info(checkpoint).get(
-                "args", {}
-            )  # the checkpoint's run's flags
+            # the checkpoint's run's flags
+            saved = checkpointing.checkpoint_info(checkpoint).get("args", {})
             self._note_schedule_change(saved)
             self._note_data_order_change(saved)
 
@@ -810,9 +807,8 @@ class Trainer:
                     bool(a.save and a.save_interval and self.iteration % a.save_interval == 0)
                     or save_postponed
                 )
-                if (
-                    due and self.skipped_in_a_row
-                ):  # the weights may have blown up: save after a finite step
+                # the weights may have blown up: save after a finite step
+                if due and self.skipped_in_a_row:
                     if not save_postponed:
                         self._print(
                             f"iteration {self.iteration}: checkpoint postponed until a step is finite again"
@@ -857,9 +853,8 @@ def pretrain(argv=None):
     own_group = not dist.is_initialized()
     torchrun = "WORLD_SIZE" in os.environ
     with warnings.catch_warnings():
-        if (
-            int(os.environ.get("RANK", "0")) != 0
-        ):  # every rank reads the same flags: said once, by rank 0
+        # every rank reads the same flags: said once, by rank 0
+        if int(os.environ.get("RANK", "0")) != 0:
             warnings.simplefilter("ignore")
         args = arguments.parse_args(argv)
         arguments.validate_args(

@@ -144,9 +144,8 @@ def test_one_process_without_torchrun_is_refused(tmp_path, monkeypatch):
     ],
 )
 def test_bad_flags_are_refused_before_the_rendezvous(tmp_path, monkeypatch, flags, message):
-    monkeypatch.setenv(
-        "WORLD_SIZE", "4"
-    )  # as torchrun would set it: the checks need no process group
+    # as torchrun would set it: the checks need no process group
+    monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit, match=message):
         bench.main(["--output", str(tmp_path / "coll.json"), *flags])

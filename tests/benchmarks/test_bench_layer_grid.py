@@ -66,10 +66,11 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
         ],
     }
     one["points"][0]["speedup_current"] = None  # a point that did not fit
+    # a file without its GPU
     two = {
         "tp": 2,
         "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)],
-    }  # a file without its GPU
+    }
     late = {"tp": 1, "device": "NVIDIA H200", "points": [point("gpt", 1, 12288, 2048, 1, 1.6, 1.5)]}
     two["points"][0].update(
         bf16_ms=2.2, delayed_ms=2.0, current_ms=2.2, delayed_tflops=812.4, model="llama2-7b"
@@ -109,9 +110,8 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
         rows[-1]
         == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | 1.10 | 1.00 | 812 | ? |"
     )
-    assert rows[2].startswith(
-        "| gpt | 1 | 768 | 1024 | 1 | – | – | – |"
-    )  # times a test point lacks
+    # times a test point lacks
+    assert rows[2].startswith("| gpt | 1 | 768 | 1024 | 1 | – | – | – |")
     assert rows[2].endswith("| H100 80GB HBM3 |") and rows[-2].endswith("| H200 |")
     with pytest.raises(SystemExit):
         grid.main(["--table", str(tmp_path / "alone.md")])

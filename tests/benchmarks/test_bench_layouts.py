@@ -79,13 +79,11 @@ def test_bench_layouts_records_each_precision_and_the_tables_compare_them(tmp_pa
     ]
     for r in records:
         assert r["iterations"] == 4 and len(r["losses"]) == 4 and r["window"] == [3, 4]
-        assert (
-            r["tokens_per_sec_per_gpu"] > 0 and r["memory_left_after_gib"] == 0
-        )  # CPU: not tracked
+        # CPU: not tracked
+        assert r["tokens_per_sec_per_gpu"] > 0 and r["memory_left_after_gib"] == 0
         assert r["device"] == "cpu"  # the GPU's name on a GPU, for validate_planner.py's check
-        assert (
-            r["cuda_graph"] is False
-        )  # --enable-cuda-graph: how validate_planner.py predicts a pipeline
+        # --enable-cuda-graph: how validate_planner.py predicts a pipeline
+        assert r["cuda_graph"] is False
     # tp 2 trains the same model on the same data: bf16 losses agree closely.
     assert abs(records[2]["losses"][-1] - records[0]["losses"][-1]) < 1e-2
 
@@ -101,7 +99,6 @@ def test_bench_layouts_records_each_precision_and_the_tables_compare_them(tmp_pa
         text=True,
         check=True,
     ).stdout
-    assert (
-        "| tp2 | 2 | tp2 x pp1 x dp1 |" in tables and "not run" in tables
-    )  # no current-scaling run
+    # no current-scaling run
+    assert "| tp2 | 2 | tp2 x pp1 x dp1 |" in tables and "not run" in tables
     assert "| tp2 | delayed | 4 |" in tables

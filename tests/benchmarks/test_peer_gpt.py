@@ -131,6 +131,7 @@ def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
             "device": "H100",
         },
     ]
+    # a rerun: it counts
     peer = [
         {
             "benchmark": "peer_gpt",
@@ -162,7 +163,7 @@ def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
             "torch": "2.11",
             "torchao": "0.18.0",
         },
-    ]  # a rerun: it counts
+    ]
     table = _module("side_by_side_table")
     ratios = {
         (top, bottom): value

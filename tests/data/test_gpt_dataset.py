@@ -174,9 +174,8 @@ def test_one_rank_builds_the_others_wait(tmp_path):
 
 
 def build_where_one_builder_fails(rank, world_size, prefix, nodes, cache_dirs):
-    os.environ["LOCAL_RANK"] = str(
-        nodes[:rank].count(nodes[rank])
-    )  # the first rank of a node builds
+    # the first rank of a node builds
+    os.environ["LOCAL_RANK"] = str(nodes[:rank].count(nodes[rank]))
     start = time.monotonic()
     try:
         GPTDataset(prefix, np.arange(40), 8, 50, seed=3, cache_dir=cache_dirs[nodes[rank]])

@@ -230,9 +230,8 @@ def test_corrupt_files_raise_naming_the_file(tmp_path, name):
 def test_a_float_dtype_code_is_refused_naming_the_file(tmp_path, code, built_as):
     """Integer tokens under a float code read as tiny floats, all 0 as ids: the index is refused."""
     rng = np.random.default_rng(code)
-    build(
-        tmp_path / "ds", random_documents(rng, 50257), built_as
-    )  # the .bin's size fits the float dtype
+    # the .bin's size fits the float dtype
+    build(tmp_path / "ds", random_documents(rng, 50257), built_as)
     corrupt_idx(17, bytes([code]))(tmp_path / "ds.idx", tmp_path / "ds.bin")
     name = np.dtype(np.float32 if code == 7 else np.float64).name
     with pytest.raises(

@@ -299,9 +299,8 @@ def check_kernels(kind, dtype, M, F_, layouts, device, exact_fraction, seed=0):
         )
         assert counts[1] == ref_counts[1], what
         assert abs(counts[0] - ref_counts[0]) <= 1e-3 * counts[1], what  # saturated
-        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (dh == 0).sum(), (
-            what
-        )  # as forward
+        # as forward
+        assert abs(counts[2] - ref_counts[2]) <= 1e-3 * counts[1] + (dh == 0).sum(), what
 
 
 def check_non_finite(kind, device):
@@ -354,9 +353,8 @@ def check_gelu_tanh_gradient_accuracy(M, F_, device):
 
 
 def interpreted_checks():
-    assert (
-        os.environ.get("TRITON_INTERPRET") == "1"
-    )  # else the public functions run torch on the CPU
+    # else the public functions run torch on the CPU
+    assert os.environ.get("TRITON_INTERPRET") == "1"
     for kind in KINDS:
         for dtype in DTYPES:
             check_kernels(kind, dtype, 37, 200, LAYOUTS, "cpu", exact_fraction=0.999)
@@ -372,9 +370,8 @@ def check_wide_offsets():
     """The kernels' int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
     int32 path's bits: each activation and layout, forward and backward, counts and column sums too."""
     for kind in KINDS:
-        h, dout = make_inputs(
-            kind, torch.bfloat16, 37, 72
-        )  # partial tiles both ways, forward and backward
+        # partial tiles both ways, forward and backward
+        h, dout = make_inputs(kind, torch.bfloat16, 37, 72)
         scale, grad_scale = scales(h, dout, kind)
         for rowwise, columnwise in LAYOUTS:
 

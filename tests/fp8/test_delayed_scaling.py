@@ -147,9 +147,8 @@ def interpreted_checks():
                 for row, place in zip(
                     histories, (0, length // 2, length - 2, length - 1, 0, 1, length - 1)
                 ):
-                    row[place % length] = (
-                        40.0 + place % length
-                    )  # the max, older than the newest amax
+                    # the max, older than the newest amax
+                    row[place % length] = 40.0 + place % length
                 states = []
                 for _ in range(2):
                     group = [ScalingState() for _ in range(7)]

@@ -101,9 +101,8 @@ def test_triton_quantize_of_more_than_2_31_elements(delayed):
     outliers = [(0, 0), (M // 2, 7), (M - 8, 3), (M - 3, N - 5), (M - 1, N - 1)]
     for i, (row, col) in enumerate(outliers):
         x[row, col] = (100.0 + i) * (-1) ** i
-    scale = (
-        torch.tensor(448.0 / 16, device="cuda") if delayed else None
-    )  # beyond 16 saturates: the outliers
+    # beyond 16 saturates: the outliers
+    scale = torch.tensor(448.0 / 16, device="cuda") if delayed else None
     scale_out, counts = (
         torch.zeros((), device="cuda"),
         torch.zeros(3, dtype=torch.int64, device="cuda"),

@@ -159,9 +159,8 @@ def beside_collective_body(rank, size):
     before = [(p.main_grad.clone(), p.main_grad_empty) for p in layer.parameters()]
     x = torch.randn(8, 64, requires_grad=True)
     y = layer.high_precision_linear(x, layer.bias, gather_group=torch.distributed.group.WORLD)
-    grads = torch.autograd.grad(
-        y, (x, layer.weight, layer.bias), torch.randn_like(y)
-    )  # as the warm-up
+    # as the warm-up
+    grads = torch.autograd.grad(y, (x, layer.weight, layer.bias), torch.randn_like(y))
     untouched = all(
         torch.equal(p.main_grad, grad) and p.main_grad_empty == empty
         for p, (grad, empty) in zip(layer.parameters(), before)

@@ -14,9 +14,8 @@ from ..multiprocess import run_on_ranks
 
 def test_saturation_fraction_on_the_cpu_path():
     torch.manual_seed(0)
-    model = nn.Sequential(
-        Fp8Linear(64, 32), nn.Linear(32, 16)
-    )  # the gradient into the FP8 layer: x-free
+    # the gradient into the FP8 layer: x-free
+    model = nn.Sequential(Fp8Linear(64, 32), nn.Linear(32, 16))
     x = torch.randn(16, 64)
     with fp8_autocast():  # fits the delayed scales to x
         model(x).sum().backward()
@@ -132,11 +131,12 @@ def test_per_layer_health_gathered_over_a_group():
     assert results[0] == results[1]
     health = results[0]
     assert list(health["fp8_layers"]) == ["0", "2", "10"]
+    # the smaller scale, summed counts
     assert health["fp8_layers"]["2"]["roles"]["input"] == {
         "scale": 4.0,
         "saturation": 2 / 200,
         "underflow": 30 / 200,
-    }  # the smaller scale, summed counts
+    }
     assert health["fp8_layers"]["10"]["underflow"] == 20 / 100
     assert health["fp8_saturation"] == 4 / 400 and health["fp8_underflow"] == 60 / 400
     assert health["fp8_scale_min"] == 1.0 and health["fp8_scale_max"] == 2.0**11

@@ -185,9 +185,8 @@ def test_qkv_gradients_cast_unconcatenated_are_the_concatenated_cast_bit_for_bit
     for fused_cast, layer in zip((True, False), layers):
         g = torch.Generator().manual_seed(1)
         grads = []
-        for step in range(
-            3
-        ):  # the first cast fits its scale from the tensor: fused from the second on
+        # the first cast fits its scale from the tensor: fused from the second on
+        for step in range(3):
             x = (
                 (torch.randn(24, 2, 64, generator=g) * (step + 1))
                 .to(device, torch.bfloat16)

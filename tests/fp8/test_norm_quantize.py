@@ -345,9 +345,8 @@ def check_wide_offsets():
     """The kernel's int64-offset path (WIDE: what a tensor of 2^31 elements or more takes) gives the
     int32 path's bits: both norms, each layout, the statistics and counts too."""
     for rms in (False, True):
-        x, weight, bias = make_inputs(
-            37, 300, torch.bfloat16, rms
-        )  # a partial row block and last chunk
+        # a partial row block and last chunk
+        x, weight, bias = make_inputs(37, 300, torch.bfloat16, rms)
         scale = fitted_scale(norm_forward_torch(x, weight, bias, EPS, rms)[0], E4M3, headroom=2.0)
         for layout in ((True, True), (True, False), (False, True)):
 
@@ -531,9 +530,8 @@ def test_gpu_layernorm_of_more_than_2_31_elements():
         what = f"rows from {i * HUGE_CHUNK}"
         assert rel_err(block_rstd, ref_rstd) < 1e-5 and rel_err(block_mean, ref_mean) < 1e-5, what
         assert_fp8_close(data, expected, scale, E4M3, what)
-        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), (
-            what
-        )  # the stored tile's bytes
+        # the stored tile's bytes
+        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), what
         assert_fp8_close(data_t_alone, expected.t(), scale, E4M3, what + ", columnwise alone")
         ref_amax = max(ref_amax, y.float().abs().max().item())
     assert q.amax is amax_out and ref_amax > 100

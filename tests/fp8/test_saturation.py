@@ -158,10 +158,11 @@ def test_linear_counts_each_role_under_collect_saturation():
         layer(x).sum().backward()
     counts = dict(zip(layer.fp8_scaling.keys(), take_cast_counts(list(layer.fp8_scaling.values()))))
     assert counts["input"][:2] == (7, x.numel())
+    # the same all-ones gradient as the fitting pass
     assert counts["grad_output"][:2] == (
         0,
         16 * 32,
-    )  # the same all-ones gradient as the fitting pass
+    )
     assert counts["weight"] == (0, 0, 0)  # cached since the last cast: only a fresh cast is counted
     assert take_cast_counts(list(layer.fp8_scaling.values())) == [(0, 0, 0)] * 3  # reset when read
 
@@ -203,9 +204,8 @@ def interpreted_checks():
     x = torch.randn(70, 130, generator=g) * torch.exp2(
         torch.randint(-20, 4, (70, 130), generator=g).float()
     )
-    x[0, :4] = torch.tensor(
-        [1e4, 2.0**-10, 0.0, -(2.0**-17)]
-    )  # saturated; E4M3's tie; zero; E5M2's tie
+    # saturated; E4M3's tie; zero; E5M2's tie
+    x[0, :4] = torch.tensor([1e4, 2.0**-10, 0.0, -(2.0**-17)])
     for dtype in (E4M3, E5M2):
         for scale in (torch.tensor(1.0), None):
             for layout in ((True, True), (False, True)):
@@ -233,9 +233,8 @@ def test_gpu_kernel_counts_equal_the_cpu_counts(dtype, delayed, layout):
     x = torch.randn(300, 272, generator=g)  # partial tiles both ways
     x.view(-1)[torch.randperm(x.numel(), generator=g)[:123]] *= 1000
     x[0, :3] = torch.tensor([61440.0, 464.0, 465.0]) / 8  # the rounding boundaries, under scale 8
-    x[1, :4] = (
-        torch.tensor([2.0**-10, 2.0**-10 * 1.01, 2.0**-17, -(2.0**-17) * 1.01]) / 8
-    )  # E4M3's and E5M2's flush
+    # E4M3's and E5M2's flush
+    x[1, :4] = torch.tensor([2.0**-10, 2.0**-10 * 1.01, 2.0**-17, -(2.0**-17) * 1.01]) / 8
     scale = torch.tensor(8.0) if delayed else None
     for hp in (torch.float32, torch.bfloat16):
         cpu, gpu = counter(), counter().cuda()

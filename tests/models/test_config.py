@@ -91,9 +91,8 @@ def test_parameter_counts():
     assert preset("llama2-7b").num_parameters() == 6_738_415_616
     assert preset("llama3-8b").num_parameters() == 8_030_261_248
     assert preset("gpt-125m").num_parameters() == pytest.approx(125e6, rel=0.01)
-    assert preset("llama-120m").num_parameters() == pytest.approx(
-        125e6, rel=0.05
-    )  # GPT-125M's size
+    # GPT-125M's size
+    assert preset("llama-120m").num_parameters() == pytest.approx(125e6, rel=0.05)
     assert preset("gpt-1.3b").num_parameters() == pytest.approx(1.3e9, rel=0.02)
     # tp only pads the (tied) vocabulary: 50304 -> 50688 rows of 768.
     assert (

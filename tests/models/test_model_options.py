@@ -142,9 +142,7 @@ def test_documents_packed_in_a_sequence_see_only_themselves(name):
         alone = model(second)
         plain = model(packed)
     assert torch.allclose(together[:, 12:], alone, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(
-        together[:, :12], plain[:, :12], rtol=1e-5, atol=1e-5
-    )  # the first is unchanged
-    assert not torch.allclose(
-        plain[:, 12:], alone, rtol=1e-3, atol=1e-3
-    )  # without reset it would differ
+    # the first is unchanged
+    assert torch.allclose(together[:, :12], plain[:, :12], rtol=1e-5, atol=1e-5)
+    # without reset it would differ
+    assert not torch.allclose(plain[:, 12:], alone, rtol=1e-3, atol=1e-3)

@@ -10,11 +10,12 @@ from megafp8.models.rope import apply_rotary, apply_rotary_torch, rotary_tables
 from ..interpreter import run_interpreted_checks
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+# of the result
 ROUNDING = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
     torch.float32: 2.0**-23,
-}  # of the result
+}
 FP32 = 2.0**-22  # the fp32 arithmetic's error, relative to the terms' magnitude
 
 
@@ -97,9 +98,8 @@ def interpreted_checks():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         check(rotary_triton, 7, 2, 3, 64, dtype, "cpu")
     check(rotary_triton, 5, 3, 19, 32, torch.bfloat16, "cpu")  # a partial block of heads
-    check(
-        rotary_triton, 6, 2, 4, 80, torch.bfloat16, "cpu", per_token=True
-    )  # half 40: partial columns
+    # half 40: partial columns
+    check(rotary_triton, 6, 2, 4, 80, torch.bfloat16, "cpu", per_token=True)
     check(rotary_triton, 4, 1, 2, 128, torch.bfloat16, "cpu", strided=False)
 
 
@@ -118,9 +118,8 @@ def test_off_cuda_apply_rotary_is_the_torch_form():
 @pytest.mark.parametrize("shape", [(1024, 16, 12, 64), (4096, 2, 32, 128), (37, 3, 19, 80)])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_the_kernel_on_a_gpu(shape, per_token):
-    check(
-        apply_rotary, *shape, torch.bfloat16, "cuda", per_token=per_token
-    )  # dispatches to the kernel
+    # dispatches to the kernel
+    check(apply_rotary, *shape, torch.bfloat16, "cuda", per_token=per_token)
 
 
 @needs_triton

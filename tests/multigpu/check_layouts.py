@@ -273,11 +273,12 @@ class Launcher:
     """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
 
     def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(True, True)):
+        # (tp_comm_overlap, distributed_optimizer)
         self.work, self.cpu, self.overlaps = (
             work,
             cpu,
             overlaps,
-        )  # (tp_comm_overlap, distributed_optimizer)
+        )
         self.free = {d: share for d in range(max(gpus, 1))}
         self.running: dict = {}  # Run -> (process, devices, start, log file, processes it started)
         self.events: dict = {}  # Run -> when it was signalled or failed

@@ -67,9 +67,8 @@ def test_recorded_amaxes_replayed_into_the_passes_equal_the_eager_passes():
             with record_amaxes(current_fp8_context()) as recording:
                 h = x.clone().requires_grad_(True)
                 y = recorded(h)
-                torch.autograd.grad(
-                    y, (h, recorded.weight, recorded.bias), dy
-                )  # a captured backward
+                # a captured backward
+                torch.autograd.grad(y, (h, recorded.weight, recorded.bias), dy)
             forward, backward = recording.take()
             for (a, n), (b, m) in zip(before, state_of(recorded)):
                 assert torch.equal(a, b) and n == m, "recording flushed something"
@@ -109,9 +108,8 @@ def test_a_graphed_layer_refreshes_its_weight_cast_in_place_and_an_eager_one_in_
         addresses = []
         for x, dy in batches:
             with fp8_autocast(recipe=RECIPE):
-                layer.refresh_weight_cast(
-                    current_fp8_context()
-                )  # nothing cached before the first pass
+                # nothing cached before the first pass
+                layer.refresh_weight_cast(current_fp8_context())
                 layer(x).backward(dy)
             optimizer.step()
             with fp8_autocast(recipe=RECIPE):

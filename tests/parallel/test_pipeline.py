@@ -72,9 +72,8 @@ def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=No
     parameters and the tied-embedding sync) and the schedule's stats."""
     config = chunks[0].config
     params = [p for chunk in chunks for p in chunk.parameters()]
-    buffer = GradientBuffer(
-        params, groups.dp_group if groups else None
-    )  # one buffer for all chunks
+    # one buffer for all chunks
+    buffer = GradientBuffer(params, groups.dp_group if groups else None)
     forward_step = make_forward_step(fp8, groups.amax_reduction_group if groups else None)
     shape = dict(
         seq_length=SEQ,

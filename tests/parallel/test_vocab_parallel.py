@@ -98,9 +98,8 @@ def check_cross_entropy(rank, world_size, group, generator):
                 assert not loss[0, :2].any() and not local.grad[0, :2].any(), (
                     "ignored tokens contribute"
                 )
-                ref_grad = F.pad(full.grad, (0, padding)).chunk(world_size, dim=-1)[
-                    rank
-                ]  # no gradient on padding
+                # no gradient on padding
+                ref_grad = F.pad(full.grad, (0, padding)).chunk(world_size, dim=-1)[rank]
                 grad_err = (
                     rel_err(local.grad, ref_grad)
                     if ref_grad.any()
@@ -306,12 +305,13 @@ def test_fused_kernels_match_the_torch_path_under_the_triton_interpreter(tp, mon
             )
 
 
+# GPT-2's vocabulary, padded as Megatron does
 GPU_BATCH, GPU_SEQ, GPU_VOCAB, GPU_REAL_VOCAB = (
     2,
     2048,
     50304,
     50257,
-)  # GPT-2's vocabulary, padded as Megatron does
+)
 
 
 def gpu_batch(dtype):

@@ -115,9 +115,8 @@ def test_selective_recomputation_takes_its_measured_step():
         recompute="selective",
         fp8="delayed",
     )
-    measured = [
-        {**point(), "delayed_selective_ms": 4.3}
-    ]  # the attention core once more in backward
+    # the attention core once more in backward
+    measured = [{**point(), "delayed_selective_ms": 4.3}]
     result = predict(GPT, layout, calibration(measured), 32)
     assert result["step_ms"] == pytest.approx(8 * (24 * 4.3 + 8.0) + optimizer_ms(layout))
     assert result["extrapolated"] == []
@@ -135,9 +134,8 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     )
     result = predict(GPT, layout, calibration([point()], collectives()), 32)
     send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)  # one activation at 100 GB/s
-    per_micro_batch = (
-        12 * 4.0 + 8.0 + 2 * send
-    )  # the last stage: its layers, the output end, two sends
+    # the last stage: its layers, the output end, two sends
+    per_micro_batch = 12 * 4.0 + 8.0 + 2 * send
     expected = (8 + 1) * per_micro_batch + optimizer_ms(layout, pp_rank=1)
     assert result["step_ms"] == pytest.approx(expected)
     assert result["breakdown_ms"]["pipeline_bubble"] == pytest.approx(per_micro_batch)
@@ -225,9 +223,8 @@ def test_an_eager_pipeline_waits_on_a_slow_host():
         32,
     )
     assert plain not in overlapped["extrapolated"] and overlapped["step_ms"] == graphed["step_ms"]
-    assert (
-        eager([point(tp=2)], MemoryLayout(**tp_pp))["step_ms"] > graphed["step_ms"]
-    )  # bf16: slower layers
+    # bf16: slower layers
+    assert eager([point(tp=2)], MemoryLayout(**tp_pp))["step_ms"] > graphed["step_ms"]
 
 
 def test_host_times_are_the_median_over_the_measured_micro_batches():
@@ -325,9 +322,8 @@ def test_stretched_collectives_say_so():
     assert any("spans nodes" in note for note in result["extrapolated"])
     # Gradients go in the trainer's buckets (40M fp32 elements, 153 MiB), within the measured sizes.
     assert not any("all_reduce of" in note for note in result["extrapolated"])
-    small = [
-        r for r in collectives() if r["bytes"] == 2**20
-    ]  # only 1 MiB measured: the buckets stretch it
+    # only 1 MiB measured: the buckets stretch it
+    small = [r for r in collectives() if r["bytes"] == 2**20]
     result = predict(GPT, layout, calibration([point()], small), 64, gpus_per_node=8)
     assert "all_reduce of 153 MiB: the bandwidth measured at 1 MiB" in result["extrapolated"]
     assert len(result["extrapolated"]) == len(set(result["extrapolated"]))
@@ -416,10 +412,11 @@ def test_validate_planner_compares_predictions_with_measured_layouts(tmp_path, c
         ]
         for label, (dp, pp) in runs.items()
     }
+    # measured 5% under the prediction: within the bar, same order
     for label, (
         dp,
         pp,
-    ) in runs.items():  # measured 5% under the prediction: within the bar, same order
+    ) in runs.items():
         (records / f"{label}.jsonl").write_text(
             json.dumps(record(label, dp, pp, predicted[label] / 1.05)) + "\n"
         )

@@ -135,9 +135,8 @@ def load_tp2_body(rank, world_size, folders):
     out = {}
     for name, folder in folders.items():
         config = preset(name)
-        model = TransformerLM(
-            config, tp_group=groups.tp_group, seed=1
-        )  # another init: all must be loaded
+        # another init: all must be loaded
+        model = TransformerLM(config, tp_group=groups.tp_group, seed=1)
         buffer = GradientBuffer(model.parameters(), groups.dp_group, bucket_size=5_000)
         optimizer = MixedPrecisionAdamW(
             model.named_parameters(),
@@ -332,14 +331,12 @@ ROUND_TRIPS = {
 @pytest.mark.parametrize("kind", ROUND_TRIPS)
 def test_hf_to_megafp8_to_hf_is_bitwise(tmp_path, kind, dtype):
     hf = randomize(ROUND_TRIPS[kind](), dtype)
-    hf.save_pretrained(
-        tmp_path / "a", max_shard_size="40KB"
-    )  # sharded, with an index, on the way in
+    # sharded, with an index, on the way in
+    hf.save_pretrained(tmp_path / "a", max_shard_size="40KB")
     with pytest.warns(UserWarning) as caught:
         convert.from_hf(tmp_path / "a", tmp_path / "ckpt", progress=False)
-    assert all(
-        "no tokenizer files" in str(w.message) for w in caught
-    )  # and nothing about the model is lost
+    # and nothing about the model is lost
+    assert all("no tokenizer files" in str(w.message) for w in caught)
     convert.main(
         [
             "--direction",
@@ -395,10 +392,11 @@ def test_fp32_export_of_a_bf16_run_takes_the_master_weights(trained, tmp_path):
     assert torch.equal(
         fp32["transformer.h.1.mlp.c_fc.weight"], masters["layers.1.mlp.fc1.weight"].t()
     )
+    # not the bf16 weights
     for name in (
         "transformer.ln_f.weight",
         "transformer.h.1.mlp.c_fc.weight",
-    ):  # not the bf16 weights
+    ):
         assert not torch.equal(fp32[name], bf16[name].float())
         assert torch.equal(fp32[name].bfloat16(), bf16[name])
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
@@ -638,9 +636,8 @@ def test_settings_without_a_flag_survive_finetuning_and_conversion_back(tmp_path
         ]
     )
     assert [i for i, _ in trainer.history] == [1, 2]
-    assert trainer.config == hf_mapping.config_from_hf(
-        hf.config
-    )  # vocabulary too: the mock data's is the model's
+    # vocabulary too: the mock data's is the model's
+    assert trainer.config == hf_mapping.config_from_hf(hf.config)
     convert.to_hf(tmp_path / "run", tmp_path / "out", progress=False, no_tokenizer=True)
     original, back = (
         json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("hf", "out")
@@ -868,9 +865,8 @@ def test_an_index_names_only_files_in_its_folder(tmp_path):
     index_path = tmp_path / "hf" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     shard = index["weight_map"]["model.norm.weight"]
-    shutil.copy(
-        tmp_path / "hf" / shard, tmp_path / "elsewhere.safetensors"
-    )  # there, so only the name is wrong
+    # there, so only the name is wrong
+    shutil.copy(tmp_path / "hf" / shard, tmp_path / "elsewhere.safetensors")
     for outside in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
         weight_map = {**index["weight_map"], "model.norm.weight": outside}
         index_path.write_text(json.dumps({**index, "weight_map": weight_map}))

@@ -46,9 +46,8 @@ def test_a_trained_run_gives_every_layer_and_role_worst_first(tmp_path, capsys):
     assert len(body) == 2 * 4 * 3  # layers x linears x roles
     underflow = [float(cells[4]) for cells in body]
     assert underflow == sorted(underflow, reverse=True) and underflow[0] > 0
-    assert all(
-        float(cells[6]) >= float(cells[4]) for cells in body
-    )  # the run's max is at least now's
+    # the run's max is at least now's
+    assert all(float(cells[6]) >= float(cells[4]) for cells in body)
     assert (
         tool.main(
             [

@@ -203,20 +203,20 @@ def test_packages_corpus_holds_out_whole_packages(tmp_path):
     assert not any(
         "shadowed" in t or "cached" in t or "Name: alpha" in t or "numbers" in t for t in texts
     )
-    assert not any(
-        "alpha's own test" in t or "regression tests" in t for t in texts
-    )  # no test suites
+    # no test suites
+    assert not any("alpha's own test" in t or "regression tests" in t for t in texts)
     by_text = {d["text"]: d["meta"] for d in train + validation}
     header = PACKAGE_FILES["first/alpha/include/alpha.h"]
     assert texts.count(header) == 1 and by_text[header] == {
         "redpajama_set_name": tool.GITHUB,
         "package": "alpha",
     }
+    # RedPajama's GitHub languages, by suffix or name
     for name in (
         "kernel.cu",
         "Makefile",
         "schema.sql",
-    ):  # RedPajama's GitHub languages, by suffix or name
+    ):
         assert by_text[PACKAGE_FILES[f"first/gamma/{name}"]] == {
             "redpajama_set_name": tool.GITHUB,
             "package": "gamma",

@@ -127,9 +127,8 @@ def test_out_of_memory_layouts_are_summed_up_by_the_range_they_need_and_the_near
     text = capsys.readouterr().out
     over = [e for e in json.loads(out.read_text())["rejected"] if "memory_gib" in e]
     needs = sorted(e["memory_gib"] for e in over)
-    assert len(over) > 1 and needs[0] < 80 < needs[-1], (
-        needs
-    )  # a near miss on 80 GiB GPUs among them
+    # a near miss on 80 GiB GPUs among them
+    assert len(over) > 1 and needs[0] < 80 < needs[-1], needs
     nearest = min(over, key=lambda e: e["memory_gib"])
     assert (
         f"{len(over):4d} x need {needs[0]:.1f} to {needs[-1]:.1f} GiB per GPU, over 72.0 GiB  (the nearest miss: "
@@ -281,9 +280,8 @@ def test_pipeline_beats_tensor_parallelism_under_fp8(tmp_path, capsys):
         if e["recompute"] == "none" and e["vpp"] == 1 and not e["distributed_optimizer"]
     ]
     order = [(e["tp"], e["pp"], e["dp"]) for e in plain]
-    assert order == [(1, 1, 2), (1, 2, 1), (2, 1, 1)], (
-        order
-    )  # data, then pipeline, then tensor parallelism
+    # data, then pipeline, then tensor parallelism
+    assert order == [(1, 1, 2), (1, 2, 1), (2, 1, 1)], order
     speeds = {(e["tp"], e["pp"]): e["tokens_per_s_per_gpu"] for e in plain}
     assert speeds[(1, 2)] > 1.25 * speeds[(2, 1)]
     speeds = [e["tokens_per_s_per_gpu"] for e in plan["fits"]]

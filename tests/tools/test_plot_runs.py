@@ -74,9 +74,8 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     assert f"wrote {output}" in capsys.readouterr().out
     run = plot_runs.read_run(fp8 / "metrics.jsonl")
     iterations, losses = run["loss"]
-    assert (
-        iterations == list(range(10, 110, 10)) and losses[-1] != losses[-1]
-    )  # NaN, the later record
+    # NaN, the later record
+    assert iterations == list(range(10, 110, 10)) and losses[-1] != losses[-1]
     assert run["valid_loss"][0] == [50, 100]
 
 
@@ -210,11 +209,12 @@ def test_default_labels_are_the_runs_names(tmp_path):
         "quickstart_run",
         "gpt_1b_fp8",
     ]
+    # told apart
     assert labels("gpt/bf16", "lr2x/bf16", "lr2x/fp8") == [
         "gpt/bf16",
         "lr2x/bf16",
         "lr2x/fp8",
-    ]  # told apart
+    ]
     (tmp_path / "runs" / "bf16" / "metrics.jsonl").rename(tmp_path / "bf16_seed1.jsonl")
     assert plot_runs.default_labels([tmp_path / "bf16_seed1.jsonl"]) == ["bf16_seed1"]
 

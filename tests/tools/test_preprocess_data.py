@@ -105,9 +105,8 @@ def test_bin_holds_the_tokenizer_ids(tmp_path, rows, tokenizers, kind, append_eo
     tokenizer = tokenizer_of(tokenizers[kind], kind)
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert ds.dtype == np.uint16 and len(ds) == N_DOCS
-    np.testing.assert_array_equal(
-        ds.document_indices, np.arange(N_DOCS + 1)
-    )  # a sequence per document
+    # a sequence per document
+    np.testing.assert_array_equal(ds.document_indices, np.arange(N_DOCS + 1))
     for i, row in enumerate(rows):
         want = tokenizer.tokenize(row["text"]) + ([tokenizer.eod] if append_eod else [])
         assert ds[i].tolist() == want

@@ -101,9 +101,8 @@ def test_existing_tokenizer_files_are_refused(corpus, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
-@pytest.mark.filterwarnings(
-    "ignore:this corpus yields only"
-)  # 30 documents give a little less than 400
+# 30 documents give a little less than 400
+@pytest.mark.filterwarnings("ignore:this corpus yields only")
 def test_overwrite_replaces_the_tokenizer(corpus, tmp_path):
     train(corpus, tmp_path / "tok", "--type", "bpe")
     train(corpus, tmp_path / "tok", "--type", "bpe", "--max-documents", "30", "--overwrite")
@@ -111,9 +110,8 @@ def test_overwrite_replaces_the_tokenizer(corpus, tmp_path):
     for path in fresh:
         name = path.rsplit("/", 1)[1]
         assert (tmp_path / "tok" / name).read_bytes() == open(path, "rb").read(), name
-    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
-        tool.FILES["bpe"]
-    )  # no leftovers
+    # no leftovers
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(tool.FILES["bpe"])
 
 
 def test_an_interrupted_run_leaves_no_tokenizer(corpus, tmp_path, monkeypatch):

@@ -255,9 +255,8 @@ def test_unknown_flag_suggests_the_closest():
         "did you mean --tensor-model-parallel-size?",
     )
     fails("--fp8-amax-history=16", "--fp8-amax-history", "did you mean --fp8-amax-history-len?")
-    fails(
-        "--micro-batch 2", "--micro-batch", "did you mean --micro-batch-size?"
-    )  # no abbreviations
+    # no abbreviations
+    fails("--micro-batch 2", "--micro-batch", "did you mean --micro-batch-size?")
     fails("stray", "unexpected argument 'stray'")
 
 
@@ -537,9 +536,8 @@ def test_fp8_knobs_need_fp8_format():
         "--no-fp8-wgrad",
         "--fp8-recipe delayed",
     )
-    assert (
-        parse("--fp8-format hybrid").params_dtype == "float32"
-    )  # FP8 with fp32 parameters is allowed
+    # FP8 with fp32 parameters is allowed
+    assert parse("--fp8-format hybrid").params_dtype == "float32"
     assert parse("--bf16 --fp8-format hybrid").params_dtype == "bfloat16"
 
 
@@ -632,9 +630,8 @@ def test_data_contradictions():
         "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
     )
     fails(no_preset, "--mock-data", "--vocab-size", base=base.replace("--model gpt-tiny", ""))
-    assert (
-        parse().vocab_size == PRESETS["gpt-tiny"].vocab_size
-    )  # mock tokens from the preset's vocabulary
+    # mock tokens from the preset's vocabulary
+    assert parse().vocab_size == PRESETS["gpt-tiny"].vocab_size
     args = parse(
         "--data-path 0.7 a_text_document 0.3 b_text_document --tokenizer-type NullTokenizer "
         "--vocab-size 512",
@@ -735,9 +732,8 @@ def test_yaml_config_merges_under_the_command_line(tmp_path):
         "bf16: true\nfp8_format: hybrid\nfp8-margin: 1\nswiglu: false\neval_iters: null\n"
         "data_path: [1, x]\n",
     )
-    with pytest.raises(
-        ArgumentsError, match="--mock-data and --data-path"
-    ):  # the list arrives as a list
+    # the list arrives as a list
+    with pytest.raises(ArgumentsError, match="--mock-data and --data-path"):
         parse_args(["--config", str(path)])
     path.write_text(path.read_text().replace("data_path: [1, x]\n", ""))
     args = parse_args(["--config", str(path), "--lr", "1e-3", "--fp8-margin", "2"])

@@ -283,10 +283,11 @@ def test_the_latest_pointer_and_run_record_are_on_disk_before_they_count(tmp_pat
         path = str(tmp_path / name)
         renamed = events.index(("replace", path))
         assert ("fsync", path) in events[:renamed], (name, events)
+        # the rename too
         assert ("fsync", str((tmp_path / name).parent)) in events[renamed:], (
             name,
             events,
-        )  # the rename too
+        )
 
 
 def failing_save_body(rank, world_size, folder, where):
@@ -606,11 +607,12 @@ def saved(folder, iteration, when, streak=0):
 
 
 def test_rotation_keeps_what_was_saved_last_not_the_highest_iterations(tmp_path):
+    # resumed from 5 after reaching 10, saved 7
     for iteration, when in (
         (5, 1.0),
         (10, 2.0),
         (7, 3.0),
-    ):  # resumed from 5 after reaching 10, saved 7
+    ):
         saved(tmp_path, iteration, when)
     assert checkpointing.keep_last_checkpoints(tmp_path, 1, just_saved=7) == [5, 10]
     assert checkpointing.saved_iterations(tmp_path) == [7]
@@ -675,9 +677,8 @@ def test_a_killed_writer_leaves_no_lock_behind(tmp_path):
     assert ready.wait(60)
     os.kill(holder.pid, signal.SIGKILL)
     holder.join(60)
-    assert (
-        tmp_path / checkpointing.LOCK
-    ).exists()  # the file stays, its lock went with the process
+    # the file stays, its lock went with the process
+    assert (tmp_path / checkpointing.LOCK).exists()
     with checkpointing.SaveFolderLock(tmp_path):
         assert str(os.getpid()) in (tmp_path / checkpointing.LOCK).read_text()
 

@@ -86,9 +86,8 @@ def two_gpu_body(rank, world_size, extra):
     assert len(graphs) == len(trainer.chunks) and all(g["graph sets"] for g in graphs), (
         "the layers were not graphed"
     )
-    if (
-        "--pipeline-model-parallel-size" in extra and rank == 0
-    ):  # the first stage: micro-batches in flight
+    # the first stage: micro-batches in flight
+    if "--pipeline-model-parallel-size" in extra and rank == 0:
         assert all(g["slots"] > 1 for g in graphs)
     return eager, graphed, eager_params, graphed_params
 
@@ -178,8 +177,7 @@ def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
     for eager, graphed, eager_params, graphed_params in run_on_ranks(
         two_gpu_body, 2, extra, backend="nccl"
     ):
-        assert repr(graphed) == repr(
-            eager
-        )  # a first pipeline stage logs NaN losses (the last has them)
+        # a first pipeline stage logs NaN losses (the last has them)
+        assert repr(graphed) == repr(eager)
         for name, value in eager_params.items():
             assert torch.equal(graphed_params[name], value), name

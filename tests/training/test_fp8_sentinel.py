@@ -54,9 +54,8 @@ def test_decisions():
     assert not sentinel.due(6)  # no check while in bf16
     assert not sentinel.returns_at(6) and sentinel.returns_at(7) and sentinel.fp8_on(7)
     state = sentinel.state_dict()
-    assert (
-        sentinel.judge(8, math.nan, 5.0)["fp8_check"] == "disabled"
-    )  # failed again right after returning
+    # failed again right after returning
+    assert sentinel.judge(8, math.nan, 5.0)["fp8_check"] == "disabled"
     assert not any(sentinel.fp8_on(i) for i in range(8, 100)) and not sentinel.due(10)
     resumed = Fp8Sentinel(2, 0.05, 3, 2)
     resumed.load_state_dict(state)
@@ -167,11 +166,12 @@ def test_a_resumed_run_switches_where_the_straight_one_does(tmp_path, monkeypatc
         fault=always,
         monkeypatch=monkeypatch,
     )
+    # from iteration 3, inside the fallback
     _, resumed = run(
         BASE + ["--train-iters", "8", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")],
         fault=always,
         monkeypatch=monkeypatch,
-    )  # from iteration 3, inside the fallback
+    )
     assert resumed == straight[3:]
 
 

@@ -44,9 +44,8 @@ def test_flops_hand_count_with_gqa_and_swiglu():
         + 128 * 64  # down
     )
     assert gemm_weights == 36864
-    per_layer = 6 * gemm_weights + 3 * (
-        2 * s * 64 + 2 * s * 64
-    )  # + QK^T and AV, forward and backward
+    # + QK^T and AV, forward and backward
+    per_layer = 6 * gemm_weights + 3 * (2 * s * 64 + 2 * s * 64)
     output_layer = 6 * 64 * 1024  # vocabulary 1000 padded to 1024
     assert flops_per_token(config, s) == 2 * per_layer + output_layer == 884736
 
@@ -70,9 +69,8 @@ def test_recompute_adds_the_recomputed_forward():
 
 
 def test_vocabulary_padding_follows_tensor_parallelism():
-    config = preset(
-        "gpt-tiny"
-    )  # vocabulary 1000: 1024 at tp 1 (multiples of 128), 1152 at tp 3 (of 384)
+    # vocabulary 1000: 1024 at tp 1 (multiples of 128), 1152 at tp 3 (of 384)
+    config = preset("gpt-tiny")
     assert flops_per_token(config, 32, tp_size=3) - flops_per_token(config, 32) == 6 * 64 * 128
 
 
@@ -333,9 +331,8 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with open(path, "a") as f:
         f.write('{"iteration": 40, "lo')  # a write cut short by a crash
-    output = log_run(
-        tmp_path, [30, 40], start_iteration=20, loss=2.0
-    )  # resumes from the checkpoint at 20
+    # resumes from the checkpoint at 20
+    output = log_run(tmp_path, [30, 40], start_iteration=20, loss=2.0)
     assert [(r["iteration"], r.get("loss")) for r in read_jsonl(path)] == [
         (10, 3.0),
         (20, 3.0),
@@ -391,9 +388,8 @@ def test_other_numbers_are_printed_by_name(tmp_path):
 
 
 def test_no_tensorboard_is_one_info_line(tmp_path, monkeypatch):
-    monkeypatch.setitem(
-        sys.modules, "torch.utils.tensorboard", None
-    )  # import fails as when not installed
+    # import fails as when not installed
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     stream = io.StringIO()
     with MetricsLogger(tmp_path, tensorboard_dir=tmp_path / "tb", stream=stream) as logger:
         logger.log(1, {"loss": 1.0})
@@ -582,9 +578,8 @@ def test_messages_go_above_the_bar_not_onto_it(tmp_path):
 
 
 def test_a_bar_on_a_terminal_that_reports_no_size(tmp_path):
-    controller, terminal = (
-        pty.openpty()
-    )  # 0 x 0 until someone sets its size: tqdm alone draws nothing
+    # 0 x 0 until someone sets its size: tqdm alone draws nothing
+    controller, terminal = pty.openpty()
     try:
         with (
             open(terminal, "w", closefd=False) as stream,
@@ -751,6 +746,5 @@ def test_a_full_disk_under_metrics_is_said_once_with_the_path_and_the_run_goes_o
         for step in range(1, 4):
             logger.log(step, {"loss": 1.0})
         logger.close()
-    assert (
-        len([w for w in said if "metrics.jsonl" in str(w.message)]) == 2
-    )  # once while logging, once at close
+    # once while logging, once at close
+    assert len([w for w in said if "metrics.jsonl" in str(w.message)]) == 2

@@ -408,9 +408,8 @@ def test_resuming_says_what_changed_and_when_there_is_nothing_to_do(tmp_path, ca
     assert "another learning-rate schedule" in out and "--train-iters 3 -> 4" in out
     assert "give --lr-decay-iters 3" in out
     assert "run summary:" in out and "iterations: 1 (4 to 4)" in out and "data-seed" not in out
-    pretrain(
-        argv + ["--train-iters", "5", "--lr-decay-iters", "3", "--seed", "8"]
-    )  # --data-seed follows --seed
+    # --data-seed follows --seed
+    pretrain(argv + ["--train-iters", "5", "--lr-decay-iters", "3", "--seed", "8"])
     assert "give --data-seed 7" in capsys.readouterr().out
 
 
@@ -1260,9 +1259,8 @@ def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(
             tokens[0] = 700  # made with another tokenizer: an id in every batch
             builder.add_item(tokens)
             builder.end_document()
-    monkeypatch.setattr(
-        warnings, "formatwarning", warnings.formatwarning
-    )  # main() sets it for the process
+    # main() sets it for the process
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
     monkeypatch.setattr(
         sys,
         "argv",
