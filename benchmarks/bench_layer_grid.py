@@ -58,9 +58,8 @@ from megafp8.planner import layer_map
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
 RECIPES = ("bf16", "delayed", "current")
-HOST_STACK = (
-    4  # layers in the stack whose eager host time splits into per-layer and per-pass shares
-)
+# layers in the stack whose eager host time splits into per-layer and per-pass shares
+HOST_STACK = 4
 BANDS = (
     (1.0, "below 1x", "#d73027"),
     (1.3, "1-1.3x", "#4575b4"),

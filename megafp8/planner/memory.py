@@ -47,9 +47,8 @@ class MemoryLayout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
-    first_stage_layers: int | None = (
-        None  # the first / last virtual stage's own layer count (stage_layers)
-    )
+    # the first / last virtual stage's own layer count (stage_layers)
+    first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False

@@ -65,9 +65,8 @@ PRECISIONS = ("bf16", "delayed", "current")
 EXIT_WITHIN_S = 30.0
 TRACK_STEPS, TRACK_TOLERANCE = 5, 0.01
 RESUME_TOLERANCE = 1e-3
-RUN_TIMEOUT_S = (
-    300  # a run that has not exited by then hangs: its stacks are dumped, then it is killed
-)
+# a run that has not exited by then hangs: its stacks are dumped, then it is killed
+RUN_TIMEOUT_S = 300
 STACKS_WITHIN_S = 5.0  # how long a hung run's processes get to write their stacks
 
 # The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
