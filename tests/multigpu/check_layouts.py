@@ -390,15 +390,7 @@ class Launcher:
         """Kill every run still going, its launch's group and all the launch started."""
         parents = _process_parents()
         for process, _, _, log, started in self.running.values():
-            for pid in started | _descendants(process.pid, parents):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(process.pid, started | _descendants(process.pid, parents))
             process.wait()
             log.close()
         self.running.clear()
@@ -519,18 +511,26 @@ def _running(pid: int) -> bool:
 def _stop_hung(pgid: int, started: set) -> None:
     """A hung run: its Python processes write every thread's stack into the run's log (the run's
     PYTHONFAULTHANDLER answers SIGABRT so), then the launch's group and all it started are killed."""
-    for how in (signal.SIGABRT, signal.SIGKILL):
-        for pid in started:
-            try:
-                os.kill(pid, how)
-            except ProcessLookupError:
-                pass
-        if how == signal.SIGABRT:
-            time.sleep(STACKS_WITHIN_S)
+    _signal(started, signal.SIGABRT)
+    time.sleep(STACKS_WITHIN_S)
+    _kill(pgid, started)
+
+
+def _kill(pgid: int, started: set) -> None:
+    """Kill the processes `started` under a launch, then the launch's process group."""
+    _signal(started, signal.SIGKILL)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _signal(pids, how) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, how)
+        except ProcessLookupError:
+            pass
 
 
 def _exit_on_sigterm(signum, frame):
