@@ -54,6 +54,20 @@ def stage_layers(
     check_integer("pp_rank", pp_rank, minimum=0)
     if pp_rank >= pp:
         raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
+    counts = _stage_counts(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
+    starts = [sum(counts[:stage]) for stage in range(pp * vpp + 1)]
+    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
+
+
+def _stage_counts(
+    num_layers: int,
+    pp: int,
+    vpp: int,
+    first_stage_layers: int | None,
+    last_stage_layers: int | None,
+) -> list[int]:
+    """The layer count of each of the pp * vpp virtual stages, by `stage_layers`' rule; a
+    ValueError saying why where the rule cannot split them."""
     stages = pp * vpp
     what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
     fixed = {}  # virtual stage -> its given layer count
@@ -101,9 +115,7 @@ def stage_layers(
         )
     else:
         per_stage = rest // others
-    counts = [fixed.get(stage, per_stage) for stage in range(stages)]
-    starts = [sum(counts[:stage]) for stage in range(stages + 1)]
-    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
+    return [fixed.get(stage, per_stage) for stage in range(stages)]
 
 
 def balanced_stage_split(
@@ -133,27 +145,19 @@ def balanced_stage_split(
         ranks[-1] += output_layer_cost
         return max(ranks), max(counts), sum(abs(c - num_layers / stages) for c in counts)
 
-    best, best_cost = (None, None), None
-    if num_layers % stages == 0:
-        best_cost = cost([num_layers // stages] * stages)
-    for first in range(1, num_layers):
-        for last in range(1, num_layers - first + 1):
-            rest = num_layers - first - last
-            if (
-                stages == 2
-                and rest != 0
-                or stages > 2
-                and (rest < stages - 2 or rest % (stages - 2))
-            ):
-                continue
-            counts = (
-                [first] + [rest // (stages - 2)] * (stages - 2) + [last]
-                if stages > 2
-                else [first, last]
-            )
-            if best_cost is None or cost(counts) < best_cost:
-                best, best_cost = (first, last), cost(counts)
-    if best == (None, None) and best_cost is None:
+    # The even split first: a split of the same cost leaves it as it is.
+    candidates = [(None, None)] + [
+        (first, last) for first in range(1, num_layers) for last in range(1, num_layers - first + 1)
+    ]
+    best, best_cost = None, None
+    for first, last in candidates:
+        try:
+            split_cost = cost(_stage_counts(num_layers, pp, vpp, first, last))
+        except ValueError:  # stage_layers' rule cannot split the layers so
+            continue
+        if best_cost is None or split_cost < best_cost:
+            best, best_cost = (first, last), split_cost
+    if best is None:
         raise ValueError(
             f"num_layers={num_layers} cannot be split over pp={pp} x vpp={vpp} = {stages} pipeline "
             f"stages with at least one layer each and the middle ones equal"
