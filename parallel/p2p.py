@@ -18,6 +18,14 @@ stage before sends to the previous one, receives from the previous stage before 
 from the next. A rank's activations to its peer then always precede its gradients to that
 peer, and the peer posts its receives in the same order. Gloo matches by tag as well: the
 two directions carry different tags.
+
+`communicate` waits for its transfers before it returns. `post` only posts them, as two batches,
+activations (send_next, recv_prev) then gradients (send_prev, recv_next), and returns the
+receive buffers with one `Exchange` per batch: the caller waits on an exchange just before it
+uses what arrives (Megatron's `overlap_p2p_comm`). On NCCL a wait only orders the caller's CUDA
+stream after the transfers, so the GPU goes on with the next forward or backward while they run
+and a rank is held back only by the transfer it needs, not by its peer's whole pass. The order
+of transfers between a pair of ranks is the same as in one batch, so they pair up the same way.
 """
 
 from __future__ import annotations
@@ -98,8 +106,13 @@ class P2PCommunicator:
             )
         return tensor.detach().contiguous()
 
-    def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _receive_buffers(self, recv_prev: bool, recv_next: bool, requires_grad: bool):
+        """(the activation's buffer, the gradient's buffer), None for what is not received."""
+
+        def empty(grad: bool) -> torch.Tensor:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=grad)
+
+        return (empty(requires_grad) if recv_prev else None, empty(False) if recv_next else None)
 
     def communicate(
         self,
@@ -118,8 +131,28 @@ class P2PCommunicator:
         Returns (activation from prev or None, gradient from next or None); the activation
         requires grad unless `requires_grad=False` (forward only).
         """
-        ops, from_prev, from_next = [], None, None
+        from_prev, from_next = self._receive_buffers(recv_prev, recv_next, requires_grad)
         # The fixed order that makes NCCL's in-order matching pair them up (module docstring).
+        self._exchange(
+            self._activations(send_next, from_prev) + self._gradients(send_prev, from_next)
+        ).wait()
+        return from_prev, from_next
+
+    def post(
+        self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, requires_grad=True
+    ):
+        """Post the transfers of `communicate` (the same arguments) without waiting: activations
+        as one batch, then gradients as another. Returns (activation buffer or None, gradient
+        buffer or None, the activations' Exchange, the gradients' Exchange); a buffer holds what
+        arrives once its exchange's `wait()` has run, and a sent tensor may change only after
+        that too."""
+        from_prev, from_next = self._receive_buffers(recv_prev, recv_next, requires_grad)
+        activations = self._exchange(self._activations(send_next, from_prev))
+        gradients = self._exchange(self._gradients(send_prev, from_next))
+        return from_prev, from_next, activations, gradients
+
+    def _activations(self, send_next, from_prev) -> list:
+        ops = []
         if send_next is not None:
             ops.append(
                 (
@@ -129,30 +162,48 @@ class P2PCommunicator:
                     ACTIVATION_TAG,
                 )
             )
-        if recv_prev:
-            from_prev = self._buffer()
+        if from_prev is not None:
             ops.append(("recv", from_prev, self.prev_rank, ACTIVATION_TAG))
+        return ops
+
+    def _gradients(self, send_prev, from_next) -> list:
+        ops = []
         if send_prev is not None:
             ops.append(
                 ("send", self._check(send_prev, "input gradient"), self.prev_rank, GRADIENT_TAG)
             )
-        if recv_next:
-            from_next = self._buffer()
+        if from_next is not None:
             ops.append(("recv", from_next, self.next_rank, GRADIENT_TAG))
-        if ops:
-            p2p_ops = [
+        return ops
+
+    def _exchange(self, ops: list) -> Exchange:
+        if not ops:
+            return Exchange([], [])
+        requests = dist.batch_isend_irecv(
+            [
                 dist.P2POp(
                     dist.isend if op == "send" else dist.irecv, tensor, peer, self.group, tag
                 )
                 for op, tensor, peer, tag in ops
             ]
-            for request in dist.batch_isend_irecv(p2p_ops):
-                request.wait()
-            if self.log is not None:
-                self.log.extend(
-                    (op, peer, "activation" if tag == ACTIVATION_TAG else "gradient")
-                    for op, _, peer, tag in ops
-                )
-        if from_prev is not None and requires_grad:
-            from_prev.requires_grad_(True)
-        return from_prev, from_next
+        )
+        if self.log is not None:
+            self.log.extend(
+                (op, peer, "activation" if tag == ACTIVATION_TAG else "gradient")
+                for op, _, peer, tag in ops
+            )
+        return Exchange(requests, [tensor for op, tensor, _, _ in ops if op == "send"])
+
+
+class Exchange:
+    """One posted batch of transfers. `wait()` orders what the caller runs next after them: on
+    NCCL the current CUDA stream waits (the host goes on), on gloo the host does. The sent
+    tensors are kept until then, so their memory is not reused while a transfer reads it."""
+
+    def __init__(self, requests: list, sent: list):
+        self._requests, self._sent = requests, sent
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+        self._requests, self._sent = [], []

@@ -43,6 +43,11 @@ until its backward, not its values: the tensor's storage is replaced by one elem
 `deallocate_output_tensor`) and its backward started from its gradient edge. That frees one
 micro-batch's hidden states per micro-batch in flight (pp of them on the first stage of 1F1B).
 
+Point-to-point overlap (`overlap_p2p_comm`): each exchange between stages is posted, not waited
+for; the next forward waits for the activations it receives, the next backward for the gradients.
+So after a forward, the activation goes to the next stage while this rank runs its backward,
+and a rank waits for its peer only where it needs the peer's data.
+
 FP8: delayed scaling reduces amaxes at the end of every forward pass (each forward_step's
 fp8_autocast) and every backward pass (each backward call here), over the amax-reduction
 group: tensor x data parallel, every rank of one pipeline stage. Those collectives match up
@@ -80,6 +85,7 @@ class _Step:
         forward_only,
         grad_buffers,
         stats,
+        overlap_p2p_comm=False,
     ):
         self.chunks, self.forward_step, self.groups = model_chunks, forward_step, groups
         self.num_micro_batches, self.forward_only = num_micro_batches, forward_only
@@ -95,6 +101,10 @@ class _Step:
         self.p2p = (
             P2PCommunicator(groups, shape, dtype, device, self.p2p_log) if self.pp > 1 else None
         )
+        self.overlap_p2p_comm = overlap_p2p_comm
+        # Posted, not yet waited for (overlap_p2p_comm): what the next forward / backward receives.
+        self.arriving_activations: list = []
+        self.arriving_gradients: list = []
         self.stats = stats
         self.live = self.max_live = 0
         self.forwards = [0] * len(model_chunks)
@@ -125,6 +135,7 @@ class _Step:
 
     def forward(self, chunk: int, index: int, input_tensor):
         """Run forward_step on one micro-batch; the output to send on (None on the last virtual stage)."""
+        _wait_all(self.arriving_activations)
         result = self.forward_step(
             chunk, self.chunks[chunk], input_tensor, self.micro_batch(index, chunk)
         )
@@ -150,9 +161,19 @@ class _Step:
         return loss
 
     def communicate(self, *, send_next=None, **transfers):
-        """`P2PCommunicator.communicate`; an output sent to the next stage is then freed (only
-        its autograd node stays, for its backward)."""
-        received = self.p2p.communicate(send_next=send_next, **transfers)
+        """`P2PCommunicator.communicate`, or with overlap_p2p_comm its `post`: the transfers are
+        waited for by the next forward (activations) or backward (gradients) that may use them.
+        An output sent to the next stage is then freed (only its autograd node stays, for its
+        backward); the transfer keeps its values until it is done."""
+        if self.overlap_p2p_comm:
+            from_prev, from_next, activations, gradients = self.p2p.post(
+                send_next=send_next, **transfers
+            )
+            received = from_prev, from_next
+            self.arriving_activations.append(activations)
+            self.arriving_gradients.append(gradients)
+        else:
+            received = self.p2p.communicate(send_next=send_next, **transfers)
         if send_next is not None and not self.forward_only:
             _free_values(send_next)
         return received
@@ -166,6 +187,7 @@ class _Step:
             # Only the chunk's last backward starts the overlapped data-parallel reduction.
             buffer.set_sync(last)
         self.order.append(("B", chunk, index))
+        _wait_all(self.arriving_gradients)
         if self.is_last(chunk):
             torch.autograd.backward(output)  # the loss
         elif getattr(output, "values_freed", False):
@@ -180,6 +202,8 @@ class _Step:
         return None if input_tensor is None else input_tensor.grad
 
     def finish(self) -> list:
+        _wait_all(self.arriving_activations)
+        _wait_all(self.arriving_gradients)
         for buffer in self.buffers:
             buffer.set_sync(True)  # the buffer's default, whatever runs next
         expected = [self.num_micro_batches] * len(self.chunks)
@@ -196,6 +220,11 @@ class _Step:
                 order=list(self.order),
             )
         return self.losses
+
+
+def _wait_all(exchanges: list) -> None:
+    while exchanges:
+        exchanges.pop(0).wait()
 
 
 def _free_values(output: torch.Tensor) -> None:
@@ -423,6 +452,7 @@ def forward_backward(
     forward_only: bool = False,
     grad_buffers=None,
     stats: dict | None = None,
+    overlap_p2p_comm: bool = False,
 ) -> list:
     """Run one step's `num_micro_batches` micro-batches forward (and backward) through this
     rank's pipeline stage; return the per-micro-batch losses on the last stage ([] elsewhere).
@@ -452,6 +482,9 @@ def forward_backward(
     stats: a dict to fill with max_live_forwards (most micro-batch forwards held for
         backward at once), forwards / backwards (per chunk), order (the ("F"|"B", chunk,
         micro_batch) sequence) and p2p (every transfer, in order).
+    overlap_p2p_comm: post each exchange between stages without waiting for it; the next
+        forward waits for the activations, the next backward for the gradients (p2p.post).
+        The same transfers, in the same order, and the same results.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if not chunks:
@@ -506,6 +539,7 @@ def forward_backward(
         forward_only,
         list(grad_buffers),
         stats,
+        overlap_p2p_comm,
     )
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return function(step)

@@ -53,6 +53,7 @@ class MemoryLayout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # no memory of its own: the throughput model's
+    overlap_p2p_comm: bool = True  # as overlap_param_gather
     recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
     fp8: str | None = None  # None (bf16) | delayed | current
     fp8_neighbour_fusion: bool = True
@@ -99,6 +100,7 @@ class MemoryLayout:
             sequence_parallel=args.sequence_parallel,
             distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
+            overlap_p2p_comm=args.overlap_p2p_communication,
             recompute=args.recompute_granularity or "none",
             fp8=args.fp8_recipe if args.fp8_format else None,
             fp8_neighbour_fusion=args.fp8_neighbour_fusion,

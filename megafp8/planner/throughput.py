@@ -12,9 +12,9 @@ Inputs, each measured on the GPUs the plan is for:
 
 The model, per rank of the slowest pipeline stage (micro-batch time t = its layers' time, each
 layer's forward once more under full recomputation, plus the output end on the last stage, plus
-its point-to-point sends; a layer's time is the graphed GPU time where the trainer can use
-CUDA graphs (no pipeline parallelism: the layout assumes --enable-cuda-graph); an eager
-stage, a pipeline's, takes the longer of its layers' GPU time and the host's (the pass's own
+its point-to-point sends where they outlast the pass beside them; a layer's time is the graphed
+GPU time where the trainer can use CUDA graphs (no pipeline parallelism: the layout assumes
+--enable-cuda-graph); an eager stage, a pipeline's, takes the longer of its layers' GPU time and the host's (the pass's own
 host time plus each layer's share, both measured on a stack of layers; a map without that
 split: each layer at a one-layer step's host time); the output end's few large kernels are taken
 at their GPU time either way):
@@ -305,26 +305,28 @@ def predict(
             extrapolated.append(
                 "full recomputation's host time: the step's, scaled by the forward's GPU share"
             )
-    # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per chunk.
-    p2p = 0.0
+    # Point-to-point: each micro-batch crosses every stage boundary forward and back, once per
+    # chunk. With --overlap-p2p-communication (the trainer's default) a transfer runs beside the
+    # rank's next pass: only what outlasts the shorter one, a chunk's forward, counts.
+    transfer = 0.0
     if pp > 1:
         activation = (seq // tp if layout.sp else seq) * mbs * config.hidden_size * 2
         # Ranks go tp fastest, then dp, then pp: a stage's neighbour is tp x dp ranks away.
-        p2p = (
-            2
-            * vpp
-            * calibration.collective_ms(
-                "send_recv", 2, activation, tp * dp * pp > gpus_per_node, extrapolated
-            )
+        transfer = calibration.collective_ms(
+            "send_recv", 2, activation, tp * dp * pp > gpus_per_node, extrapolated
         )
-    stage_ms = []
+    stage_ms, stage_p2p = [], []
     for pp_rank in range(pp):
         layers, _ = stage_layer_indices(config, layout, pp_rank)
+        exposed = transfer
+        if layout.overlap_p2p_comm:
+            exposed = max(0.0, transfer - len(layers) / vpp * layer["forward"])
+        stage_p2p.append(2 * vpp * exposed)
         # a pass per chunk
         layer_ms = max(len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer)
-        stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + p2p)
+        stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + stage_p2p[-1])
     slowest = max(range(pp), key=lambda r: stage_ms[r])
-    micro_batch_ms = stage_ms[slowest]
+    micro_batch_ms, p2p = stage_ms[slowest], stage_p2p[slowest]
     slowest_layers = len(stage_layer_indices(config, layout, slowest)[0])
     m = layout.num_micro_batches
     pipeline = (m + (pp - 1) / vpp) * micro_batch_ms

@@ -163,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline rank has about the same work, the last one's output layer and loss counted at "
         "their FLOPs in layers (at FP8's speed-up where the layers run FP8); the split is printed",
     )
+    g.add_argument(
+        "--overlap-p2p-communication",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pipeline stages post their activations and gradients to each other without waiting: a "
+        "forward waits only for the activation it takes, a backward for its gradient, so transfers "
+        "run beside the other passes",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument(
         "--tp-comm-overlap",

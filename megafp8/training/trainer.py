@@ -414,6 +414,7 @@ class Trainer:
             sequence_parallel=self.chunks[0].sequence_parallel,
             forward_only=forward_only,
             grad_buffers=None if forward_only else self.buffer,
+            overlap_p2p_comm=a.overlap_p2p_communication,
         )
         # The mean loss over micro-batches and data-parallel replicas; NaN off the last stage.
         # Reduced on the device (one host sync per step, not one per micro-batch); in fp64, where

@@ -66,10 +66,11 @@ def make_forward_step(fp8, amax_group):
     return forward_step
 
 
-def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=None):
+def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=None, overlap=False):
     """STEPS steps of plain SGD on main_grad, then one forward-only evaluation; per step the
     reported losses, every main_grad (after dp averaging, tp sums of sequence-parallel
-    parameters and the tied-embedding sync) and the schedule's stats."""
+    parameters and the tied-embedding sync) and the schedule's stats. `overlap`: the
+    schedules' overlap_p2p_comm."""
     config = chunks[0].config
     params = [p for chunk in chunks for p in chunk.parameters()]
     # one buffer for all chunks
@@ -81,6 +82,7 @@ def train(chunks, groups, fp8, dp_rank, dp, sequence_parallel=False, schedule=No
         hidden_size=config.hidden_size,
         dtype=torch.float32,
         sequence_parallel=sequence_parallel,
+        overlap_p2p_comm=overlap,
     )
     results = []
     for step in range(STEPS):
@@ -148,7 +150,7 @@ def count_fp8_collectives():
     return counter
 
 
-def layout_body(rank, world_size, layouts, device="cpu"):
+def layout_body(rank, world_size, layouts, device="cpu", overlap=False):
     """Train every (name, tp, pp, vpp, sequence_parallel, fp8) layout; this rank's results."""
     counter = count_fp8_collectives()
     out = {}
@@ -168,7 +170,7 @@ def layout_body(rank, world_size, layouts, device="cpu"):
         ]
         check_embeddings_in_sync(chunks, groups)
         before = counter["collectives"]
-        result = train(chunks, groups, fp8, groups.dp_rank, groups.dp_size, sp)
+        result = train(chunks, groups, fp8, groups.dp_rank, groups.dp_size, sp, overlap=overlap)
         result.update(
             fp8_collectives=counter["collectives"] - before,
             tp_rank=groups.tp_rank,
@@ -284,6 +286,7 @@ PP2 = [
 
 def pp2_body(rank, world_size):
     out = layout_body(rank, world_size, PP2)
+    out["overlapped"] = layout_body(rank, world_size, PP2, overlap=True)
     out["embedding_check"] = check_embeddings_body(rank)
     return out
 
@@ -317,6 +320,29 @@ def test_pp2_stage_order_and_pairing(pp2_results):
     assert stats["forwards"] == stats["backwards"] == [NUM_MICRO_BATCHES] * 2
 
 
+def assert_same_training(a, b):
+    """Two runs of one layout on one rank trained alike: the same losses and gradients, bit for
+    bit, and the same passes and transfers in the same order."""
+    assert a["eval"] == b["eval"]
+    for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
+        assert step_a["losses"] == step_b["losses"]
+        assert step_a["grads"].keys() == step_b["grads"].keys()
+        for name, grad in step_a["grads"].items():
+            assert torch.equal(grad, step_b["grads"][name]), name
+        assert step_a["stats"]["order"] == step_b["stats"]["order"]
+        assert step_a["stats"]["p2p"] == step_b["stats"]["p2p"]
+
+
+@pytest.mark.parametrize(
+    "layout", PP2, ids=lambda x: f"{x[0]}-vpp{x[3]}-{'fp8' if x[-1] else 'fp32'}"
+)
+def test_overlapped_p2p_trains_as_waiting_p2p(pp2_results, layout):
+    """overlap_p2p_comm posts the transfers in two batches and waits later: the same transfers
+    in the same order, so the same training, bit for bit."""
+    for result in pp2_results:
+        assert_same_training(result["overlapped"][layout], result[layout])
+
+
 def test_tied_embedding_gradients_are_synced(pp2_results):
     """The first stage's embedding and the last stage's copy get the same, full gradient."""
     for layout in [x for x in PP2 if x[0] == "gpt-tiny"]:
@@ -342,14 +368,23 @@ def pp4_body(rank, world_size):
     out = layout_body(rank, world_size, PP4)
     groups = ParallelGroups(1, 4)
     config = config_of("gpt-tiny").replace(num_layers=8)
-    # In flight: 1F1B with more micro-batches than stages, and interleaved with 2 chunks.
-    live, sizes = {}, {}
-    for vpp, num in ((1, 8), (1, 2), (2, 8), (2, 4)):
+    # In flight: 1F1B with more micro-batches than stages, and interleaved with 2 chunks; the
+    # same with overlap_p2p_comm (on a ring of 4, where the previous and next stage differ).
+    live, sizes, runs = {}, {}, {}
+    for vpp, num, overlap in (
+        (1, 8, False),
+        (1, 2, False),
+        (2, 8, False),
+        (2, 4, False),
+        (1, 8, True),
+        (2, 8, True),
+    ):
         chunks = [
             TransformerLM(config, layers=span, seed=SEED)
             for span in stage_layers(config.num_layers, 4, groups.pp_rank, vpp)
         ]
-        batches = [(torch.randint(0, 1000, (1, SEQ)),) * 2 for _ in range(num)]
+        g = torch.Generator().manual_seed(num)
+        batches = [(torch.randint(0, 1000, (1, SEQ), generator=g),) * 2 for _ in range(num)]
         sent = []  # the outputs handed to the next stage
 
         def forward_step(chunk_index, chunk, input_tensor, batch):
@@ -362,7 +397,7 @@ def pp4_body(rank, world_size):
             return out.mean() / num if chunk.post_process else out
 
         stats = {}
-        forward_backward(
+        losses = forward_backward(
             None,
             chunks,
             data_iterator=iter(batches),
@@ -374,10 +409,14 @@ def pp4_body(rank, world_size):
             hidden_size=config.hidden_size,
             dtype=torch.float32,
             stats=stats,
+            overlap_p2p_comm=overlap,
         )
-        live[(vpp, num)] = stats["max_live_forwards"]
-        sizes[(vpp, num)] = sorted({t.numel() for t in sent})
-    out["live"], out["sent_sizes"] = live, sizes
+        grads = [p.grad.clone() for chunk in chunks for p in chunk.parameters()]
+        runs[(vpp, num, overlap)] = (losses, grads, stats)
+        if not overlap:
+            live[(vpp, num)] = stats["max_live_forwards"]
+            sizes[(vpp, num)] = sorted({t.numel() for t in sent})
+    out["live"], out["sent_sizes"], out["runs"] = live, sizes, runs
     return out
 
 
@@ -404,6 +443,20 @@ def test_1f1b_keeps_at_most_pp_micro_batches_in_flight(pp4_results):
         # of them when num_micro_batches == pp.
         assert live[(2, 8)] == (pp - rank - 1) * 2 + pp + 1
         assert live[(2, 4)] == 2 * 4
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_overlapped_p2p_on_a_ring_of_four(pp4_results, vpp):
+    """pp = 4 (the next and previous stage are different ranks): overlap_p2p_comm gives the same
+    losses and gradients, bit for bit, through the same passes and transfers."""
+    for result in pp4_results:
+        (losses, grads, stats), (o_losses, o_grads, o_stats) = (
+            result["runs"][(vpp, 8, overlap)] for overlap in (False, True)
+        )
+        assert [loss.item() for loss in losses] == [loss.item() for loss in o_losses]
+        assert all(torch.equal(a, b) for a, b in zip(grads, o_grads, strict=True))
+        for key in ("order", "p2p", "max_live_forwards"):
+            assert stats[key] == o_stats[key], key
 
 
 def test_sent_outputs_keep_no_values(pp4_results):

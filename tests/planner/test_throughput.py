@@ -129,8 +129,10 @@ def test_selective_recomputation_takes_its_measured_step():
 
 
 def test_the_pipeline_pays_its_bubble_and_its_sends():
+    # Sends waited for (--no-overlap-p2p-communication); overlapped: the next test.
+    waiting = dict(overlap_p2p_comm=False)
     layout = MemoryLayout(
-        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed"
+        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed", **waiting
     )
     result = predict(GPT, layout, calibration([point()], collectives()), 32)
     send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)  # one activation at 100 GB/s
@@ -141,7 +143,13 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     assert result["breakdown_ms"]["pipeline_bubble"] == pytest.approx(per_micro_batch)
     # Interleaving shrinks the bubble by the virtual stages, and sends once per chunk.
     interleaved = MemoryLayout(
-        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed"
+        seq_length=2048,
+        micro_batch_size=4,
+        num_micro_batches=8,
+        pp=2,
+        vpp=2,
+        fp8="delayed",
+        **waiting,
     )
     per_micro_batch = 12 * 4.0 + 8.0 + 4 * send
     assert predict(GPT, interleaved, calibration([point()], collectives()), 32)[
@@ -161,15 +169,32 @@ def test_the_pipeline_pays_its_bubble_and_its_sends():
     )
 
 
-def test_an_eager_pipeline_waits_on_a_slow_host():
-    """Without CUDA graphs (the recipes' CUDA_GRAPH=0) a pipeline stage takes the longer of its
-    GPU's and its host's time."""
+def test_overlapped_sends_count_only_where_they_outlast_a_chunks_forward():
     layout = MemoryLayout(
-        seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed"
-    )
-    interleaved = MemoryLayout(
         seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, vpp=2, fp8="delayed"
     )
+    assert layout.overlap_p2p_comm  # the trainer's default
+    # At 100 GB/s a send (0.3 ms) hides behind a chunk's FP8 forward (6 layers: 7.8 ms).
+    hidden = predict(GPT, layout, calibration([point()], collectives()), 32)
+    assert hidden["breakdown_ms"]["point_to_point"] == 0.0
+    assert hidden["step_ms"] == pytest.approx(
+        (8 + 0.5) * (12 * 4.0 + 8.0) + optimizer_ms(layout, pp_rank=1)
+    )
+    # At 1 GB/s (33.6 ms) only what outlasts the forward counts, for each of the 4 transfers.
+    slow = predict(GPT, layout, calibration([point()], collectives(busbw=1.0)), 32)
+    exposed = 4 * (2048 * 4 * 2048 * 2 / 1e6 - 6 * 1.3)
+    assert slow["breakdown_ms"]["point_to_point"] == pytest.approx(8 * exposed)
+    assert slow["step_ms"] == pytest.approx(
+        (8 + 0.5) * (12 * 4.0 + 8.0 + exposed) + optimizer_ms(layout, pp_rank=1)
+    )
+
+
+def test_an_eager_pipeline_waits_on_a_slow_host():
+    """Without CUDA graphs (the recipes' CUDA_GRAPH=0) a pipeline stage takes the longer of its
+    GPU's and its host's time (sends waited for, to count them as the test above)."""
+    shape = dict(seq_length=2048, micro_batch_size=4, num_micro_batches=8, pp=2, fp8="delayed")
+    layout = MemoryLayout(**shape, overlap_p2p_comm=False)
+    interleaved = MemoryLayout(**shape, vpp=2, overlap_p2p_comm=False)
     send = 2048 * 4 * 2048 * 2 / (100.0 * 1e6)
 
     def eager(points, pipeline=layout):
