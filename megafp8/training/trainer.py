@@ -83,18 +83,38 @@ class _ExitSignal:
     def __init__(self):
         self.received = None
         self._previous = {}
+        self._vote = None  # the last vote's (host copy, its copy's CUDA event or None)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
 
-    def any_rank(self, device) -> bool:
+    def any_rank(self, device, timed_out: bool = False) -> bool:
+        """Whether any rank wants to stop: has received a signal, or `timed_out`. With several
+        ranks every call posts this rank's vote (a MAX all-reduce) and answers the previous
+        call's, done by now: reading this call's would make the host wait for the step's update
+        queued before it, and the GPU would idle while the host started the next step. So every
+        rank stops after the same step, one step after the vote."""
+        mine = self.received is not None or timed_out
         if dist.get_world_size() == 1:  # no collective, so no wait on the GPU either
-            return self.received is not None
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+            return mine
+        previous, self._vote = self._vote, None
+        flag = torch.tensor([float(mine)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if flag.is_cuda:
+            copied = torch.cuda.Event()
+            flag = flag.to("cpu", non_blocking=True)
+            copied.record()
+            self._vote = flag, copied
+        else:
+            self._vote = flag, None
+        if previous is None:
+            return False
+        host, copied = previous
+        if copied is not None:
+            copied.synchronize()
+        return bool(host.item())
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -796,12 +816,13 @@ class Trainer:
                     throughput.restart()
                 if self.sentinel is not None and self.sentinel.due(self.iteration):
                     logger.log(self.iteration, self.fp8_check())
-                stop = exit_signal.any_rank(self.device)
-                if (
-                    a.exit_duration_in_mins
-                    and time.time() - start_time > 60 * a.exit_duration_in_mins
-                ):
-                    stop = True
+                # Each rank's clock decides for itself, so the ranks vote (else one could stop
+                # while another went on to the next step's collectives).
+                stop = exit_signal.any_rank(
+                    self.device,
+                    timed_out=bool(a.exit_duration_in_mins)
+                    and time.time() - start_time > 60 * a.exit_duration_in_mins,
+                )
                 if a.exit_interval and self.iteration % a.exit_interval == 0:
                     stop = True
                 due = (

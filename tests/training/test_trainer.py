@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from megafp8.parallel import check_embeddings_in_sync
 
 from megafp8.fp8 import Fp8Linear
-from megafp8.training import arguments, checkpointing
+from megafp8.training import arguments, checkpointing, trainer
 from megafp8.training.checkpointing import CheckpointError
 from megafp8.training.trainer import NonFiniteError, pretrain
 
@@ -467,6 +468,29 @@ def test_sigterm_to_the_process_group_saves_a_checkpoint_and_exits_zero(tmp_path
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert "on SIGTERM" in output
+
+
+def stop_votes(rank, world_size):
+    """Three steps' answers of the stop vote, twice: rank 0 receives a signal before step 1's
+    vote; then rank 1 alone passes its time limit at step 1 (its own clock)."""
+    answers = []
+    for reason in ("signal", "time"):
+        votes = trainer._ExitSignal()
+        try:
+            answers.append([])
+            for step in range(3):
+                if reason == "signal" and rank == 0 and step == 1:
+                    votes.received = "SIGTERM"
+                timed_out = reason == "time" and rank == 1 and step >= 1
+                answers[-1].append(votes.any_rank(torch.device("cpu"), timed_out=timed_out))
+        finally:
+            votes.restore()
+    return answers
+
+
+def test_every_rank_stops_after_the_same_step():
+    # Each step's vote is answered at the next step, on every rank alike.
+    assert run_on_ranks(stop_votes, 2) == [[[False, False, True]] * 2] * 2
 
 
 def test_a_run_rolled_back_to_an_older_checkpoint_keeps_what_it_saves(tmp_path, capfd):
