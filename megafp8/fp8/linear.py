@@ -335,8 +335,8 @@ class Fp8Linear(nn.Linear):
 
     def weight_cast_target(self) -> WeightCast | None:
         """Where an optimizer that writes this layer's weight may write, in the same pass, the
-        FP8 cast the next forward would make of it (megafp8.training.adamw_kernel): the cached
-        cast's buffers and the weight's scale and amax accumulator. None when that cast is not
+        FP8 cast the next forward would make of it (megafp8.training.optimizer.adamw_kernel): the
+        cached cast's buffers and the weight's scale and amax accumulator. None when that cast is not
         known ahead: no forward has cast the weight yet, or not under delayed scaling with a
         scale history (current scaling fits the scale to the new weight), or the cast's buffers
         are not kept from step to step (`keep_weight_cast_addresses`). After writing it, call

@@ -28,9 +28,10 @@ class Fp8Tensor(NamedTuple):
 
 class WeightCast(NamedTuple):
     """Where an optimizer's pass writes the FP8 cast of a 2-D weight [rows, cols] that it has
-    just updated (Fp8Linear.weight_cast_target, megafp8.training.adamw_kernel): `data` [rows,
-    cols] and `data_t` [cols, rows] in one FP8 dtype, cast with the fp32 `scale` it reads; the
-    largest magnitude is maxed into `amax` (zeroed first) and 1 / scale written to `scale_inv`."""
+    just updated (Fp8Linear.weight_cast_target, megafp8.training.optimizer.adamw_kernel): `data`
+    [rows, cols] and `data_t` [cols, rows] in one FP8 dtype, cast with the fp32 `scale` it reads;
+    the largest magnitude is maxed into `amax` (zeroed first) and 1 / scale written to
+    `scale_inv`."""
 
     data: torch.Tensor
     data_t: torch.Tensor

@@ -1,1 +1,2 @@
-"""megafp8.training: arguments, trainer loop, optimizer + LR schedule, checkpointing, metrics."""
+"""megafp8.training: flags and their checks, the trainer loop, the optimizer (its own package) and LR
+schedule, checkpointing, metrics."""

@@ -9,7 +9,9 @@
 A --load checkpoint that records its model (megafp8.json's "model") is the model: shape flags and
 --model may be left out, and one that contradicts it is an error.
 
-Each flag's dest is its name with underscores (`--fp8-format` -> `args.fp8_format`). Errors raise
+The flags and their --config YAML spelling are in flags.py, the model they describe in
+model_flags.py; this module checks them together and is the trainer's entry to both. Each flag's
+dest is its name with underscores (`--fp8-format` -> `args.fp8_format`). Errors raise
 ArgumentsError (a ValueError) whose message names the flags involved and what to give instead.
 docs/training.md lists the flags and where they differ from Megatron-LM's.
 """
@@ -17,14 +19,10 @@ docs/training.md lists the flags and where they differ from Megatron-LM's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import importlib.util
 import json
 import os
-import re
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -34,542 +32,35 @@ from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
 from megafp8.messages import check_integer
 from megafp8.models.config import PRESETS, TransformerConfig
-from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
-from megafp8.training import checkpointing
 
+from .flags import ArgumentsError, build_parser, flag_names, given_only, reject_unknown, yaml_tokens
+from .model_flags import model_config, resolve_model
 
-class ArgumentsError(ValueError):
-    """Flags, a flag combination or a --config file that cannot run; the message says which."""
-
-
-class _Parser(argparse.ArgumentParser):
-    # Raise instead of printing usage and exiting, so callers and tests see the message.
-    def error(self, message):
-        raise ArgumentsError(message)
-
-
-def _number(kind, minimum=None, below=None, above=None):
-    """An argparse type: `kind` (int or float) with bounds, whose error says the allowed range."""
-    parts = [
-        f">= {minimum}" if minimum is not None else "",
-        f"> {above}" if above is not None else "",
-        f"< {below}" if below is not None else "",
-    ]
-    wanted = f"{'an integer' if kind is int else 'a number'} {' and '.join(p for p in parts if p)}".strip()
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
-        if (
-            (minimum is not None and value < minimum)
-            or (above is not None and value <= above)
-            or (below is not None and value >= below)
-        ):
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _number(int, minimum=1)
-_NON_NEGATIVE = _number(int, minimum=0)
-_PROBABILITY = _number(float, minimum=0.0, below=1.0)  # dropout, Adam betas
-
-
-class _FirstLastLayers(argparse.Action):
-    """`--first-last-layers-bf16` alone is Megatron's switch (counts from --num-layers-at-*-in-bf16);
-    `--first-last-layers-bf16 N` is megafp8's short form."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        setattr(namespace, self.dest, True if value is None else value)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser with every flag and its default; parse_args adds the checks."""
-    p = _Parser(
-        prog="megafp8-train",
-        allow_abbrev=False,  # an abbreviation would hide a typo
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Pretrain a GPT or Llama model with FP8 (Megatron-LM's flag names).",
-    )
-    p.add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        help="flags as YAML keys (dashes or underscores); flags on the command line win",
-    )
-
-    g = p.add_argument_group(
-        "model (a --model preset, or the shape flags; shape flags override the preset)"
-    )
-    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    g.add_argument("--num-layers", type=_POSITIVE)
-    g.add_argument("--hidden-size", type=_POSITIVE)
-    g.add_argument("--num-attention-heads", type=_POSITIVE)
-    g.add_argument(
-        "--num-query-groups", type=_POSITIVE, help="key/value heads (GQA); default: one per head"
-    )
-    g.add_argument(
-        "--group-query-attention",
-        action="store_true",
-        help="accepted for Megatron scripts; --num-query-groups alone turns GQA on",
-    )
-    g.add_argument("--ffn-hidden-size", type=_POSITIVE, help="default 4 x hidden size")
-    g.add_argument("--max-position-embeddings", type=_POSITIVE, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
-    g.add_argument("--norm-epsilon", type=_number(float, above=0.0))
-    # None = not given, so a preset's value stays; after parsing these are True/False.
-    g.add_argument("--swiglu", action="store_true", default=None)
-    g.add_argument("--disable-bias-linear", action="store_true", default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-    g.add_argument("--init-method-std", type=_number(float, above=0.0))
-    g.add_argument("--hidden-dropout", type=_PROBABILITY)
-    g.add_argument("--attention-dropout", type=_PROBABILITY)
-    g.add_argument("--make-vocab-size-divisible-by", type=_POSITIVE)
-    g.add_argument("--rotary-base", type=_number(float, above=0.0))
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1)
-    g.add_argument(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=_POSITIVE,
-        help="interleaved 1F1B: layers per virtual stage",
-    )
-    g.add_argument(
-        "--num-virtual-stages-per-pipeline-rank",
-        type=_POSITIVE,
-        help="interleaved 1F1B: virtual stages per pipeline rank (1: not interleaved), the layers of a "
-        "rank split evenly among them; or give --num-layers-per-virtual-pipeline-stage",
-    )
-    g.add_argument(
-        "--decoder-first-pipeline-num-layers",
-        type=_POSITIVE,
-        help="layers of the first pipeline stage, which also holds the embedding (interleaved: of the "
-        "first virtual stage, the first rank's first chunk); the other stages split the rest evenly",
-    )
-    g.add_argument(
-        "--decoder-last-pipeline-num-layers",
-        type=_POSITIVE,
-        help="layers of the last pipeline stage, which also holds the output layer and loss "
-        "(interleaved: of the last virtual stage, the last rank's last chunk)",
-    )
-    g.add_argument(
-        "--balance-pipeline-split",
-        action="store_true",
-        help="give the first and last virtual pipeline stages their own layer counts so that every "
-        "pipeline rank has about the same work, the last one's output layer and loss counted at "
-        "their FLOPs in layers (at FP8's speed-up where the layers run FP8); the split is printed",
-    )
-    g.add_argument(
-        "--overlap-p2p-communication",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="pipeline stages post their activations and gradients to each other without waiting: a "
-        "forward waits only for the activation it takes, a backward for its gradient, so transfers "
-        "run beside the other passes",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument(
-        "--tp-comm-overlap",
-        action="store_true",
-        help="with --sequence-parallel: the tensor-parallel linears' all-gathers and reduce-scatters run "
-        "block by block beside their GEMMs, forward and backward, instead of before or after them",
-    )
-    g.add_argument(
-        "--tp-comm-overlap-transport",
-        choices=("auto", "copy-engine", "nccl"),
-        default="auto",
-        help="how --tp-comm-overlap moves the blocks: copy-engine (symmetric memory over NVLink, no SMs "
-        "taken from the GEMMs; GPUs of one node), nccl (NCCL kernels), or auto: copy engines with "
-        "--enable-cuda-graph where the GPUs allow, else NCCL",
-    )
-    g.add_argument(
-        "--distributed-timeout-minutes",
-        type=_number(float, above=0.0),
-        default=10.0,
-        help="how long a rank waits in a collective for the others before the run fails (a rank "
-        "that died or hangs); Megatron's default",
-    )
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument(
-        "--overlap-param-gather",
-        action="store_true",
-        help="with --use-distributed-optimizer: the updated parameters' all-gather runs bucket by bucket "
-        "beside the next forward, each layer waiting only for its own",
-    )
-    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument(
-        "--ddp-bucket-size",
-        type=_POSITIVE,
-        default=DEFAULT_BUCKET_SIZE,
-        help="elements per data-parallel gradient bucket (reduced as soon as it is complete)",
-    )
-    g.add_argument(
-        "--gradient-accumulation-fusion",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the linear layers' GEMMs write their weight gradients into the fp32 gradient buffer "
-        "(FP8: on a step's first micro-batch; bf16 on a GPU: every one) instead of returning "
-        "bf16 gradients for a separate accumulation pass",
-    )
-
-    g = p.add_argument_group("batch")
-    g.add_argument("--micro-batch-size", type=_POSITIVE)
-    g.add_argument(
-        "--global-batch-size", type=_POSITIVE, help="default: micro batch size x data-parallel size"
-    )
-    g.add_argument(
-        "--seq-length", type=_POSITIVE, help="default: the model's max position embeddings"
-    )
-
-    g = p.add_argument_group("duration and evaluation")
-    g.add_argument("--train-iters", type=_POSITIVE)
-    g.add_argument("--train-samples", type=_POSITIVE)
-    g.add_argument("--eval-interval", type=_POSITIVE, default=1000)
-    g.add_argument("--eval-iters", type=_NON_NEGATIVE, default=100, help="0: no evaluation")
-
-    g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--lr", type=_number(float, minimum=0.0))
-    g.add_argument("--min-lr", type=_number(float, minimum=0.0), default=0.0)
-    g.add_argument("--lr-warmup-iters", type=_NON_NEGATIVE, default=0)
-    g.add_argument(
-        "--lr-warmup-fraction",
-        type=_number(float, minimum=0.0, below=1.0),
-        help="warmup as a fraction of --lr-decay-iters",
-    )
-    g.add_argument("--lr-decay-iters", type=_POSITIVE, help="default: the training iterations")
-    g.add_argument(
-        "--lr-decay-style", choices=("constant", "linear", "cosine", "wsd"), default="linear"
-    )
-    g.add_argument(
-        "--lr-wsd-decay-iters",
-        type=_POSITIVE,
-        help="wsd: the final decay phase, the last iterations of --lr-decay-iters",
-    )
-    g.add_argument(
-        "--lr-wsd-decay-style",
-        choices=("linear", "cosine", "exponential", "minus_sqrt"),
-        default="exponential",
-    )
-    g.add_argument("--weight-decay", type=_number(float, minimum=0.0), default=0.01)
-    g.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
-    g.add_argument("--adam-beta2", type=_PROBABILITY, default=0.999)
-    g.add_argument("--adam-eps", type=_number(float, above=0.0), default=1e-8)
-    g.add_argument(
-        "--clip-grad", type=_number(float, minimum=0.0), default=1.0, help="0: no clipping"
-    )
-
-    g = p.add_argument_group("precision")
-    g.add_argument(
-        "--bf16", action="store_true", help="bf16 parameters (fp32 master weights); default fp32"
-    )
-    g.add_argument("--fp16", action="store_true", help="not supported: use --bf16")
-    g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), help="turns FP8 on; absent: no FP8")
-    g.add_argument(
-        "--fp8-recipe",
-        choices=("delayed", "current", "tensorwise"),
-        default="delayed",
-        help="tensorwise is Megatron's name for current scaling",
-    )
-    g.add_argument("--fp8-margin", type=_NON_NEGATIVE, default=0)
-    g.add_argument("--fp8-interval", type=_POSITIVE, default=1)
-    g.add_argument("--fp8-amax-history-len", type=_POSITIVE, default=1)
-    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="most_recent")
-    g.add_argument(
-        "--no-fp8-wgrad", action="store_true", help="weight-gradient GEMM in high precision"
-    )
-    g.add_argument(
-        "--fp8-neighbour-fusion",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="under delayed FP8 scaling, fuse the norms before the QKV and fc1 GEMMs and the MLP "
-        "activation into those GEMMs' FP8 input casts, and the activation's backward into fc1's "
-        "gradient cast (Transformer Engine's LayerNormLinear / LayerNormMLP)",
-    )
-    g.add_argument("--fp8-output-layer", action="store_true", help="the output layer in FP8 too")
-    g.add_argument(
-        "--first-last-layers-bf16",
-        action=_FirstLastLayers,
-        nargs="?",
-        type=_NON_NEGATIVE,
-        default=0,
-        metavar="N",
-        help="keep the first and last N layers out of FP8",
-    )
-    g.add_argument("--num-layers-at-start-in-bf16", type=_NON_NEGATIVE)
-    g.add_argument("--num-layers-at-end-in-bf16", type=_NON_NEGATIVE)
-    g.add_argument(
-        "--fp8-check-interval",
-        type=_NON_NEGATIVE,
-        default=0,
-        metavar="N",
-        help="the bf16 sentinel: every N iterations evaluate held-out micro-batches with FP8 on and "
-        "off, and train in bf16 for a while when FP8's loss strays (0: off)",
-    )
-    g.add_argument(
-        "--fp8-check-iters",
-        type=_POSITIVE,
-        default=1,
-        help="global batches of validation data per check (the same ones every time)",
-    )
-    g.add_argument(
-        "--fp8-check-tolerance",
-        type=_number(float, above=0.0),
-        default=0.02,
-        help="how far FP8's check loss may exceed bf16's, relative, before the run falls back",
-    )
-    g.add_argument(
-        "--fp8-fallback-iters",
-        type=_POSITIVE,
-        default=100,
-        help="iterations trained in bf16 after a failed check, before FP8 returns (scales re-seeded)",
-    )
-    g.add_argument(
-        "--fp8-max-fallbacks",
-        type=_POSITIVE,
-        default=3,
-        help="fallbacks in a row (FP8 failing again within an interval of its return) after which "
-        "the run stays in bf16",
-    )
-
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
-    for split in ("train", "valid", "test"):
-        g.add_argument(
-            f"--{split}-data-path",
-            nargs="*",
-            help=f"the {split} split's own PREFIX (or W1 PREFIX1 ...), all of its documents: with "
-            "--train/valid/test-data-path instead of --data-path and --split",
-        )
-    g.add_argument("--data-cache-path")
-    g.add_argument("--mock-data", action="store_true", help="synthetic random tokens, no files")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--vocab-size", type=_number(int, minimum=2))
-    g.add_argument("--eod-token", help="end-of-document token, when the tokenizer's is not found")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--num-workers", type=_NON_NEGATIVE, default=2)
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument(
-        "--save",
-        help="checkpoint folder; one holding another run's checkpoints is refused "
-        "(resume it with --load of the same folder, or see --overwrite-save)",
-    )
-    g.add_argument(
-        "--load",
-        help="resume from this checkpoint folder (or one iter_N checkpoint); a folder "
-        "that does not exist is an error unless it is also --save",
-    )
-    g.add_argument(
-        "--overwrite-save",
-        action="store_true",
-        help="let this new run replace the checkpoints already in --save (they are deleted once "
-        "its first checkpoint is written)",
-    )
-    g.add_argument("--save-interval", type=_POSITIVE)
-    g.add_argument(
-        "--keep-last-checkpoints",
-        type=_POSITIVE,
-        metavar="N",
-        help="after each save, delete this run's older checkpoints in --save but the newest N "
-        "(torchtitan's keep_latest_k; default: keep all)",
-    )
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument(
-        "--finetune", action="store_true", help="load weights only; iteration starts at 0"
-    )
-    g.add_argument("--exit-interval", type=_POSITIVE)
-    g.add_argument("--exit-duration-in-mins", type=_number(float, above=0.0))
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=_POSITIVE, default=100)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument(
-        "--wandb-project", help="log to Weights & Biases in this project (pip install wandb)"
-    )
-    g.add_argument("--wandb-exp-name", help="the W&B run's name")
-    g.add_argument(
-        "--wandb-save-dir", help="where wandb keeps its local files (default: <run dir>/wandb)"
-    )
-    g.add_argument(
-        "--log-throughput", action="store_true", help="print TFLOP/s per GPU in the log line"
-    )
-    g.add_argument(
-        "--log-fp8-layers",
-        action="store_true",
-        help="with FP8, also write each layer's scales and saturated and underflowed fractions, per "
-        "role, to metrics.jsonl at every log step (fp8_layers, gathered over all ranks)",
-    )
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile steps --profile-step-start..--profile-step-end on --profile-ranks: "
-        "torch.profiler with --use-pytorch-profiler, else a CUDA profiler range for nsys",
-    )
-    g.add_argument("--use-pytorch-profiler", action="store_true")
-    g.add_argument("--profile-step-start", type=_NON_NEGATIVE, default=10)
-    g.add_argument("--profile-step-end", type=_POSITIVE, default=12)
-    g.add_argument("--profile-ranks", type=_NON_NEGATIVE, nargs="+", default=[0])
-
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", type=_NON_NEGATIVE, default=1234)
-    g.add_argument(
-        "--data-seed",
-        type=_NON_NEGATIVE,
-        help="seed of the data order (the datasets' shuffles and the loader's workers); default "
-        "--seed. Another --seed with the same --data-seed changes only the initialisation and "
-        "dropout: the run-to-run spread a numerics change is measured against",
-    )
-    g.add_argument(
-        "--recompute-granularity", choices=("full", "selective"), help="absent: no recomputation"
-    )
-    g.add_argument(
-        "--recompute-method",
-        choices=("uniform", "block"),
-        help="full recomputation: uniform = layers in groups of --recompute-num-layers, each group's "
-        "input kept; block = only the first --recompute-num-layers layers of each pipeline "
-        "stage (default uniform)",
-    )
-    g.add_argument("--recompute-num-layers", type=_POSITIVE, help="default 1")
-    g.add_argument(
-        "--torch-compile",
-        action="store_true",
-        help="torch.compile each transformer layer (the FP8 linears stay eager); the first steps "
-        "compile",
-    )
-    g.add_argument(
-        "--enable-cuda-graph",
-        action="store_true",
-        help="replay each transformer layer's forward and backward as CUDA graphs, captured after "
-        "--cuda-graph-warmup-steps eager steps (FP8 included): the host launches a layer at once",
-    )
-    g.add_argument(
-        "--cuda-graph-scope",
-        choices=("full",),
-        default="full",
-        help="what one graph holds: full = a whole transformer layer (a group recomputed together "
-        "under --recompute-granularity full)",
-    )
-    g.add_argument(
-        "--cuda-graph-warmup-steps",
-        type=_POSITIVE,
-        default=3,
-        help="eager steps before the capture (at least 1: delayed scaling needs a history)",
-    )
-    g.add_argument(
-        "--skip-nonfinite-steps-max",
-        type=_POSITIVE,
-        default=10,
-        help="abort after this many optimizer steps in a row skipped for inf/NaN gradients",
-    )
-    return p
-
-
-# ---- parsing: the YAML file first, then the command line over it -------------------------------
-
-
-def _given_only(parser):
-    """The same parser, but a namespace holds only the flags actually given."""
-    # not set_defaults: it would put the marker itself in the namespace
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    return parser
-
-
-def _reject_unknown(parser, extras) -> None:
-    flags = [token.split("=", 1)[0] for token in extras if token.startswith("-")]
-    if not flags:
-        raise ArgumentsError(f"unexpected argument {extras[0]!r}: every value follows its flag")
-    known = list(parser._option_string_actions)
-    hints = []
-    for flag in flags:
-        close = difflib.get_close_matches(flag, known, n=1)
-        hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
-    raise ArgumentsError(
-        f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(hints)}; see --help for the flags"
-    )
-
-
-def _yaml_tokens(path, parser) -> list:
-    """The YAML file as command-line tokens, so argparse types, choices and actions apply to it."""
-    try:
-        import yaml
-    except ImportError:
-        raise ArgumentsError("--config needs PyYAML: pip install pyyaml") from None
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as error:
-        raise ArgumentsError(f"--config {path}: cannot read it ({error.strerror})") from None
-    except yaml.YAMLError as error:
-        raise ArgumentsError(f"--config {path}: not valid YAML: {error}") from None
-    if data is None:
-        return []
-    if not isinstance(data, dict):
-        raise ArgumentsError(
-            f"--config {path}: expected a mapping of flag names to values, "
-            f"got a {type(data).__name__}"
-        )
-    actions = parser._option_string_actions
-    tokens = []
-    for key, value in data.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
-        if flag == "--config":
-            raise ArgumentsError(
-                f"--config {path}: config files do not nest; remove the key {key!r}"
-            )
-        if flag not in actions:
-            close = difflib.get_close_matches(flag, list(actions), n=1)
-            raise ArgumentsError(
-                f"--config {path}: unknown key {key!r}"
-                + (f" (did you mean {close[0].lstrip('-')}?)" if close else "")
-            )
-        if value is None:  # `key:` with no value means "leave the default"
-            continue
-        action = actions[flag]
-        if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):
-            if not isinstance(value, bool):
-                raise ArgumentsError(
-                    f"--config {path}: {key} is a switch; give true or false, not {value!r}"
-                )
-            if isinstance(action, argparse.BooleanOptionalAction):  # false is the --no- form
-                flag = next(s for s in action.option_strings if (s == flag) == value)
-            elif not value:
-                continue
-            tokens.append(flag)
-        elif action.nargs == "*":
-            items = value.split() if isinstance(value, str) else value
-            if not isinstance(items, list):
-                raise ArgumentsError(f"--config {path}: {key} takes a list, got {value!r}")
-            tokens += [flag, *map(str, items)]
-        elif isinstance(value, (list, dict)):
-            raise ArgumentsError(f"--config {path}: {key} takes one value, got {value!r}")
-        else:
-            tokens.append(f"{flag}={value}")  # '=' keeps values such as -1 from looking like flags
-    return tokens
+__all__ = [
+    "ArgumentsError",
+    "args_from_dict",
+    "args_to_dict",
+    "balance_pipeline_split",
+    "build_parser",
+    "fp8_recipe",
+    "model_config",
+    "parse_args",
+    "validate_args",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Flags (argv, default sys.argv[1:]) over an optional --config YAML file, resolved against
     the --model preset and checked; raises ArgumentsError naming the flags at fault."""
-    probe = _given_only(build_parser())
+    probe = given_only(build_parser())
     explicit, extras = probe.parse_known_args(argv)
     if extras:
-        _reject_unknown(probe, extras)
+        reject_unknown(probe, extras)
     from_file = {}
     if getattr(explicit, "config", None):
-        tokens = _yaml_tokens(explicit.config, probe)
+        tokens = yaml_tokens(explicit.config, probe)
         try:
-            from_file = vars(_given_only(build_parser()).parse_args(tokens))
+            from_file = vars(given_only(build_parser()).parse_args(tokens))
         except ArgumentsError as error:  # a bad value: say which file it came from
             raise ArgumentsError(f"--config {explicit.config}: {error}") from None
     parser = build_parser()
@@ -582,210 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- checks that need no world size -------------------------------------------------------------
 
 
-def _flags(*dests) -> str:
-    return " and ".join("--" + d.replace("_", "-") for d in dests)
-
-
 def _apply(stray) -> str:
     return "applies" if len(stray) == 1 else "apply"
-
-
-# (flag dest, TransformerConfig field, flag value -> field value, field value -> flag value)
-_SHAPE = [
-    ("num_layers", "num_layers", None, None),
-    ("hidden_size", "hidden_size", None, None),
-    ("num_attention_heads", "num_attention_heads", None, None),
-    ("num_query_groups", "num_kv_heads", None, None),
-    ("ffn_hidden_size", "ffn_hidden_size", None, None),
-    ("max_position_embeddings", "max_position_embeddings", None, None),
-    (
-        "position_embedding_type",
-        "position_embedding",
-        {"learned_absolute": "learned", "rope": "rope"}.get,
-        {"learned": "learned_absolute", "rope": "rope"}.get,
-    ),
-    (
-        "normalization",
-        "normalization",
-        {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get,
-        {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get,
-    ),
-    ("norm_epsilon", "norm_epsilon", None, None),
-    ("swiglu", "activation", None, lambda activation: activation == "swiglu"),
-    ("disable_bias_linear", "bias", lambda flag: not flag, lambda bias: not bias),
-    (
-        "untie_embeddings_and_output_weights",
-        "tie_embeddings",
-        lambda flag: not flag,
-        lambda tied: not tied,
-    ),
-    ("init_method_std", "init_method_std", None, None),
-    ("hidden_dropout", "hidden_dropout", None, None),
-    ("attention_dropout", "attention_dropout", None, None),
-    ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by", None, None),
-    ("rotary_base", "rope_theta", None, None),
-]
-# TransformerConfig's error messages name fields; say which flag sets each.
-_FIELD_FLAGS = {field: "--" + dest.replace("_", "-") for dest, field, _, _ in _SHAPE}
-_FIELD_FLAGS.update(
-    kv_heads="--num-query-groups",
-    ffn_size="--ffn-hidden-size",
-    head_dim="--hidden-size / --num-attention-heads",
-    tp_size="--tensor-model-parallel-size",
-)
-
-
-# Fields a run may set otherwise than the checkpoint it loads, since no weight depends on them:
-# the vocabulary is the tokenizer's (the trainer checks it against the checkpoint's), dropout is
-# a training choice. (RoPE's position range too: its tables are computed, see _check_saved_model.)
-_FREE_FIELDS = ("vocab_size", "hidden_dropout", "attention_dropout")
-_SWITCHES = ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights")
-
-
-def _sizes(fields: dict, field: str):
-    """A field's value with the defaulted sizes spelled out (None key/value heads = one per head)."""
-    if field == "num_kv_heads":
-        return fields[field] or fields["num_attention_heads"]
-    if field == "ffn_hidden_size":
-        return fields[field] or 4 * fields["hidden_size"]
-    return fields[field]
-
-
-def _shown(value) -> str:
-    return str(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
-
-
-def _check_saved_model(args, saved: TransformerConfig, checkpoint) -> None:
-    """The shape flags given and the --model preset must describe the model the --load checkpoint
-    recorded (they may be left out: that model is the base); a contradiction is an error naming
-    both values, since the weights loaded have the checkpoint's shape."""
-    names = [f.name for f in dataclasses.fields(TransformerConfig)]
-    have = {name: getattr(saved, name) for name in names}
-    asked, source = dict(have), {}
-    if args.model is not None:
-        for name in names:
-            asked[name], source[name] = getattr(PRESETS[args.model], name), None
-    for dest, field, to_field, _ in _SHAPE:
-        value = getattr(args, dest)
-        if value is not None:  # given: the switches are only ever True here
-            asked[field] = "swiglu" if dest == "swiglu" else to_field(value) if to_field else value
-            source[field] = _flags(dest) if dest in _SWITCHES else f"{_flags(dest)} {value}"
-    free = _FREE_FIELDS + (
-        ("max_position_embeddings",) if saved.position_embedding == "rope" else ()
-    )
-    wrong = [
-        name for name in source if name not in free and _sizes(asked, name) != _sizes(have, name)
-    ]
-    if not wrong:
-        return
-    flags = [source[name] for name in wrong if source[name] is not None]
-    from_preset = [name for name in wrong if source[name] is None]
-    if from_preset:
-        flags.append(
-            f"--model {args.model} ({', '.join(f'{n} {_shown(_sizes(asked, n))}' for n in from_preset)})"
-        )
-    theirs = ", ".join(f"{name} {_shown(_sizes(have, name))}" for name in wrong)
-    one = len(flags) == 1
-    said = flags[0] if one else f"{', '.join(flags[:-1])} and {flags[-1]}"
-    raise ArgumentsError(
-        f"{said} {'contradicts' if one else 'contradict'} the checkpoint's model in {checkpoint} ({theirs}): "
-        f"drop {'it' if one else 'them'} to train on the saved model, or --save to a new folder without "
-        f"--load {args.load} to train another"
-    )
-
-
-def _resolve_model(args, given) -> TransformerConfig | None:
-    """Fill the shape flags not given from the model the --load checkpoint recorded, else from
-    the --model preset (or TransformerConfig's defaults), so that args alone describe the model.
-    Returns the checkpoint's model config (None without one)."""
-    if args.model is not None and args.model not in PRESETS:
-        close = difflib.get_close_matches(args.model, list(PRESETS), n=1)
-        raise ArgumentsError(
-            f"--model {args.model!r} is not a preset"
-            + (f" (did you mean {close[0]}?)" if close else "")
-            + f"; presets: {', '.join(PRESETS)}"
-        )
-    # A first run of `--save X --load X` finds no checkpoint: then the flags describe the model.
-    checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
-    if saved is not None:
-        _check_saved_model(args, saved, checkpoint)
-        base = {f.name: getattr(saved, f.name) for f in dataclasses.fields(TransformerConfig)}
-    elif args.model is not None:
-        base = {
-            f.name: getattr(PRESETS[args.model], f.name)
-            for f in dataclasses.fields(TransformerConfig)
-        }
-    else:
-        base = {
-            f.name: f.default
-            for f in dataclasses.fields(TransformerConfig)
-            if f.default is not dataclasses.MISSING
-        }
-        missing = [
-            d
-            for d in ("num_layers", "hidden_size", "num_attention_heads")
-            if getattr(args, d) is None
-        ]
-        if missing:
-            raise ArgumentsError(
-                f"no model: give --model (one of {', '.join(PRESETS)}) or the shape "
-                f"flags; missing {', '.join(_flags(d) for d in missing)}"
-            )
-    for dest, field, _, from_field in _SHAPE:
-        if getattr(args, dest) is None and field in base:
-            value = base[field]
-            setattr(args, dest, from_field(value) if from_field and value is not None else value)
-
-    if args.seq_length is None:
-        if args.max_position_embeddings is None:
-            raise ArgumentsError("no sequence length: give --seq-length")
-        args.seq_length = args.max_position_embeddings
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if (
-        args.position_embedding_type == "learned_absolute"
-        and args.seq_length > args.max_position_embeddings
-    ):
-        source = (
-            ""
-            if "max_position_embeddings" in given
-            else f" (the checkpoint's model in {checkpoint})"
-            if saved is not None
-            else f" (from --model {args.model})"
-            if args.model
-            else ""
-        )
-        raise ArgumentsError(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-            f"{args.max_position_embeddings}{source}: learned positions have no row past it; lower --seq-length"
-            + ("" if saved is not None else " or raise --max-position-embeddings")
-        )
-    if args.group_query_attention and args.num_query_groups is None:
-        raise ArgumentsError(
-            "--group-query-attention needs --num-query-groups (the number of key/value heads)"
-        )
-
-    try:  # the shape's own rules (heads divide hidden, tp divides heads ...), before any GPU is touched
-        model_config(args, 2, saved).validate_tensor_parallel(args.tensor_model_parallel_size)
-    except ValueError as error:
-        message = str(error)
-        named = [
-            f"{field} is {flag}"
-            for field, flag in _FIELD_FLAGS.items()
-            if re.search(rf"\b{field}\b", message)
-        ]
-        preset_note = (
-            f" (the checkpoint's model in {checkpoint})"
-            if saved is not None
-            else f" (--model {args.model})"
-            if args.model
-            else ""
-        )
-        raise ArgumentsError(
-            f"invalid model shape{preset_note}: {message}"
-            + (f" [{'; '.join(named)}]" if named else "")
-        ) from None
-    return saved
 
 
 def _check_pipeline(args) -> None:
@@ -918,7 +207,7 @@ def _check_schedule(args, given) -> None:
         stray = [d for d in ("lr_wsd_decay_iters", "lr_wsd_decay_style") if d in given]
         if stray:
             raise ArgumentsError(
-                f"{_flags(*stray)} {_apply(stray)} only with --lr-decay-style wsd "
+                f"{flag_names(*stray)} {_apply(stray)} only with --lr-decay-style wsd "
                 f"(it is {args.lr_decay_style})"
             )
 
@@ -949,7 +238,7 @@ def _check_precision(args, given) -> None:
         stray = [d for d in _FP8_KNOBS + _SENTINEL if d in given]
         if stray:
             raise ArgumentsError(
-                f"{', '.join(_flags(d) for d in stray)} given without --fp8-format; "
+                f"{', '.join(flag_names(d) for d in stray)} given without --fp8-format; "
                 "add --fp8-format hybrid (or e4m3) to train in FP8, or drop them"
             )
         args.first_last_layers_bf16 = 0
@@ -958,14 +247,14 @@ def _check_precision(args, given) -> None:
     stray = [d for d in _SENTINEL if d in given]
     if stray and not args.fp8_check_interval:
         raise ArgumentsError(
-            f"{', '.join(_flags(d) for d in stray)} {_apply(stray)} only to the bf16 sentinel: "
+            f"{', '.join(flag_names(d) for d in stray)} {_apply(stray)} only to the bf16 sentinel: "
             "add --fp8-check-interval N (a check every N iterations), or drop them"
         )
     if args.fp8_recipe == "current":
         stray = [d for d in _DELAYED_ONLY if d in given]
         if stray:
             raise ArgumentsError(
-                f"{', '.join(_flags(d) for d in stray)} {_apply(stray)} only to --fp8-recipe delayed; "
+                f"{', '.join(flag_names(d) for d in stray)} {_apply(stray)} only to --fp8-recipe delayed; "
                 "current scaling keeps no amax history and runs every GEMM in FP8"
             )
 
@@ -1068,7 +357,7 @@ def _check_run(args, given) -> None:
         stray = [d for d in ("recompute_method", "recompute_num_layers") if d in given]
         if stray:
             raise ArgumentsError(
-                f"{_flags(*stray)} {_apply(stray)} only with --recompute-granularity full"
+                f"{flag_names(*stray)} {_apply(stray)} only with --recompute-granularity full"
             )
     else:  # Megatron asks for both; one layer at a time is the plain meaning of "full"
         args.recompute_method = args.recompute_method or "uniform"
@@ -1077,7 +366,7 @@ def _check_run(args, given) -> None:
         raise ArgumentsError("--overwrite-save needs --save (the checkpoint folder to write over)")
     stray = [d for d in ("wandb_exp_name", "wandb_save_dir") if d in given]
     if stray and not args.wandb_project:
-        raise ArgumentsError(f"{_flags(*stray)} {_apply(stray)} only with --wandb-project")
+        raise ArgumentsError(f"{flag_names(*stray)} {_apply(stray)} only with --wandb-project")
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ArgumentsError(
             "--wandb-project needs the wandb package, which is not installed: "
@@ -1120,7 +409,7 @@ def _check_profile(args, given) -> None:
     ]
     if not args.profile:
         if options:
-            raise ArgumentsError(f"{_flags(*options)} {_apply(options)} only with --profile")
+            raise ArgumentsError(f"{flag_names(*options)} {_apply(options)} only with --profile")
         return
     if args.profile_step_end <= args.profile_step_start:
         raise ArgumentsError(
@@ -1138,7 +427,7 @@ def _check_profile(args, given) -> None:
 def _check_and_resolve(args, given: set) -> None:
     if args.fp16:
         raise ArgumentsError("--fp16 is not supported (it needs loss scaling); use --bf16")
-    saved = _resolve_model(args, given)
+    saved = resolve_model(args, given)
     _check_precision(args, given)
     _check_pipeline(args)
     _check_schedule(args, given)
@@ -1242,27 +531,6 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
 
 
 # ---- what the trainer builds from the arguments -------------------------------------------------
-
-
-def model_config(
-    args, vocab_size: int, saved: TransformerConfig | None = None
-) -> TransformerConfig:
-    """The model of `args` for the tokenizer's `vocab_size`: the shape flags applied to `saved`
-    (the model a --load checkpoint recorded, `checkpointing.latest_model_config`) if given, else
-    to the --model preset, so that fields without a flag (rope_scaling, erf GELU) are kept. With
-    RoPE the position range grows to cover --seq-length: rotary tables are computed, not learned."""
-    fields = {
-        field: (to_field(getattr(args, dest)) if to_field else getattr(args, dest))
-        for dest, field, to_field, _ in _SHAPE
-        if dest != "swiglu"
-    }
-    base = saved if saved is not None else PRESETS.get(args.model)
-    plain = base.activation if base is not None and base.activation != "swiglu" else "gelu_tanh"
-    fields["activation"] = "swiglu" if args.swiglu else plain
-    if fields["position_embedding"] == "rope":
-        fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq_length)
-    fields["vocab_size"] = vocab_size
-    return base.replace(**fields) if base is not None else TransformerConfig(**fields)
 
 
 def balance_pipeline_split(args, config: TransformerConfig) -> float:

@@ -1,6 +1,6 @@
-"""The fused AdamW pass (megafp8/training/adamw_kernel.py) of MixedPrecisionAdamW: in Triton's
-interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit against torch's fused
-AdamW followed by the copy into the parameters."""
+"""The fused AdamW pass (megafp8/training/optimizer/adamw_kernel.py) of MixedPrecisionAdamW: in
+Triton's interpreter against torch.optim.AdamW on the CPU, and on a GPU bit for bit against
+torch's fused AdamW followed by the copy into the parameters."""
 
 import importlib.util
 import math

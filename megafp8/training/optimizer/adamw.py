@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from megafp8.collectives import all_gather_into, rank_in
 from megafp8.parallel.data_parallel import GradientBuffer
-from megafp8.training import adamw_kernel
+
+from . import adamw_kernel
 
 
 def no_weight_decay(name: str, param) -> bool:
