@@ -453,6 +453,12 @@ def _check_cuda_graph(args) -> None:
     """What --enable-cuda-graph cannot capture, said at start-up."""
     if args.torch_compile:
         raise ArgumentsError("--enable-cuda-graph and --torch-compile do not combine: choose one")
+    if args.recompute_granularity and (args.hidden_dropout or args.attention_dropout):
+        raise ArgumentsError(
+            "--enable-cuda-graph with --recompute-granularity needs the model without dropout (a "
+            "captured recomputation cannot replay the forward's random mask): give --hidden-dropout "
+            "0 --attention-dropout 0, or leave one of the two flags out"
+        )
     if not torch.cuda.is_available():
         raise ArgumentsError("--enable-cuda-graph needs a CUDA GPU; leave it out on the CPU")
 

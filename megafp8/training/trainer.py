@@ -147,26 +147,55 @@ class Trainer:
         self.replaced_run = checkpointing.check_run_folders(
             args.save, args.load, finetune=args.finetune, overwrite=args.overwrite_save
         )
-        self.tokenizer = (
-            build_tokenizer(
-                args.tokenizer_type,
-                args.tokenizer_model,
-                args.vocab_file,
-                args.merge_file,
-                args.vocab_size,
-                args.eod_token,
-            )
-            if args.tokenizer_type
-            else None
+        self.tokenizer = self._build_tokenizer()
+        self.config = self._model_config()
+        self.eod = self.tokenizer.eod if self.tokenizer else self.config.vocab_size - 1
+        self.recipe = arguments.fp8_recipe(args)
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.tp_comm_transport = (
+            _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
         )
-        vocab_size = self.tokenizer.vocab_size if self.tokenizer else args.vocab_size
-        self.eod = self.tokenizer.eod if self.tokenizer else vocab_size - 1
-        # The model --load's checkpoint recorded is this run's model (None: no checkpoint there
-        # yet, the flags describe it).
-        checkpoint, saved = checkpointing.latest_model_config(args.load) or (None, None)
+        self.chunks = self._build_chunks()
+        self.model = PipelineStage(self.chunks, groups)
+        self.captured_graphs = []  # per chunk, what its CUDA graphs held when released (release_cuda_graphs)
+        self.buffer, self.optimizer = self._build_optimizer()
+        self.schedule = _lr_schedule(args)
+        self.iteration = self.consumed_samples = self.skipped_steps = self.skipped_in_a_row = 0
+        self.history = []  # (iteration, loss) of every step this process ran
+        self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
+        self.last_checkpoint = None  # the checkpoint loaded or saved last, for the run summary
+        self._logger = None  # while training: messages go through it, above its progress bar
+        self.train_data, self.valid_data, self.test_data = self._datasets()
+        self.fp8_active = self.recipe is not None  # whether this iteration trains in FP8
+        self.sentinel = self._build_sentinel()
+        self._fp8_check_batches = None
+        self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
+        self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
+
+    # -- what the run is built from --------------------------------------------------------
+
+    def _build_tokenizer(self):
+        a = self.args
+        if not a.tokenizer_type:
+            return None
+        return build_tokenizer(
+            a.tokenizer_type,
+            a.tokenizer_model,
+            a.vocab_file,
+            a.merge_file,
+            a.vocab_size,
+            a.eod_token,
+        )
+
+    def _model_config(self):
+        """The flags' model for the tokenizer's vocabulary; the model --load's checkpoint recorded
+        is this run's model (none there yet: the flags describe it)."""
+        a = self.args
+        vocab_size = self.tokenizer.vocab_size if self.tokenizer else a.vocab_size
+        checkpoint, saved = checkpointing.latest_model_config(a.load) or (None, None)
         if saved is not None and saved.vocab_size != vocab_size:
             source = (
-                f"the tokenizer ({args.tokenizer_type}) has {vocab_size} tokens"
+                f"the tokenizer ({a.tokenizer_type}) has {vocab_size} tokens"
                 if self.tokenizer
                 else f"--vocab-size is {vocab_size}"
             )
@@ -174,38 +203,27 @@ class Trainer:
                 f"{source}, but the model in {checkpoint} has a vocabulary of {saved.vocab_size}: give the "
                 "tokenizer it was trained with (its --save folder keeps a copy in tokenizer/)"
             )
-        self.config = arguments.model_config(args, vocab_size, saved)
-        if (
-            args.enable_cuda_graph
-            and args.recompute_granularity
-            and (self.config.hidden_dropout or self.config.attention_dropout)
-        ):
-            raise arguments.ArgumentsError(
-                "--enable-cuda-graph with --recompute-granularity needs the model without dropout (a captured "
-                "recomputation cannot replay the forward's random mask): give --hidden-dropout 0 "
-                "--attention-dropout 0, or leave one of the two flags out"
-            )
-        self.recipe = arguments.fp8_recipe(args)
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.tp_comm_transport = (
-            _tp_comm_transport(args, groups.tp_group) if args.tp_comm_overlap else None
-        )
-        vpp = args.virtual_pipeline_model_parallel_size or 1
-        if args.balance_pipeline_split:
+        return arguments.model_config(a, vocab_size, saved)
+
+    def _build_chunks(self) -> list:
+        """This rank's model chunks: one per virtual pipeline stage, with its layers."""
+        a, groups = self.args, self.groups
+        vpp = a.virtual_pipeline_model_parallel_size or 1
+        if a.balance_pipeline_split:
             self._balance_pipeline_split(vpp)
-        self.chunks = [
+        chunks = [
             TransformerLM(
                 self.config,
                 tp_group=groups.tp_group,
-                sequence_parallel=args.sequence_parallel,
-                tp_comm_overlap=args.tp_comm_overlap,
+                sequence_parallel=a.sequence_parallel,
+                tp_comm_overlap=a.tp_comm_overlap,
                 layers=span,
-                seed=args.seed,
-                fp8_output_layer=args.fp8_output_layer,
-                first_last_layers_bf16=args.first_last_layers_bf16 if self.recipe else 0,
-                recompute=args.recompute_granularity or "none",
-                recompute_method=args.recompute_method or "uniform",
-                recompute_num_layers=args.recompute_num_layers or 1,
+                seed=a.seed,
+                fp8_output_layer=a.fp8_output_layer,
+                first_last_layers_bf16=a.first_last_layers_bf16 if self.recipe else 0,
+                recompute=a.recompute_granularity or "none",
+                recompute_method=a.recompute_method or "uniform",
+                recompute_num_layers=a.recompute_num_layers or 1,
                 dtype=self.dtype,
                 device=self.device,
             )
@@ -214,78 +232,66 @@ class Trainer:
                 groups.pp_size,
                 groups.pp_rank,
                 vpp,
-                args.decoder_first_pipeline_num_layers,
-                args.decoder_last_pipeline_num_layers,
+                a.decoder_first_pipeline_num_layers,
+                a.decoder_last_pipeline_num_layers,
             )
         ]
-        if args.torch_compile:
-            for chunk in self.chunks:
+        if a.torch_compile:
+            for chunk in chunks:
                 compile_layers(chunk)
-        self.model = PipelineStage(self.chunks, groups)
-        self.captured_graphs = []  # per chunk, what its CUDA graphs held when released (release_cuda_graphs)
+        return chunks
+
+    def _build_optimizer(self):
+        """(the gradient buffer, the optimizer) of this rank's parameters."""
+        a, groups = self.args, self.groups
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
         # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
-        self.buffer = GradientBuffer(
+        buffer = GradientBuffer(
             self.model.parameters(),
             groups.dp_group,
-            bucket_size=args.ddp_bucket_size,
-            shard=args.use_distributed_optimizer,
-            overlap=args.overlap_grad_reduce,
+            bucket_size=a.ddp_bucket_size,
+            shard=a.use_distributed_optimizer,
+            overlap=a.overlap_grad_reduce,
             own_bucket=self.model.own_buckets,
         )
         fp8_linears = [module for module in self.model.modules() if isinstance(module, Fp8Linear)]
         for module in fp8_linears:
-            module.fuse_wgrad_accumulation = args.gradient_accumulation_fusion
-            module.fuse_neighbours = args.fp8_neighbour_fusion
-        self.optimizer = MixedPrecisionAdamW(
+            module.fuse_wgrad_accumulation = a.gradient_accumulation_fusion
+            module.fuse_neighbours = a.fp8_neighbour_fusion
+        optimizer = MixedPrecisionAdamW(
             self.model.named_parameters(),
-            self.buffer,
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            clip_grad=args.clip_grad,
+            buffer,
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            betas=(a.adam_beta1, a.adam_beta2),
+            eps=a.adam_eps,
+            clip_grad=a.clip_grad,
             model_parallel_group=groups.model_parallel_group,
             tp_group=groups.tp_group,
             dp_group=groups.dp_group,
-            distributed=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather,
+            distributed=a.use_distributed_optimizer,
+            overlap_param_gather=a.overlap_param_gather,
             fp8_linears=fp8_linears if self.recipe is not None else (),
         )
-        if args.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
+        if a.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
             for chunk in self.chunks:
-                chunk.params_needed = self.optimizer.wait_for_params
-        self.schedule = _lr_schedule(args)
-        self.iteration, self.consumed_samples, self.skipped_steps, self.skipped_in_a_row = (
-            0,
-            0,
-            0,
-            0,
-        )
-        self.history = []  # (iteration, loss) of every step this process ran
-        self.grad_norms = []  # (iteration, gradient norm before clipping) of the same steps
-        self.last_checkpoint = None  # the checkpoint loaded or saved last, for the run summary
-        self._logger = None  # while training: messages go through it, above its progress bar
-        self.train_data, self.valid_data, self.test_data = self._datasets()
-        # The bf16 sentinel (fp8_sentinel.py): FP8 checked against bf16, with a fallback.
-        self.fp8_active = self.recipe is not None  # whether this iteration trains in FP8
-        self.sentinel = None
-        if self.recipe is not None and args.fp8_check_interval:
-            if self.valid_data is None:
-                raise arguments.ArgumentsError(
-                    "--fp8-check-interval evaluates held-out micro-batches: give validation data (a --split with "
-                    "a validation share, or --valid-data-path)"
-                )
-            self.sentinel = Fp8Sentinel(
-                args.fp8_check_interval,
-                args.fp8_check_tolerance,
-                args.fp8_fallback_iters,
-                args.fp8_max_fallbacks,
+                chunk.params_needed = optimizer.wait_for_params
+        return buffer, optimizer
+
+    def _build_sentinel(self) -> Fp8Sentinel | None:
+        """The bf16 sentinel (fp8_sentinel.py): FP8 checked against bf16, with a fallback."""
+        a = self.args
+        if self.recipe is None or not a.fp8_check_interval:
+            return None
+        if self.valid_data is None:
+            raise arguments.ArgumentsError(
+                "--fp8-check-interval evaluates held-out micro-batches: give validation data (a --split with "
+                "a validation share, or --valid-data-path)"
             )
-        self._fp8_check_batches = None
-        self.run_dir = Path(args.save or args.tensorboard_dir or "runs/latest")
-        self.flops_per_token = metrics.flops_per_token(self.config, args.seq_length)
+        return Fp8Sentinel(
+            a.fp8_check_interval, a.fp8_check_tolerance, a.fp8_fallback_iters, a.fp8_max_fallbacks
+        )
 
     # -- data ------------------------------------------------------------------------------
 
@@ -701,17 +707,11 @@ class Trainer:
         elif self.is_logger:
             print(message, flush=True)
 
-    def train(self):
+    # -- the loop's parts ------------------------------------------------------------------
+
+    def _metrics_logger(self, start_iteration: int):
         a = self.args
-        self.load()
-        if self.iteration >= a.train_iters:
-            self._print(
-                f"nothing to do: the checkpoint is at iteration {self.iteration} and --train-iters is "
-                f"{a.train_iters}; raise --train-iters to train further"
-            )
-            return self.iteration
-        start_iteration = self.iteration
-        logger = self._logger = metrics.MetricsLogger(
+        return metrics.MetricsLogger(
             self.run_dir,
             tensorboard_dir=a.tensorboard_dir,
             rank_is_logger=self.is_logger,
@@ -724,10 +724,106 @@ class Trainer:
             wandb_dir=a.wandb_save_dir,
             wandb_config=arguments.args_to_dict(a),
         )
+
+    def _stop_now(self, exit_signal: _ExitSignal, start_time: float) -> bool:
+        """Whether the run stops after this step: a signal, --exit-duration-in-mins (each rank's
+        clock decides for itself, so the ranks vote, else one could stop while another went on
+        into the next step's collectives), or --exit-interval."""
+        a = self.args
+        timed_out = bool(a.exit_duration_in_mins) and (
+            time.time() - start_time > 60 * a.exit_duration_in_mins
+        )
+        stop = exit_signal.any_rank(self.device, timed_out=timed_out)
+        return stop or bool(a.exit_interval and self.iteration % a.exit_interval == 0)
+
+    def _count_step(self, loss: float, applied: bool, grad_norm: float) -> None:
+        """The step's loss and gradient norm into the history; a skipped (non-finite) step
+        counted, and too many in a row end the run."""
+        self.history.append((self.iteration, loss))
+        self.grad_norms.append((self.iteration, grad_norm))
+        if applied:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        self._print(f"iteration {self.iteration}: non-finite loss or gradients, step skipped")
+        if self.skipped_in_a_row >= self.args.skip_nonfinite_steps_max:
+            raise NonFiniteError(
+                f"{self.skipped_in_a_row} steps in a row had non-finite gradients (last loss "
+                f"{loss}); lower --lr, check the data, or raise --skip-nonfinite-steps-max"
+            )
+
+    def _log_record(self, losses: list, grad_norm: float, throughput) -> dict:
+        """What a log step records: the mean loss since the last one, the step's figures,
+        throughput, memory and FP8 health."""
+        world = dist.group.WORLD if dist.get_world_size() > 1 else None
+        return {
+            "consumed_samples": self.consumed_samples,
+            "loss": sum(losses) / len(losses),
+            "lr": self.schedule(self.iteration - 1),
+            "grad_norm": grad_norm,
+            "skipped_steps": self.skipped_steps,
+            **throughput.read(),
+            **metrics.memory_stats(self.device),
+            **fp8_health(self.model, group=world, per_layer=self.args.log_fp8_layers),
+        }
+
+    def _evaluate_now(self, logger) -> float:
+        """--eval-interval's evaluation, on the next --eval-iters batches of the valid split."""
+        a = self.args
+        consumed = (self.iteration // a.eval_interval - 1) * a.eval_iters * a.global_batch_size
+        valid = self.evaluate(self.valid_data, consumed)
+        logger.log(self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))})
+        return valid
+
+    def _save_if_due(self, stop: bool, postponed: bool) -> tuple[bool, bool]:
+        """Save at --save-interval, before stopping and after the last step; (saved, whether a
+        save is postponed). One that falls due in a streak of non-finite steps waits for a finite
+        step, since the weights may have blown up (a stop or the last step saves regardless)."""
+        a = self.args
+        due = (
+            bool(a.save and a.save_interval and self.iteration % a.save_interval == 0) or postponed
+        )
+        if due and self.skipped_in_a_row:
+            if not postponed:
+                self._print(
+                    f"iteration {self.iteration}: checkpoint postponed until a step is finite again"
+                )
+            due, postponed = False, True
+        if a.save and (due or stop or self.iteration == a.train_iters):
+            self.save()
+            return True, False
+        return False, postponed
+
+    def _print_summary(self, start_iteration: int, wall_time_s: float, valid_loss, logger) -> None:
+        a = self.args
+        for line in metrics.run_summary(
+            start_iteration=start_iteration,
+            end_iteration=self.iteration,
+            wall_time_s=wall_time_s,
+            tokens=(self.iteration - start_iteration) * a.global_batch_size * a.seq_length,
+            first_loss=self.history[0][1] if self.history else None,
+            last_loss=self.history[-1][1] if self.history else None,
+            valid_loss=valid_loss,
+            checkpoint=self.last_checkpoint,
+            metrics_path=logger.metrics_path,
+        ):
+            print(line, flush=True)
+
+    def train(self):
+        a = self.args
+        self.load()
+        if self.iteration >= a.train_iters:
+            self._print(
+                f"nothing to do: the checkpoint is at iteration {self.iteration} and --train-iters is "
+                f"{a.train_iters}; raise --train-iters to train further"
+            )
+            return self.iteration
+        start_iteration = self.iteration
+        logger = self._logger = self._metrics_logger(start_iteration)
         throughput = metrics.Throughput(
             self.flops_per_token, world_size=dist.get_world_size(), device=self.device
         )
-        world = dist.group.WORLD if dist.get_world_size() > 1 else None
         exit_signal = _ExitSignal()
         profiler = StepProfiler(a, dist.get_rank(), self.run_dir, self.device)
         start_time = time.time()
@@ -770,75 +866,22 @@ class Trainer:
                 self.consumed_samples += a.global_batch_size
                 throughput.add(a.global_batch_size * a.seq_length)
                 losses.append(loss)
-                self.history.append((self.iteration, loss))
-                self.grad_norms.append((self.iteration, grad_norm))
-                if applied:
-                    self.skipped_in_a_row = 0
-                else:
-                    self.skipped_steps += 1
-                    self.skipped_in_a_row += 1
-                    self._print(
-                        f"iteration {self.iteration}: non-finite loss or gradients, step skipped"
-                    )
-                    if self.skipped_in_a_row >= a.skip_nonfinite_steps_max:
-                        raise NonFiniteError(
-                            f"{self.skipped_in_a_row} steps in a row had non-finite gradients (last loss "
-                            f"{loss}); lower --lr, check the data, or raise --skip-nonfinite-steps-max"
-                        )
+                self._count_step(loss, applied, grad_norm)
                 if log_step:
-                    record = {
-                        "consumed_samples": self.consumed_samples,
-                        "loss": sum(losses) / len(losses),
-                        "lr": self.schedule(self.iteration - 1),
-                        "grad_norm": grad_norm,
-                        "skipped_steps": self.skipped_steps,
-                        **throughput.read(),
-                        **metrics.memory_stats(self.device),
-                        **fp8_health(self.model, group=world, per_layer=a.log_fp8_layers),
-                    }
+                    logger.log(self.iteration, self._log_record(losses, grad_norm, throughput))
                     losses = []
-                    logger.log(self.iteration, record)
                 if (
                     a.eval_interval
                     and self.valid_data is not None
                     and self.iteration % a.eval_interval == 0
                 ):
-                    valid = self.evaluate(
-                        self.valid_data,
-                        (self.iteration // a.eval_interval - 1)
-                        * a.eval_iters
-                        * a.global_batch_size,
-                    )
-                    logger.log(
-                        self.iteration, {"valid_loss": valid, "valid_ppl": math.exp(min(valid, 50))}
-                    )
-                    valid_loss = valid
+                    valid_loss = self._evaluate_now(logger)
                     throughput.restart()
                 if self.sentinel is not None and self.sentinel.due(self.iteration):
                     logger.log(self.iteration, self.fp8_check())
-                # Each rank's clock decides for itself, so the ranks vote (else one could stop
-                # while another went on to the next step's collectives).
-                stop = exit_signal.any_rank(
-                    self.device,
-                    timed_out=bool(a.exit_duration_in_mins)
-                    and time.time() - start_time > 60 * a.exit_duration_in_mins,
-                )
-                if a.exit_interval and self.iteration % a.exit_interval == 0:
-                    stop = True
-                due = (
-                    bool(a.save and a.save_interval and self.iteration % a.save_interval == 0)
-                    or save_postponed
-                )
-                # the weights may have blown up: save after a finite step
-                if due and self.skipped_in_a_row:
-                    if not save_postponed:
-                        self._print(
-                            f"iteration {self.iteration}: checkpoint postponed until a step is finite again"
-                        )
-                    due, save_postponed = False, True
-                if a.save and (due or stop or self.iteration == a.train_iters):
-                    self.save()
-                    save_postponed = False
+                stop = self._stop_now(exit_signal, start_time)
+                saved, save_postponed = self._save_if_due(stop, save_postponed)
+                if saved:
                     throughput.restart()
                 if stop:
                     self._print(
@@ -854,18 +897,7 @@ class Trainer:
             logger.close()
             self._logger = None
         if self.is_logger:
-            for line in metrics.run_summary(
-                start_iteration=start_iteration,
-                end_iteration=self.iteration,
-                wall_time_s=time.time() - start_time,
-                tokens=(self.iteration - start_iteration) * a.global_batch_size * a.seq_length,
-                first_loss=self.history[0][1] if self.history else None,
-                last_loss=self.history[-1][1] if self.history else None,
-                valid_loss=valid_loss,
-                checkpoint=self.last_checkpoint,
-                metrics_path=logger.metrics_path,
-            ):
-                print(line, flush=True)
+            self._print_summary(start_iteration, time.time() - start_time, valid_loss, logger)
         return self.iteration
 
 

@@ -432,6 +432,17 @@ def test_cuda_graphs_refuse_what_they_cannot_capture():
         world_size=1,
     )
     fails("--cuda-graph-warmup-steps 0", "--cuda-graph-warmup-steps")
+    # A captured recomputation cannot replay the forward's dropout mask: refused with dropout,
+    # not without it (gpt-tiny has none).
+    recompute = "--enable-cuda-graph --recompute-granularity full"
+    for dropout in ("--hidden-dropout 0.1", "--attention-dropout 0.1"):
+        fails(
+            f"{recompute} {dropout}", "--recompute-granularity", "--hidden-dropout 0", world_size=1
+        )
+    if torch.cuda.is_available():
+        validate_args(parse(recompute), 1)
+    else:
+        fails(recompute, "CUDA GPU", world_size=1)
     if not torch.cuda.is_available():
         fails("--enable-cuda-graph", "--enable-cuda-graph", "CUDA GPU", world_size=1)
 
