@@ -96,6 +96,11 @@ class StepProfiler:
             )
         summary = self.directory / f"{name}.txt"
         summary.write_text("\n".join(lines) + f"\n{table}\n")
+        timeline = gpu_timeline(events)
+        if timeline:
+            (self.directory / f"{name}_timeline.txt").write_text(
+                _timeline_text(timeline, self.rank)
+            )
         print(
             f"rank {self.rank}: profile of steps {self.start_step + 1}-{steps_done} in {summary.parent}/{name}.*",
             flush=True,
@@ -168,6 +173,42 @@ def kernel_time(trace: dict) -> dict:
     }
 
 
+def gpu_timeline(trace: dict, join_ms: float = 0.05) -> list:
+    """From a Chrome trace: the GPU's time line as runs (start ms from the first one, length ms,
+    what): "compute" (compute kernels, with any transfer beside them), a transfer kind
+    (`communication_kind`) with no compute kernel beside it, or "idle" (nothing ran: the GPU waited
+    for the host or, with communication alone, for another rank). Runs of one kind closer than
+    `join_ms` are one run: where a pipeline rank waits shows as the long non-compute runs."""
+    timed = [
+        (e["ts"] / 1000, (e["ts"] + e["dur"]) / 1000, communication_kind(e), e.get("cat"))
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
+    ]
+    compute = _merged(
+        [(start, end) for start, end, kind, cat in timed if kind is None and cat == "kernel"]
+    )
+    starts = [start for start, _ in compute]
+    runs = [(start, end, "compute") for start, end in compute]
+    for start, end, kind, _ in timed:
+        if kind is not None:
+            runs += [(*part, kind) for part in _minus((start, end), compute, starts)]
+    joined: list = []
+    for start, end, what in sorted(runs):
+        if joined and joined[-1][2] == what and start - joined[-1][1] < join_ms:
+            joined[-1][1] = max(joined[-1][1], end)
+        else:
+            joined.append([start, end, what])
+    if not joined:
+        return []
+    origin, timeline, reached = joined[0][0], [], None
+    for start, end, what in joined:
+        if reached is not None and start - reached >= join_ms:
+            timeline.append((reached - origin, start - reached, "idle"))
+        timeline.append((start - origin, end - start, what))
+        reached = end if reached is None else max(reached, end)
+    return timeline
+
+
 # (category, pattern of kernel names), first match wins; names as cuBLAS/cuDNN/Triton/ATen give them.
 KERNEL_CATEGORIES = (
     ("communication", r"nccl|barrier_kernel"),
@@ -199,6 +240,19 @@ def kernel_categories(trace: dict) -> dict:
         )
         totals[category] = totals.get(category, 0.0) + event["dur"] / 1000
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def _timeline_text(timeline: list, rank: int) -> str:
+    waits = sorted((run for run in timeline if run[2] != "compute"), key=lambda run: -run[1])
+    lines = [
+        f"rank {rank}: the GPU's time line (ms from the first kernel): compute, communication with "
+        "no compute beside it, idle",
+        "the longest waits: "
+        + ", ".join(f"{what} {length:.2f} at {start:.2f}" for start, length, what in waits[:10]),
+        "",
+    ]
+    lines += [f"{start:10.2f} {what:26s} {length:8.2f}" for start, length, what in timeline]
+    return "\n".join(lines) + "\n"
 
 
 def _merged(intervals):

@@ -1086,6 +1086,36 @@ def test_kernel_time_separates_exposed_communication():
     assert list(times["by_kind"])[0] == "AllGather"  # largest first
 
 
+def test_the_gpu_timeline_shows_where_a_rank_waits():
+    from megafp8.training.profiling import gpu_timeline
+
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    send = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    trace = {
+        "traceEvents": [
+            # (times from the first kernel, in ms)
+            kernel("sm90_gemm", 1000, 2000),  # compute 0..2
+            kernel("quantize", 3020, 980),  # 20 us later: the same compute run, to 3
+            kernel(send, 3500, 1000),  # beside compute to 3, then alone 3..3.5
+            kernel(send, 4540, 460),  # alone again 40 us later: one run, 3..4
+            kernel("sm90_gemm", 6000, 1000),  # nothing ran 4..5: idle
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 4500, "dur": 100},  # not the GPU's
+        ]
+    }
+    timeline = [
+        (round(start, 3), round(length, 3), what) for start, length, what in gpu_timeline(trace)
+    ]
+    assert timeline == [
+        (0.0, 3.0, "compute"),
+        (3.0, 1.0, "SendRecv"),
+        (4.0, 1.0, "idle"),
+        (5.0, 1.0, "compute"),
+    ]
+    assert gpu_timeline({"traceEvents": []}) == []
+
+
 def test_kernel_categories_name_what_the_step_spent_its_gpu_time_on():
     from megafp8.training.profiling import kernel_categories
 
