@@ -134,7 +134,8 @@ class P2PCommunicator:
         from_prev, from_next = self._receive_buffers(recv_prev, recv_next, requires_grad)
         # The fixed order that makes NCCL's in-order matching pair them up (module docstring).
         self._exchange(
-            self._activations(send_next, from_prev) + self._gradients(send_prev, from_next)
+            self._ops(send_next, from_prev, ACTIVATION_TAG)
+            + self._ops(send_prev, from_next, GRADIENT_TAG)
         ).wait()
         return from_prev, from_next
 
@@ -147,34 +148,19 @@ class P2PCommunicator:
         arrives once its exchange's `wait()` has run, and a sent tensor may change only after
         that too."""
         from_prev, from_next = self._receive_buffers(recv_prev, recv_next, requires_grad)
-        activations = self._exchange(self._activations(send_next, from_prev))
-        gradients = self._exchange(self._gradients(send_prev, from_next))
+        activations = self._exchange(self._ops(send_next, from_prev, ACTIVATION_TAG))
+        gradients = self._exchange(self._ops(send_prev, from_next, GRADIENT_TAG))
         return from_prev, from_next, activations, gradients
 
-    def _activations(self, send_next, from_prev) -> list:
-        ops = []
-        if send_next is not None:
-            ops.append(
-                (
-                    "send",
-                    self._check(send_next, "output activation"),
-                    self.next_rank,
-                    ACTIVATION_TAG,
-                )
-            )
-        if from_prev is not None:
-            ops.append(("recv", from_prev, self.prev_rank, ACTIVATION_TAG))
-        return ops
-
-    def _gradients(self, send_prev, from_next) -> list:
-        ops = []
-        if send_prev is not None:
-            ops.append(
-                ("send", self._check(send_prev, "input gradient"), self.prev_rank, GRADIENT_TAG)
-            )
-        if from_next is not None:
-            ops.append(("recv", from_next, self.next_rank, GRADIENT_TAG))
-        return ops
+    def _ops(self, send, receive, tag: int) -> list:
+        """One kind's transfers, the send first: activations go to the next stage and come from
+        the previous one, gradients the other way round."""
+        if tag == ACTIVATION_TAG:
+            to, source, what = self.next_rank, self.prev_rank, "output activation"
+        else:
+            to, source, what = self.prev_rank, self.next_rank, "input gradient"
+        ops = [] if send is None else [("send", self._check(send, what), to, tag)]
+        return ops + ([] if receive is None else [("recv", receive, source, tag)])
 
     def _exchange(self, ops: list) -> Exchange:
         if not ops:

@@ -14,9 +14,9 @@ The model, per rank of the slowest pipeline stage (micro-batch time t = its laye
 layer's forward once more under full recomputation, plus the output end on the last stage, plus
 its point-to-point sends where they outlast the pass beside them; a layer's time is the graphed
 GPU time where the trainer can use CUDA graphs (no pipeline parallelism: the layout assumes
---enable-cuda-graph); an eager stage, a pipeline's, takes the longer of its layers' GPU time and the host's (the pass's own
-host time plus each layer's share, both measured on a stack of layers; a map without that
-split: each layer at a one-layer step's host time); the output end's few large kernels are taken
+--enable-cuda-graph); an eager stage, a pipeline's, takes the longer of its layers' GPU time and
+the host's (the pass's own host time plus each layer's share, both measured on a stack of layers;
+a map without that split: each layer at a one-layer step's host time); the output end's few large kernels are taken
 at their GPU time either way):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;

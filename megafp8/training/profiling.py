@@ -138,18 +138,8 @@ def kernel_time(trace: dict) -> dict:
     with no compute kernel beside it (nothing overlapped), in all and per kind (`by_kind`: count,
     ms, exposed ms). Idle wall time beyond `busy_ms` is time the GPU waited on the host (launches,
     Python) or on another rank."""
-    events = [
-        e
-        for e in trace.get("traceEvents", [])
-        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
-    ]
-    timed = [
-        (e["ts"], e["ts"] + e["dur"], communication_kind(e), e.get("cat") == "kernel")
-        for e in events
-    ]
-    compute = _merged(
-        [(start, end) for start, end, kind, kernel in timed if kind is None and kernel]
-    )
+    timed = _gpu_events(trace)
+    compute = _compute(timed)
     starts = [start for start, _ in compute]
     by_kind: dict = {}
     for start, end, kind, _ in timed:
@@ -179,22 +169,17 @@ def gpu_timeline(trace: dict, join_ms: float = 0.05) -> list:
     (`communication_kind`) with no compute kernel beside it, or "idle" (nothing ran: the GPU waited
     for the host or, with communication alone, for another rank). Runs of one kind closer than
     `join_ms` are one run: where a pipeline rank waits shows as the long non-compute runs."""
-    timed = [
-        (e["ts"] / 1000, (e["ts"] + e["dur"]) / 1000, communication_kind(e), e.get("cat"))
-        for e in trace.get("traceEvents", [])
-        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
-    ]
-    compute = _merged(
-        [(start, end) for start, end, kind, cat in timed if kind is None and cat == "kernel"]
-    )
+    timed = _gpu_events(trace)
+    compute = _compute(timed)
     starts = [start for start, _ in compute]
     runs = [(start, end, "compute") for start, end in compute]
     for start, end, kind, _ in timed:
         if kind is not None:
             runs += [(*part, kind) for part in _minus((start, end), compute, starts)]
+    join_us = 1000 * join_ms
     joined: list = []
     for start, end, what in sorted(runs):
-        if joined and joined[-1][2] == what and start - joined[-1][1] < join_ms:
+        if joined and joined[-1][2] == what and start - joined[-1][1] < join_us:
             joined[-1][1] = max(joined[-1][1], end)
         else:
             joined.append([start, end, what])
@@ -202,9 +187,9 @@ def gpu_timeline(trace: dict, join_ms: float = 0.05) -> list:
         return []
     origin, timeline, reached = joined[0][0], [], None
     for start, end, what in joined:
-        if reached is not None and start - reached >= join_ms:
-            timeline.append((reached - origin, start - reached, "idle"))
-        timeline.append((start - origin, end - start, what))
+        if reached is not None and start - reached >= join_us:
+            timeline.append(((reached - origin) / 1000, (start - reached) / 1000, "idle"))
+        timeline.append(((start - origin) / 1000, (end - start) / 1000, what))
         reached = end if reached is None else max(reached, end)
     return timeline
 
@@ -253,6 +238,21 @@ def _timeline_text(timeline: list, rank: int) -> str:
     ]
     lines += [f"{start:10.2f} {what:26s} {length:8.2f}" for start, length, what in timeline]
     return "\n".join(lines) + "\n"
+
+
+def _gpu_events(trace: dict) -> list:
+    """(start µs, end µs, communication kind or None, whether a kernel) of every kernel and
+    device copy in a Chrome trace."""
+    return [
+        (e["ts"], e["ts"] + e["dur"], communication_kind(e), e.get("cat") == "kernel")
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
+    ]
+
+
+def _compute(timed: list) -> list:
+    """The compute kernels' time, merged into disjoint intervals."""
+    return _merged([(start, end) for start, end, kind, kernel in timed if kind is None and kernel])
 
 
 def _merged(intervals):
