@@ -16,12 +16,14 @@ CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
 TP=${TP:-1}; PP=${PP:-1}
 # With pipeline stages, the interleaved 1F1B schedule of VPP virtual stages per rank: it divides
-# the pipeline's bubble by VPP (measured at GPT-1.3B pp 2: 1.04x plain 1F1B; docs/tuning.md).
+# the pipeline's bubble by VPP (measured at GPT-1.3B pp 2: two 1.04x plain 1F1B, four 1.01x two;
+# docs/tuning.md): four at PP=2, two beyond (not measured there).
 # VPP=1: plain 1F1B (needed where the micro-batches per step are not a multiple of PP).
-VPP=${VPP:-2}
+VPP=${VPP:-$((PP == 2 ? 4 : 2))}
 # With pipeline stages, the last stage (which also runs the output layer and loss) gets fewer
-# layers and the first more, so every rank has about the same work (--balance-pipeline-split;
-# GPT-1.3B at pp 2: 7, 6, 6, 5 layers per virtual stage, 1.01x the even split; docs/tuning.md).
+# layers and the first more, so every rank has about the same work (--balance-pipeline-split; a
+# stage may end after a layer's attention; GPT-1.3B at pp 2 x 4 virtual stages: 3.5, 3, ..., 3,
+# 2.5 layers, 1.008x whole layers; docs/tuning.md).
 BALANCE_PIPELINE=${BALANCE_PIPELINE:-1}
 # With tensor parallelism, its sequence-parallel all-gathers and reduce-scatters overlapped with
 # the GEMMs (--tp-comm-overlap: on the copy engines under CUDA graphs; GPT-1.3B at tp 2: 1.27x without it).

@@ -25,6 +25,7 @@ from megafp8.parallel import (
 )
 from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
 from megafp8.parallel.cuda_graphs import LayerGraphs
+from megafp8.parallel.stages import LAYER_PARTS, layer_parts
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -178,8 +179,12 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
-    With `high_precision`, its linears stay out of FP8 even under fp8_autocast."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)). A pipeline stage
+    that ends inside a layer holds one of the two with its norm (`parts`, a subset of
+    megafp8.parallel.stages.LAYER_PARTS); the missing one is None. `seeded(part)`, if given, is a
+    context under which a part draws its weights (TransformerLM: each part from its own seed, so a
+    stage holding one draws it as the whole layer does). With `high_precision`, its linears stay out
+    of FP8 even under fp8_autocast."""
 
     def __init__(
         self,
@@ -191,34 +196,43 @@ class TransformerLayer(nn.Module):
         recompute="none",
         high_precision=False,
         tp_comm_overlap=False,
+        parts=LAYER_PARTS,
+        seeded=None,
     ):
         super().__init__()
+        if not parts or set(parts) - set(LAYER_PARTS):
+            raise ValueError(f"parts must be a non-empty subset of {LAYER_PARTS}, got {parts!r}")
+        seeded = seeded or (lambda part: contextlib.nullcontext())
         # Megatron's scaled init for the layers that write into the residual stream.
         output_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
-        self.input_norm = make_norm(config, dtype, device)
-        self.attention = Attention(
-            config,
-            tp_group,
-            sp,
-            output_init,
-            dtype,
-            device,
-            recompute_core=recompute == "selective",
-            tp_comm_overlap=tp_comm_overlap,
-        )
-        self.mlp_norm = make_norm(config, dtype, device)
-        self.mlp = MLP(
-            config, tp_group, sp, output_init, dtype, device, tp_comm_overlap=tp_comm_overlap
-        )
+        self.input_norm = self.attention = self.mlp_norm = self.mlp = None
+        block = (config, tp_group, sp, output_init, dtype, device)
+        if "attention" in parts:
+            self.input_norm = make_norm(config, dtype, device)
+            with seeded("attention"):
+                self.attention = Attention(
+                    *block,
+                    recompute_core=recompute == "selective",
+                    tp_comm_overlap=tp_comm_overlap,
+                )
+        if "mlp" in parts:
+            self.mlp_norm = make_norm(config, dtype, device)
+            with seeded("mlp"):
+                self.mlp = MLP(*block, tp_comm_overlap=tp_comm_overlap)
         self.dropout = config.hidden_dropout
         self.high_precision = high_precision
 
     def forward(self, x, rotary, mask=None):
         with fp8_autocast(enabled=False) if self.high_precision else contextlib.nullcontext():
-            x = x + F.dropout(
-                self.attention(x, rotary, mask, norm=self.input_norm), self.dropout, self.training
-            )
-            return x + F.dropout(self.mlp(x, norm=self.mlp_norm), self.dropout, self.training)
+            if self.attention is not None:
+                x = x + F.dropout(
+                    self.attention(x, rotary, mask, norm=self.input_norm),
+                    self.dropout,
+                    self.training,
+                )
+            if self.mlp is not None:
+                x = x + F.dropout(self.mlp(x, norm=self.mlp_norm), self.dropout, self.training)
+            return x
 
 
 def run_recomputed(layers, x, rotary, mask):
@@ -233,7 +247,9 @@ def run_recomputed(layers, x, rotary, mask):
 
     context, scales = current_fp8_context(), {}
     draws = any(
-        layer.training and (layer.dropout > 0 or layer.attention.dropout > 0) for layer in layers
+        layer.training
+        and (layer.dropout > 0 or (layer.attention is not None and layer.attention.dropout > 0))
+        for layer in layers
     )
     out = checkpoint(
         run,
@@ -289,7 +305,10 @@ class TransformerLM(nn.Module):
     gradients must be summed over the tensor-parallel group before the optimizer step;
     `tp_comm_overlap` runs its gathers and reduce-scatters block by block beside the layers'
     GEMMs (megafp8.collective_gemm). Weights are drawn from the global seed as full tensors and sliced, so any tensor-parallel size
-    builds the same model.
+    builds the same model. `layers=(first, last)` builds a pipeline stage: layers first to
+    last - 1, the embedding if first is 0, the output layer and loss if last is num_layers; a bound
+    ending in .5 cuts a layer after its attention (megafp8.parallel.stages.layer_parts), and
+    each part draws its weights from its own seed, so every layout holds the same weights.
     """
 
     def __init__(
@@ -299,7 +318,7 @@ class TransformerLM(nn.Module):
         tp_group=None,
         sequence_parallel: bool = False,
         tp_comm_overlap: bool = False,
-        layers: tuple[int, int] | None = None,
+        layers: tuple[float, float] | None = None,
         seed: int = 0,
         fp8_output_layer: bool = False,
         first_last_layers_bf16: int = 0,
@@ -314,9 +333,10 @@ class TransformerLM(nn.Module):
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
         first, last = layers if layers is not None else (0, config.num_layers)
-        if not 0 <= first < last <= config.num_layers:
+        if not 0 <= first < last <= config.num_layers or (first * 2 % 1) or (last * 2 % 1):
             raise ValueError(
-                f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}"
+                f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}, "
+                "in whole or half layers (x.5: after a layer's attention)"
             )
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -338,20 +358,20 @@ class TransformerLM(nn.Module):
 
         on_gpu = device is not None and torch.device(device).type == "cuda"
 
-        def seeded(index, build):
+        @contextlib.contextmanager
+        def seeded(index):
             # Each component draws its master weights from its own seed, so a stage holds exactly
             # the full model's weights for its layers, whatever the pipeline layout. They are
             # drawn on `device` (Megatron's default): a 7B model drawn on one CPU core takes a minute.
             with torch.random.fork_rng(devices=[torch.device(device)] if on_gpu else []):
                 torch.manual_seed(seed * 1_000_003 + index)
-                return build()
+                yield
 
         if self.pre_process or (self.post_process and config.tie_embeddings):
             # A last stage with tied embeddings holds its own copy, initialised identically
             # (kept in sync with the first stage's through the embedding group).
-            self.embedding = seeded(
-                0,
-                lambda: VocabParallelEmbedding(
+            with seeded(0):
+                self.embedding = VocabParallelEmbedding(
                     self.vocab_size,
                     config.hidden_size,
                     tp_group=tp_group,
@@ -359,15 +379,12 @@ class TransformerLM(nn.Module):
                     init_method=normal_init(std),
                     dtype=dtype,
                     device=device,
-                ),
-            )
+                )
         if self.pre_process and config.position_embedding == "learned":
-            master = seeded(
-                1,
-                lambda: torch.empty(
+            with seeded(1):
+                master = torch.empty(
                     config.max_position_embeddings, config.hidden_size, device=device
-                ).normal_(0, std),
-            )
+                ).normal_(0, std)
             self.position_embedding = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=dtype, device="meta"
             )
@@ -385,32 +402,33 @@ class TransformerLM(nn.Module):
             self.register_buffer("rotary_sin", sin.to(device), persistent=False)
         edge = first_last_layers_bf16
         # Keyed by the global layer index: parameter names are the same under any pipeline layout.
+        # A range that starts or ends half-way into a layer holds its MLP or its attention only.
         self.layers = nn.ModuleDict(
             {
-                str(i): seeded(
-                    3 + i,
-                    lambda i=i: TransformerLayer(
-                        config,
-                        tp_group,
-                        sp,
-                        dtype,
-                        device,
-                        recompute,
-                        high_precision=i < edge or i >= config.num_layers - edge,
-                        tp_comm_overlap=tp_comm_overlap,
+                str(i): TransformerLayer(
+                    config,
+                    tp_group,
+                    sp,
+                    dtype,
+                    device,
+                    recompute,
+                    high_precision=i < edge or i >= config.num_layers - edge,
+                    tp_comm_overlap=tp_comm_overlap,
+                    parts=parts,
+                    # the attention from the layer's seed, the MLP from one of its own
+                    seeded=lambda part, i=i: seeded(
+                        3 + i + (config.num_layers if part == "mlp" else 0)
                     ),
                 )
-                for i in range(first, last)
+                for i, parts in layer_parts(first, last)
             }
         )
         if self.post_process:
             self.final_norm = make_norm(config, dtype, device)
-            self.output_layer = (
-                None
-                if config.tie_embeddings
-                else seeded(
-                    2,
-                    lambda: ColumnParallelLinear(
+            self.output_layer = None
+            if not config.tie_embeddings:
+                with seeded(2):
+                    self.output_layer = ColumnParallelLinear(
                         config.hidden_size,
                         self.vocab_size,
                         tp_group=tp_group,
@@ -419,9 +437,7 @@ class TransformerLM(nn.Module):
                         init_method=normal_init(std),
                         dtype=dtype,
                         device=device,
-                    ),
-                )
-            )
+                    )
         self.cuda_graphs = None  # enable_cuda_graphs
         # params_needed(params), if set, is called before the forward reads each group of its
         # parameters (the embedding, each unit's layers, the final norm and output): a distributed

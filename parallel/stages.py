@@ -18,6 +18,7 @@ The chunks are duck-typed: modules with `layers` (a ModuleDict named by global l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,65 +28,108 @@ from torch import nn
 from megafp8.collectives import group_size
 from megafp8.messages import check_integer
 
+# The two parts of a transformer layer, in order. A pipeline stage may end between them: the
+# residual stream after the attention is a boundary like the one between layers, so layer counts
+# and ranges are multiples of half a layer (an int where whole).
+LAYER_PARTS = ("attention", "mlp")
+
 
 def stage_layers(
     num_layers: int,
     pp: int,
     pp_rank: int,
     vpp: int = 1,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> list[tuple[int, int]]:
+    first_stage_layers: float | None = None,
+    last_stage_layers: float | None = None,
+) -> list[tuple[float, float]]:
     """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
     ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
 
     There are pp * vpp virtual stages; chunk c of rank r is virtual stage c * pp + r. Layers
     are split evenly over them, unless `first_stage_layers` / `last_stage_layers` give the first
     / last virtual stage (which also carry the embedding / the output layer and loss) their
-    own, usually smaller, count; the other stages split the rest evenly. Every stage holds at
-    least one layer.
+    own, usually smaller, count; the other stages split the rest evenly. Counts may end in a half
+    (`layer_parts`: a stage then ends after a layer's attention, the next starts at its MLP).
+    Every stage holds at least half a layer.
 
         stage_layers(8, 2, 0)                        # [(0, 4)]
         stage_layers(8, 2, 1, vpp=2)                 # [(2, 4), (6, 8)]
         stage_layers(10, 4, 0, first_stage_layers=1, last_stage_layers=3)   # [(0, 1)]; then 3, 3, 3
+        stage_layers(24, 2, 0, 2, first_stage_layers=6.5, last_stage_layers=5.5)  # [(0, 6.5), (12.5, 18.5)]
     """
     for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
         check_integer(name, value)
     check_integer("pp_rank", pp_rank, minimum=0)
     if pp_rank >= pp:
         raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
-    counts = _stage_counts(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
-    starts = [sum(counts[:stage]) for stage in range(pp * vpp + 1)]
-    return [(starts[c * pp + pp_rank], starts[c * pp + pp_rank + 1]) for c in range(vpp)]
+    halves = _stage_halves(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
+    starts = [sum(halves[:stage]) for stage in range(pp * vpp + 1)]
+    return [
+        (_layers(starts[c * pp + pp_rank]), _layers(starts[c * pp + pp_rank + 1]))
+        for c in range(vpp)
+    ]
 
 
-def _stage_counts(
+def layer_parts(first: float, last: float) -> list[tuple[int, tuple[str, ...]]]:
+    """The layers a range of `stage_layers` touches, each with the parts of it the range holds:
+    both for a whole layer, ("mlp",) where the range starts half-way into it, ("attention",) where
+    it ends there.
+
+        layer_parts(12.5, 15)   # [(12, ("mlp",)), (13, ("attention", "mlp")), (14, ("attention", "mlp"))]
+    """
+    return [
+        (i, tuple(p for k, p in enumerate(LAYER_PARTS) if first <= i + k / 2 < last))
+        for i in range(math.floor(first), math.ceil(last))
+    ]
+
+
+def _layers(halves: int) -> float:
+    """`halves` half layers in layers: an int where whole."""
+    return halves // 2 if halves % 2 == 0 else halves / 2
+
+
+def _halves(name: str, value) -> int:
+    """A layer count given in layers (a multiple of 0.5) in half layers; a ValueError otherwise."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value <= 0
+        or value * 2 % 1
+    ):
+        raise ValueError(
+            f"{name} must be a positive int or half-int (a stage may end after a layer's "
+            f"attention), got {value!r}: every stage holds at least half a layer"
+        )
+    return int(value * 2)
+
+
+def _stage_halves(
     num_layers: int,
     pp: int,
     vpp: int,
-    first_stage_layers: int | None,
-    last_stage_layers: int | None,
+    first_stage_layers: float | None,
+    last_stage_layers: float | None,
 ) -> list[int]:
-    """The layer count of each of the pp * vpp virtual stages, by `stage_layers`' rule; a
+    """The half layers of each of the pp * vpp virtual stages, by `stage_layers`' rule; a
     ValueError saying why where the rule cannot split them."""
     stages = pp * vpp
     what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
-    fixed = {}  # virtual stage -> its given layer count
+    fixed = {}  # virtual stage -> its given count, in half layers
     for name, value, stage in (
         ("first_stage_layers", first_stage_layers, 0),
         ("last_stage_layers", last_stage_layers, stages - 1),
     ):
         if value is None:
             continue
-        check_integer(name, value, note=" (every stage holds at least one layer)")
+        halves = _halves(name, value)
         if stages == 1:
             if value != num_layers:
                 raise ValueError(
                     f"{name}={value} with a single pipeline stage: it holds all num_layers={num_layers}"
                 )
             continue
-        fixed[stage] = value
-    rest, others = num_layers - sum(fixed.values()), stages - len(fixed)
+        fixed[stage] = halves
+    rest, others = 2 * num_layers - sum(fixed.values()), stages - len(fixed)
     given = " and ".join(
         f"{name}={value}"
         for name, value in (
@@ -97,21 +141,24 @@ def _stage_counts(
     if others == 0:
         if rest != 0:
             raise ValueError(
-                f"{given} add up to {num_layers - rest} layers, but the model has "
+                f"{given} add up to {_layers(2 * num_layers - rest)} layers, but the model has "
                 f"num_layers={num_layers} and there are only {stages} pipeline stages ({what})"
             )
         per_stage = 0
-    elif rest < others or rest % others:
-        if given:
-            raise ValueError(
-                f"the {rest} layers left after {given} do not split evenly over the other {others} "
-                f"pipeline stages ({what} stages, num_layers={num_layers}): {rest} % {others} = "
-                f"{rest % others if rest >= others else rest}, and each stage needs at least one layer"
-            )
+    elif given and (rest < others or rest % others):
+        left = _layers(rest)
+        raise ValueError(
+            f"the {left} layers left after {given} do not split evenly over the other {others} "
+            f"pipeline stages ({what} stages, num_layers={num_layers})"
+            + (f": {left} % {others} = {left % others}" if rest % 2 == 0 and rest > 0 else "")
+            + ", and each stage needs at least half a layer"
+        )
+    elif not given and (num_layers < others or num_layers % others):
         raise ValueError(
             f"num_layers={num_layers} does not split evenly over {what} pipeline stages "
-            f"({num_layers} % {stages} = {num_layers % stages}{', fewer layers than stages' if rest < others else ''}): "
-            f"use a number of layers divisible by {stages}, or first_stage_layers / last_stage_layers"
+            f"({num_layers} % {stages} = {num_layers % stages}"
+            f"{', fewer layers than stages' if num_layers < others else ''}): use a number of "
+            f"layers divisible by {stages}, or first_stage_layers / last_stage_layers"
         )
     else:
         per_stage = rest // others
@@ -120,17 +167,21 @@ def _stage_counts(
 
 def balanced_stage_split(
     num_layers: int, pp: int, vpp: int = 1, output_layer_cost: float = 0.0
-) -> tuple[int | None, int | None]:
+) -> tuple[float | None, float | None]:
     """The (first_stage_layers, last_stage_layers) for `stage_layers` that even out the pipeline
     ranks' work when the last virtual stage also runs the output layer and the loss, costing
     `output_layer_cost` layers' time; (None, None) where the even split is as good.
 
     A step's pace is its busiest rank's: the split minimises the largest rank's work (its layers,
-    the output layer's cost on the last rank), then the largest virtual stage (the warm-up and
-    drain of the schedule), then the distance from the even split.
+    the output layer's cost on the last rank), then the number of stages that end inside a layer
+    (a cut only where it lightens the busiest rank), then the largest virtual stage (the warm-up
+    and drain of the schedule), then the distance from the even split. A layer's attention and its
+    MLP count as half a layer's work each.
 
         balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.7)   # (7, 5): stages of 7, 6, 6, 5
-        balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8)   # (None, None): 8 each is best
+        balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.3)   # (6.5, 5.5): 12.5 and 12.8
+        balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8)   # (8.5, 7.5): 16.5 and 16.3
+        balanced_stage_split(24, 2, vpp=2)                          # (None, None): 6 each is best
     """
     for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
         check_integer(name, value)
@@ -140,19 +191,22 @@ def balanced_stage_split(
     if pp == 1:
         return None, None
 
-    def cost(counts):
-        ranks = [sum(counts[stage] for stage in range(rank, stages, pp)) for rank in range(pp)]
+    def cost(halves):
+        ranks = [sum(halves[stage] for stage in range(rank, stages, pp)) / 2 for rank in range(pp)]
         ranks[-1] += output_layer_cost
-        return max(ranks), max(counts), sum(abs(c - num_layers / stages) for c in counts)
+        cut = sum(h % 2 for h in halves)
+        return max(ranks), cut, max(halves), sum(abs(h / 2 - num_layers / stages) for h in halves)
 
     # The even split first: a split of the same cost leaves it as it is.
     candidates = [(None, None)] + [
-        (first, last) for first in range(1, num_layers) for last in range(1, num_layers - first + 1)
+        (_layers(first), _layers(last))
+        for first in range(1, 2 * num_layers)
+        for last in range(1, 2 * num_layers - first + 1)
     ]
     best, best_cost = None, None
     for first, last in candidates:
         try:
-            split_cost = cost(_stage_counts(num_layers, pp, vpp, first, last))
+            split_cost = cost(_stage_halves(num_layers, pp, vpp, first, last))
         except ValueError:  # stage_layers' rule cannot split the layers so
             continue
         if best_cost is None or split_cost < best_cost:
@@ -160,7 +214,7 @@ def balanced_stage_split(
     if best is None:
         raise ValueError(
             f"num_layers={num_layers} cannot be split over pp={pp} x vpp={vpp} = {stages} pipeline "
-            f"stages with at least one layer each and the middle ones equal"
+            f"stages with at least half a layer each and the middle ones equal"
         )
     return best
 
@@ -176,6 +230,12 @@ class PipelineStage(nn.Module):
 
     def __init__(self, chunks: Sequence[nn.Module], groups=None):
         super().__init__()
+        names = [name for chunk in chunks for name in chunk.layers]
+        if len(set(names)) < len(names):  # a layer is cut only between consecutive stages
+            raise ValueError(
+                f"two model chunks of one pipeline rank hold parts of the same layer ({names}): "
+                "a layer may be cut only between stages on different ranks"
+            )
         self.layers = nn.ModuleDict(
             {name: layer for chunk in chunks for name, layer in chunk.layers.items()}
         )

@@ -23,6 +23,8 @@ casts, so no high-precision norm output or activation output is kept. Selective 
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
 QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy.
+A stage that ends inside a layer holds its attention or its MLP: each counts its own norm,
+linears, parameters and activations.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafp8.models.config import TransformerConfig
-from megafp8.parallel.stages import stage_layers
+from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 FP8_RECIPES = (None, "delayed", "current")
@@ -47,9 +49,9 @@ class MemoryLayout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
-    # the first / last virtual stage's own layer count (stage_layers)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+    # the first / last virtual stage's own layer count (stage_layers; may end in .5)
+    first_stage_layers: float | None = None
+    last_stage_layers: float | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # no memory of its own: the throughput model's
@@ -110,10 +112,11 @@ class MemoryLayout:
         )
 
 
-def stage_layer_indices(
+def stage_layer_parts(
     config: TransformerConfig, layout: MemoryLayout, pp_rank: int
-) -> tuple[list, list]:
-    """(the global indices of pipeline rank `pp_rank`'s layers, those of them that run in FP8)."""
+) -> list[tuple[int, tuple[str, ...], bool]]:
+    """(global index, the parts of it the rank holds (`stages.layer_parts`), whether it runs in
+    FP8) of each layer pipeline rank `pp_rank` holds."""
     spans = stage_layers(
         config.num_layers,
         layout.pp,
@@ -122,35 +125,54 @@ def stage_layer_indices(
         layout.first_stage_layers,
         layout.last_stage_layers,
     )
-    layers = [i for first, last in spans for i in range(first, last)]
     edge = layout.first_last_layers_bf16
-    return layers, [i for i in layers if edge <= i < config.num_layers - edge] if layout.fp8 else []
+    return [
+        (i, parts, bool(layout.fp8) and edge <= i < config.num_layers - edge)
+        for first, last in spans
+        for i, parts in layer_parts(first, last)
+    ]
+
+
+def stage_layer_count(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> float:
+    """The layers' worth pipeline rank `pp_rank` holds: a layer's attention or MLP counts half."""
+    return sum(len(parts) for _, parts, _ in stage_layer_parts(config, layout, pp_rank)) / 2
 
 
 def _norm_parameters(config: TransformerConfig) -> int:
     return 2 * config.hidden_size if config.normalization == "layernorm" else config.hidden_size
 
 
-def layer_parameters(config: TransformerConfig, tp: int) -> dict:
-    """Elements of one layer on a tensor-parallel rank: {"fp8_weights": the four linears'
-    weights (what FP8 casts), "other": norms and biases}."""
+def layer_parameters(config: TransformerConfig, tp: int, parts=LAYER_PARTS) -> dict:
+    """Elements of one layer (or of the `parts` of it a stage holds) on a tensor-parallel rank:
+    {"fp8_weights": the linears' weights (what FP8 casts), "other": norms and biases}."""
     h, d = config.hidden_size, config.head_dim
     qkv_out = (config.num_attention_heads + 2 * config.kv_heads) * d // tp
     query = config.num_attention_heads * d // tp
     up_out = config.ffn_size * (2 if config.activation == "swiglu" else 1) // tp
     ffn = config.ffn_size // tp
-    weights = h * qkv_out + query * h + h * up_out + ffn * h
+    norm = _norm_parameters(config)
     # row-parallel biases are whole on each rank
-    biases = (qkv_out + h + up_out + h) if config.bias else 0
-    return {"fp8_weights": weights, "other": 2 * _norm_parameters(config) + biases}
+    each = {
+        "attention": {
+            "fp8_weights": h * qkv_out + query * h,
+            "other": norm + ((qkv_out + h) if config.bias else 0),
+        },
+        "mlp": {
+            "fp8_weights": h * up_out + ffn * h,
+            "other": norm + ((up_out + h) if config.bias else 0),
+        },
+    }
+    return {kind: sum(each[part][kind] for part in parts) for kind in ("fp8_weights", "other")}
 
 
 def rank_parameters(config: TransformerConfig, layout: MemoryLayout, pp_rank: int) -> dict:
     """Parameter elements of pipeline rank `pp_rank` (any tensor-parallel rank: all hold as many):
     {"layers", "fp8_weights" (of those, cast to FP8), "embedding", "output"}."""
     tp, h = layout.tp, config.hidden_size
-    per_layer = layer_parameters(config, tp)
-    layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
+    layers = [
+        (layer_parameters(config, tp, parts), fp8)
+        for _, parts, fp8 in stage_layer_parts(config, layout, pp_rank)
+    ]
     vocab = config.padded_vocab_size(tp)
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     embedding = 0
@@ -167,8 +189,8 @@ def rank_parameters(config: TransformerConfig, layout: MemoryLayout, pp_rank: in
         else 0
     )
     return {
-        "layers": len(layers) * (per_layer["fp8_weights"] + per_layer["other"]),
-        "fp8_weights": len(fp8_layers) * per_layer["fp8_weights"] + output_fp8,
+        "layers": sum(counts["fp8_weights"] + counts["other"] for counts, _ in layers),
+        "fp8_weights": sum(counts["fp8_weights"] for counts, fp8 in layers if fp8) + output_fp8,
         "embedding": embedding,
         "output": output,
     }
@@ -192,10 +214,11 @@ def static_bytes(
 
 
 def layer_activation_roles(
-    config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True
+    config: TransformerConfig, layout: MemoryLayout, in_fp8: bool = True, parts=LAYER_PARTS
 ) -> dict:
-    """Bytes one layer saves for backward for one micro-batch on a tensor-parallel rank, by what
-    keeps them (see the module's docstring); `in_fp8=False` for a layer the layout keeps in bf16."""
+    """Bytes one layer (or the `parts` of it a stage holds) saves for backward for one
+    micro-batch on a tensor-parallel rank, by what keeps them (see the module's docstring);
+    `in_fp8=False` for a layer the layout keeps in bf16."""
     fp8 = layout.fp8 if in_fp8 else None
     tp = layout.tp
     tokens = layout.seq_length * layout.micro_batch_size
@@ -212,20 +235,35 @@ def layer_activation_roles(
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
     # (gathered again in backward), in bf16 the gathered input.
     gathered = local / tokens if fp8 else 1.0
-    return {
-        "norms": 2 * _norm_bytes(config, layout, fused) * local,
-        # QKV's and fc1's inputs (the norms' outputs), fc2's (the activation's output); proj's in
-        # FP8 (in bf16 it is the attention output itself, counted below).
-        "linear_inputs": (linear_input * (2 * h * gathered + ffn) + (query if fp8 else 0)) * tokens,
-        "qkv": 2 * (query + 2 * kv) * tokens,  # the packed q, k, v
-        "rotated_qk": 2 * (query + kv) * tokens if config.position_embedding == "rope" else 0,
-        "log_sum_exp": 4 * heads / tp * tokens if layout.recompute != "selective" else 0,
-        # Kept by proj in bf16 even when the core is recomputed.
-        "attention_output": 2 * query * tokens if layout.recompute != "selective" or not fp8 else 0,
-        "activation_input": 2 * (2 if gated else 1) * ffn * tokens,
-        # silu(gate), kept by the unfused SwiGLU for its product's backward.
-        "silu_gate": 2 * ffn * tokens if gated and not fused else 0,
+    norm = _norm_bytes(config, layout, fused) * local
+    each = {
+        "attention": {
+            "norms": norm,
+            # QKV's input (the norm's output); proj's in FP8 (in bf16 it is the attention output
+            # itself, counted below).
+            "linear_inputs": (linear_input * h * gathered + (query if fp8 else 0)) * tokens,
+            "qkv": 2 * (query + 2 * kv) * tokens,  # the packed q, k, v
+            "rotated_qk": 2 * (query + kv) * tokens if config.position_embedding == "rope" else 0,
+            "log_sum_exp": 4 * heads / tp * tokens if layout.recompute != "selective" else 0,
+            # Kept by proj in bf16 even when the core is recomputed.
+            "attention_output": (
+                2 * query * tokens if layout.recompute != "selective" or not fp8 else 0
+            ),
+        },
+        "mlp": {
+            "norms": norm,
+            # fc1's input (the norm's output), fc2's (the activation's output)
+            "linear_inputs": linear_input * (h * gathered + ffn) * tokens,
+            "activation_input": 2 * (2 if gated else 1) * ffn * tokens,
+            # silu(gate), kept by the unfused SwiGLU for its product's backward.
+            "silu_gate": 2 * ffn * tokens if gated and not fused else 0,
+        },
     }
+    roles = {}
+    for part in parts:
+        for role, value in each[part].items():
+            roles[role] = roles.get(role, 0) + value
+    return roles
 
 
 def _norm_bytes(config: TransformerConfig, layout: MemoryLayout, fused: bool) -> float:
@@ -272,10 +310,9 @@ def estimate(config: TransformerConfig, layout: MemoryLayout, param_bytes: int =
     """Per pipeline stage, the bytes of each kind and their total, for a rank of that stage."""
     stages = []
     for pp_rank in range(layout.pp):
-        layers, fp8_layers = stage_layer_indices(config, layout, pp_rank)
         per_micro_batch = sum(
-            sum(layer_activation_roles(config, layout, in_fp8=i in fp8_layers).values())
-            for i in layers
+            sum(layer_activation_roles(config, layout, in_fp8=fp8, parts=parts).values())
+            for _, parts, fp8 in stage_layer_parts(config, layout, pp_rank)
         )
         activations = per_micro_batch * micro_batches_in_flight(layout, pp_rank)
         if pp_rank == layout.pp - 1:

@@ -45,7 +45,7 @@ from megafp8.models.config import TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 
 from . import layer_map
-from .memory import MemoryLayout, rank_parameters, stage_layer_indices
+from .memory import MemoryLayout, rank_parameters, stage_layer_count
 
 # The fused AdamW pass per element it updates: fp32 master, exp_avg and exp_avg_sq read and
 # written (24), the fp32 gradient read (4), the bf16 parameter written (2); under FP8 it also
@@ -317,17 +317,17 @@ def predict(
         )
     stage_ms, stage_p2p = [], []
     for pp_rank in range(pp):
-        layers, _ = stage_layer_indices(config, layout, pp_rank)
+        layers = stage_layer_count(config, layout, pp_rank)
         exposed = transfer
         if layout.overlap_p2p_comm:
-            exposed = max(0.0, transfer - len(layers) / vpp * layer["forward"])
+            exposed = max(0.0, transfer - layers / vpp * layer["forward"])
         stage_p2p.append(2 * vpp * exposed)
         # a pass per chunk
-        layer_ms = max(len(layers) * per_layer, vpp * host_pass + len(layers) * host_layer)
+        layer_ms = max(layers * per_layer, vpp * host_pass + layers * host_layer)
         stage_ms.append(layer_ms + (layer["head"] if pp_rank == pp - 1 else 0.0) + stage_p2p[-1])
     slowest = max(range(pp), key=lambda r: stage_ms[r])
     micro_batch_ms, p2p = stage_ms[slowest], stage_p2p[slowest]
-    slowest_layers = len(stage_layer_indices(config, layout, slowest)[0])
+    slowest_layers = stage_layer_count(config, layout, slowest)
     m = layout.num_micro_batches
     pipeline = (m + (pp - 1) / vpp) * micro_batch_ms
     bubble = (pp - 1) / vpp * micro_batch_ms

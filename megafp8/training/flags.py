@@ -53,6 +53,21 @@ _NON_NEGATIVE = _number(int, minimum=0)
 _PROBABILITY = _number(float, minimum=0.0, below=1.0)  # dropout, Adam betas
 
 
+def _layer_count(text):
+    """A pipeline stage's layers: a positive multiple of 0.5 (a stage may end after a layer's
+    attention), an int where whole."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or value <= 0 or value * 2 % 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of layers, whole or ending in .5 (a stage may end after a "
+            f"layer's attention), got {text!r}"
+        )
+    return int(value) if value % 1 == 0 else value
+
+
 class _FirstLastLayers(argparse.Action):
     """`--first-last-layers-bf16` alone is Megatron's switch (counts from --num-layers-at-*-in-bf16);
     `--first-last-layers-bf16 N` is megafp8's short form."""
@@ -121,13 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--decoder-first-pipeline-num-layers",
-        type=_POSITIVE,
+        type=_layer_count,
         help="layers of the first pipeline stage, which also holds the embedding (interleaved: of the "
-        "first virtual stage, the first rank's first chunk); the other stages split the rest evenly",
+        "first virtual stage, the first rank's first chunk); the other stages split the rest evenly. "
+        "A count ending in .5 ends the stage after a layer's attention, the next begins at its MLP",
     )
     g.add_argument(
         "--decoder-last-pipeline-num-layers",
-        type=_POSITIVE,
+        type=_layer_count,
         help="layers of the last pipeline stage, which also holds the output layer and loss "
         "(interleaved: of the last virtual stage, the last rank's last chunk)",
     )
@@ -136,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give the first and last virtual pipeline stages their own layer counts so that every "
         "pipeline rank has about the same work, the last one's output layer and loss counted at "
-        "their FLOPs in layers (at FP8's speed-up where the layers run FP8); the split is printed",
+        "their estimated cost in layers; a stage may end after a layer's attention where that "
+        "evens the ranks further; the split is printed",
     )
     g.add_argument(
         "--overlap-p2p-communication",

@@ -62,6 +62,11 @@ def flops_per_token(
 # micro-batch 1, 1.37x at 2 in benchmarks/results/2026-11-26_2xH200_planner), so a bf16 output layer
 # beside FP8 layers costs more layers' worth than its FLOPs say.
 FP8_LAYER_SPEEDUP = 1.35
+# The output layer's one wide GEMM runs at more FLOP/s than a bf16 layer as a whole (its narrower
+# GEMMs, attention core, norms and elementwise work): the pp 2 profile of GPT-1.3B (a vocabulary
+# of 32,768, H200) puts the last rank's output layer and loss at 1.3 FP8 layers' time where their
+# FLOPs at FP8_LAYER_SPEEDUP say 1.54 (benchmarks/results/2026-11-27_4xH200_p2p_overlap).
+OUTPUT_LAYER_EFFICIENCY = 1.18
 
 
 def output_layer_cost(
@@ -71,12 +76,13 @@ def output_layer_cost(
     fp8_layers: bool = False,
     fp8_output_layer: bool = False,
 ) -> float:
-    """The output layer's time in layers' worth, estimated from FLOPs as `flops_per_token` counts
-    them (its GEMM's over one layer's GEMMs and attention core), times FP8_LAYER_SPEEDUP where the
-    layers run FP8 and the output layer does not. The loss beside it is left out."""
+    """The output layer's time (with the loss) in layers' worth, estimated from FLOPs as
+    `flops_per_token` counts them (its GEMM's over one layer's GEMMs and attention core), over
+    OUTPUT_LAYER_EFFICIENCY, times FP8_LAYER_SPEEDUP where the layers run FP8 and the output
+    layer does not."""
     layer_forward, core_forward, output_forward = _forward_flops(config, seq_length, tp_size)
     speedup = FP8_LAYER_SPEEDUP if fp8_layers and not fp8_output_layer else 1.0
-    return speedup * output_forward / (layer_forward + core_forward)
+    return speedup * output_forward / (layer_forward + core_forward) / OUTPUT_LAYER_EFFICIENCY
 
 
 def _forward_flops(

@@ -314,7 +314,7 @@ class Trainer:
                 )
             )
             print(
-                f"pipeline split: virtual stages of {', '.join(str(end - start) for start, end in spans)} layers "
+                f"pipeline split: virtual stages of {', '.join(f'{end - start:g}' for start, end in spans)} layers "
                 f"(the output layer counts as {cost:.1f} layers on the last)",
                 flush=True,
             )

@@ -48,15 +48,16 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "pretrain_gpt_1b_fp8.sh"
 
 # name: (GPUs, tp, pp, virtual stages per pipeline rank: the recipe's VPP). The recipe interleaves
-# two by default; pp2 and pp4 (one layer per stage) check plain 1F1B.
+# four at pp 2 (of the 4-layer model, balanced: half a layer each, attention or MLP); pp2 and pp4
+# (one layer per stage) check plain 1F1B.
 LAYOUTS = {
     "1gpu": (1, 1, 1, 1),
     "dp2": (2, 1, 1, 1),
     "tp2": (2, 2, 1, 1),
     "pp2": (2, 1, 2, 1),
-    "vpp2": (2, 1, 2, 2),
-    "tp2pp2": (4, 2, 2, 2),
-    "pp2dp2": (4, 1, 2, 2),
+    "vpp4": (2, 1, 2, 4),
+    "tp2pp2": (4, 2, 2, 4),
+    "pp2dp2": (4, 1, 2, 4),
     "tp2dp2": (4, 2, 1, 1),
     "pp4": (4, 1, 4, 1),
     "dp4": (4, 1, 1, 1),
@@ -70,7 +71,7 @@ RUN_TIMEOUT_S = 300
 STACKS_WITHIN_S = 5.0  # how long a hung run's processes get to write their stacks
 
 # The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
-# two virtual stages of one layer at interleaved pp2), on the embedded sample corpus.
+# eight virtual stages of half a layer at interleaved pp2), on the embedded sample corpus.
 GPU_SHAPE = dict(
     SEQ="1024",
     MBS="2",

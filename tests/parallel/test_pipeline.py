@@ -21,6 +21,7 @@ from megafp8.parallel import (
     stage_layers,
 )
 from megafp8.parallel.data_parallel import GradientBuffer
+from megafp8.parallel.stages import LAYER_PARTS, layer_parts
 
 from megafp8 import DelayedScaling, fp8_autocast
 from megafp8.fp8 import scaling
@@ -150,11 +151,13 @@ def count_fp8_collectives():
     return counter
 
 
-def layout_body(rank, world_size, layouts, device="cpu", overlap=False):
-    """Train every (name, tp, pp, vpp, sequence_parallel, fp8) layout; this rank's results."""
+def layout_body(rank, world_size, layouts, device="cpu", overlap=False, splits=None):
+    """Train every (name, tp, pp, vpp, sequence_parallel, fp8) layout; this rank's results.
+    `splits`: {layout: (first_stage_layers, last_stage_layers)} where not even."""
     counter = count_fp8_collectives()
     out = {}
-    for name, tp, pp, vpp, sp, fp8 in layouts:
+    for layout in layouts:
+        name, tp, pp, vpp, sp, fp8 = layout
         groups = ParallelGroups(tp, pp)
         config = config_of(name)
         chunks = [
@@ -166,7 +169,9 @@ def layout_body(rank, world_size, layouts, device="cpu", overlap=False):
                 seed=SEED,
                 device=device,
             )
-            for span in stage_layers(config.num_layers, pp, groups.pp_rank, vpp)
+            for span in stage_layers(
+                config.num_layers, pp, groups.pp_rank, vpp, *(splits or {}).get(layout, ())
+            )
         ]
         check_embeddings_in_sync(chunks, groups)
         before = counter["collectives"]
@@ -284,9 +289,18 @@ PP2 = [
 ]
 
 
+# Stages that end after a layer's attention: 1.5, 1, 1 and 0.5 layers on 2 x 2 virtual stages
+# (every stage holds a half), 1.5 and 2.5 on two.
+HALVES = {
+    ("gpt-tiny", 1, 2, 2, False, True): (1.5, 0.5),
+    ("llama-tiny", 1, 2, 1, False, False): (1.5, None),
+}
+
+
 def pp2_body(rank, world_size):
     out = layout_body(rank, world_size, PP2)
     out["overlapped"] = layout_body(rank, world_size, PP2, overlap=True)
+    out["halves"] = layout_body(rank, world_size, list(HALVES), splits=HALVES)
     out["embedding_check"] = check_embeddings_body(rank)
     return out
 
@@ -309,6 +323,15 @@ def test_pp2_equals_one_process(pp2_results, layout):
     # the same holds unless a last-bit weight difference moves a value across an FP8 rounding
     # boundary; measured well below 1e-5.
     assert error < 1e-5, error
+
+
+@pytest.mark.parametrize("layout", HALVES, ids=lambda x: f"{x[0]}-vpp{x[3]}")
+def test_stages_ending_inside_a_layer_equal_one_process(pp2_results, layout):
+    """A stage that ends after a layer's attention hands the residual stream to the next, which
+    runs the layer's MLP: the same training as one process, as with whole layers."""
+    results = [result["halves"] for result in pp2_results]
+    assert worst(compare(results, layout)) < 1e-5
+    check_p2p_pairing(results, layout)
 
 
 def test_pp2_stage_order_and_pairing(pp2_results):
@@ -526,6 +549,14 @@ def test_stage_layers():
         (0, 2),
         (4, 6),
     ]
+    # Half layers: a stage ends after a layer's attention, the next begins at its MLP.
+    spans = [
+        stage_layers(24, 2, r, 2, first_stage_layers=6.5, last_stage_layers=5.5) for r in (0, 1)
+    ]
+    assert spans == [[(0, 6.5), (12.5, 18.5)], [(6.5, 12.5), (18.5, 24)]]
+    assert layer_parts(6.5, 9) == [(6, ("mlp",)), (7, LAYER_PARTS), (8, LAYER_PARTS)]
+    assert layer_parts(0, 1.5) == [(0, LAYER_PARTS), (1, ("attention",))]
+    assert layer_parts(2.5, 3) == [(2, ("mlp",))]
 
 
 @pytest.mark.parametrize(
@@ -544,7 +575,12 @@ def test_stage_layers():
             (10, 4, 0, 1, 2),
             r"the 8 layers left after first_stage_layers=2 do not split evenly over the other 3",
         ),
-        ((4, 2, 0, 1, 0), r"first_stage_layers must be a positive int"),
+        ((4, 2, 0, 1, 0), r"first_stage_layers must be a positive int or half-int"),
+        ((4, 2, 0, 1, 1.25), r"first_stage_layers must be a positive int or half-int"),
+        (
+            (10, 4, 0, 1, 1.5),
+            r"the 8.5 layers left after first_stage_layers=1.5 do not split evenly over the other 3",
+        ),
         ((4, 2, 2), r"pp_rank must be an int in 0..1"),
         ((4, 2, 0, 1, 1, 1), r"add up to 2 layers, but the model has num_layers=4"),
     ],
@@ -562,8 +598,14 @@ def test_balanced_stage_split_evens_out_the_ranks_work():
     assert balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.7) == (7, 5)
     assert balanced_stage_split(24, 2, output_layer_cost=1.7) == (13, 11)
     assert balanced_stage_split(24, 4, vpp=2, output_layer_cost=1.7) == (4, 2)
-    # Where moving a layer costs the first rank more than it saves the last, the split stays even.
-    assert balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8) == (None, None)
+    # A stage ends inside a layer only where that lightens the busiest rank: with the output layer
+    # at 1.3 layers, 12.5 and 12.8 layers' work instead of 13 and 12.3; Llama-2-7B's 32 layers at
+    # 0.8, 16.5 and 16.3 instead of 16 and 16.8.
+    assert balanced_stage_split(24, 2, vpp=2, output_layer_cost=1.3) == (6.5, 5.5)
+    assert balanced_stage_split(24, 2, vpp=4, output_layer_cost=1.3) == (3.5, 2.5)
+    assert balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.8) == (8.5, 7.5)
+    # Where moving any part costs the first rank more than it saves the last, the split stays even.
+    assert balanced_stage_split(32, 2, vpp=2, output_layer_cost=0.4) == (None, None)
     assert balanced_stage_split(24, 2, vpp=2) == (None, None)
     assert balanced_stage_split(24, 1) == (None, None)
     # Not divisible evenly: the least uneven split that stage_layers accepts.
@@ -573,8 +615,10 @@ def test_balanced_stage_split_evens_out_the_ranks_work():
         sorted(span for rank in spans for span in rank)[0][0] == 0
         and max(e for r in spans for _, e in r) == 6
     )
-    with pytest.raises(ValueError, match="num_layers=3 cannot be split over pp=2 x vpp=2"):
-        balanced_stage_split(3, 2, vpp=2)
+    # 3 layers over 4 stages: 0.5, 1, 1, 0.5; one layer cannot fill four halves
+    assert balanced_stage_split(3, 2, vpp=2) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="num_layers=1 cannot be split over pp=2 x vpp=2"):
+        balanced_stage_split(1, 2, vpp=2)
     with pytest.raises(ValueError, match="output_layer_cost"):
         balanced_stage_split(24, 2, output_layer_cost=-1)
 

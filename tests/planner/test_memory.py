@@ -197,6 +197,32 @@ def test_each_role_of_a_layers_activations(config, recipe, recompute, monkeypatc
         assert abs(measured.get(role, 0) - value) <= 0.01 * value, (role, measured, predicted)
 
 
+@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_stages_that_end_inside_a_layer(config, recipe):
+    """Two stages cut after layer 1's attention: each holds the activations of the parts it runs
+    (the first its attention, the last its MLP, and the logits), within 1%."""
+    seq, batch = 64, 2
+    layout = MemoryLayout(
+        seq_length=seq,
+        micro_batch_size=batch,
+        pp=2,
+        fp8=recipe,
+        first_stage_layers=1.5,
+        norm_on_cuda=False,
+    )
+    predicted = [stage["activations"] for stage in estimate(config, layout)]
+    torch.manual_seed(0)
+    first = TransformerLM(config, layers=(0, 1.5), dtype=torch.bfloat16, device="cpu")
+    last = TransformerLM(config, layers=(1.5, 2), dtype=torch.bfloat16, device="cpu")
+    tokens = torch.randint(0, config.vocab_size, (batch, seq))
+    hidden = torch.randn(seq, batch, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = [saved_bytes(first, recipe, tokens, None), saved_bytes(last, recipe, hidden, tokens)]
+    assert micro_batches_in_flight(layout, 0) == 1  # one micro-batch a step
+    for stage in range(2):
+        assert abs(predicted[stage] / measured[stage] - 1) < 0.01, (stage, predicted, measured)
+
+
 def test_micro_batches_in_flight_follow_the_schedules():
     # What parallel/schedules.py keeps (tests/parallel/test_pipeline.py measures it), per rank of pp 4.
     for rank in range(4):
@@ -242,7 +268,8 @@ def trainer_bytes(trainer):
 
 
 LAYOUTS = {  # name: (flags, MemoryLayout fields)
-    "tp2-pp2-fp8-uneven": (
+    # the stages end half-way into layer 2: its attention on the first, its MLP on the last
+    "tp2-pp2-fp8-half-layer": (
         [
             "--tensor-model-parallel-size",
             "2",
@@ -252,9 +279,9 @@ LAYOUTS = {  # name: (flags, MemoryLayout fields)
             "--fp8-format",
             "hybrid",
             "--decoder-last-pipeline-num-layers",
-            "1",
+            "1.5",
         ],
-        dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1),
+        dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1.5),
     ),
     "pp2-dp2-vpp2-distributed": (
         [

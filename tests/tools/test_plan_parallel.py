@@ -5,8 +5,10 @@ import json
 
 import pytest
 from megafp8.models.config import preset
+from megafp8.parallel.stages import balanced_stage_split
 
 from megafp8.planner.memory import MemoryLayout, estimate
+from megafp8.training.metrics import output_layer_cost
 
 from .load import load_tool
 
@@ -37,11 +39,10 @@ def test_a_plan_lists_what_fits_and_why_the_rest_does_not(tmp_path, capsys):
     reasons = {r["reason"] for r in plan["rejected"]}
     # The trainer's own message for a micro-batch split that does not divide the batch ...
     assert any("--global-batch-size 48 is not divisible" in r for r in reasons), reasons
-    # ... for layers that do not split into the stages, and the memory that does not fit.
-    assert any(
-        r.startswith("--balance-pipeline-split: num_layers=32 cannot be split over pp=16 x vpp=4")
-        for r in reasons
-    ), reasons
+    # ... and the memory that does not fit. 32 layers do split over pp 16 x vpp 4: half a layer
+    # (an attention or an MLP) per virtual stage.
+    assert not any("cannot be split" in r for r in reasons), reasons
+    assert any(e["pp"] == 16 and e["vpp"] == 4 for e in plan["fits"] + plan["rejected"])
     assert any(
         r.startswith("needs ") and "GiB per GPU" in r and "over 72.0 GiB" in r for r in reasons
     )
@@ -59,6 +60,10 @@ def test_a_plan_lists_what_fits_and_why_the_rest_does_not(tmp_path, capsys):
         )
         == (2, 2, 1, 1, "selective", True)
     )
+    # as the recipes split a pipeline: the output layer's rank given less work
+    first, last = balanced_stage_split(
+        32, 2, output_layer_cost=output_layer_cost(preset("llama2-7b"), 4096, 2, fp8_layers=True)
+    )
     layout = MemoryLayout(
         seq_length=4096,
         micro_batch_size=1,
@@ -66,6 +71,8 @@ def test_a_plan_lists_what_fits_and_why_the_rest_does_not(tmp_path, capsys):
         tp=2,
         pp=2,
         dp=4,
+        first_stage_layers=first,
+        last_stage_layers=last,
         sequence_parallel=True,
         distributed_optimizer=True,
         recompute="selective",

@@ -385,6 +385,21 @@ def test_stages_of_their_own_sizes():
         ).virtual_pipeline_model_parallel_size
         is None
     )
+    halves = parse(
+        "--num-layers 4 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1.5"
+    )
+    assert halves.decoder_first_pipeline_num_layers == 1.5
+    assert (
+        parse(
+            "--decoder-first-pipeline-num-layers 2.0 --num-layers 4 --pipeline-model-parallel-size 2"
+        ).decoder_first_pipeline_num_layers
+        == 2
+    )
+    fails(
+        "--num-layers 4 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1.25",
+        "--decoder-first-pipeline-num-layers",
+        "ending in .5",
+    )
     balanced = parse(
         "--num-layers 6 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
         "--balance-pipeline-split"
@@ -412,10 +427,11 @@ def test_stages_of_their_own_sizes():
         "--balance-pipeline-split needs --pipeline-model-parallel-size > 1",
     )
     fails(
-        "--num-layers 3 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        # 4 virtual stages need at least 4 half layers
+        "--num-layers 1 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
         "--balance-pipeline-split",
         "--balance-pipeline-split",
-        "num_layers=3 cannot be split",
+        "num_layers=1 cannot be split",
     )
     fails(
         "--num-layers 7 --pipeline-model-parallel-size 2",
