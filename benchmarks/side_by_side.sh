@@ -11,7 +11,7 @@
 # Mock data, one micro-batch per optimizer step. megafp8: 20 iterations, the tokens/s of the last
 # logging window (11-20; the graphs are captured before it); the peer: 12 steps timed after 4
 # warm-up ones (compilation). Each run appends its JSON line to $RESULTS/<shape>.jsonl (RESULTS,
-# relative to the checkout, defaults to benchmarks/results/<date>_side_by_side) and leaves its
+# relative to the checkout, defaults to benchmarks/results/one_gpu/<date>_side_by_side) and leaves its
 # output in $RESULTS/<shape>_<run>.log; the table of tokens/s and ratios is printed and saved as
 # $RESULTS/<shape>.md. EXTRA="...": more trainer flags; PEER_VARIANTS: the peer's variants
 # (default "bf16_compile float8_tensorwise"); RUN_TIMEOUT: seconds per run (default 600).
@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHAPE=${1:-1b}
-RESULTS=${RESULTS:-benchmarks/results/$(date +%Y-%m-%d)_side_by_side}
+RESULTS=${RESULTS:-benchmarks/results/one_gpu/$(date +%Y-%m-%d)_side_by_side}
 PEER_VARIANTS=${PEER_VARIANTS:-"bf16_compile float8_tensorwise"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
 EXTRA=${EXTRA:-}

@@ -4,7 +4,7 @@ Reads the JSON lines benchmarks/side_by_side.sh writes (one file per shape): ben
 records of megafp8's trainer (one per precision) and peer_gpt.py's (one per variant); where a run
 appears twice the later record counts. A run missing (failed, or not run) shows as such.
 
-    python benchmarks/side_by_side_table.py benchmarks/results/DATE_side_by_side/1b.jsonl [7b.jsonl ...]
+    python benchmarks/side_by_side_table.py benchmarks/results/one_gpu/DATE_side_by_side/1b.jsonl [7b.jsonl ...]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ tokens/s per GPU and its ranking of the layouts.
     python benchmarks/validate_planner.py [RESULTS_DIR ...] \
         [--layer-maps gpt-1.3b_tp1.json gpt-1.3b_tp2.json ... --collectives collectives.json]
 
-Reads the JSON lines `bench_layouts.py` wrote (default: benchmarks/results/2026-11-22_8xH200,
+Reads the JSON lines `bench_layouts.py` wrote (default: benchmarks/results/several_gpus/2026-11-22_8xH200,
 the eight-GPU layouts of RESULTS.md). Memory: per record, the peak predicted for the fullest
 pipeline stage against `peak_memory_gib` (torch.cuda.max_memory_allocated); only the first
 precision of each launch is compared, as the later ones in the same process carried memory the
@@ -33,7 +33,7 @@ from megafp8.models.config import preset
 from megafp8.planner.memory import MemoryLayout, estimate
 from megafp8.planner.throughput import Calibration, NotPredicted, predict
 
-DEFAULT = Path(__file__).resolve().parent / "results" / "2026-11-22_8xH200"
+DEFAULT = Path(__file__).resolve().parent / "results" / "several_gpus" / "2026-11-22_8xH200"
 # What layouts_8gpu.sh gave each model: its preset (with the sample corpus's 32768-token
 # vocabulary) and flags.
 MODELS = {

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PLANNER = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner"
-GRAPHED = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_graphed_pipelines"
+PLANNER = ROOT / "benchmarks" / "results" / "planner" / "2026-11-26_4xH200_planner"
+GRAPHED = ROOT / "benchmarks" / "results" / "several_gpus" / "2026-11-26_4xH200_graphed_pipelines"
 CALIBRATION = [
     "--layer-maps",
     str(PLANNER / "gpt-1.3b_tp1.json"),

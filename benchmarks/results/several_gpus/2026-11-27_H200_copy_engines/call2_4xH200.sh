@@ -1,5 +1,5 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 export LOG_INTERVAL=10
 T=tests/training/test_cuda_graphs.py::test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise
 (timeout 170 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_collective_gemm.py -k copy_engine "$T[tp2-sp-overlap-delayed]" "$T[tp2-sp-delayed]" > $OUT/tests_a.txt 2>&1; echo "tests_a rc=$?" >> $OUT/summary.txt) &

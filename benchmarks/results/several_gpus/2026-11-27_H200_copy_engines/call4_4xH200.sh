@@ -1,5 +1,5 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 losses() { grep -o 'lm loss: [0-9.E+-]*' $1 | sed 's/lm loss: //' | tr '\n' ' '; }
 diag() { # name devices extra env...
   local name=$1 dev=$2 extra=$3; shift 3

@@ -1,5 +1,5 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh > /dev/null
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh > /dev/null
 bash examples/prepare_sample_data.sh /tmp/w 32768 > /dev/null 2>&1
 tps() { grep -h "iteration  *$1/" $2 | grep -o "tokens/s: [0-9]*" | tail -1; }
 run() { # name env...

@@ -1,5 +1,5 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 bash examples/prepare_sample_data.sh /tmp/w 32768 > /dev/null 2>&1
 T=tests/training/test_cuda_graphs.py::test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise
 echo "== gpu tests"; timeout 170 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_collective_gemm.py -k copy_engine "$T[tp2-sp-overlap-bf16]" "$T[tp2-sp-overlap-delayed]" > $OUT/tests.txt 2>&1; echo "tests rc=$?"; tail -3 $OUT/tests.txt

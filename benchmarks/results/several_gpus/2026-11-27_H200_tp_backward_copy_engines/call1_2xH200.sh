@@ -1,5 +1,5 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 bash examples/prepare_sample_data.sh /tmp/w 32768 > /dev/null 2>&1
 echo "== collective gemm bench"; timeout 90 torchrun --standalone --nproc-per-node 2 benchmarks/bench_collective_gemm.py --output $OUT/gemms.json > $OUT/gemms.txt 2>&1; echo "rc=$?"; tail -12 $OUT/gemms.txt
 T=tests/training/test_cuda_graphs.py::test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise

@@ -1,6 +1,6 @@
 # pp 2: stages that end inside a layer (the balanced split now) against the whole-layer split, VPP 2 and 4
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 bash examples/prepare_sample_data.sh /tmp/w 32768 > /dev/null 2>&1
 run() {  # name, env...
   local name=$1; shift

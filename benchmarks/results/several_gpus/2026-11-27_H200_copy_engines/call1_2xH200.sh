@@ -1,7 +1,7 @@
 set -u
-source benchmarks/results/2026-11-27_H200_copy_engines/setup.sh
+source benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/setup.sh
 export LOG_INTERVAL=10
-timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/results/2026-11-27_H200_copy_engines/ce_probe.py > $OUT/probe.txt 2>&1; echo "probe rc=$?" >> $OUT/probe.txt
+timeout 150 torchrun --standalone --nproc-per-node 2 benchmarks/results/several_gpus/2026-11-27_H200_copy_engines/ce_probe.py > $OUT/probe.txt 2>&1; echo "probe rc=$?" >> $OUT/probe.txt
 grep -v "^W1127\|^\*\*\*\*" $OUT/probe.txt | tail -20
 timeout 200 python3 -m pytest -q -x tests/training/test_cuda_graphs.py -k "overlap" -p no:cacheprovider > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$?" | tee -a $OUT/summary.txt
 tail -5 $OUT/gpu_tests.txt
