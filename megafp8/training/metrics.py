@@ -59,13 +59,14 @@ def flops_per_token(
 
 
 # An FP8 layer's step runs this much faster than bf16's (GPT-1.3B, graphed, H100 and H200: 1.29x at
-# micro-batch 1, 1.37x at 2 in benchmarks/results/planner/2026-11-26_2xH200_planner), so a bf16 output layer
-# beside FP8 layers costs more layers' worth than its FLOPs say.
+# micro-batch 1, 1.37x at 2 in benchmarks/results/planner/2026-11-26_2xH200_planner), so a bf16
+# output layer beside FP8 layers costs more layers' worth than its FLOPs say.
 FP8_LAYER_SPEEDUP = 1.35
 # The output layer's one wide GEMM runs at more FLOP/s than a bf16 layer as a whole (its narrower
 # GEMMs, attention core, norms and elementwise work): the pp 2 profile of GPT-1.3B (a vocabulary
 # of 32,768, H200) puts the last rank's output layer and loss at 1.3 FP8 layers' time where their
-# FLOPs at FP8_LAYER_SPEEDUP say 1.54 (benchmarks/results/several_gpus/2026-11-27_4xH200_p2p_overlap).
+# FLOPs at FP8_LAYER_SPEEDUP say 1.54
+# (benchmarks/results/several_gpus/2026-11-27_4xH200_p2p_overlap).
 OUTPUT_LAYER_EFFICIENCY = 1.18
 
 
