@@ -94,6 +94,17 @@ class StepProfiler:
                     for category, ms in kernel_categories(events).items()
                 )
             )
+            gaps = idle_gaps(events, top=5)
+            lines.append(
+                f"GPU idle between its activities {gaps['idle_ms'] / steps:.1f} ms per step in "
+                f"{gaps['gaps'] / steps:.0f} gaps ("
+                + ", ".join(f"{size} {ms / steps:.1f}" for size, ms in gaps["by_size"].items())
+                + "); the most after -> before: "
+                + "; ".join(
+                    f"{pair} {ms / steps:.1f} ms in {count / steps:.0f}"
+                    for ms, count, pair in gaps["around"]
+                )
+            )
         summary = self.directory / f"{name}.txt"
         summary.write_text("\n".join(lines) + f"\n{table}\n")
         timeline = gpu_timeline(events)
@@ -225,6 +236,51 @@ def kernel_categories(trace: dict) -> dict:
         )
         totals[category] = totals.get(category, 0.0) + event["dur"] / 1000
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+# Gap sizes idle_gaps sums by, in µs: the GPU's own latency between two dependent activities of a
+# CUDA graph is a few µs; longer ones wait for another stream, another rank or the host.
+GAP_SIZES = (5, 20, 200)
+
+
+def idle_gaps(trace: dict, top: int = 10) -> dict:
+    """From a Chrome trace: where the GPU sat idle between its activities (kernels, copies,
+    memsets), which the timeline joins into its runs. {"idle_ms", "gaps", "by_size": {"< 5 us":
+    ms, ...}, "around": [(ms, count, "before -> after"), ...]}: the `top` pairs of activities
+    (short names) with the most idle time between them, the one that ended last and the next."""
+    events = sorted(
+        (e["ts"], e["ts"] + e["dur"], _short_name(e.get("name", "")))
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    sizes = [f"< {size} us" for size in GAP_SIZES] + [f">= {GAP_SIZES[-1]} us"]
+    by_size, around, gaps = dict.fromkeys(sizes, 0.0), {}, 0
+    if events:
+        busy_until, last = events[0][1], events[0][2]
+        for start, end, name in events[1:]:
+            if start > busy_until:
+                gap = start - busy_until
+                gaps += 1
+                size = next((i for i, limit in enumerate(GAP_SIZES) if gap < limit), len(GAP_SIZES))
+                by_size[sizes[size]] += gap / 1000
+                total, count = around.get(f"{last} -> {name}", (0.0, 0))
+                around[f"{last} -> {name}"] = (total + gap / 1000, count + 1)
+            if end >= busy_until:
+                busy_until, last = end, name
+    ranked = sorted(around.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "idle_ms": sum(by_size.values()),
+        "gaps": gaps,
+        "by_size": by_size,
+        "around": [(ms, count, pair) for pair, (ms, count) in ranked],
+    }
+
+
+def _short_name(name: str) -> str:
+    """A device activity's name without return type, arguments and namespaces, cut at 60
+    characters: `void at::native::f<8, at::native::Add<float>>(int)` -> `f<8, Add<float>>`."""
+    name = re.sub(r"^void ", "", name).split("(")[0]
+    return re.sub(r"\b(?:\w+::)+", "", name)[:60].strip(" ,")
 
 
 def _timeline_text(timeline: list, rank: int) -> str:
