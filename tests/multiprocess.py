@@ -14,6 +14,7 @@ OpenMP thread (OMP_NUM_THREADS=1), so N workers do not fight over the CI machine
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import queue
 import tempfile
@@ -29,6 +30,10 @@ DEFAULT_TIMEOUT_S = 300
 
 def _worker(rank, world_size, store_path, results, fn, args, backend):
     torch.set_num_threads(1)
+    # A spawned process makes "spawn" its own default start method, so the trainer's DataLoader
+    # workers would each import the test module and torch again (about 4 s each, per run). A
+    # torchrun rank, a plain process, has the platform's default (fork on Linux): restore that.
+    multiprocessing.set_start_method(None, force=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -69,8 +69,9 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
 
 def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     """examples/convergence_study.sh shrunk for a CPU: a corpus of this repository's packages and scripts, its
-    tokenizer, the GPT group (bf16, FP8 delayed, FP8 current) and the 2x-LR Llama group; run again,
-    it keeps what is done; with too little time left it starts nothing and says so."""
+    tokenizer, the GPT group (bf16, FP8 delayed, FP8 current), the 2x-LR Llama group and the seed
+    group; run again, it keeps what is done; with too little time left it starts nothing and says
+    so. (Each invocation costs seconds before any run: torch imported, a plot per group.)"""
     repo = EXAMPLES.parent
     tiny = dict(
         CPU="1",
@@ -89,9 +90,9 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "--ffn-hidden-size 128",
     )
 
-    def study(*groups, **env):
+    def study(*groups, workdir=tmp_path, **env):
         return subprocess.run(
-            ["bash", str(EXAMPLES / "convergence_study.sh"), str(tmp_path), *groups],
+            ["bash", str(EXAMPLES / "convergence_study.sh"), str(workdir), *groups],
             env={
                 **os.environ,
                 **tiny,
@@ -103,7 +104,9 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             text=True,
         )
 
-    done = study("gpt", "lr2x")
+    # The seed group in the same invocation: it runs after the gpt group, whose bf16 run its
+    # report sets beside its own.
+    done = study("gpt", "lr2x", "seed")
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
         f"lr2x/{p}": 2
@@ -153,16 +156,14 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     )
 
     # The seed group: both models' bf16 runs again from the next seed, with its data order and with the
-    # first run's (--data-seed), GPT's set beside the first.
-    seeded = study("seed")
-    assert seeded.returncode == 0, seeded.stdout + seeded.stderr
+    # first run's (--data-seed), GPT's set beside the first (run above).
     assert (
         "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1235)"
-        in seeded.stdout
+        in done.stdout
     )
     assert (
         "seed/llama_bf16_init (llama-120m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1234)"
-        in seeded.stdout
+        in done.stdout
     )
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [
@@ -176,9 +177,19 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     )
     assert first != second
 
-    short = study("lr4x", MINUTES="1")  # less than the two minutes a run is given at least
+    # Less than the two minutes a run is given at least. In a folder of its own on the data made
+    # above: no earlier runs, so no reports to plot again.
+    data, elsewhere = tmp_path / "data", tmp_path / "short"
+    short = study(
+        "lr4x",
+        workdir=elsewhere,
+        MINUTES="1",
+        TRAIN_DATA=str(data / "train_text_document"),
+        VALID_DATA=str(data / "validation_text_document"),
+        TOKENIZER_MODEL=str(tmp_path / "tokenizer"),
+    )
     assert short.returncode == 3 and "run the same command again to go on" in short.stdout
-    assert not (tmp_path / "runs" / "lr4x").exists()
+    assert not (elsewhere / "runs" / "lr4x").exists() and not (tmp_path / "runs" / "lr4x").exists()
 
     unknown = study("gtp")
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr

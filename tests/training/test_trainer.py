@@ -49,6 +49,19 @@ def losses_of(rank, world_size, argv):
     return trainer.history
 
 
+def several_runs(rank, world_size, jobs):
+    """Several runs in one launch, each `(body, args)` in turn; their results in order. A launch
+    costs every rank a fresh interpreter (torch and megafp8 imported again: seconds per rank on a
+    2-core CI machine), so runs of one size share it; each pretrain() builds its own groups."""
+    return [body(rank, world_size, *args) for body, args in jobs]
+
+
+def launch(world_size, jobs):
+    """The named runs {name: (body, args)} in one launch: {name: each rank's result}."""
+    per_rank = run_on_ranks(several_runs, world_size, list(jobs.values()))
+    return {name: [runs[i] for runs in per_rank] for i, name in enumerate(jobs)}
+
+
 def test_loss_falls_on_the_sample_corpus(tmp_path):
     def run(*cmd):
         return subprocess.run([sys.executable, *cmd], check=True, cwd=REPO, capture_output=True)
@@ -128,16 +141,23 @@ def one_process():
     return run_on_ranks(losses_of, 1, TINY + ["--train-iters", "4"])[0]
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [],
-        ["--use-distributed-optimizer"],
-        ["--use-distributed-optimizer", "--overlap-param-gather"],
-    ],
-)
-def test_data_parallel_matches_one_process(one_process, extra):
-    for history in run_on_ranks(losses_of, 2, TINY + ["--train-iters", "4"] + extra):
+DATA_PARALLEL = {
+    "dp2": [],
+    "distributed-optimizer": ["--use-distributed-optimizer"],
+    "overlap-param-gather": ["--use-distributed-optimizer", "--overlap-param-gather"],
+}
+
+
+@pytest.fixture(scope="module")
+def data_parallel_runs():
+    """{variant: each rank's history}, the three variants in one 2-rank launch."""
+    argv = TINY + ["--train-iters", "4"]
+    return launch(2, {name: (losses_of, (argv + extra,)) for name, extra in DATA_PARALLEL.items()})
+
+
+@pytest.mark.parametrize("variant", DATA_PARALLEL)
+def test_data_parallel_matches_one_process(one_process, data_parallel_runs, variant):
+    for history in data_parallel_runs[variant]:
         assert [i for i, _ in history] == [i for i, _ in one_process]
         for (_, a), (_, b) in zip(history, one_process):
             assert a == pytest.approx(b, rel=2e-5)
@@ -155,8 +175,11 @@ def test_overlapped_param_gather_trains_as_the_gather_at_once():
         "5000",
         "--untie-embeddings-and-output-weights",
     ]
-    plain = run_on_ranks(losses_of, 2, argv)
-    assert run_on_ranks(losses_of, 2, argv + ["--overlap-param-gather"]) == plain
+    # Both runs in one launch: [(plain, overlapped)] per rank.
+    for plain, overlapped in run_on_ranks(
+        several_runs, 2, [(losses_of, (argv,)), (losses_of, (argv + ["--overlap-param-gather"],))]
+    ):
+        assert overlapped == plain
 
 
 @pytest.mark.parametrize(
@@ -182,9 +205,10 @@ def test_compiled_layers_train_as_eager_ones(world, extra):
     to fp32 rounding (fused kernels round norms differently in the last bit, and an FP8 cast
     can then flip a value at a rounding boundary: 4e-5 measured)."""
     argv = TINY + ["--train-iters", "3"] + extra
-    eager = run_on_ranks(losses_of, world, argv)
-    compiled = run_on_ranks(losses_of, world, argv + ["--torch-compile"])
-    for history, reference in zip(compiled, eager):
+    # Both runs in one launch: [(eager, compiled)] per rank.
+    for reference, history in run_on_ranks(
+        several_runs, world, [(losses_of, (argv,)), (losses_of, (argv + ["--torch-compile"],))]
+    ):
         assert [loss for _, loss in history] == pytest.approx(
             [loss for _, loss in reference], rel=1e-4
         )
@@ -207,8 +231,18 @@ def test_overlapped_tensor_parallel_collectives_train_as_the_plain_ones(precisio
         "2",
         "--sequence-parallel",
     ]
-    plain = run_on_ranks(losses_of, 2, argv)
-    assert run_on_ranks(losses_of, 2, argv + ["--tp-comm-overlap"]) == plain
+    # Both runs in one launch; the overlapped run's transport shows that its flag took effect.
+    for plain, (overlapped, transport) in run_on_ranks(
+        several_runs,
+        2,
+        [(losses_of, (argv,)), (history_and_transport, (argv + ["--tp-comm-overlap"],))],
+    ):
+        assert transport == "nccl" and overlapped == plain
+
+
+def history_and_transport(rank, world_size, argv):
+    trainer = pretrain(argv)
+    return trainer.history, trainer.tp_comm_transport
 
 
 def transport_body(rank, world_size, argv):
@@ -714,120 +748,91 @@ def fp8_layer_records(rank, world_size, argv, save):
     )
 
 
-@pytest.mark.parametrize(
-    "ranks,extra",
-    [
-        (1, []),
-        (
-            4,
-            [
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--pipeline-model-parallel-size",
-                "2",
-            ],
-        ),
-    ],
-)
-def test_log_fp8_layers_records_every_layer_of_every_stage(tmp_path, ranks, extra):
-    argv = TINY + [
-        "--num-layers",
-        "4",
-        "--train-iters",
-        "3",
-        "--fp8-format",
-        "hybrid",
-        "--log-fp8-layers",
-        *extra,
-    ]
-    records = [
-        r for r in run_on_ranks(fp8_layer_records, ranks, argv, tmp_path / "run") if r is not None
-    ][0]
-    logged = [r for r in records if "fp8_layers" in r]
-    assert [r["iteration"] for r in logged] == [1, 2, 3]
-    layers = logged[-1]["fp8_layers"]
-    # Every FP8 linear of the four layers, on whichever stage it lives, by its global name.
-    assert list(layers) == [
-        f"layers.{i}.{name}"
-        for i in range(4)
-        for name in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")
-    ]
-    for layer in layers.values():
-        assert set(layer["roles"]) == {"input", "weight", "grad_output"}
-        assert 0 <= layer["underflow"] < 0.5 and layer["saturation"] is not None
-    assert logged[-1]["fp8_underflow"] is not None
-
-
-def test_log_fp8_layers_without_fp8_is_refused():
-    with pytest.raises(
-        arguments.ArgumentsError, match="--log-fp8-layers given without --fp8-format"
-    ):
-        arguments.parse_args(TINY + ["--log-fp8-layers"])
-
-
 def last_stage_losses(rank, world_size, argv):
     trainer = pretrain(argv)
     return trainer.history if trainer.groups.is_last_stage else None
 
 
-# FP8 on with pp = 2: each stage's amax group is one rank, as in one process, so the scales
-# agree. With dp > 1 the amaxes are maxed over replicas that saw other micro-batches (one
-# process sees them in turn), so FP8 scales, and losses, differ beyond this tolerance.
-@pytest.mark.parametrize(
-    "layout,extra",
-    [
-        (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
-        (
-            2,
-            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-        ),
-        (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
-        # 6 layers over 4 virtual stages: the trainer sizes the first and last apart
-        (
-            2,
-            [
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-virtual-stages-per-pipeline-rank",
-                "2",
-                "--balance-pipeline-split",
-                "--num-layers",
-                "6",
-            ],
-        ),
-        (
-            8,
-            [
-                "--pipeline-model-parallel-size",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-            ],
-        ),
+def tied_run(rank, world_size, argv):
+    """Losses and grad norms of the last stage, and the largest difference between the tied
+    embedding's two copies after training (check_embeddings_in_sync raises above 0)."""
+    trainer = pretrain(argv)
+    difference = check_embeddings_in_sync(trainer.chunks, trainer.groups)
+    if not trainer.groups.is_last_stage:
+        return None
+    return trainer.history, trainer.grad_norms, difference
+
+
+FP8_LAYERS = TINY + [
+    "--num-layers",
+    "4",
+    "--train-iters",
+    "3",
+    "--fp8-format",
+    "hybrid",
+    "--log-fp8-layers",
+]
+FP8_LAYERS_LAYOUTS = {
+    1: [],
+    4: [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--pipeline-model-parallel-size",
+        "2",
     ],
-)
-def test_pipeline_layouts_match_one_process(layout, extra):
-    argv = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "8"]
-    shared = [
+}
+
+PIPELINE = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-size", "8"]
+# name: (ranks, flags)
+PIPELINE_LAYOUTS = {
+    "pp2-fp8": (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
+    "pp2-vpp": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ),
+    "pp2-uneven": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+    ),
+    # the first stage ends after layer 1's attention, the last begins at its MLP
+    "pp2-half-layer": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1.5"],
+    ),
+    # 6 layers over 4 virtual stages: the trainer sizes the first and last apart
+    "pp2-vpp2-balanced": (
+        2,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            "--balance-pipeline-split",
+            "--num-layers",
+            "6",
+        ],
+    ),
+    "tp2xpp2xdp2": (
+        8,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+    ),
+}
+
+
+def one_process_share(extra):
+    """What the one process runs too of a layout's flags: the model and its precision."""
+    return [
         x
-        for i, x in enumerate(extra)  # what the one process runs too: the model and its precision
+        for i, x in enumerate(extra)
         if x in ("--fp8-format", "hybrid", "--num-layers") or i and extra[i - 1] == "--num-layers"
     ]
-    reference = run_on_ranks(last_stage_losses, 1, argv + shared)[0]
-    assert_last_stages_match(
-        run_on_ranks(last_stage_losses, layout, argv + extra), reference, rel=1e-4
-    )
-
-
-def assert_last_stages_match(histories, reference, rel):
-    """Every last-stage rank's (iteration, loss) history equals the reference's within `rel`."""
-    results = [h for h in histories if h is not None]
-    assert results
-    for history in results:
-        for (i, a), (j, b) in zip(history, reference):
-            assert i == j and a == pytest.approx(b, rel=rel), (history, reference)
 
 
 # Tied embeddings under the distributed optimizer: each dp rank owns one slice of each copy's
@@ -868,55 +873,145 @@ TIED = [
     "--seed",
     "1234",
 ]
+# name: (ranks, flags)
+TIED_LAYOUTS = {
+    "pp2xdp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "pp2xdp2-uneven": (
+        4,
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+    ),
+    "tp2xpp2xdp2-uneven": (
+        8,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--decoder-last-pipeline-num-layers",
+            "1",
+        ],
+    ),
+    # The last stage's tied embedding is read by its output layer, not its embedding's forward.
+    "pp2xdp2-overlap-param-gather": (
+        4,
+        ["--pipeline-model-parallel-size", "2", "--overlap-param-gather"],
+    ),
+}
+
+# The layout and options of examples/pretrain_llama2_7b_fp8.sh (RoPE, SwiGLU, untied output,
+# selective recomputation, distributed optimizer) at tp2 x pp2 x dp2.
+LLAMA = ["llama-tiny" if a == "gpt-tiny" else a for a in TINY] + [
+    "--num-layers",
+    "4",
+    "--train-iters",
+    "3",
+    "--recompute-granularity",
+    "selective",
+    "--use-distributed-optimizer",
+]
+LLAMA_LAYOUT = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+]
 
 
-def tied_run(rank, world_size, argv):
-    """Losses and grad norms of the last stage, and the largest difference between the tied
-    embedding's two copies after training (check_embeddings_in_sync raises above 0)."""
-    trainer = pretrain(argv)
-    difference = check_embeddings_in_sync(trainer.chunks, trainer.groups)
-    if not trainer.groups.is_last_stage:
-        return None
-    return trainer.history, trainer.grad_norms, difference
+def layout_jobs(folder):
+    """{name: (ranks, (body, args))}: every run of the layout tests below and the one-process
+    runs they are compared with."""
+    jobs = {}
+    for ranks, extra in FP8_LAYERS_LAYOUTS.items():
+        jobs[f"fp8-layers/{ranks}"] = (
+            ranks,
+            (fp8_layer_records, (FP8_LAYERS + extra, folder / f"fp8-layers-{ranks}")),
+        )
+    for name, (ranks, extra) in PIPELINE_LAYOUTS.items():
+        jobs[f"pipeline/{name}"] = (ranks, (last_stage_losses, (PIPELINE + extra,)))
+        shared = one_process_share(extra)  # layouts of the same model share one reference
+        jobs[f"pipeline-reference/{' '.join(shared)}"] = (
+            1,
+            (last_stage_losses, (PIPELINE + shared,)),
+        )
+    for name, (ranks, layout) in TIED_LAYOUTS.items():
+        jobs[f"tied/{name}"] = (
+            ranks,
+            (tied_run, (TIED + layout + ["--use-distributed-optimizer"],)),
+        )
+    jobs["tied-reference"] = (1, (tied_run, (TIED,)))
+    jobs["llama"] = (8, (last_stage_losses, (LLAMA + LLAMA_LAYOUT,)))
+    jobs["llama-reference"] = (1, (last_stage_losses, (LLAMA,)))
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def tied_reference():
-    return run_on_ranks(tied_run, 1, TIED)[0]
+def layout_runs(tmp_path_factory):
+    """layout_runs(name): each rank's result of that run of layout_jobs. The runs of one size go
+    in one launch, made when a test first asks for one of them (an 8-rank launch alone costs a
+    2-core machine half a minute of start-up); a run that fails fails every test of its launch,
+    with the failing rank's traceback."""
+    jobs, done = layout_jobs(tmp_path_factory.mktemp("layouts")), {}
+
+    def result(name):
+        if name not in done:
+            ranks = jobs[name][0]
+            done.update(launch(ranks, {n: job for n, (r, job) in jobs.items() if r == ranks}))
+        return done[name]
+
+    return result
 
 
-@pytest.mark.parametrize(
-    "world_size,layout",
-    [
-        (4, ["--pipeline-model-parallel-size", "2"]),
-        (4, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
-        (
-            8,
-            [
-                "--pipeline-model-parallel-size",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--decoder-last-pipeline-num-layers",
-                "1",
-            ],
-        ),
-        # The last stage's tied embedding is read by its output layer, not its embedding's forward.
-        (4, ["--pipeline-model-parallel-size", "2", "--overlap-param-gather"]),
-    ],
-    ids=["pp2xdp2", "pp2xdp2-uneven", "tp2xpp2xdp2-uneven", "pp2xdp2-overlap-param-gather"],
-)
-def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(
-    tied_reference, world_size, layout
-):
-    assert 1024 * 64 > 20000  # the embedding is larger than a bucket
-    history, norms, _ = tied_reference
-    results = [
-        r
-        for r in run_on_ranks(tied_run, world_size, TIED + layout + ["--use-distributed-optimizer"])
-        if r
+@pytest.mark.parametrize("ranks", FP8_LAYERS_LAYOUTS)
+def test_log_fp8_layers_records_every_layer_of_every_stage(layout_runs, ranks):
+    records = [r for r in layout_runs(f"fp8-layers/{ranks}") if r is not None][0]
+    logged = [r for r in records if "fp8_layers" in r]
+    assert [r["iteration"] for r in logged] == [1, 2, 3]
+    layers = logged[-1]["fp8_layers"]
+    # Every FP8 linear of the four layers, on whichever stage it lives, by its global name.
+    assert list(layers) == [
+        f"layers.{i}.{name}"
+        for i in range(4)
+        for name in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")
     ]
+    for layer in layers.values():
+        assert set(layer["roles"]) == {"input", "weight", "grad_output"}
+        assert 0 <= layer["underflow"] < 0.5 and layer["saturation"] is not None
+    assert logged[-1]["fp8_underflow"] is not None
+
+
+def test_log_fp8_layers_without_fp8_is_refused():
+    with pytest.raises(
+        arguments.ArgumentsError, match="--log-fp8-layers given without --fp8-format"
+    ):
+        arguments.parse_args(TINY + ["--log-fp8-layers"])
+
+
+# FP8 on with pp = 2: each stage's amax group is one rank, as in one process, so the scales
+# agree. With dp > 1 the amaxes are maxed over replicas that saw other micro-batches (one
+# process sees them in turn), so FP8 scales, and losses, differ beyond this tolerance.
+@pytest.mark.parametrize("layout", PIPELINE_LAYOUTS)
+def test_pipeline_layouts_match_one_process(layout_runs, layout):
+    shared = one_process_share(PIPELINE_LAYOUTS[layout][1])
+    reference = layout_runs(f"pipeline-reference/{' '.join(shared)}")[0]
+    assert_last_stages_match(layout_runs(f"pipeline/{layout}"), reference, rel=1e-4)
+
+
+def assert_last_stages_match(histories, reference, rel):
+    """Every last-stage rank's (iteration, loss) history equals the reference's within `rel`."""
+    results = [h for h in histories if h is not None]
+    assert results
+    for history in results:
+        for (i, a), (j, b) in zip(history, reference):
+            assert i == j and a == pytest.approx(b, rel=rel), (history, reference)
+
+
+@pytest.mark.parametrize("layout", TIED_LAYOUTS)
+def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(layout_runs, layout):
+    assert 1024 * 64 > 20000  # the embedding is larger than a bucket
+    history, norms, _ = layout_runs("tied-reference")[0]
+    results = [r for r in layout_runs(f"tied/{layout}") if r]
     assert results
     for got_history, got_norms, difference in results:
         assert difference == 0.0
@@ -925,27 +1020,9 @@ def test_tied_embeddings_under_the_distributed_optimizer_match_one_process(
             assert a == pytest.approx(b, rel=1e-6, abs=0), (got_history, got_norms, history, norms)
 
 
-def test_llama_3d_run_of_the_7b_recipe_matches_one_process():
-    # The layout and options of examples/pretrain_llama2_7b_fp8.sh (RoPE, SwiGLU, untied output,
-    # selective recomputation, distributed optimizer) at tp2 x pp2 x dp2.
-    argv = ["llama-tiny" if a == "gpt-tiny" else a for a in TINY] + [
-        "--num-layers",
-        "4",
-        "--train-iters",
-        "3",
-        "--recompute-granularity",
-        "selective",
-        "--use-distributed-optimizer",
-    ]
-    reference = run_on_ranks(last_stage_losses, 1, argv)[0]
-    layout = [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--tensor-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-    ]
-    assert_last_stages_match(run_on_ranks(last_stage_losses, 8, argv + layout), reference, rel=1e-5)
+def test_llama_3d_run_of_the_7b_recipe_matches_one_process(layout_runs):
+    reference = layout_runs("llama-reference")[0]
+    assert_last_stages_match(layout_runs("llama"), reference, rel=1e-5)
 
 
 def test_a_pp2_run_resumes_with_pp1(tmp_path):
@@ -1031,119 +1108,6 @@ def test_profile_flags_are_checked():
         )
     with pytest.raises(arguments.ArgumentsError, match="needs a GPU"):
         pretrain(TINY + ["--train-iters", "2", "--profile"])
-
-
-def test_kernel_time_separates_exposed_communication():
-    from megafp8.training.profiling import kernel_time
-
-    def kernel(name, ts, dur):
-        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
-
-    trace = {
-        "traceEvents": [
-            kernel("sm90_gemm", 0, 100),
-            kernel("quantize", 50, 100),  # compute 0..150
-            kernel(
-                "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 60
-            ),  # 30 beside, 30 alone
-            kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 300, 50),  # alone
-            kernel("sm90_gemm", 400, 10),
-            kernel(
-                "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)",
-                405,
-                20,
-            ),
-            {
-                "cat": "gpu_memcpy",
-                "name": "Memcpy PtoP (Device -> Device)",
-                "ts": 440,
-                "dur": 30,
-            },  # alone
-            {
-                "cat": "gpu_memcpy",
-                "name": "Memcpy DtoD (Device -> Device)",
-                "ts": 500,
-                "dur": 5,
-            },  # local: neither
-            {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999},
-        ]
-    }
-    times = kernel_time(trace)
-    assert times["kernels"] == 6
-    assert times["busy_ms"] * 1000 == 150 + 30 + 50 + 25 + 30
-    assert times["compute_ms"] * 1000 == 160
-    assert times["communication_ms"] * 1000 == 60 + 50 + 20 + 30
-    assert times["communication_exposed_ms"] * 1000 == 30 + 50 + 15 + 30
-    assert {
-        kind: (t["count"], round(t["ms"] * 1000), round(t["exposed_ms"] * 1000))
-        for kind, t in times["by_kind"].items()
-    } == {
-        "AllGather": (1, 60, 30),
-        "ReduceScatter": (1, 50, 50),
-        "symmetric-memory barriers": (1, 20, 15),
-        "peer copies": (1, 30, 30),
-    }
-    assert list(times["by_kind"])[0] == "AllGather"  # largest first
-
-
-def test_the_gpu_timeline_shows_where_a_rank_waits():
-    from megafp8.training.profiling import gpu_timeline
-
-    def kernel(name, ts, dur):
-        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
-
-    send = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
-    trace = {
-        "traceEvents": [
-            # (times from the first kernel, in ms)
-            kernel("sm90_gemm", 1000, 2000),  # compute 0..2
-            kernel("quantize", 3020, 980),  # 20 us later: the same compute run, to 3
-            kernel(send, 3500, 1000),  # beside compute to 3, then alone 3..3.5
-            kernel(send, 4540, 460),  # alone again 40 us later: one run, 3..4
-            kernel("sm90_gemm", 6000, 1000),  # nothing ran 4..5: idle
-            {"cat": "cpu_op", "name": "aten::mm", "ts": 4500, "dur": 100},  # not the GPU's
-        ]
-    }
-    timeline = [
-        (round(start, 3), round(length, 3), what) for start, length, what in gpu_timeline(trace)
-    ]
-    assert timeline == [
-        (0.0, 3.0, "compute"),
-        (3.0, 1.0, "SendRecv"),
-        (4.0, 1.0, "idle"),
-        (5.0, 1.0, "compute"),
-    ]
-    assert gpu_timeline({"traceEvents": []}) == []
-
-
-def test_kernel_categories_name_what_the_step_spent_its_gpu_time_on():
-    from megafp8.training.profiling import kernel_categories
-
-    names = {
-        "nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_bias_TNN": "FP8 GEMMs",
-        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "other GEMMs",
-        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
-        "_quantize_kernel": "FP8 casts",
-        "_statistics_kernel": "loss",
-        "_adamw_kernel": "optimizer",
-        "void at::native::vectorized_layer_norm_kernel<c10::BFloat16>": "norms/activations",
-        "ncclDevKernel_AllGather_RING_LL": "communication",
-        "_activation_backward_quantize_kernel": "norms/activations",
-        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "other elementwise",
-    }
-    events = [
-        {"cat": "kernel", "name": name, "ts": i, "dur": 1000 * (i + 1)}
-        for i, name in enumerate(names)
-    ]
-    categories = kernel_categories(
-        {"traceEvents": events + [{"cat": "cpu_op", "name": "aten::mm", "dur": 5}]}
-    )
-    expected = {}
-    for i, category in enumerate(names.values()):
-        expected[category] = expected.get(category, 0.0) + i + 1.0
-    assert categories == expected and list(categories.values()) == sorted(
-        expected.values(), reverse=True
-    )
 
 
 def test_a_finished_run_frees_its_model_and_gradient_buffer():
