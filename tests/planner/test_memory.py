@@ -316,17 +316,27 @@ BASE = [
 ]
 
 
-def layouts_body(rank, world_size, model):
+MODELS = ("gpt-tiny", "llama-tiny")
+
+
+def layouts_body(rank, world_size):
     out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        trainer = pretrain(["--model", model, "--num-layers", "4", *BASE, *flags])
-        out[name] = (trainer.groups.pp_rank, trainer_bytes(trainer), trainer.config)
+    for model in MODELS:
+        for name, (flags, _) in LAYOUTS.items():
+            trainer = pretrain(["--model", model, "--num-layers", "4", *BASE, *flags])
+            out[model, name] = (trainer.groups.pp_rank, trainer_bytes(trainer), trainer.config)
     return out
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
-def test_static_memory_is_exact_on_every_rank(model):
-    results = run_on_ranks(layouts_body, 4, model)
+@pytest.fixture(scope="module")
+def layout_bytes():
+    """Each rank's {(model, layout): (pp rank, bytes held, config)}, every run in one launch."""
+    return run_on_ranks(layouts_body, 4)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_static_memory_is_exact_on_every_rank(layout_bytes, model):
+    results = [{name: r[model, name] for name in LAYOUTS} for r in layout_bytes]
     for name, (_, fields) in LAYOUTS.items():
         for rank_result in results:
             pp_rank, measured, config = rank_result[name]
