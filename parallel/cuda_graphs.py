@@ -9,7 +9,9 @@ them (forwards first to last, backwards last to first) and replayed in that orde
 Several micro-batches may be in flight (forward replayed, backward not yet), as a pipeline
 schedule keeps them: each takes a slot, and each slot has its own sets and memory pool, so no
 micro-batch's replay writes into another's activations. The sets of one slot share its pool,
-as one slot's micro-batches run one after the other. Backwards come in the order of the
+as one slot's micro-batches run one after the other. A micro-batch's input gradient leaves
+its slot as a copy: the slot's next forward may reuse that memory before an asynchronous reader
+(a pipeline send) is done with it. Backwards come in the order of the
 forwards (first in, first out: 1F1B and its interleaved form per model chunk, and gradient
 accumulation, where one micro-batch is in flight at a time).
 
@@ -195,6 +197,10 @@ class LayerGraphs:
             self.grads_ready(self.params[index])
         if index == 0:  # the micro-batch's last backward: its slot is free
             self.slots.release(graphs.slot)
+            # The gradient leaves the graphs as a copy: the slot's next forward replay may write
+            # over the pool memory it sits in while its reader still runs (a pipeline's send of
+            # it to the previous stage, on NCCL's stream, waited only by the next backward).
+            return graphs.grad_inputs[0].clone()
         return graphs.grad_inputs[index]
 
     # -- capture --------------------------------------------------------------------------------
@@ -292,7 +298,8 @@ class LayerGraphs:
                 )
                 inputs = output.detach().requires_grad_()
         torch.cuda.current_stream().wait_stream(self.stream)
-        torch._foreach_copy_(states, saved)
+        if states:  # units without FP8 linears have no scaling state
+            torch._foreach_copy_(states, saved)
         torch.cuda.set_rng_state(rng)
         for m, fuse in zip(linears, fused):
             m.fuse_wgrad_accumulation = fuse

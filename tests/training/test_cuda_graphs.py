@@ -6,6 +6,7 @@ are in test_arguments.py.)"""
 
 import pytest
 import torch
+from megafp8.parallel.cuda_graphs import LayerGraphs
 
 from megafp8.training.trainer import pretrain
 
@@ -181,3 +182,26 @@ def test_graphed_tensor_data_and_pipeline_parallel_equal_eager_bitwise(extra):
         assert repr(graphed) == repr(eager)
         for name, value in eager_params.items():
             assert torch.equal(graphed_params[name], value), name
+
+
+def test_an_input_gradient_handed_out_survives_its_slots_next_forward():
+    """A micro-batch's input gradient leaves the graphs as a copy: a pipeline sends it to the
+    previous stage on NCCL's stream while the same slot already replays the next micro-batch's
+    forward, whose temporaries may sit where the backward graph wrote that gradient."""
+    torch.manual_seed(0)
+    hidden = 1024
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+    ).cuda()
+    for p in mlp.parameters():
+        p.main_grad, p.main_grad_empty = torch.zeros_like(p), True
+    graphs = LayerGraphs([(lambda x: x + mlp(x), mlp)])
+    inputs = [torch.randn(512, hidden, device="cuda", requires_grad=True) for _ in range(4)]
+    handed_out = []
+    for x in inputs:  # one micro-batch at a time: each takes slot 0 again
+        graphs(x).backward(torch.randn(512, hidden, device="cuda"))
+        handed_out.append((x.grad, x.grad.clone()))
+    torch.cuda.synchronize()
+    assert len(graphs.pools) == 1 and len(graphs.sets) == 1, "one slot, one set expected"
+    for grad, at_hand_out in handed_out:
+        assert torch.equal(grad, at_hand_out)
