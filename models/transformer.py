@@ -25,7 +25,7 @@ from megafp8.parallel import (
 )
 from megafp8.parallel.communication import copy_to_tensor_parallel, gather_from_sequence_parallel
 from megafp8.parallel.cuda_graphs import LayerGraphs
-from megafp8.parallel.stages import LAYER_PARTS, layer_parts
+from megafp8.parallel.stages import LAYER_PARTS, half_layers, layer_parts
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -333,7 +333,7 @@ class TransformerLM(nn.Module):
         self.sequence_parallel = sp = sequence_parallel and tp > 1
         config.validate_tensor_parallel(tp)
         first, last = layers if layers is not None else (0, config.num_layers)
-        if not 0 <= first < last <= config.num_layers or (first * 2 % 1) or (last * 2 % 1):
+        if not 0 <= first < last <= config.num_layers or None in map(half_layers, (first, last)):
             raise ValueError(
                 f"layers={layers} must be a non-empty range (first, last) within 0..{config.num_layers}, "
                 "in whole or half layers (x.5: after a layer's attention)"

@@ -88,19 +88,27 @@ def _layers(halves: int) -> float:
     return halves // 2 if halves % 2 == 0 else halves / 2
 
 
+def half_layers(value) -> int | None:
+    """`value` layers in half layers (a stage may end after a layer's attention): None unless it
+    is a non-negative int or a float that is a whole multiple of 0.5.
+
+        half_layers(3.5)   # 7
+        half_layers(1.25)  # None
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return None if value * 2 % 1 else int(value * 2)
+
+
 def _halves(name: str, value) -> int:
     """A layer count given in layers (a multiple of 0.5) in half layers; a ValueError otherwise."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or value <= 0
-        or value * 2 % 1
-    ):
+    halves = half_layers(value)
+    if not halves:
         raise ValueError(
             f"{name} must be a positive int or half-int (a stage may end after a layer's "
             f"attention), got {value!r}: every stage holds at least half a layer"
         )
-    return int(value * 2)
+    return halves
 
 
 def _stage_halves(

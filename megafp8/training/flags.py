@@ -11,6 +11,7 @@ from pathlib import Path
 from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.models.config import PRESETS
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
+from megafp8.parallel.stages import half_layers
 
 
 class ArgumentsError(ValueError):
@@ -60,7 +61,7 @@ def _layer_count(text):
         value = float(text)
     except ValueError:
         value = None
-    if value is None or value <= 0 or value * 2 % 1:
+    if not half_layers(value):
         raise argparse.ArgumentTypeError(
             f"expected a positive number of layers, whole or ending in .5 (a stage may end after a "
             f"layer's attention), got {text!r}"
