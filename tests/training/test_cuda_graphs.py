@@ -194,11 +194,13 @@ def test_an_input_gradient_handed_out_survives_its_slots_next_forward():
         torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
     ).cuda()
     for p in mlp.parameters():
-        p.main_grad, p.main_grad_empty = torch.zeros_like(p), True
+        p.main_grad = torch.zeros_like(p)
     graphs = LayerGraphs([(lambda x: x + mlp(x), mlp)])
     inputs = [torch.randn(512, hidden, device="cuda", requires_grad=True) for _ in range(4)]
     handed_out = []
     for x in inputs:  # one micro-batch at a time: each takes slot 0 again
+        for p in mlp.parameters():  # each a step's first, so every call has one signature
+            p.main_grad_empty = True
         graphs(x).backward(torch.randn(512, hidden, device="cuda"))
         handed_out.append((x.grad, x.grad.clone()))
     torch.cuda.synchronize()
