@@ -430,27 +430,22 @@ def judge(outcomes: dict, iterations: int, work: Path) -> None:
                 )
         if run.kind == "resumed":
             straight = outcomes.get(run.straight)
-            pairs = [
-                (losses.get(i), (straight.losses or {}).get(i) if straight else None)
-                for i in range(RESUME_AT + 1, iterations + 1)
-            ]
-            worst = _worst(pairs)
+            worst = _worst(
+                losses, straight and straight.losses, range(RESUME_AT + 1, iterations + 1)
+            )
             if worst is None or worst > RESUME_TOLERANCE:
                 problems.append(
                     f"resumed losses {_gap(worst)} off the straight run's (tolerance {RESUME_TOLERANCE:.1%})"
                 )
         elif run.layout != "1gpu" and run.kind == "straight" and run.precision in references:
-            reference = references[run.precision] or {}
-            worst = _worst([(losses.get(i), reference.get(i)) for i in range(1, iterations + 1)])
+            worst = _worst(losses, references[run.precision], range(1, iterations + 1))
             if worst is None or worst > TRACK_TOLERANCE:
                 problems.append(
                     f"losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})"
                 )
             eager = outcomes.get(Run(run.layout, run.precision, False))
             if run.graphs and eager is not None:
-                worst = _worst(
-                    [(losses.get(i), (eager.losses or {}).get(i)) for i in range(1, iterations + 1)]
-                )
+                worst = _worst(losses, eager.losses, range(1, iterations + 1))
                 if worst is None or worst > RESUME_TOLERANCE:
                     problems.append(
                         f"losses {_gap(worst)} off the eager run's (tolerance {RESUME_TOLERANCE:.1%})"
@@ -556,8 +551,10 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _worst(pairs) -> float | None:
-    """The largest relative difference of (value, reference) pairs; None if any is missing."""
+def _worst(losses: dict, reference: dict | None, iterations: range) -> float | None:
+    """The largest relative difference of `losses` from `reference` over `iterations`; None if
+    either misses one of them."""
+    pairs = [(losses.get(i), (reference or {}).get(i)) for i in iterations]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
     return max(abs(a - b) / abs(b) for a, b in pairs)
