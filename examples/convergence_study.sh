@@ -8,7 +8,9 @@
 #   GROUP: gpt, llama, lr2x, lr4x (default: these four, in that order), seed (gpt-125m and
 #   llama-120m in bf16 from SEED + 1, once with that seed's data order and once with --data-seed
 #   SEED, the gpt and llama groups' batches; its reports seed_gpt and seed_llama set them beside
-#   those groups' bf16 runs); data (prepare the data only) or report (curves only).
+#   those groups' bf16 runs); data (prepare the data only) or report (curves only). A GROUP/RUN
+#   (e.g. lr2x/fp8_delayed) trains that one run of its group; list prints the runs the other
+#   arguments name (default: every group's), with their settings, and trains nothing.
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -21,10 +23,16 @@
 # SENS_ITERS for the learning-rate groups, validation every EVAL_INTERVAL steps over EVAL_ITERS
 # batches; MODEL_ARGS is added to every run's flags (e.g. a shrunk model for a CPU try, with CPU=1).
 set -euo pipefail
-WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|data|report ...]}
+WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|seed|GROUP/RUN|data|report|list ...]}
 shift
-GROUPS_TO_RUN=("$@")
-[ ${#GROUPS_TO_RUN[@]} -gt 0 ] || GROUPS_TO_RUN=(gpt llama lr2x lr4x)
+GROUPS_TO_RUN=() LIST=0
+for group in "$@"; do
+    if [ "$group" = list ]; then LIST=1; else GROUPS_TO_RUN+=("$group"); fi
+done
+if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
+    GROUPS_TO_RUN=(gpt llama lr2x lr4x)
+    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed)
+fi
 if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
                 "${MINUTES:-100000}" 2> /dev/null); then
     echo "convergence_study.sh: MINUTES=${MINUTES} is not a positive number of minutes" >&2
@@ -42,7 +50,7 @@ SEED=${SEED:-1234}; VOCAB=${VOCAB:-32768}; CORPUS_MB=${CORPUS_MB:-1200}
 MODEL_ARGS=${MODEL_ARGS:-}
 CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
-if [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
+if [ "$LIST" != 1 ] && [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
     echo "convergence_study.sh: the study needs an NVIDIA GPU (torch sees none); for a tiny CPU try set" \
          "CPU=1 and shrink it (ITERS, GBS, SEQ, MODEL_ARGS: see tests/test_examples.py)" >&2
     exit 1
@@ -87,6 +95,10 @@ finished() {  # the run's checkpoints reached its last iteration
     [ -f "$1/latest_checkpointed_iteration.txt" ] && [ "$(cat "$1/latest_checkpointed_iteration.txt")" = "$2" ]
 }
 
+describe() {  # NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED: the run in words
+    echo "$1 ($2, $3, peak LR $4, $5 iterations, seed $6, data seed $7)"
+}
+
 # train NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED: one run, from its checkpoint if it has one.
 # Returns 1 when the time is up (the run stopped with a checkpoint, or did not start); a failed run
 # ends the study with its status.
@@ -107,7 +119,7 @@ train() {
     if [[ $precision == fp8_* && $name == lr* ]]; then precision_args+=(--log-fp8-layers); fi
     local min_lr warmup
     min_lr=$(python -c "print($lr / 10)"); warmup=$(python -c "print(max(1, round($iters * $WARMUP_FRACTION)))")
-    echo "convergence_study: $name ($model, $precision, peak LR $lr, $iters iterations, seed $seed, data seed $data_seed) in $dir"
+    echo "convergence_study: $(describe "$@") in $dir"
     # Stopping leaves a minute for the checkpoint; the trainer counts from its own start.
     local status=0 args
     # shellcheck disable=SC2086  # MODEL_ARGS is a word list on purpose
@@ -150,7 +162,16 @@ report() {
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
 
-runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED per line
+runs_of() {  # the runs of a group, or the one run GROUP/RUN: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED per line
+    if [[ $1 == */* ]]; then
+        local runs
+        runs=$(runs_of "${1%%/*}") || return 2
+        if ! grep "^$1 " <<< "$runs"; then
+            echo "convergence_study.sh: unknown run '$1' (group ${1%%/*} has: $(cut -d' ' -f1 <<< "$runs" | paste -sd' '))" >&2
+            return 2
+        fi
+        return 0
+    fi
     local double quadruple
     double=$(python -c "print(2 * $LR)"); quadruple=$(python -c "print(4 * $LR)")
     case $1 in
@@ -181,7 +202,16 @@ runs_of() {  # the runs of a group: NAME MODEL PRECISION PEAK_LR ITERATIONS SEED
 
 declare -A TITLES=([gpt]="GPT-125M" [llama]="Llama-120M" [lr2x]="Llama-120M, 2x peak LR"
                    [lr4x]="Llama-120M, 4x peak LR")
-for group in "${GROUPS_TO_RUN[@]}"; do runs_of "$group" > /dev/null; done
+for group in "${GROUPS_TO_RUN[@]}"; do runs_of "$group" > /dev/null || exit 2; done
+if [ "$LIST" = 1 ]; then
+    for group in "${GROUPS_TO_RUN[@]}"; do
+        while read -r run; do
+            # shellcheck disable=SC2086  # a run's settings are a word list
+            describe $run
+        done < <(runs_of "$group")
+    done
+    exit 0
+fi
 
 prepare_data
 [ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }

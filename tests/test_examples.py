@@ -68,10 +68,11 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
 
 
 def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
-    """examples/convergence_study.sh shrunk for a CPU: a corpus of this repository's packages and scripts, its
-    tokenizer, the GPT group (bf16, FP8 delayed, FP8 current), the 2x-LR Llama group and the seed
-    group; run again, it keeps what is done; with too little time left it starts nothing and says
-    so. (Each invocation costs seconds before any run: torch imported, a plot per group.)"""
+    """examples/convergence_study.sh shrunk for a CPU: every group's runs listed with their settings;
+    a corpus of this repository's packages and scripts, its tokenizer, the GPT group (bf16, FP8
+    delayed, FP8 current), one run of the 2x-LR group and GPT's two runs of the seed group; run
+    again, it keeps what is done; with too little time left it starts nothing and says so. (Each
+    invocation costs seconds before any run: torch imported, a plot per group.)"""
     repo = EXAMPLES.parent
     tiny = dict(
         CPU="1",
@@ -104,13 +105,48 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             text=True,
         )
 
-    # The seed group in the same invocation: it runs after the gpt group, whose bf16 run its
-    # report sets beside its own.
-    done = study("gpt", "lr2x", "seed")
+    listed = study("list")
+    assert listed.returncode == 0, listed.stderr
+    precisions = [(p, p, 1234, 1234) for p in ("bf16", "fp8_delayed", "fp8_current")]
+    with_yardsticks = [
+        ("bf16", "bf16", 1234, 1234),
+        ("fp8_delayed", "fp8_delayed", 1234, 1234),
+        ("bf16_seed1235", "bf16", 1235, 1235),
+        ("bf16_init1235", "bf16", 1235, 1234),
+        ("fp8_delayed_init1235", "fp8_delayed", 1235, 1234),
+    ]
+    groups = [
+        ("gpt", "gpt-125m", "6e-4", 4, precisions),
+        ("llama", "llama-120m", "6e-4", 4, precisions),
+        ("lr2x", "llama-120m", "0.0012", 2, with_yardsticks),
+        ("lr4x", "llama-120m", "0.0024", 2, with_yardsticks),
+    ]
+    seed_runs = [
+        (f"{model}_bf16{init}", preset, "bf16", 1235, data_seed)
+        for model, preset in (("gpt", "gpt-125m"), ("llama", "llama-120m"))
+        for init, data_seed in (("", 1235), ("_init", 1234))
+    ]
+    assert listed.stdout.splitlines() == [
+        f"{group}/{run} ({model}, {precision}, peak LR {lr}, {iterations} iterations, "
+        f"seed {seed}, data seed {data_seed})"
+        for group, model, lr, iterations, group_runs in groups
+        for run, precision, seed, data_seed in group_runs
+    ] + [
+        f"seed/{run} ({preset}, {precision}, peak LR 6e-4, 4 iterations, seed {seed}, "
+        f"data seed {data_seed})"
+        for run, preset, precision, seed, data_seed in seed_runs
+    ]
+    assert not (tmp_path / "corpus").exists()  # listing prepares nothing
+
+    # The seed group's runs in the same invocation: they run after the gpt group, whose bf16 run
+    # their report sets beside its own.
+    trained = ("gpt", "lr2x/fp8_delayed", "seed/gpt_bf16", "seed/gpt_bf16_init")
+    done = study(*trained)
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
-        f"lr2x/{p}": 2
-        for p in ("bf16", "fp8_delayed", "bf16_seed1235", "bf16_init1235", "fp8_delayed_init1235")
+        "lr2x/fp8_delayed": 2,
+        "seed/gpt_bf16": 4,
+        "seed/gpt_bf16_init": 4,
     }
     for name, iterations in runs.items():
         records = [
@@ -123,11 +159,12 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         assert (records[0].get("fp8_saturation") is not None) == ("fp8" in name)
         # per-layer health: lr groups' FP8
         assert ("fp8_layers" in records[0]) == name.startswith("lr2x/fp8")
-    # twice the default peak, the shorter schedule
-    assert "peak LR 0.0012, 2 iterations" in done.stdout
+    assert sorted(
+        p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").glob("*/*")
+    ) == sorted(runs)
     assert (
-        "lr2x/bf16_init1235 (llama-120m, bf16, peak LR 0.0012, 2 iterations, seed 1235, data seed 1234)"
-        in done.stdout
+        "lr2x/fp8_delayed (llama-120m, fp8_delayed, peak LR 0.0012, 2 iterations, seed 1234, "
+        "data seed 1234)" in done.stdout
     )
     table = (tmp_path / "report" / "gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [
@@ -136,41 +173,28 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "| fp8_current",
     ]
     assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
-    table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # with its seed yardsticks
-    assert [row.split(" | ")[0] for row in table[2:]] == [
-        "| bf16",
-        "| fp8_delayed",
-        "| bf16_seed1235",
-        "| bf16_init1235",
-        "| fp8_delayed_init1235",
-    ]
+    table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # the one run trained
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| fp8_delayed"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
-    again = study("gpt", "lr2x")
+    again = study(*trained)
     assert again.returncode == 0 and "starting from scratch" not in again.stdout
     assert (
-        again.stdout.count("(finished)") == 8
+        again.stdout.count("(finished)") == len(runs)
         and "kept" in again.stdout
         and "tokenizer" in again.stdout
     )
 
-    # The seed group: both models' bf16 runs again from the next seed, with its data order and with the
-    # first run's (--data-seed), GPT's set beside the first (run above).
-    assert (
-        "seed/gpt_bf16 (gpt-125m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1235)"
-        in done.stdout
-    )
-    assert (
-        "seed/llama_bf16_init (llama-120m, bf16, peak LR 6e-4, 4 iterations, seed 1235, data seed 1234)"
-        in done.stdout
-    )
+    # The seed group: GPT's bf16 run again from the next seed, with its data order and with the
+    # first run's (--data-seed), set beside the first (run above).
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [
         "| seed 1234",
         "| seed 1235",
         "| seed 1235, same data",
     ]
+    assert not (tmp_path / "report" / "seed_llama.md").exists()
     first, second = (
         json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
         for name in ("gpt/bf16", "seed/gpt_bf16")
@@ -193,6 +217,11 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
 
     unknown = study("gtp")
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr
+    unknown = study("lr2x/fp8")
+    assert (
+        unknown.returncode == 2
+        and "unknown run 'lr2x/fp8' (group lr2x has: lr2x/bf16 " in unknown.stderr
+    )
     not_minutes = study("gpt", MINUTES="soon")
     assert (
         not_minutes.returncode == 2
