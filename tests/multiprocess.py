@@ -9,6 +9,12 @@ test), or NCCL with one GPU per process (GPU tests).
 
 An exception on any rank fails the test with that rank's traceback. Each worker runs with one
 OpenMP thread (OMP_NUM_THREADS=1), so N workers do not fight over the CI machine's cores.
+
+The workers fork from a server process that imported torch and megafp8 once (multiprocessing's
+forkserver): a fresh interpreter spends about 3 s of CPU on those imports, most of what a small
+parallel test costs. The ranks start in the launch's working directory, but the server keeps
+the environment it started with, so a launch whose environment differs (a variable a test set,
+such as TRITON_INTERPRET, which triton reads when imported) starts fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300
+_SERVER_PRELOAD = ["torch", "torch.distributed", "megafp8.train", "tests.multiprocess"]
+_server_environment: dict | None = None  # the environment the fork server started with
+
+
+def _context(environment: dict):
+    """The fork server's context for a launch in `environment` (the first launch starts the
+    server with it), or spawn's where it differs from the server's."""
+    global _server_environment
+    if _server_environment is None:
+        _server_environment = environment
+        mp.set_forkserver_preload(_SERVER_PRELOAD)
+    return mp.get_context("forkserver" if environment == _server_environment else "spawn")
 
 
 def _worker(rank, world_size, store_path, results, fn, args, backend):
@@ -58,10 +76,11 @@ def run_on_ranks(
     """Call `fn(rank, world_size, *args)` on `world_size` ranks; return their results by rank.
 
     `backend="nccl"` runs rank r on GPU r (for GPU tests; needs world_size GPUs)."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch starts there
+    # (pytest names the running test in the environment: not a difference that matters)
+    context = _context({k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"})
+    results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         try:
             workers = [

@@ -50,3 +50,23 @@ def test_a_rank_that_dies_without_a_traceback_fails_fast():
     message = str(failure.value)
     assert "rank 1 gave no result: died with exit code 3" in message
     assert "timed out" not in message
+
+
+def environment_and_folder(rank, world_size, name):
+    return os.environ.get(name), os.getcwd()
+
+
+def test_the_ranks_see_the_launchs_environment_and_folder(monkeypatch, tmp_path):
+    # The first launch starts the fork server; a variable set after it started (as a test may set
+    # one) must still reach the ranks, which then start as fresh interpreters.
+    run_on_ranks(all_reduce_rank, 2, 0)
+    monkeypatch.chdir(tmp_path)
+    assert (
+        run_on_ranks(environment_and_folder, 2, "MEGAFP8_TEST_VARIABLE")
+        == [(None, str(tmp_path))] * 2
+    )
+    monkeypatch.setenv("MEGAFP8_TEST_VARIABLE", "set")
+    assert (
+        run_on_ranks(environment_and_folder, 2, "MEGAFP8_TEST_VARIABLE")
+        == [("set", str(tmp_path))] * 2
+    )
