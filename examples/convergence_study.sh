@@ -38,8 +38,10 @@ if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0
     echo "convergence_study.sh: MINUTES=${MINUTES} is not a positive number of minutes" >&2
     exit 2
 fi
-mkdir -p "$WORKDIR"
-WORKDIR=$(CDPATH= cd -- "$WORKDIR" && pwd)
+if [ "$LIST" = 0 ]; then  # a listing creates nothing
+    mkdir -p "$WORKDIR"
+    WORKDIR=$(CDPATH= cd -- "$WORKDIR" && pwd)
+fi
 cd "$(dirname "$0")/.."
 
 ITERS=${ITERS:-1500}; SENS_ITERS=${SENS_ITERS:-500}

@@ -105,7 +105,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             text=True,
         )
 
-    listed = study("list")
+    listed = study("list", workdir=tmp_path / "listed")
     assert listed.returncode == 0, listed.stderr
     precisions = [(p, p, 1234, 1234) for p in ("bf16", "fp8_delayed", "fp8_current")]
     with_yardsticks = [
@@ -136,7 +136,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         f"data seed {data_seed})"
         for run, preset, precision, seed, data_seed in seed_runs
     ]
-    assert not (tmp_path / "corpus").exists()  # listing prepares nothing
+    assert not (tmp_path / "listed").exists()  # listing creates nothing
 
     # The seed group's runs in the same invocation: they run after the gpt group, whose bf16 run
     # their report sets beside its own.
