@@ -9,7 +9,8 @@ multiplied (the decomposition of Megatron's `--tp-comm-overlap` and of "collecti
   ranks' blocks follow once they are in.
 - `gemm_reduce_scatter`: a ring. At step s rank r multiplies block (r - s - 1) mod tp, adds the
   partial sum received from rank r - 1 and sends it on to rank r + 1 while the next block is
-  multiplied; after tp steps each rank holds its own block summed over every rank.
+  multiplied; after tp steps each rank holds its own block summed over every rank. A bias goes
+  into the epilogue of the GEMM of the rank's own block, so the sum holds it once.
 - `gemm_then_reduce_scatter`: the GEMM whole, its output's reduce-scatter beside the caller's
   next GEMM (the backward of a column-parallel linear: the input gradient's reduce-scatter
   beside the weight-gradient GEMM).
@@ -35,7 +36,6 @@ from .collectives import (
     group_size,
     rank_in,
     reduce_scatter,
-    side_by_side,
 )
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], object]
@@ -73,23 +73,31 @@ def gathered_gemm(
 
 
 def gemm_reduce_scatter(
-    a: torch.Tensor, group, gemm: Gemm, out_features: int, dtype: torch.dtype
+    a: torch.Tensor,
+    group,
+    gemm: Gemm,
+    out_features: int,
+    dtype: torch.dtype,
+    own_gemm: Gemm | None = None,
 ) -> torch.Tensor:
     """This rank's block of rows of `sum over ranks (a @ W)` (a reduce-scatter of the GEMM's
-    output), each block's transfer overlapped with the GEMM of the next (module docstring)."""
+    output), each block's transfer overlapped with the GEMM of the next (module docstring).
+    `own_gemm` multiplies this rank's own block instead of `gemm` (`gemm` with a bias in its
+    epilogue: the sum then holds the bias once, with no pass of its own)."""
+    own_gemm = own_gemm or gemm
     size, rank = group_size(group), rank_in(group)
     if a.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {a.shape[0]} rows over {size} ranks")
     copy_engines = symmetric_memory.workspace(group)
     if copy_engines is not None:
-        return copy_engines.gemm_reduce_scatter(a, gemm, out_features, dtype)
+        return copy_engines.gemm_reduce_scatter(a, gemm, own_gemm, out_features, dtype)
     rows = a.shape[0] // size
     partial = received = sent = None
     handles = ()
     for step in range(size):
         block = (rank - step - 1) % size
         partial = torch.empty((rows, out_features), dtype=dtype, device=a.device)
-        gemm(a[block * rows : (block + 1) * rows], partial)
+        (own_gemm if block == rank else gemm)(a[block * rows : (block + 1) * rows], partial)
         for handle in handles:
             handle.wait()
         if received is not None:
@@ -123,5 +131,4 @@ def all_gather_columns(t: torch.Tensor, group):
     copy_engines = symmetric_memory.workspace(group)
     if copy_engines is None:
         return _nccl_all_gather_columns(t, group, async_op=True)
-    stacked = t.new_empty((group_size(group), *t.shape))
-    return copy_engines.all_gather_into(stacked, t.contiguous()).then(side_by_side)
+    return copy_engines.all_gather_columns(t)

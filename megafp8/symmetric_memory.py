@@ -6,7 +6,10 @@ An NCCL kernel needs streaming multiprocessors, and a persistent FP8 GEMM holds 
 until it ends: NCCL's all-gather beside a GEMM mostly runs after it. Here each rank puts its
 block into a buffer every rank of the group can address, and the others copy it out with
 cudaMemcpy over NVLink, which runs on copy engines and leaves the SMs to the GEMM. A one-block
-barrier kernel (symmetric memory's signal pads) orders the writes and the reads.
+barrier kernel (symmetric memory's signal pads) orders the writes and the reads. That kernel, and
+the local copy of a rank's block into the shared buffer, still need an SM: beside a persistent
+GEMM holding all of them they wait for it to end, so a carveout of a few SMs that cuBLAS GEMMs
+leave free (`use_copy_engines`) lets the transfers start on time.
 
 Every transfer runs on one copy stream, forked from the compute stream and joined back by the
 handle's wait(), so it works inside CUDA graphs. A gather's closing barrier (its peers are done
@@ -18,6 +21,7 @@ same transfers in the same order, as the overlapped layers do.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import os
@@ -26,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .collectives import group_size, rank_in
+from .collectives import group_size, rank_in, side_by_side
 
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
 
@@ -48,17 +52,31 @@ def unavailable_reason(group) -> str | None:
     return None
 
 
-def use_copy_engines(group) -> None:
-    """Move the overlapped blocks of `group` on copy engines from now on (see `unavailable_reason`)."""
+def use_copy_engines(group, sm_carveout: int = 0) -> None:
+    """Move the overlapped blocks of `group` on copy engines from now on (see `unavailable_reason`).
+    `sm_carveout`: cuBLAS GEMMs leave that many SMs free, where the transfers' barrier and local
+    copy kernels run beside a GEMM that would otherwise hold every SM until it ends."""
     reason = unavailable_reason(group)
     if reason is not None:
         raise RuntimeError(f"copy-engine transfers are not available: {reason}")
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if not 0 <= sm_carveout < sms:
+        raise ValueError(
+            f"an SM carveout of {sm_carveout} leaves the GEMMs no SMs: this GPU has {sms}; "
+            f"give fewer (0: GEMMs on every SM)"
+        )
     _workspaces.setdefault(group, _Workspace(group))
+    if sm_carveout:
+        # torch's own knob (async tensor parallelism uses it), read by cuBLAS at each GEMM launch
+        torch._C._set_sm_carveout_experimental(sm_carveout)
 
 
 def stop_using_copy_engines() -> None:
-    """Back to NCCL for every group (the workspaces stay allocated: graphs may hold them)."""
+    """Back to NCCL for every group (the workspaces stay allocated: graphs may hold them), GEMMs
+    on every SM again."""
     _workspaces.clear()
+    if torch._C._get_sm_carveout_experimental() is not None:
+        torch._C._set_sm_carveout_experimental(None)
 
 
 def join_copy_streams() -> None:
@@ -171,12 +189,40 @@ class _Workspace:
             self.handle.barrier(channel=1)
         return _Pending(done, out, keep=(local,))
 
+    def all_gather_columns(self, local: torch.Tensor) -> _Pending:
+        """Every rank's 2-D `local` side by side along dim 1, in rank order, on the copy stream
+        (the handle returns it). Each block lands in its own columns by a 2-D copy, so nothing
+        is left to concatenate on the compute stream."""
+        local = local.contiguous()
+        copy_2d = _memcpy_2d()
+        if copy_2d is None:
+            stacked = local.new_empty((self.size, *local.shape))
+            return self.all_gather_into(stacked, local).then(side_by_side)
+        rows, width = local.shape[0], local.shape[1] * local.element_size()
+        n = rows * width
+        self._reserve(gather_bytes=n)
+        out = local.new_empty((rows, self.size * local.shape[1]))
+
+        def into_columns(rank: int, source: int) -> None:
+            copy_2d(out.data_ptr() + rank * width, self.size * width, source, width, width, rows)
+
+        with torch.cuda.stream(self._fork()):
+            self.peers[self.rank][:n].copy_(_bytes(local))
+            self.handle.barrier(channel=0)  # every rank's block is in
+            for step in range(1, self.size):
+                peer = (self.rank + step) % self.size
+                into_columns(peer, self.peers[peer].data_ptr())
+            into_columns(self.rank, local.data_ptr())
+            done = self._join()
+            self.handle.barrier(channel=1)  # as in all_gather_into
+        return _Pending(done, out, keep=(local,))
+
     def gemm_reduce_scatter(
-        self, a: torch.Tensor, gemm, out_features: int, dtype: torch.dtype
+        self, a: torch.Tensor, gemm, own_gemm, out_features: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """This rank's block of rows of `sum over ranks (a @ W)`: the GEMM writes the other ranks'
+        """This rank's block of rows of `sum over ranks (a @ W)`: `gemm` writes the other ranks'
         blocks into the scatter region, each rank copies its own from every peer while it
-        multiplies its own rows, and adds them."""
+        multiplies its own rows with `own_gemm`, and adds them."""
         rows = a.shape[0] // self.size
         region = self._scatter_region(a.shape[0], out_features, dtype)
         # the previous call's reads are done: its barrier was joined
@@ -185,7 +231,7 @@ class _Workspace:
             gemm(a[peer * rows : (peer + 1) * rows], region[peer * rows : (peer + 1) * rows])
         pulled = self._pull_partials(rows, out_features, dtype)
         out = torch.empty((rows, out_features), dtype=dtype, device=a.device)
-        gemm(a[self.rank * rows : (self.rank + 1) * rows], out)
+        own_gemm(a[self.rank * rows : (self.rank + 1) * rows], out)
         return pulled.then(lambda received: _sum_into(out, received)).wait()
 
     def reduce_scatter_after(
@@ -242,6 +288,44 @@ def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
     for partial in partials:
         out += partial
     return out
+
+
+_cudart = None  # the CUDA runtime library torch loaded (ctypes), once looked up; False: none found
+
+
+def _memcpy_2d():
+    """`copy_2d(dst, dst_pitch, src, src_pitch, width, rows)`: cudaMemcpy2DAsync of device
+    addresses on the current stream (a copy engine's strided copy, which a CUDA graph captures),
+    or None where torch's CUDA runtime library cannot be found (a static build)."""
+    global _cudart
+    if _cudart is None:
+        _cudart = False
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+        if paths:
+            _cudart = ctypes.CDLL(sorted(paths)[0])
+            _cudart.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+            _cudart.cudaMemcpy2DAsync.restype = ctypes.c_int
+    if not _cudart:
+        return None
+
+    def copy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int):
+        stream = torch.cuda.current_stream().cuda_stream
+        status = _cudart.cudaMemcpy2DAsync(
+            dst, dst_pitch, src, src_pitch, width, rows, _DEVICE_TO_DEVICE, stream
+        )
+        if status != 0:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+
+    return copy_2d
+
+
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 def _aligned(size: int) -> int:

@@ -213,14 +213,14 @@ class RowParallelLinear(_ShardedLinear):
         fusion, x = self.fusion(context, x, activation=activation, grad_to=grad_to)
         if self.tp_size == 1:  # nothing to sum: the bias goes into the GEMM's epilogue
             return self.linear(x, self.bias, context, fusion)
-        # the reduce-scatter block by block beside the GEMM
+        # the reduce-scatter block by block beside the GEMM, the bias in the GEMM of this rank's block
         if self.tp_comm_overlap and context is not None:
-            y = self.fp8_linear(
-                x, None, context, fusion=fusion, scatter_group=self.tp_group, overlap=True
+            return self.fp8_linear(
+                x, self.bias, context, fusion=fusion, scatter_group=self.tp_group, overlap=True
             )
-        elif self.tp_comm_overlap and not torch.is_autocast_enabled(x.device.type):
-            y = self.high_precision_linear(x, None, scatter_group=self.tp_group)
-        elif self.sequence_parallel:
+        if self.tp_comm_overlap and not torch.is_autocast_enabled(x.device.type):
+            return self.high_precision_linear(x, self.bias, scatter_group=self.tp_group)
+        if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(
                 self.linear(x, None, context, fusion), self.tp_group
             )

@@ -381,10 +381,12 @@ class _Collectives:
                 object.__setattr__(self, name, None)
 
     def check_bias(self, bias) -> None:
-        """A reduce-scattered output is a partial sum until the scatter: its bias comes after."""
-        if self.scatter is not None and bias is not None:
+        """A reduce-scattered output is a partial sum until the scatter: its bias comes after,
+        or, overlapped, in the GEMM of this rank's own block of the sum alone."""
+        if self.scatter is not None and not self.overlap and bias is not None:
             raise ValueError(
-                "a linear whose output is reduce-scattered adds its bias after the sum, not in the GEMM"
+                "a linear whose output is reduce-scattered after its GEMM adds its bias after the "
+                "sum, not in the GEMM"
             )
 
 
@@ -439,10 +441,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         )
 
         if fprop_hp:
-            y = F.linear(x2, weight.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
+            y = F.linear(x2, weight.to(x2.dtype))
+            if scatter is not None:
+                y = collectives.reduce_scatter(y, scatter)
+                scatter = None  # done
+            if bias is not None:
+                y = y + bias.to(x2.dtype)
         else:
 
-            def gemm(rows, out=None):
+            def gemm(rows, out=None, bias=bias):
                 return fp8_gemm(
                     rows,
                     qw.data,
@@ -459,7 +466,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 collective_gemm.gathered_gemm(qx.data, gather, gemm, y, keep_gathered=False)
             elif scatter is not None and comm.overlap:
                 y = collective_gemm.gemm_reduce_scatter(
-                    qx.data, scatter, gemm, weight.shape[0], x2.dtype
+                    qx.data,
+                    scatter,
+                    functools.partial(gemm, bias=None),
+                    weight.shape[0],
+                    x2.dtype,
+                    own_gemm=gemm,
                 )
                 scatter = None  # done
             else:
@@ -505,7 +517,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             and (wgrad_fp8 or not need_dw)
             and fusion.grad_from is None
         )
+        # A bias in the GEMM of this rank's block of a reduce-scattered output: its gradient is
+        # this rank's rows' sum (summed over the group with the other sequence-parallel ones).
+        bias_grad = None
         if comm.scatter is not None and not gather_dy_fp8:
+            if need_db and ctx.has_bias:
+                bias_grad = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
             dy = collectives.all_gather(dy.contiguous(), comm.scatter)
         # With overlap, the forward's FP8 input shard is gathered again for wgrad beside the dgrad GEMM.
         x_gathered = None
@@ -587,9 +604,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
                         dy_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad
                     )
             else:
+                if ctx.fp8_gather:  # the forward gathered its input in FP8: gather it again here
+                    x_saved = collectives.all_gather(x_saved, comm.gather)
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
         if need_db and ctx.has_bias:
-            db = qdy.col_sum if qdy is not None else dy2.sum(0, dtype=torch.float32)
+            if bias_grad is not None:
+                db = bias_grad
+            elif qdy is not None:
+                db = qdy.col_sum
+            else:
+                db = dy2.sum(0, dtype=torch.float32)
             main_grad = (
                 claim_empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
             )
@@ -685,10 +709,13 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return dx, None, db
 
 
-def _weight_and_bias_grads(weight, bias, dy2, x2, into_main_grad: bool, need_db: bool):
-    """The weight and bias gradients of `x W^T + b` (2-D `dy2` and `x2`): added into `main_grad`
-    by the GEMM itself (`into_main_grad`: beta = 1, or beta = 0 over an empty one) and by the
-    bias reduction where the bias has one, those returned as None."""
+def _weight_and_bias_grads(
+    weight, bias, dy2, x2, into_main_grad: bool, need_db: bool, bias_rows=None
+):
+    """The weight and bias gradients of `x W^T + b` (2-D `dy2` and `x2`; the bias's from the rows
+    of `bias_rows`, default `dy2`): added into `main_grad` by the GEMM itself (`into_main_grad`:
+    beta = 1, or beta = 0 over an empty one) and by the bias reduction where the bias has one,
+    those returned as None."""
     dw = db = None
     if into_main_grad:
         beta = 0 if weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
@@ -699,7 +726,7 @@ def _weight_and_bias_grads(weight, bias, dy2, x2, into_main_grad: bool, need_db:
     elif weight.requires_grad:
         dw = dy2.t() @ x2
     if need_db:
-        db = dy2.sum(0, dtype=torch.float32)
+        db = (dy2 if bias_rows is None else bias_rows).sum(0, dtype=torch.float32)
         if into_main_grad and getattr(bias, "main_grad", None) is not None:
             accumulate_into_main_grad(bias, db)
             db = None
@@ -727,10 +754,14 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
             y = x2.new_empty((collectives.group_size(comm.gather) * x2.shape[0], weight.shape[0]))
             # kept for wgrad
             x2 = collective_gemm.gathered_gemm(x2.contiguous(), comm.gather, gemm, y)
-        else:
-            comm.check_bias(bias)
+        else:  # the bias in the GEMM of this rank's own block
             y = collective_gemm.gemm_reduce_scatter(
-                x2, comm.scatter, gemm, weight.shape[0], x2.dtype
+                x2,
+                comm.scatter,
+                lambda rows, out: torch.mm(rows, weight.t(), out=out),
+                weight.shape[0],
+                x2.dtype,
+                own_gemm=gemm,
             )
         ctx.save_for_backward(x2, weight)
         ctx.weight, ctx.bias = weight, bias  # parameters (leaves): no reference cycle
@@ -742,6 +773,7 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         comm = ctx.comm
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        rows_of_bias = dy2  # this rank's rows: a reduce-scattered output's bias is in its own block
         # the output gradient gathered beside the dgrad of this rank's rows
         if comm.scatter is not None:
             dx = dy2.new_empty((x2.shape[0], weight.shape[1]))
@@ -763,6 +795,7 @@ class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
             x2,
             ctx.into_main_grad,
             need_db=ctx.bias is not None and ctx.needs_input_grad[2],
+            bias_rows=rows_of_bias,
         )
         if comm.gather is not None:
             dx = dx.wait()

@@ -956,7 +956,7 @@ def _tp_comm_transport(args, tp_group) -> str:
     if args.tp_comm_overlap_transport == "copy-engine" or (
         args.tp_comm_overlap_transport == "auto" and args.enable_cuda_graph and reason is None
     ):
-        symmetric_memory.use_copy_engines(tp_group)
+        symmetric_memory.use_copy_engines(tp_group, args.tp_comm_sm_carveout)
         return "copy-engine"
     return "nccl"
 

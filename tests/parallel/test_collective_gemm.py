@@ -65,6 +65,17 @@ def body(rank, size):
     expected = (x @ weight.t()).chunk(size)[rank]
     out["reduce_scatter_error"] = ((mine - expected).abs().max() / expected.abs().max()).item()
     out["reduce_scatter_shape"] = tuple(mine.shape)
+    bias = torch.randn(
+        N, generator=g, dtype=torch.float64
+    )  # in the GEMM of this rank's block alone
+
+    def with_bias(rows, o):
+        torch.addmm(bias, rows, w_r.t(), out=o)
+
+    mine = collective_gemm.gemm_reduce_scatter(
+        x_r, group, mm(w_r), N, torch.float64, own_gemm=with_bias
+    )
+    out["bias_error"] = ((mine - expected - bias).abs().max() / expected.abs().max()).item()
     later = collective_gemm.gemm_then_reduce_scatter(x_r, group, mm(w_r), N, torch.float64)
     out["then_reduce_scatter_error"] = (
         (later.wait() - expected).abs().max() / expected.abs().max()
@@ -86,6 +97,7 @@ def test_overlapped_gemms_equal_the_whole_product(size):
         assert result["reduce_scatter_error"] < 1e-14, result
         assert result["then_reduce_scatter_error"] < 1e-14, result
         assert result["reduce_scatter_shape"] == (ROWS, N)
+        assert result["bias_error"] < 1e-14, result
         assert "cannot reduce-scatter" in result["bad_rows"]
 
 
@@ -117,6 +129,7 @@ def copy_engine_body(rank, size):
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.empty(ROWS * 16, K * 8, device=device, dtype=torch.bfloat16)
     weight = torch.randn(N * 8, K * 8, generator=g, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(N * 8, generator=g, device=device, dtype=torch.bfloat16)
 
     def gemm(rows, out):
         return torch.mm(rows, weight.t(), out=out)
@@ -130,7 +143,12 @@ def copy_engine_body(rank, size):
         collective_gemm.gathered_gemm(x, group, gemm, alone, keep_gathered=False)
         stacked = x.repeat(size, 1)
         mine = collective_gemm.gemm_reduce_scatter(
-            stacked, group, gemm, weight.shape[0], torch.bfloat16
+            stacked,
+            group,
+            gemm,
+            weight.shape[0],
+            torch.bfloat16,
+            own_gemm=lambda rows, out: torch.addmm(bias, rows, weight.t(), out=out),
         )
         later = collective_gemm.gemm_then_reduce_scatter(
             stacked, group, gemm, weight.shape[0], torch.bfloat16
@@ -157,6 +175,15 @@ def copy_engine_body(rank, size):
         results.append(
             [torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(nccl, eager, replayed)]
         )
+    # GEMMs leave the carveout's SMs free while the group's blocks travel on copy engines
+    try:
+        symmetric_memory.use_copy_engines(group, sm_carveout=100_000)
+    except ValueError as error:
+        results.append(str(error))
+    symmetric_memory.use_copy_engines(group, sm_carveout=2)
+    results.append(torch._C._get_sm_carveout_experimental())
+    symmetric_memory.stop_using_copy_engines()
+    results.append(torch._C._get_sm_carveout_experimental())
     return results
 
 
@@ -164,4 +191,6 @@ def copy_engine_body(rank, size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
     for result in run_on_ranks(copy_engine_body, 2, backend="nccl"):
-        assert result == [[True] * 6] * 2, result
+        assert result[:2] == [[True] * 6] * 2, result
+        assert "an SM carveout of 100000 leaves the GEMMs no SMs" in result[2], result
+        assert result[3:] == [2, None], result

@@ -486,6 +486,11 @@ def test_sequence_parallel():
     overlap = "--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap"
     assert parse(overlap).tp_comm_overlap_transport == "auto"
     assert parse(overlap + " --tp-comm-overlap-transport nccl").tp_comm_overlap_transport == "nccl"
+    assert parse(overlap).tp_comm_sm_carveout == 2
+    assert parse(overlap + " --tp-comm-sm-carveout 0").tp_comm_sm_carveout == 0
+    fails(
+        overlap + " --tp-comm-sm-carveout -1", "--tp-comm-sm-carveout", "expected an integer >= 0"
+    )
     fails(
         "--sequence-parallel --tensor-model-parallel-size 2 --tp-comm-overlap-transport copy-engine",
         "--tp-comm-overlap-transport copy-engine",
