@@ -25,6 +25,7 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -66,7 +67,12 @@ def use_copy_engines(group, sm_carveout: int = 0) -> None:
             f"give fewer (0: GEMMs on every SM)"
         )
     _workspaces.setdefault(group, _Workspace(group))
-    if sm_carveout:
+    if sm_carveout and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        warnings.warn(
+            f"torch {torch.__version__} cannot leave SMs free in cuBLAS GEMMs: they keep every SM",
+            stacklevel=2,
+        )
+    elif sm_carveout:
         # torch's own knob (async tensor parallelism uses it), read by cuBLAS at each GEMM launch
         torch._C._set_sm_carveout_experimental(sm_carveout)
 
@@ -75,7 +81,7 @@ def stop_using_copy_engines() -> None:
     """Back to NCCL for every group (the workspaces stay allocated: graphs may hold them), GEMMs
     on every SM again."""
     _workspaces.clear()
-    if torch._C._get_sm_carveout_experimental() is not None:
+    if getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)() is not None:
         torch._C._set_sm_carveout_experimental(None)
 
 
@@ -300,8 +306,11 @@ def _memcpy_2d():
     global _cudart
     if _cudart is None:
         _cudart = False
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+        except OSError:  # no /proc: the concatenation path
+            paths = set()
         if paths:
             _cudart = ctypes.CDLL(sorted(paths)[0])
             _cudart.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [
