@@ -118,13 +118,14 @@ def scaling(name: str):
 
 @contextmanager
 def graphed_transfers(tp_group, overlap: bool):
-    """Inside: the overlapped blocks travel on the copy engines, as the trainer's graphs move them,
-    where the group can (megafp8.symmetric_memory); NCCL otherwise, and outside."""
+    """Inside: the overlapped blocks travel on the copy engines, as the trainer's graphs move them
+    (its default SMs left free), where the group can (megafp8.symmetric_memory); NCCL otherwise,
+    and outside."""
     from megafp8 import symmetric_memory
 
     use = overlap and tp_group is not None and symmetric_memory.unavailable_reason(tp_group) is None
     if use:
-        symmetric_memory.use_copy_engines(tp_group)
+        symmetric_memory.use_copy_engines(tp_group, symmetric_memory.DEFAULT_SM_CARVEOUT)
     try:
         yield
     finally:

@@ -35,6 +35,10 @@ from .collectives import group_size, rank_in, side_by_side
 
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
 
+# SMs the trainer's GEMMs leave to the transfers' kernels (--tp-comm-sm-carveout): of 0, 2, 4, 8
+# and 16, 2 gave GPT-1.3B at tp 2 on two H200s the most tokens/s (benchmarks/RESULTS.md)
+DEFAULT_SM_CARVEOUT = 2
+
 
 def unavailable_reason(group) -> str | None:
     """Why `group` cannot move its tensor-parallel blocks on copy engines, or None if it can."""

@@ -12,6 +12,7 @@ from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.models.config import PRESETS
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from megafp8.parallel.stages import half_layers
+from megafp8.symmetric_memory import DEFAULT_SM_CARVEOUT
 
 
 class ArgumentsError(ValueError):
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tp-comm-sm-carveout",
         type=_number(int, minimum=0),
-        default=2,
+        default=DEFAULT_SM_CARVEOUT,
         help="with --tp-comm-overlap on copy engines: cuBLAS GEMMs leave this many SMs free, where "
         "the transfers' one-block barriers and local copies run beside a GEMM (one that holds "
         "every SM holds them up until it ends); 2 measured best for GPT-1.3B at tp 2 on H200",
