@@ -182,22 +182,12 @@ class _Workspace:
         """Every rank's `local` into `out`'s dim-0 blocks in rank order, on the copy stream; the
         handle returns `out`. Without `own_block` this rank's block of `out` is left unwritten
         (for a caller that reads it from `local`)."""
-        n = local.numel() * local.element_size()
-        self._reserve(gather_bytes=n)
-        mine, received = _bytes(local), _bytes(out)
-        with torch.cuda.stream(self._fork()):
-            self.peers[self.rank][:n].copy_(mine)
-            self.handle.barrier(channel=0)  # every rank's block is in
-            for step in range(1, self.size):
-                peer = (self.rank + step) % self.size
-                received[peer * n : (peer + 1) * n].copy_(self.peers[peer][:n])
-            if own_block:
-                received[self.rank * n : (self.rank + 1) * n].copy_(mine)
-            done = self._join()
-            # Every peer has read this rank's block before the copy stream writes the region
-            # again; the compute stream need not wait for it.
-            self.handle.barrier(channel=1)
-        return _Pending(done, out, keep=(local,))
+        n, received = local.numel() * local.element_size(), _bytes(out)
+
+        def place(rank: int, block: torch.Tensor) -> None:
+            received[rank * n : (rank + 1) * n].copy_(block)
+
+        return self._gather(local, out, place, own_block)
 
     def all_gather_columns(self, local: torch.Tensor) -> _Pending:
         """Every rank's 2-D `local` side by side along dim 1, in rank order, on the copy stream
@@ -209,22 +199,34 @@ class _Workspace:
             stacked = local.new_empty((self.size, *local.shape))
             return self.all_gather_into(stacked, local).then(side_by_side)
         rows, width = local.shape[0], local.shape[1] * local.element_size()
-        n = rows * width
-        self._reserve(gather_bytes=n)
         out = local.new_empty((rows, self.size * local.shape[1]))
 
-        def into_columns(rank: int, source: int) -> None:
-            copy_2d(out.data_ptr() + rank * width, self.size * width, source, width, width, rows)
+        def place(rank: int, block: torch.Tensor) -> None:
+            pitch = self.size * width
+            copy_2d(out.data_ptr() + rank * width, pitch, block.data_ptr(), width, width, rows)
 
+        return self._gather(local, out, place)
+
+    def _gather(self, local: torch.Tensor, out: torch.Tensor, place, own_block: bool = True):
+        """The gathers' protocol on the copy stream: this rank's `local` into its part of the
+        gather region, a barrier, then `place(rank, block)` for each peer's block (its bytes in
+        the peer's region) and, with `own_block`, for this rank's (`local`'s bytes). The handle
+        returns `out`."""
+        n = local.numel() * local.element_size()
+        self._reserve(gather_bytes=n)
+        mine = _bytes(local)
         with torch.cuda.stream(self._fork()):
-            self.peers[self.rank][:n].copy_(_bytes(local))
+            self.peers[self.rank][:n].copy_(mine)
             self.handle.barrier(channel=0)  # every rank's block is in
             for step in range(1, self.size):
                 peer = (self.rank + step) % self.size
-                into_columns(peer, self.peers[peer].data_ptr())
-            into_columns(self.rank, local.data_ptr())
+                place(peer, self.peers[peer][:n])
+            if own_block:
+                place(self.rank, mine)
             done = self._join()
-            self.handle.barrier(channel=1)  # as in all_gather_into
+            # Every peer has read this rank's block before the copy stream writes the region
+            # again; the compute stream need not wait for it.
+            self.handle.barrier(channel=1)
         return _Pending(done, out, keep=(local,))
 
     def gemm_reduce_scatter(
