@@ -42,34 +42,44 @@ Gemm = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 def gathered_gemm(
-    local: torch.Tensor,
-    group,
-    gemm: Gemm,
-    out: torch.Tensor,
-    after_gather: Callable[[], object] | None = None,
-    keep_gathered: bool = True,
+    local: torch.Tensor, group, gemm: Gemm, out: torch.Tensor, keep_gathered: bool = True
 ) -> torch.Tensor | None:
     """`all_gather(local) @ W` into `out` (rows in rank order), the gather overlapped with the GEMM
-    of this rank's own rows. `after_gather` is called once the gather is in, before the GEMM of
-    the other ranks' rows: a collective it starts runs beside that GEMM. Returns the gathered
-    input, or None without `keep_gathered` (the copy engines then skip this rank's own block)."""
+    of this rank's own rows. Returns the gathered input, or None without `keep_gathered` (the
+    copy engines then skip this rank's own block)."""
+    return _gathered_gemm(local, group, gemm, out, keep_gathered)[0]
+
+
+def gathered_gemm_and_columns(
+    local: torch.Tensor, columns: torch.Tensor, group, gemm: Gemm, out: torch.Tensor
+):
+    """`gathered_gemm(local, group, gemm, out, keep_gathered=False)`, and a handle whose wait()
+    returns `all_gather_columns(columns, group)`, gathered beside the GEMM of the other ranks'
+    rows (the output gradient and its transpose, in the backward of a row-parallel linear). On
+    the copy engines both travel in one round of barriers."""
+    return _gathered_gemm(local, group, gemm, out, False, columns)[1]
+
+
+def _gathered_gemm(local, group, gemm, out, keep_gathered, columns=None):
     size, rank, rows = group_size(group), rank_in(group), local.shape[0]
     gathered = local.new_empty((size * rows, *local.shape[1:]))
     copy_engines = symmetric_memory.workspace(group)
-    work = (
-        copy_engines.all_gather_into(gathered, local, own_block=keep_gathered)
-        if copy_engines is not None
-        else all_gather_into(gathered, local, group, async_op=True)
-    )
+    columns_work = None
+    if copy_engines is None:
+        work = all_gather_into(gathered, local, group, async_op=True)
+    elif columns is None:
+        work = copy_engines.all_gather_into(gathered, local, own_block=keep_gathered)
+    else:
+        work, columns_work = copy_engines.all_gather_rows_and_columns(gathered, local, columns)
     mine = slice(rank * rows, (rank + 1) * rows)
     gemm(local, out[mine])
     work.wait()
-    if after_gather is not None:
-        after_gather()
+    if columns is not None and columns_work is None:
+        columns_work = _nccl_all_gather_columns(columns, group, async_op=True)
     for others in (slice(0, mine.start), slice(mine.stop, size * rows)):
         if others.stop > others.start:
             gemm(gathered[others], out[others])
-    return gathered if keep_gathered else None
+    return (gathered if keep_gathered else None), columns_work
 
 
 def gemm_reduce_scatter(

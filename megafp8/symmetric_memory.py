@@ -27,6 +27,7 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,17 @@ class _Then:
         return self.follow(self.pending.wait())
 
 
+class _Part(NamedTuple):
+    """One tensor of a gather: `local` is sent, `place(rank, block)` puts each rank's bytes
+    where they belong (this rank's only with `own_block`), the handle returns `follow(out)`."""
+
+    local: torch.Tensor
+    out: torch.Tensor
+    place: Callable[[int, torch.Tensor], None]
+    own_block: bool = True
+    follow: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class _Workspace:
     """One group's symmetric buffer: a gather region (written and read on the copy stream) and a
     scatter region (written by the compute stream's GEMMs, read by the peers' copy streams)."""
@@ -182,22 +194,37 @@ class _Workspace:
         """Every rank's `local` into `out`'s dim-0 blocks in rank order, on the copy stream; the
         handle returns `out`. Without `own_block` this rank's block of `out` is left unwritten
         (for a caller that reads it from `local`)."""
-        n, received = local.numel() * local.element_size(), _bytes(out)
-
-        def place(rank: int, block: torch.Tensor) -> None:
-            received[rank * n : (rank + 1) * n].copy_(block)
-
-        return self._gather(local, out, place, own_block)
+        return self._gather([self._rows(out, local, own_block)])[0]
 
     def all_gather_columns(self, local: torch.Tensor) -> _Pending:
         """Every rank's 2-D `local` side by side along dim 1, in rank order, on the copy stream
         (the handle returns it). Each block lands in its own columns by a 2-D copy, so nothing
         is left to concatenate on the compute stream."""
+        return self._gather([self._columns(local)])[0]
+
+    def all_gather_rows_and_columns(
+        self, out: torch.Tensor, local: torch.Tensor, columns: torch.Tensor
+    ) -> tuple[_Pending, _Pending]:
+        """`all_gather_into(out, local, own_block=False)` and `all_gather_columns(columns)` in one
+        barrier round (a tensor and its transpose, both needed after one GEMM): the rows' handle
+        is ready first, the columns are copied while the caller multiplies the rows."""
+        rows, cols = self._gather([self._rows(out, local, False), self._columns(columns)])
+        return rows, cols
+
+    def _rows(self, out: torch.Tensor, local: torch.Tensor, own_block: bool) -> _Part:
+        n, received = local.numel() * local.element_size(), _bytes(out)
+
+        def place(rank: int, block: torch.Tensor) -> None:
+            received[rank * n : (rank + 1) * n].copy_(block)
+
+        return _Part(local, out, place, own_block)
+
+    def _columns(self, local: torch.Tensor) -> _Part:
         local = local.contiguous()
         copy_2d = _memcpy_2d()
-        if copy_2d is None:
+        if copy_2d is None:  # stacked, then concatenated on the compute stream
             stacked = local.new_empty((self.size, *local.shape))
-            return self.all_gather_into(stacked, local).then(side_by_side)
+            return self._rows(stacked, local, True)._replace(follow=side_by_side)
         rows, width = local.shape[0], local.shape[1] * local.element_size()
         out = local.new_empty((rows, self.size * local.shape[1]))
 
@@ -205,29 +232,32 @@ class _Workspace:
             pitch = self.size * width
             copy_2d(out.data_ptr() + rank * width, pitch, block.data_ptr(), width, width, rows)
 
-        return self._gather(local, out, place)
+        return _Part(local, out, place)
 
-    def _gather(self, local: torch.Tensor, out: torch.Tensor, place, own_block: bool = True):
-        """The gathers' protocol on the copy stream: this rank's `local` into its part of the
-        gather region, a barrier, then `place(rank, block)` for each peer's block (its bytes in
-        the peer's region) and, with `own_block`, for this rank's (`local`'s bytes). The handle
-        returns `out`."""
-        n = local.numel() * local.element_size()
-        self._reserve(gather_bytes=n)
-        mine = _bytes(local)
+    def _gather(self, parts: list[_Part]) -> list[_Pending]:
+        """The gathers' protocol on the copy stream: each part's `local` into this rank's gather
+        region, one barrier, then for each part in turn every rank's block placed (the peers'
+        bytes from their regions), one handle per part; a closing barrier."""
+        sizes = [part.local.numel() * part.local.element_size() for part in parts]
+        starts = [sum(_aligned(size) for size in sizes[:i]) for i in range(len(parts))]
+        self._reserve(gather_bytes=starts[-1] + sizes[-1])
+        pending = []
         with torch.cuda.stream(self._fork()):
-            self.peers[self.rank][:n].copy_(mine)
-            self.handle.barrier(channel=0)  # every rank's block is in
-            for step in range(1, self.size):
-                peer = (self.rank + step) % self.size
-                place(peer, self.peers[peer][:n])
-            if own_block:
-                place(self.rank, mine)
-            done = self._join()
-            # Every peer has read this rank's block before the copy stream writes the region
+            for part, start, size in zip(parts, starts, sizes):
+                self.peers[self.rank][start : start + size].copy_(_bytes(part.local))
+            self.handle.barrier(channel=0)  # every rank's blocks are in
+            for part, start, size in zip(parts, starts, sizes):
+                for step in range(1, self.size):
+                    peer = (self.rank + step) % self.size
+                    part.place(peer, self.peers[peer][start : start + size])
+                if part.own_block:
+                    part.place(self.rank, _bytes(part.local))
+                handle = _Pending(self._join(), part.out, keep=(part.local,))
+                pending.append(handle.then(part.follow) if part.follow else handle)
+            # Every peer has read this rank's blocks before the copy stream writes the region
             # again; the compute stream need not wait for it.
             self.handle.barrier(channel=1)
-        return _Pending(done, out, keep=(local,))
+        return pending
 
     def gemm_reduce_scatter(
         self, a: torch.Tensor, gemm, own_gemm, out_features: int, dtype: torch.dtype

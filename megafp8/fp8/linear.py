@@ -548,26 +548,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = dnorm_weight = dnorm_bias = None
         dy_t = qdy.data_t if wgrad_fp8 else None  # gathered below when dy is gathered in FP8
         if gather_dy_fp8:
-
-            def gather_columns():  # beside the dgrad GEMM of the other ranks' rows
-                nonlocal dy_t
-                dy_t = collective_gemm.all_gather_columns(qdy.data_t, comm.scatter)
-
+            # the transposed blocks for wgrad are gathered beside the dgrad GEMM of the others' rows
             dx = dy2.new_empty(
                 (collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0])
             )
-            collective_gemm.gathered_gemm(
-                qdy.data,
-                comm.scatter,
-                lambda rows, out: fp8_gemm(
-                    rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out
-                ),
-                dx,
-                after_gather=gather_columns if wgrad_fp8 else None,
-                keep_gathered=False,
-            )
+
+            def dgrad(rows, out):
+                return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
+
             if wgrad_fp8:
-                dy_t = dy_t.wait()
+                dy_t = collective_gemm.gathered_gemm_and_columns(
+                    qdy.data, qdy.data_t, comm.scatter, dgrad, dx
+                ).wait()
+            else:
+                collective_gemm.gathered_gemm(
+                    qdy.data, comm.scatter, dgrad, dx, keep_gathered=False
+                )
         elif need_dx:
 
             def dgrad(rows, out=None):

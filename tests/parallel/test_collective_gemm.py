@@ -28,21 +28,28 @@ def body(rank, size):
     weight = torch.randn(N, K, generator=g, dtype=torch.float64)
     out = {}
 
-    # Column-parallel: this rank's rows of x gathered and multiplied, the callback once, after the gather.
+    # Column-parallel: this rank's rows of x gathered and multiplied.
     product = torch.empty(size * ROWS, N, dtype=torch.float64)
-    calls = []
     gathered = collective_gemm.gathered_gemm(
-        x.chunk(size)[rank].contiguous(),
-        group,
-        mm(weight),
-        product,
-        after_gather=lambda: calls.append(len(calls)),
+        x.chunk(size)[rank].contiguous(), group, mm(weight), product
     )
     out["gathered"] = torch.equal(gathered, x)
     out["gathered_gemm_error"] = (
         (product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()
     ).item()
-    out["after_gather_calls"] = calls
+    product.zero_()
+    # The same, with the rows' transpose gathered as columns beside it.
+    columns = collective_gemm.gathered_gemm_and_columns(
+        x.chunk(size)[rank].contiguous(),
+        x.chunk(size)[rank].t().contiguous(),
+        group,
+        mm(weight),
+        product,
+    )
+    out["columns"] = torch.equal(columns.wait(), x.t())
+    out["with_columns_error"] = (
+        (product - x @ weight.t()).abs().max() / (x @ weight.t()).abs().max()
+    ).item()
     product.zero_()
     out["not_kept"] = collective_gemm.gathered_gemm(
         x.chunk(size)[rank].contiguous(), group, mm(weight), product, keep_gathered=False
@@ -92,7 +99,7 @@ def test_overlapped_gemms_equal_the_whole_product(size):
     for result in run_on_ranks(body, size):
         assert result["gathered"] and result["fp8_gathered"], result
         assert result["gathered_gemm_error"] < 1e-14, result
-        assert result["after_gather_calls"] == [0]
+        assert result["columns"] and result["with_columns_error"] < 1e-14, result
         assert result["not_kept"] is None and result["not_kept_error"] < 1e-14, result
         assert result["reduce_scatter_error"] < 1e-14, result
         assert result["then_reduce_scatter_error"] < 1e-14, result
@@ -124,7 +131,8 @@ def test_copy_engines_are_refused_with_the_reason_where_the_group_cannot_use_the
 
 def copy_engine_body(rank, size):
     """Each overlapped transfer on NCCL and on copy engines, eager and replayed from a CUDA graph
-    (twice, with new inputs): bit for bit alike."""
+    (twice, with new inputs): bit for bit alike. The reduce-scatter also alone in a graph
+    replayed twice in a row (no gather before it joins the copy stream)."""
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.empty(ROWS * 16, K * 8, device=device, dtype=torch.bfloat16)
@@ -134,6 +142,16 @@ def copy_engine_body(rank, size):
     def gemm(rows, out):
         return torch.mm(rows, weight.t(), out=out)
 
+    def reduce_scatter():
+        return collective_gemm.gemm_reduce_scatter(
+            x.repeat(size, 1),
+            group,
+            gemm,
+            weight.shape[0],
+            torch.bfloat16,
+            own_gemm=lambda rows, out: torch.addmm(bias, rows, weight.t(), out=out),
+        )
+
     def transfers():
         product = torch.empty(
             size * x.shape[0], weight.shape[0], device=device, dtype=torch.bfloat16
@@ -141,20 +159,16 @@ def copy_engine_body(rank, size):
         gathered = collective_gemm.gathered_gemm(x, group, gemm, product)
         alone = torch.empty_like(product)
         collective_gemm.gathered_gemm(x, group, gemm, alone, keep_gathered=False)
-        stacked = x.repeat(size, 1)
-        mine = collective_gemm.gemm_reduce_scatter(
-            stacked,
-            group,
-            gemm,
-            weight.shape[0],
-            torch.bfloat16,
-            own_gemm=lambda rows, out: torch.addmm(bias, rows, weight.t(), out=out),
-        )
+        mine = reduce_scatter()
         later = collective_gemm.gemm_then_reduce_scatter(
-            stacked, group, gemm, weight.shape[0], torch.bfloat16
+            x.repeat(size, 1), group, gemm, weight.shape[0], torch.bfloat16
         )
         columns = collective_gemm.all_gather_columns(x.t().contiguous(), group).wait()
-        return product, gathered, alone, mine, later.wait(), columns
+        beside = torch.empty_like(product)
+        both = collective_gemm.gathered_gemm_and_columns(
+            x, x.t().contiguous(), group, gemm, beside
+        ).wait()
+        return product, gathered, alone, mine, later.wait(), columns, beside, both
 
     results = []
     for inputs in range(2):
@@ -169,6 +183,16 @@ def copy_engine_body(rank, size):
                 symmetric_memory.join_copy_streams()
             graph.replay()
             replayed = [t.clone() for t in static]
+            # a capture whose first transfer is the reduce-scatter, replayed twice in a row
+            alone = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(alone):
+                lone = reduce_scatter()
+                symmetric_memory.join_copy_streams()
+            alone.replay()
+            alone.replay()
+            replayed.append(lone.clone())
+            eager.append(eager[3])
+            nccl.append(nccl[3])
         finally:
             symmetric_memory.stop_using_copy_engines()
         torch.cuda.synchronize()
@@ -191,6 +215,6 @@ def copy_engine_body(rank, size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
     for result in run_on_ranks(copy_engine_body, 2, backend="nccl"):
-        assert result[:2] == [[True] * 6] * 2, result
+        assert result[:2] == [[True] * 9] * 2, result
         assert "an SM carveout of 100000 leaves the GEMMs no SMs" in result[2], result
         assert result[3:] == [2, None], result
