@@ -4,12 +4,15 @@ GEMMs (QKV, fc1) with the all-gather of their input, the row GEMMs (proj, fc2) w
 reduce-scatter of their output.
 
     torchrun --nproc-per-node 2 benchmarks/bench_collective_gemm.py \\
-        [--hidden 2048] [--ffn 8192] [--tokens 8192] [--transports nccl copy-engine] [--eager] [--output gemms.json]
+        [--hidden 2048] [--ffn 8192] [--tokens 8192] [--transports nccl copy-engine] [--sm-carveout 2] \\
+        [--eager] [--output gemms.json]
 
 Per GEMM, microseconds per call: the GEMM over all its rows alone; the transfer alone (NCCL's
 all-gather of the input, or reduce-scatter of the output); the two one after the other (what
 runs without the overlap); and the overlapped call on each transport. `hidden` is the share
-of the transfer the overlap took off the plain call: (plain - overlapped) / transfer.
+of the transfer the overlap took off the plain call: (plain - overlapped) / transfer. On the
+copy engines the overlapped GEMMs leave `--sm-carveout` SMs free for the transfers' kernels, as
+the trainer's `--tp-comm-sm-carveout` (same default); the other columns use every SM.
 
 On GPUs the operands are FP8 E4M3 (the FP8 linears' GEMM, megafp8.fp8.fp8_gemm, bf16 out),
 each call replayed `--calls` times from one CUDA graph (the recipes' setting; `--eager` times
@@ -65,20 +68,39 @@ def microseconds(fn, device, calls: int, graphed: bool) -> float:
 
 
 def measure(
-    group, device, hidden: int, ffn: int, tokens: int, transports, calls: int, graphed: bool
+    group,
+    device,
+    hidden: int,
+    ffn: int,
+    tokens: int,
+    transports,
+    calls: int,
+    graphed: bool,
+    sm_carveout: int = symmetric_memory.DEFAULT_SM_CARVEOUT,
 ) -> list:
     """One record per GEMM of the layer (module docstring): microseconds of each way to run it."""
     generator = torch.Generator(device=device).manual_seed(dist.get_rank())
     return [
         _measure_gemm(
-            group, device, name, kind, k, n, tokens, transports, calls, graphed, generator
+            group,
+            device,
+            name,
+            kind,
+            k,
+            n,
+            tokens,
+            transports,
+            calls,
+            graphed,
+            generator,
+            sm_carveout,
         )
         for name, kind, k, n in shapes(hidden, ffn, group_size(group))
     ]
 
 
 def _measure_gemm(
-    group, device, name, kind, k, n, tokens, transports, calls, graphed, generator
+    group, device, name, kind, k, n, tokens, transports, calls, graphed, generator, sm_carveout
 ) -> dict:
     tp = group_size(group)
     rows = tokens // tp
@@ -141,7 +163,7 @@ def _measure_gemm(
     }
     for transport in transports:
         if transport == "copy-engine":
-            symmetric_memory.use_copy_engines(group)
+            symmetric_memory.use_copy_engines(group, sm_carveout)
         try:
             record[f"{transport}_us"] = microseconds(overlapped, device, calls, graphed)
         finally:
@@ -189,8 +211,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--eager", action="store_true", help="time eager calls, not CUDA graph replays"
     )
+    parser.add_argument(
+        "--sm-carveout",
+        type=int,
+        default=symmetric_memory.DEFAULT_SM_CARVEOUT,
+        help="SMs the GEMMs leave free beside copy-engine transfers (0: every SM)",
+    )
     parser.add_argument("--output", type=Path, help="a JSON file for the records (rank 0)")
     args = parser.parse_args(argv)
+    if args.sm_carveout < 0:
+        parser.error(f"--sm-carveout {args.sm_carveout}: give 0 or more SMs")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -216,6 +246,7 @@ def main(argv=None) -> int:
             args.transports,
             args.calls,
             graphed=cuda and not args.eager,
+            sm_carveout=args.sm_carveout,
         )
         if dist.get_rank() == 0:
             print(table(records, args.transports), flush=True)
@@ -227,6 +258,9 @@ def main(argv=None) -> int:
                             "ranks": tp,
                             "torch": torch.__version__,
                             "graphed": cuda and not args.eager,
+                            "sm_carveout": args.sm_carveout
+                            if "copy-engine" in args.transports
+                            else None,
                             "records": records,
                         },
                         indent=1,

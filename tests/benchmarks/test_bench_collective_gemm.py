@@ -59,12 +59,18 @@ def test_every_gemm_is_timed_each_way_and_recorded(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     records = json.loads((tmp_path / "gemms.json").read_text())
     assert records["ranks"] == 2 and records["graphed"] is False
+    assert records["sm_carveout"] is None  # no copy engines, no SMs left to them
     assert [r["gemm"] for r in records["records"]] == ["QKV", "fc1", "proj", "fc2"]
     for r in records["records"]:
         assert all(r[key] > 0 for key in ("gemm_us", "transfer_us", "plain_us", "nccl_us"))
         assert "copy-engine_us" not in r  # gloo: the default leaves the copy engines out
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     assert table[0].startswith("| GEMM |") and "hidden, nccl" in table[0] and len(table) == 6
+
+
+def test_a_negative_sm_carveout_is_refused(tmp_path):
+    done = launch("--sm-carveout", "-1", cwd=tmp_path)
+    assert done.returncode != 0 and "--sm-carveout -1: give 0 or more SMs" in done.stderr
 
 
 def test_copy_engines_asked_for_where_they_cannot_run_are_refused(tmp_path):
