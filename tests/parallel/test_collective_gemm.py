@@ -72,9 +72,8 @@ def body(rank, size):
     expected = (x @ weight.t()).chunk(size)[rank]
     out["reduce_scatter_error"] = ((mine - expected).abs().max() / expected.abs().max()).item()
     out["reduce_scatter_shape"] = tuple(mine.shape)
-    bias = torch.randn(
-        N, generator=g, dtype=torch.float64
-    )  # in the GEMM of this rank's block alone
+    # a bias in the GEMM of this rank's block alone
+    bias = torch.randn(N, generator=g, dtype=torch.float64)
 
     def with_bias(rows, o):
         torch.addmm(bias, rows, w_r.t(), out=o)
