@@ -373,13 +373,13 @@ def interleaved_one_f_one_b(step: _Step) -> list:
         if recv_prev:
             inputs[next_chunk].append(input_tensor)
 
-    # Steady state: one forward and one backward, then one exchange in each direction.
+    # Steady state: one forward and one backward, and an exchange in each direction. Posted
+    # (overlap_p2p_comm), the forward's output leaves as soon as the forward is done, while the
+    # backward runs; waited for, both directions go in one exchange after the backward.
     for i in range(remaining):
         forward_k, backward_k = warmup + i, i
         output = run_forward(forward_k)
-        input_grad = run_backward(backward_k)
         send_next = None if step.is_last(chunk_of(forward_k, True)) else output
-        send_prev = None if step.is_first(chunk_of(backward_k, False)) else input_grad
         # Which chunk the arriving input / gradient belongs to. The first rank runs pp - 1
         # forwards ahead of the last rank, whose output it receives; symmetrically for grads.
         recv_prev = True
@@ -389,6 +389,14 @@ def interleaved_one_f_one_b(step: _Step) -> list:
             next_forward_chunk += 1
         else:
             next_forward_chunk = chunk_of(forward_k + 1, True)
+        if i == remaining - 1:
+            recv_prev = False
+        if step.overlap_p2p_comm:
+            # Activations before gradients, as within one exchange: the transfers pair up alike.
+            input_tensor, _ = step.communicate(send_next=send_next, recv_prev=recv_prev)
+            send_next = None
+        input_grad = run_backward(backward_k)
+        send_prev = None if step.is_first(chunk_of(backward_k, False)) else input_grad
         recv_next = True
         if last_rank:
             next_backward_chunk = chunk_of(backward_k - (pp - 1), False)
@@ -396,11 +404,12 @@ def interleaved_one_f_one_b(step: _Step) -> list:
             next_backward_chunk -= 1
         else:
             next_backward_chunk = chunk_of(backward_k + 1, False)
-        if i == remaining - 1:
-            recv_prev = False
-        input_tensor, output_grad = step.communicate(
-            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next
-        )
+        if step.overlap_p2p_comm:
+            _, output_grad = step.communicate(send_prev=send_prev, recv_next=recv_next)
+        else:
+            input_tensor, output_grad = step.communicate(
+                send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next
+            )
         if recv_prev:
             inputs[next_forward_chunk].append(input_tensor)
         if recv_next:

@@ -18,6 +18,7 @@ from megafp8.parallel import (
     finalize_grads,
     forward_backward,
     pipeline_tensor_shape,
+    schedules,
     stage_layers,
 )
 from megafp8.parallel.data_parallel import GradientBuffer
@@ -302,6 +303,7 @@ def pp2_body(rank, world_size):
     out["overlapped"] = layout_body(rank, world_size, PP2, overlap=True)
     out["halves"] = layout_body(rank, world_size, list(HALVES), splits=HALVES)
     out["embedding_check"] = check_embeddings_body(rank)
+    out["posting_order"] = posting_order_body()
     return out
 
 
@@ -364,6 +366,59 @@ def test_overlapped_p2p_trains_as_waiting_p2p(pp2_results, layout):
     in the same order, so the same training, bit for bit."""
     for result in pp2_results:
         assert_same_training(result["overlapped"][layout], result[layout])
+
+
+def posting_order_body():
+    """One overlapped interleaved step (gpt-tiny, pp 2 x 2 virtual stages) with each exchange
+    recorded among the passes, as ("post", sends an activation, sends a gradient)."""
+    communicate = schedules._Step.communicate
+
+    def recorded(self, *, send_next=None, **transfers):
+        self.order.append(("post", send_next is not None, transfers.get("send_prev") is not None))
+        return communicate(self, send_next=send_next, **transfers)
+
+    schedules._Step.communicate = recorded
+    try:
+        groups = ParallelGroups(1, 2)
+        config = config_of("gpt-tiny")
+        chunks = [
+            TransformerLM(config, layers=span, seed=SEED)
+            for span in stage_layers(config.num_layers, 2, groups.pp_rank, 2)
+        ]
+        stats = {}
+        forward_backward(
+            None,
+            chunks,
+            data_iterator=iter(micro_batches(config, 0)),
+            forward_step=make_forward_step(False, None),
+            num_micro_batches=NUM_MICRO_BATCHES,
+            groups=groups,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            hidden_size=config.hidden_size,
+            dtype=torch.float32,
+            overlap_p2p_comm=True,
+            stats=stats,
+        )
+        return groups.pp_rank, stats["order"]
+    finally:
+        schedules._Step.communicate = communicate
+
+
+def test_overlapped_interleaved_sends_each_output_before_the_next_backward(pp2_results):
+    """With overlap_p2p_comm, a forward's output goes to the next stage as soon as the forward
+    is done: its exchange is posted before the backward that follows it in the steady state, so
+    the peer's next forward does not wait for this rank's backward too."""
+    for rank, order in (result["posting_order"] for result in pp2_results):
+        passes = [i for i, entry in enumerate(order) if entry[0] in ("F", "B")]
+        steady = 0
+        for here, after in zip(passes, passes[1:]):
+            (kind, chunk, _), (next_kind, *_) = order[here], order[after]
+            last_stage = rank == 1 and chunk == 1  # runs the loss: nothing to send on
+            if kind == "F" and next_kind == "B" and not last_stage:
+                assert ("post", True, False) in order[here + 1 : after], (rank, order)
+                steady += 1
+        assert steady > 0, order  # the step has a steady state on this rank
 
 
 def test_tied_embedding_gradients_are_synced(pp2_results):
