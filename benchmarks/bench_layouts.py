@@ -102,6 +102,12 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
         "global_batch_size": a.global_batch_size,
         "seq_length": a.seq_length,
         "cuda_graph": bool(a.enable_cuda_graph),
+        # what the planner's model reads besides the layout (validate_planner.py)
+        "first_stage_layers": a.decoder_first_pipeline_num_layers,
+        "last_stage_layers": a.decoder_last_pipeline_num_layers,
+        "distributed_optimizer": bool(a.use_distributed_optimizer),
+        "overlap_param_gather": bool(a.overlap_param_gather),
+        "recompute": a.recompute_granularity or "none",
         "iterations": trainer.iteration,
         "window": [last["iteration"] - a.log_interval + 1, last["iteration"]] if last else None,
         "tokens_per_sec_per_gpu": last["tokens_per_sec"] / a.world_size if last else None,

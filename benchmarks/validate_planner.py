@@ -14,7 +14,9 @@ predicted against measured `tokens_per_sec_per_gpu`, and per model, precision an
 whether the predicted order of the layouts is the measured one (the issue's bar: rank order
 right, each within 15%; the planner ranks the layouts of one GPU count, never 2 against 4;
 two runs predicted alike, as a bf16 pipeline graphed and eager, claim no order).
-Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran them. Maps
+Each model's flags come from the label's prefix, as benchmarks/layouts_8gpu.sh ran them, unless
+the record names its own (the pipeline split, the distributed optimizer, --overlap-param-gather,
+recomputation: bench_layouts.py records them). Maps
 and records must come from the same code: a map of today's code says nothing about layouts
 measured before its speed-ups.
 """
@@ -49,9 +51,21 @@ def preset_of(record: dict) -> str:
     return MODELS[record["label"].split("_")[0]][0]
 
 
+# Flags a record may name itself (bench_layouts.py records them since 2026-11-28); older records
+# ran their model's flags above.
+RECORDED_FLAGS = (
+    "first_stage_layers",
+    "last_stage_layers",
+    "distributed_optimizer",
+    "overlap_param_gather",
+    "recompute",
+)
+
+
 def layout_of(record: dict) -> tuple:
     """(model config, MemoryLayout) of a bench_layouts.py record."""
     name, flags = MODELS[record["label"].split("_")[0]]
+    flags = flags | {key: record[key] for key in RECORDED_FLAGS if key in record}
     config = preset(name, vocab_size=VOCAB)
     dp = record["dp"]
     return config, MemoryLayout(
@@ -82,7 +96,12 @@ def run_name(record: dict) -> str:
     tp:pp layout alike on 2, 4 and 8 GPUs)."""
     label = record["label"]
     graphed = ", graphed" if pipeline_graphs(record) else ""
-    return label if label.endswith("gpu") else f"{label} ({gpus_of(record)} GPUs{graphed})"
+    gpus = gpus_of(record)
+    return (
+        label
+        if label.endswith("gpu")
+        else f"{label} ({gpus} GPU{'s' if gpus > 1 else ''}{graphed})"
+    )
 
 
 def pipeline_graphs(record: dict) -> bool:
@@ -108,9 +127,12 @@ def read_records(folders) -> list[list[dict]]:
 
 
 def memory_table(launches) -> None:
+    worst, firsts = 0.0, [launch[0] for launch in launches if launch[0].get("peak_memory_gib")]
+    if not firsts:
+        print("(memory not checked: the records hold no peak memory)")
+        return
     print("| run | precision | tp x pp x dp | measured GiB | predicted GiB | error |")
     print("|---|---|---|---|---|---|")
-    worst, firsts = 0.0, [launch[0] for launch in launches if launch[0].get("peak_memory_gib")]
     for record in firsts:
         measured, predicted = record["peak_memory_gib"], predicted_gib(record)
         error = predicted / measured - 1

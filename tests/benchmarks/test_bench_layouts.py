@@ -84,6 +84,10 @@ def test_bench_layouts_records_each_precision_and_the_tables_compare_them(tmp_pa
         assert r["device"] == "cpu"  # the GPU's name on a GPU, for validate_planner.py's check
         # --enable-cuda-graph: how validate_planner.py predicts a pipeline
         assert r["cuda_graph"] is False
+        # the flags validate_planner.py reads from the record
+        assert r["first_stage_layers"] is r["last_stage_layers"] is None
+        assert r["distributed_optimizer"] is r["overlap_param_gather"] is False
+        assert r["recompute"] == "none"
     # tp 2 trains the same model on the same data: bf16 losses agree closely.
     assert abs(records[2]["losses"][-1] - records[0]["losses"][-1]) < 1e-2
 
