@@ -9,6 +9,7 @@ and with an error on its last rank.
     python -m tests.multigpu.check_layouts --gpus 2 --output runs/check
     python -m tests.multigpu.check_layouts --cpu --layouts dp2 --precisions delayed   # gloo, CPU
     python -m tests.multigpu.check_layouts --layouts tp2 tp2dp2 --without-tp-comm-overlap
+    python -m tests.multigpu.check_layouts --share 6 --time-limit 540   # within a 600 s call
 
 The recipe's own overlaps are on, as it ships them: --tp-comm-overlap where tp > 1, the
 distributed optimizer with --overlap-param-gather where dp > 1 (`--without-...` turns them off).
@@ -25,9 +26,11 @@ Each run must
 A run still going 300 s after its start hangs: its ranks write their Python stacks into its log
 (faulthandler, on SIGABRT), then it and every process it started (torchrun's ranks sit in sessions
 of their own) are killed.
-Runs go side by side, `--share` of them on each GPU (most of a run is starting up). A table
-closes the output and the exit status is 1 if any run failed; `--output` keeps every log and a
-JSON record.
+Runs go side by side, `--share` of them on each GPU (most of a run is starting up), the one-GPU
+references first. A table closes the output and the exit status is 1 if any run failed;
+`--output` keeps every log and a JSON record. `--time-limit SECONDS` (a device call's limit)
+starts no run after it and stops those going: what finished is judged, the rest named as not
+run (exit status 2 if nothing failed).
 """
 
 from __future__ import annotations
@@ -270,6 +273,12 @@ def losses_of(metrics: Path) -> tuple[dict, float | None, float | None]:
     return losses, last_time, speed
 
 
+def start_order(runs: list[Run]) -> list[Run]:
+    """The one-GPU runs first (every other run is judged against them, so a check cut short can
+    still judge what it finished), then the largest first (they pack best)."""
+    return sorted(runs, key=lambda r: (r.layout != "1gpu", -r.gpus))
+
+
 class Launcher:
     """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
 
@@ -363,16 +372,20 @@ class Launcher:
             done.append(run)
         return done
 
-    def run_all(self, runs: list[Run]) -> dict:
-        """Every run, the largest first (they pack best), a resumed run once its straight run is
-        done; the outcomes so far are written after each run, so a check cut short keeps them.
-        A check stopped (SIGTERM, Ctrl-C, an error) stops its runs too: left running, they would
-        hold the GPUs and write into the next check's folders."""
+    def run_all(self, runs: list[Run], time_limit: float | None = None) -> dict:
+        """Every run in `start_order`, a resumed run once its straight run is done; the outcomes
+        so far are written after each run, so a check cut short keeps them. Past `time_limit`
+        seconds no run starts and those still going are stopped (they have no outcome). A check
+        stopped (SIGTERM, Ctrl-C, an error) stops its runs too: left running, they would hold
+        the GPUs and write into the next check's folders."""
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
-        waiting = sorted(runs, key=lambda r: -r.gpus)
+        waiting = start_order(runs)
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        start = time.time()
         try:
-            while waiting or self.running:
+            while (waiting or self.running) and (
+                time_limit is None or time.time() - start < time_limit
+            ):
                 for run in list(waiting):
                     if run.kind == "resumed" and run.straight not in self.outcomes:
                         continue
@@ -437,9 +450,12 @@ def judge(outcomes: dict, iterations: int, work: Path) -> None:
                 problems.append(
                     f"resumed losses {_gap(worst)} off the straight run's (tolerance {RESUME_TOLERANCE:.1%})"
                 )
-        elif run.layout != "1gpu" and run.kind == "straight" and run.precision in references:
-            worst = _worst(losses, references[run.precision], range(1, iterations + 1))
-            if worst is None or worst > TRACK_TOLERANCE:
+        elif run.layout != "1gpu" and run.kind == "straight":
+            reference = references.get(run.precision)
+            worst = _worst(losses, reference, range(1, iterations + 1))
+            if reference is None:
+                problems.append(f"no one-GPU {run.precision} run finished to compare it with")
+            elif worst is None or worst > TRACK_TOLERANCE:
                 problems.append(
                     f"losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})"
                 )
@@ -606,6 +622,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--share", type=int, default=2, help="runs per GPU at once (default 2)")
     parser.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="start no run after this many seconds and stop those still going; what finished is "
+        "judged, the rest listed as not run (exit status 2 if nothing failed)",
+    )
+    parser.add_argument(
         "--without-tp-comm-overlap",
         action="store_true",
         help="layouts with tensor parallelism run without the recipe's --tp-comm-overlap",
@@ -667,15 +690,21 @@ def main(argv=None) -> int:
         args.share,
         (not args.without_tp_comm_overlap, not args.without_distributed_optimizer),
     )
-    outcomes = launcher.run_all(runs)
+    outcomes = launcher.run_all(runs, args.time_limit)
     judge(outcomes, int((CPU_SHAPE if args.cpu else GPU_SHAPE)["ITERS"]), work)
     launcher.record()
     failed = [o for o in outcomes.values() if o.problems]
+    not_run = [run.name for run in runs if run not in outcomes]
     print(table(outcomes))
     print(
         f"check_layouts: {len(outcomes) - len(failed)} of {len(outcomes)} runs passed in {time.time() - start:.0f} s"
     )
-    return 1 if failed else 0
+    if not_run:
+        print(
+            f"check_layouts: incomplete: {len(not_run)} of {len(runs)} runs did not finish within "
+            f"--time-limit {args.time_limit:g} s: {', '.join(not_run)}"
+        )
+    return 1 if failed else 2 if not_run else 0
 
 
 if __name__ == "__main__":

@@ -82,6 +82,35 @@ def test_a_run_that_does_not_end_or_drifts_is_named(tmp_path):
     assert "resumed losses missing, so not compared" in outcomes[resumed].problems[1]
 
 
+def test_the_references_go_first_and_a_run_without_one_is_not_passed(tmp_path):
+    runs = check_layouts.plan(["tp2pp2", "dp2"], ["bf16", "delayed"], graphs=True)
+    order = check_layouts.start_order(runs)
+    assert [run.layout for run in order[:2]] == ["1gpu", "1gpu"]
+    assert [run.gpus for run in order[2:]] == sorted((run.gpus for run in order[2:]), reverse=True)
+    straight = check_layouts.Run("dp2", "bf16", False)
+    losses = {i: 10.0 - i for i in range(1, 7)}
+    outcomes = {
+        straight: check_layouts.Outcome(
+            straight.name, "dp2", "bf16", False, "straight", 0, 1.0, None, 9.0, losses
+        )
+    }
+    check_layouts.judge(outcomes, 6, tmp_path)
+    assert outcomes[straight].problems == ["no one-GPU bf16 run finished to compare it with"]
+
+
+def test_a_time_limit_stops_the_check_and_names_what_did_not_run(tmp_path, capsys):
+    start = time.time()
+    status = check_layouts.main(
+        ["--cpu", "--layouts", "dp2", "--precisions", "bf16", "--kinds", "straight"]
+        + ["--time-limit", "1", "--output", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert status == 2, out
+    assert "incomplete: 2 of 2 runs did not finish within --time-limit 1 s: " in out
+    assert "1gpu-bf16-eager" in out and "dp2-bf16-eager" in out
+    assert time.time() - start < 60  # the running reference was stopped, not waited for
+
+
 def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
     """--tp-comm-overlap for tp layouts, the distributed optimizer with --overlap-param-gather for
     dp layouts, as the recipe gives them (its switches in the environment), and in the failing
