@@ -547,15 +547,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         dx = dw = db = dnorm_weight = dnorm_bias = None
         dy_t = qdy.data_t if wgrad_fp8 else None  # gathered below when dy is gathered in FP8
-        if gather_dy_fp8:
+
+        def dgrad(rows, out=None):
+            if dgrad_fp8:
+                return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
+            return torch.mm(rows, w_saved.to(dy.dtype), out=out)
+
+        if gather_dy_fp8:  # (implies dgrad_fp8)
             # the transposed blocks for wgrad are gathered beside the dgrad GEMM of the others' rows
             dx = dy2.new_empty(
                 (collectives.group_size(comm.scatter) * dy2.shape[0], w_saved.shape[0])
             )
-
-            def dgrad(rows, out):
-                return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
-
             if wgrad_fp8:
                 dy_t = collective_gemm.gathered_gemm_and_columns(
                     qdy.data, qdy.data_t, comm.scatter, dgrad, dx
@@ -565,12 +567,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     qdy.data, comm.scatter, dgrad, dx, keep_gathered=False
                 )
         elif need_dx:
-
-            def dgrad(rows, out=None):
-                if dgrad_fp8:
-                    return fp8_gemm(rows, w_saved, qdy.scale_inv, w_scale_inv, dy.dtype, out=out)
-                return torch.mm(rows, w_saved.to(dy.dtype), out=out)
-
             rows = qdy.data if dgrad_fp8 else dy2
             if comm.gather is not None and comm.overlap:  # the reduce-scatter beside the wgrad GEMM
                 dx = collective_gemm.gemm_then_reduce_scatter(
