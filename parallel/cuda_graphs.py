@@ -32,7 +32,9 @@ step equals an eager one bit for bit:
 Scales, amax accumulators and the gradient buffer live at fixed addresses, which the graphs read
 and write in place. A capture is made at the first call with a new signature (FP8 recipe and
 reduction group, saturation counting, which gradients are still empty, shapes); calls a graph
-cannot serve return None.
+cannot serve return None. A capture synchronizes the device first (torch.cuda.graph), so under a
+pipeline every transfer posted before it must be able to finish without the peer's next step
+(tests/parallel/test_schedule_transfers.py checks the schedules' capturing step).
 """
 
 from __future__ import annotations

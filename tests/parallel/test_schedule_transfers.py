@@ -4,12 +4,14 @@ ranks' transfers are paired as NCCL pairs them (in posting order between two ran
 their kind) and played out as NCCL runs them (one in-order stream per rank's communicator; a
 send completes only once its receive is posted). Every pass must get the tensor its neighbouring
 virtual stage made for the same micro-batch, and every step must finish, waiting per exchange
-(`communicate`) and posted (`overlap_p2p_comm`)."""
+(`communicate`) and posted (`overlap_p2p_comm`), also the step that captures the CUDA graphs,
+where each capture first synchronizes the device (waits for every transfer posted)."""
 
 import itertools
 
 import pytest
 from megafp8.parallel import schedules
+from megafp8.parallel.cuda_graphs import MicroBatchSlots
 
 
 class Receive:
@@ -30,6 +32,9 @@ class RecordingStep:
         self.chunks, self.num_micro_batches, self.overlap_p2p_comm = [None] * chunks, num, overlap
         self.passes, self.events = [], []  # events: ("post", kind, ops) and ("wait", kinds)
 
+    def before_forward(self, chunk) -> None:
+        """What runs on the host before a forward's pass (the capturing step's captures)."""
+
     def is_first(self, chunk):
         return self.pp_rank == 0 and chunk == 0
 
@@ -40,6 +45,7 @@ class RecordingStep:
         return chunk * self.pp + self.pp_rank
 
     def forward(self, chunk, index, input_tensor):
+        self.before_forward(chunk)
         self.events.append(("wait", ("activations", "both")))
         self.passes.append(("F", self.stage(chunk), index, input_tensor))
         return ("activation", self.stage(chunk), index)
@@ -64,12 +70,41 @@ class RecordingStep:
         return activation, gradient
 
     def finish(self):
-        self.events.append(("wait", ("activations", "gradients", "both")))
+        self.events.append(("wait", EVERY_KIND))
         return []
 
 
-def record(schedule, pp: int, chunks: int, num: int, overlap: bool) -> list:
-    steps = [RecordingStep(pp, rank, chunks, num, overlap) for rank in range(pp)]
+EVERY_KIND = ("activations", "gradients", "both")
+
+
+class CapturingStep(RecordingStep):
+    """The step that captures the layers' CUDA graphs: a forward with a graph signature not seen
+    before (its chunk's micro-batch slot and whether another micro-batch is in flight, as
+    megafp8.parallel.cuda_graphs.LayerGraphs keys them) captures first, and torch.cuda.graph
+    synchronizes the device before a capture: the host waits for every transfer posted so far,
+    sends whose peer has not posted the receive included."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.slots = [MicroBatchSlots() for _ in self.chunks]
+        self.in_flight = [[] for _ in self.chunks]  # each chunk's slots, oldest first
+        self.captured, self.captures = set(), 0
+
+    def before_forward(self, chunk):
+        slot, follows_another = self.slots[chunk].take()
+        self.in_flight[chunk].append(slot)
+        if (chunk, slot, follows_another) not in self.captured:
+            self.captured.add((chunk, slot, follows_another))
+            self.captures += 1
+            self.events.append(("wait", EVERY_KIND))
+
+    def backward(self, chunk, index, *args):
+        self.slots[chunk].release(self.in_flight[chunk].pop(0))
+        return super().backward(chunk, index, *args)
+
+
+def record(schedule, pp: int, chunks: int, num: int, overlap: bool, step=RecordingStep) -> list:
+    steps = [step(pp, rank, chunks, num, overlap) for rank in range(pp)]
     for step in steps:
         schedule(step)
     return steps
@@ -148,15 +183,22 @@ LAYOUTS = [
 ] + [(schedules.one_f_one_b, pp, 1, num) for pp in (2, 3, 4) for num in (1, 2, 3, 5, 8)]
 
 
+@pytest.mark.parametrize("step", [RecordingStep, CapturingStep], ids=["eager", "capturing"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["waiting", "posted"])
 @pytest.mark.parametrize(
     "schedule, pp, chunks, num",
     LAYOUTS,
     ids=[f"{s.__name__}-pp{pp}-vpp{c}-m{n}" for s, pp, c, n in LAYOUTS],
 )
-def test_every_pass_gets_its_input_and_the_step_finishes(schedule, pp, chunks, num, overlap):
-    steps = record(schedule, pp, chunks, num, overlap)
+def test_every_pass_gets_its_input_and_the_step_finishes(schedule, pp, chunks, num, overlap, step):
+    """Also the step that captures the CUDA graphs: a schedule that keeps more sends ahead of its
+    peer's receives than the captures let it would hang there on the GPU though eager steps run."""
+    steps = record(schedule, pp, chunks, num, overlap, step)
     check_pairing_and_inputs(steps)
+    if step is CapturingStep:
+        # every chunk captures; the first rank keeps several micro-batches in flight, a slot each
+        assert all(s.captures >= chunks for s in steps)
+        assert steps[0].captures > chunks or num == 1
     assert finishes(steps)
 
 
