@@ -27,7 +27,7 @@ A run still going 300 s after its start hangs: its ranks write their Python stac
 (faulthandler, on SIGABRT), then it and every process it started (torchrun's ranks sit in sessions
 of their own) are killed.
 Runs go side by side, `--share` of them on each GPU (most of a run is starting up), the one-GPU
-references first. A table closes the output and the exit status is 1 if any run failed;
+references first, then the largest and of those the longest (`start_order`). A table closes the output and the exit status is 1 if any run failed;
 `--output` keeps every log and a JSON record. `--time-limit SECONDS` (a device call's limit)
 starts no run after it and stops those going: what finished is judged, the rest named as not
 run (exit status 2 if nothing failed).
@@ -273,10 +273,29 @@ def losses_of(metrics: Path) -> tuple[dict, float | None, float | None]:
     return losses, last_time, speed
 
 
+# Within a size, the longest first, so that no long run is left to the end: a failing run lasts
+# torchrun's 30 s of stopping the other ranks longer, a straight run that a resumed one waits for
+# lasts as long as both.
+_LONGEST_FIRST = {
+    "fail": 0,
+    "straight with a resumed run": 1,
+    "sigterm": 2,
+    "straight": 3,
+    "resumed": 4,
+}
+
+
 def start_order(runs: list[Run]) -> list[Run]:
     """The one-GPU runs first (every other run is judged against them, so a check cut short can
-    still judge what it finished), then the largest first (they pack best)."""
-    return sorted(runs, key=lambda r: (r.layout != "1gpu", -r.gpus))
+    still judge what it finished), then the largest first (they pack best), each size's longest
+    first."""
+    resumed = {run.straight for run in runs if run.kind == "resumed"}
+
+    def length(run: Run) -> int:
+        kind = "straight with a resumed run" if run in resumed else run.kind
+        return _LONGEST_FIRST[kind]
+
+    return sorted(runs, key=lambda r: (r.layout != "1gpu", -r.gpus, length(r)))
 
 
 class Launcher:
