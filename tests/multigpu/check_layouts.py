@@ -27,10 +27,10 @@ A run still going 300 s after its start hangs: its ranks write their Python stac
 (faulthandler, on SIGABRT), then it and every process it started (torchrun's ranks sit in sessions
 of their own) are killed.
 Runs go side by side, `--share` of them on each GPU (most of a run is starting up), the one-GPU
-references first, then the largest and of those the longest (`start_order`). A table closes the output and the exit status is 1 if any run failed;
-`--output` keeps every log and a JSON record. `--time-limit SECONDS` (a device call's limit)
-starts no run after it and stops those going: what finished is judged, the rest named as not
-run (exit status 2 if nothing failed).
+references first, then the largest and of those the longest (`start_order`). A table closes the
+output and the exit status is 1 if any run failed; `--output` keeps every log and a JSON record.
+`--time-limit SECONDS` (a device call's limit) starts no run after it and stops those going: what
+finished is judged, the rest named as not run (exit status 2 if nothing failed).
 """
 
 from __future__ import annotations

@@ -89,9 +89,8 @@ def test_the_references_go_first_and_a_run_without_one_is_not_passed(tmp_path):
     assert [run.gpus for run in order[2:]] == sorted((run.gpus for run in order[2:]), reverse=True)
     four_gpus = [run for run in order if run.layout == "tp2pp2"]
     assert four_gpus[0].kind == "fail"
-    assert four_gpus[1] == check_layouts.Run(
-        "tp2pp2", "delayed", True
-    )  # a resumed run waits for it
+    # then the straight run a resumed run waits for
+    assert four_gpus[1] == check_layouts.Run("tp2pp2", "delayed", True)
     assert four_gpus[-1].kind == "resumed"
     straight = check_layouts.Run("dp2", "bf16", False)
     losses = {i: 10.0 - i for i in range(1, 7)}

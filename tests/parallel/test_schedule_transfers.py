@@ -21,6 +21,9 @@ class Receive:
         self.value = None
 
 
+EVERY_KIND = ("activations", "gradients", "both")
+
+
 class RecordingStep:
     """What a schedule calls on its step, recorded: each pass with the tensor it was given, and
     each exchange as `_Step` posts and waits for them (posted: activations, then gradients, a
@@ -74,9 +77,6 @@ class RecordingStep:
         return []
 
 
-EVERY_KIND = ("activations", "gradients", "both")
-
-
 class CapturingStep(RecordingStep):
     """The step that captures the layers' CUDA graphs: a forward with a graph signature not seen
     before (its chunk's micro-batch slot and whether another micro-batch is in flight, as
@@ -88,14 +88,13 @@ class CapturingStep(RecordingStep):
         super().__init__(*args)
         self.slots = [MicroBatchSlots() for _ in self.chunks]
         self.in_flight = [[] for _ in self.chunks]  # each chunk's slots, oldest first
-        self.captured, self.captures = set(), 0
+        self.captured = set()  # the graph signatures captured
 
     def before_forward(self, chunk):
         slot, follows_another = self.slots[chunk].take()
         self.in_flight[chunk].append(slot)
         if (chunk, slot, follows_another) not in self.captured:
             self.captured.add((chunk, slot, follows_another))
-            self.captures += 1
             self.events.append(("wait", EVERY_KIND))
 
     def backward(self, chunk, index, *args):
@@ -103,8 +102,8 @@ class CapturingStep(RecordingStep):
         return super().backward(chunk, index, *args)
 
 
-def record(schedule, pp: int, chunks: int, num: int, overlap: bool, step=RecordingStep) -> list:
-    steps = [step(pp, rank, chunks, num, overlap) for rank in range(pp)]
+def record(schedule, pp: int, chunks: int, num: int, overlap: bool, kind=RecordingStep) -> list:
+    steps = [kind(pp, rank, chunks, num, overlap) for rank in range(pp)]
     for step in steps:
         schedule(step)
     return steps
@@ -197,8 +196,8 @@ def test_every_pass_gets_its_input_and_the_step_finishes(schedule, pp, chunks, n
     check_pairing_and_inputs(steps)
     if step is CapturingStep:
         # every chunk captures; the first rank keeps several micro-batches in flight, a slot each
-        assert all(s.captures >= chunks for s in steps)
-        assert steps[0].captures > chunks or num == 1
+        assert all(len(s.captured) >= chunks for s in steps)
+        assert len(steps[0].captured) > chunks or num == 1
     assert finishes(steps)
 
 
