@@ -23,9 +23,10 @@ Each run must
 - if signalled (SIGTERM to the launch's process group, as a scheduler preempts), save at the next
   step boundary and end within 30 s of the signal (torchrun itself exits 1 after a signal);
 - if one rank fails, end, every rank, within 60 s (torchrun stops the others 30 s after).
-A run still going 300 s after its start hangs: its ranks write their Python stacks into its log
-(faulthandler, on SIGABRT), then it and every process it started (torchrun's ranks sit in sessions
-of their own) are killed.
+A run still going 300 s after its start hangs: its processes are stopped, then one by one write
+their Python stacks into its log (faulthandler, on SIGABRT; where cuda-gdb is installed, each
+rank's kernels on its GPU and native stack first), then it and every process it started
+(torchrun's ranks sit in sessions of their own) are killed.
 Runs go side by side, `--share` of them on each GPU (most of a run is starting up), the one-GPU
 references first, then the largest and of those the longest (`start_order`). A table closes the
 output and the exit status is 1 if any run failed; `--output` keeps every log and a JSON record.
@@ -44,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,7 +74,10 @@ TRACK_TOLERANCE = 0.01
 RESUME_TOLERANCE = 1e-3
 # a run that has not exited by then hangs: its stacks are dumped, then it is killed
 RUN_TIMEOUT_S = 300
+PEER_TIMEOUT_S = 180  # the runs' --distributed-timeout-minutes, in seconds
 STACKS_WITHIN_S = 5.0  # how long a hung run's processes get to write their stacks
+STACK_GAP_S = 1.0  # between two processes' stacks, so that they do not interleave in the log
+GPU_STATE_WITHIN_S = 60  # for cuda-gdb to attach to a hung rank and answer
 
 # The shrunk recipe: the GPT-1.3B family at 4 layers of hidden 1024 (one layer per stage at pp4,
 # eight virtual stages of half a layer at interleaved pp2), on the embedded sample corpus.
@@ -154,6 +159,9 @@ def environment(run: Run, work: Path, cpu: bool, devices: list[int], overlaps=(T
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     save = work / "runs" / run.name
     extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234"]
+    # a rank left waiting for a peer fails, saying where (NCCL's watchdog, a copy-engine barrier's
+    # message), before the check would call it hung
+    extra += ["--distributed-timeout-minutes", str(PEER_TIMEOUT_S / 60)]
     if run.kind == "resumed":
         extra += ["--load", str(work / "runs" / run.straight.name / f"iter_{RESUME_AT:07d}")]
     # A signalled run runs until the signal (its longer run draws other batches: not compared).
@@ -365,7 +373,7 @@ class Launcher:
             if alive and time.time() - start < RUN_TIMEOUT_S:
                 continue
             if alive:
-                _stop_hung(process.pid, started)
+                _stop_hung(process.pid, started, log)
                 process.wait()
             returncode = None if alive else process.returncode
             end = time.time()
@@ -549,12 +557,69 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _stop_hung(pgid: int, started: set) -> None:
-    """A hung run: its Python processes write every thread's stack into the run's log (the run's
-    PYTHONFAULTHANDLER answers SIGABRT so), then the launch's group and all it started are killed."""
-    _signal(started, signal.SIGABRT)
+def _stop_hung(pgid: int, started: set, log=None) -> None:
+    """A hung run: every process it started is stopped where it hangs (SIGSTOP: torchrun cannot
+    tear the ranks down meanwhile), then one at a time each writes every thread's Python stack
+    into the run's log (the run's PYTHONFAULTHANDLER answers SIGABRT so), whole, not interleaved
+    with its peers'. With `log` (the run's log file) and cuda-gdb installed, what each rank runs
+    on its GPU and where it is blocked natively go there first (`_gpu_states`). Then the launch's
+    group and all it started are killed."""
+    _signal(started, signal.SIGSTOP)
+    if log is not None:
+        _gpu_states(_ranks(started), log)
+    for pid in sorted(started):
+        _signal([pid], signal.SIGABRT)
+        _signal([pid], signal.SIGCONT)  # the stopped process takes the SIGABRT now
+        time.sleep(STACK_GAP_S)
     time.sleep(STACKS_WITHIN_S)
     _kill(pgid, started)
+
+
+def _ranks(started: set) -> list:
+    """The training processes among `started`: those torchrun started (not their data workers)."""
+    parents = _process_parents()
+
+    def launched_by_torchrun(pid: int) -> bool:
+        try:
+            command = Path(f"/proc/{parents.get(pid, 0)}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return b"torchrun" in command or b"torch.distributed.run" in command
+
+    return sorted(pid for pid in started if launched_by_torchrun(pid))
+
+
+def _gpu_states(ranks: list, log) -> None:
+    """Where cuda-gdb is installed: the kernels each of `ranks` has on its GPU (`info cuda
+    kernels`: one waiting for a peer stays there) and its main thread's native stack, written
+    into `log` rank by rank; the debuggers attach at once, each given GPU_STATE_WITHIN_S."""
+    debugger = shutil.which("cuda-gdb")
+    if debugger is None or not ranks:
+        return
+    commands = ["info cuda kernels", "thread 1", "bt 30"]
+    attached = {}  # pid -> (the debugger, the file of its answer)
+    for pid in ranks:
+        answer = tempfile.TemporaryFile("w+")
+        debugging = subprocess.Popen(
+            [debugger, "-q", "-batch", "-p", str(pid)]
+            + [arg for command in commands for arg in ("-ex", command)],
+            stdout=answer,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        attached[pid] = debugging, answer
+    deadline = time.time() + GPU_STATE_WITHIN_S
+    for pid, (debugging, answer) in attached.items():
+        try:
+            debugging.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            debugging.kill()
+            debugging.wait()
+        answer.seek(0)
+        log.write(f"\n== rank process {pid}, cuda-gdb: {'; '.join(commands)}\n{answer.read()}\n")
+        answer.close()
+    log.flush()
 
 
 def _kill(pgid: int, started: set) -> None:

@@ -142,39 +142,58 @@ def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
         assert all(flag in command for flag in flags), layout
 
 
-def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path):
+def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path, monkeypatch):
     """torchrun starts each rank in a session of its own: a hung run's ranks are found under its
-    launcher, write their Python stacks into the run's log, and are killed with it."""
-    rank = (
+    launcher, write their Python stacks into the run's log one after the other (each whole), with
+    what cuda-gdb says of each rank first where it is installed, and are killed with it."""
+    ranks = [
         "import time\n"
-        "def waiting_for_a_peer():\n"
+        f"def waiting_for_peer_{r}():\n"
         "    print('waiting', flush=True)\n"
         "    time.sleep(600)\n"
-        "waiting_for_a_peer()\n"
-    )
+        f"waiting_for_peer_{r}()\n"
+        for r in range(2)
+    ]
     launcher = (
         "import subprocess, sys, time\n"
-        f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+        f"for rank in {ranks!r}:\n"
+        "    subprocess.Popen([sys.executable, '-c', rank], start_new_session=True)\n"
         "time.sleep(600)\n"
     )
+    # a stand-in for cuda-gdb: it names the process it was asked to attach to
+    debugger = tmp_path / "bin" / "cuda-gdb"
+    debugger.parent.mkdir()
+    debugger.write_text('#!/bin/sh\nwhile [ "$1" != -p ]; do shift; done\necho "kernels of $2"\n')
+    debugger.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{debugger.parent}{os.pathsep}{os.environ['PATH']}")
     log_path = tmp_path / "run.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", launcher],
+            # named as torchrun's launch is, so that its children count as ranks
+            [sys.executable, "-c", launcher, "torchrun"],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=check_layouts._without_core_files,
             env={**os.environ, "PYTHONFAULTHANDLER": "1"},
         )
-    deadline = time.time() + 60
-    while "waiting" not in log_path.read_text() and time.time() < deadline:
-        time.sleep(0.1)
-    started = check_layouts._descendants(process.pid)
-    assert len(started) == 1 and check_layouts._running(next(iter(started)))
-    check_layouts._stop_hung(process.pid, started)
+        deadline = time.time() + 60
+        while log_path.read_text().count("waiting") < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        started = check_layouts._descendants(process.pid)
+        assert len(started) == 2 and all(map(check_layouts._running, started))
+        assert check_layouts._ranks(started) == sorted(started)
+        check_layouts._stop_hung(process.pid, started, log)
     process.wait(timeout=30)
-    assert "in waiting_for_a_peer" in log_path.read_text()
+    text = log_path.read_text()
+    for pid in started:
+        assert f"kernels of {pid}" in text
+    dumps = text.split("Fatal Python error")[1:]
+    assert len(dumps) == 2
+    assert sorted(sum(f"in waiting_for_peer_{r}" in dump for r in range(2)) for dump in dumps) == [
+        1,
+        1,
+    ]
     assert not any(map(check_layouts._running, started))
 
 
