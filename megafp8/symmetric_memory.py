@@ -14,9 +14,11 @@ leave free (`use_copy_engines`) lets the transfers start on time.
 Every transfer runs on one copy stream, forked from the compute stream and joined back by the
 handle's wait(), so it works inside CUDA graphs. A gather's closing barrier (its peers are done
 reading) stays on the copy stream, off the compute stream's path: a CUDA graph capture must call
-`join_copy_streams()` before it ends. The workspace grows outside a capture and is never freed
-while the process lives (captured graphs keep its address). Each rank of a group must call the
-same transfers in the same order, as the overlapped layers do.
+`join_copy_streams()` before it ends. A barrier kernel whose peer does not come within the
+timeout prints which rank and channel it waited for and traps, so a run left waiting ends with a
+CUDA error, as NCCL's timed-out collectives do. The workspace grows outside a capture and is
+never freed while the process lives (captured graphs keep its address). Each rank of a group
+must call the same transfers in the same order, as the overlapped layers do.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ import torch.distributed as dist
 from .collectives import group_size, rank_in, side_by_side
 
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
+
+# A peer that never arrives at a barrier: the waiting kernel traps after this long (the trainer
+# passes --distributed-timeout-minutes; torch's default for collectives).
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
 # SMs the trainer's GEMMs leave to the transfers' kernels (--tp-comm-sm-carveout): of 0, 2, 4, 8
 # and 16, 2 gave GPT-1.3B at tp 2 on two H200s the most tokens/s (benchmarks/RESULTS.md)
@@ -58,10 +64,18 @@ def unavailable_reason(group) -> str | None:
     return None
 
 
-def use_copy_engines(group, sm_carveout: int = 0) -> None:
+def use_copy_engines(
+    group, sm_carveout: int = 0, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S
+) -> None:
     """Move the overlapped blocks of `group` on copy engines from now on (see `unavailable_reason`).
     `sm_carveout`: cuBLAS GEMMs leave that many SMs free, where the transfers' barrier and local
-    copy kernels run beside a GEMM that would otherwise hold every SM until it ends."""
+    copy kernels run beside a GEMM that would otherwise hold every SM until it ends. `timeout_s`:
+    a barrier kernel that waits longer for a peer stops the process with a CUDA error, after
+    printing which rank it waited for on which channel (as NCCL's collectives time out)."""
+    if not timeout_s > 0:
+        raise ValueError(
+            f"a barrier timeout of {timeout_s} s never ends a wait: give a positive one"
+        )
     reason = unavailable_reason(group)
     if reason is not None:
         raise RuntimeError(f"copy-engine transfers are not available: {reason}")
@@ -71,7 +85,7 @@ def use_copy_engines(group, sm_carveout: int = 0) -> None:
             f"an SM carveout of {sm_carveout} leaves the GEMMs no SMs: this GPU has {sms}; "
             f"give fewer (0: GEMMs on every SM)"
         )
-    _workspaces.setdefault(group, _Workspace(group))
+    _workspaces.setdefault(group, _Workspace(group, timeout_s))
     if sm_carveout and not hasattr(torch._C, "_set_sm_carveout_experimental"):
         warnings.warn(
             f"torch {torch.__version__} cannot leave SMs free in cuBLAS GEMMs: they keep every SM",
@@ -145,8 +159,9 @@ class _Workspace:
     """One group's symmetric buffer: a gather region (written and read on the copy stream) and a
     scatter region (written by the compute stream's GEMMs, read by the peers' copy streams)."""
 
-    def __init__(self, group):
+    def __init__(self, group, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S):
         self.group, self.size, self.rank = group, group_size(group), rank_in(group)
+        self.timeout_ms = max(int(timeout_s * 1000), 1)
         self.stream = torch.cuda.Stream()
         self.gather_bytes = self.scatter_bytes = 0
         self.handle = self.mine = self.peers = None
@@ -177,6 +192,12 @@ class _Workspace:
             self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8)
             for rank in range(self.size)
         ]
+
+    def _barrier(self, channel: int) -> None:
+        """Every rank of the group has reached this point of its copy stream; a peer that does not
+        come within the timeout stops this process with a CUDA error (torch's barrier kernel
+        prints which rank and channel it waited for, then traps)."""
+        self.handle.barrier(channel=channel, timeout_ms=self.timeout_ms)
 
     def _fork(self) -> torch.cuda.Stream:
         self.forked_in_capture |= torch.cuda.is_current_stream_capturing()
@@ -245,7 +266,7 @@ class _Workspace:
         with torch.cuda.stream(self._fork()):
             for part, start, size in zip(parts, starts, sizes):
                 self.peers[self.rank][start : start + size].copy_(_bytes(part.local))
-            self.handle.barrier(channel=0)  # every rank's blocks are in
+            self._barrier(0)  # every rank's blocks are in
             for part, start, size in zip(parts, starts, sizes):
                 for step in range(1, self.size):
                     peer = (self.rank + step) % self.size
@@ -256,7 +277,7 @@ class _Workspace:
                 pending.append(handle.then(part.follow) if part.follow else handle)
             # Every peer has read this rank's blocks before the copy stream writes the region
             # again; the compute stream need not wait for it.
-            self.handle.barrier(channel=1)
+            self._barrier(1)
         return pending
 
     def gemm_reduce_scatter(
@@ -316,12 +337,12 @@ class _Workspace:
             device=torch.cuda.current_device(),
         )
         with torch.cuda.stream(self._fork()):
-            self.handle.barrier(channel=0)  # every rank's partial sums are in
+            self._barrier(0)  # every rank's partial sums are in
             for step in range(1, self.size):
                 peer = (self.rank - step) % self.size
                 start = self.gather_bytes + self.rank * block
                 _bytes(received[step - 1]).copy_(self.peers[peer][start : start + block])
-            self.handle.barrier(channel=1)
+            self._barrier(1)
             done = self._join()
         return _Pending(done, received)
 

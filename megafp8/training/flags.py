@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed-timeout-minutes",
         type=_number(float, above=0.0),
         default=10.0,
-        help="how long a rank waits in a collective for the others before the run fails (a rank "
-        "that died or hangs); Megatron's default",
+        help="how long a rank waits in a collective, or a copy-engine barrier of "
+        "--tp-comm-overlap, for the others before the run fails (a rank that died or hangs); "
+        "Megatron's default",
     )
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument(

@@ -956,7 +956,9 @@ def _tp_comm_transport(args, tp_group) -> str:
     if args.tp_comm_overlap_transport == "copy-engine" or (
         args.tp_comm_overlap_transport == "auto" and args.enable_cuda_graph and reason is None
     ):
-        symmetric_memory.use_copy_engines(tp_group, args.tp_comm_sm_carveout)
+        symmetric_memory.use_copy_engines(
+            tp_group, args.tp_comm_sm_carveout, timeout_s=args.distributed_timeout_minutes * 60
+        )
         return "copy-engine"
     return "nccl"
 

@@ -3,6 +3,9 @@ against the same product computed whole, over 2, 3 and 4 gloo ranks (3: a ring w
 has blocks on both sides of its own); on two GPUs, their copy-engine transfers
 (megafp8.symmetric_memory) against NCCL's."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,15 +118,21 @@ def unavailable_body(rank, size):
         refused = None
     except RuntimeError as error:
         refused = str(error)
+    try:
+        symmetric_memory.use_copy_engines(group, timeout_s=0)
+        no_timeout = None
+    except ValueError as error:
+        no_timeout = str(error)
     columns = collective_gemm.all_gather_columns(torch.full((3, 2), float(rank)), group).wait()
-    return reason, refused, symmetric_memory.workspace(group), columns
+    return reason, refused, no_timeout, symmetric_memory.workspace(group), columns
 
 
 def test_copy_engines_are_refused_with_the_reason_where_the_group_cannot_use_them():
     """gloo on the CPU: no symmetric memory; the overlap keeps its NCCL/gloo transfers."""
-    for reason, refused, workspace, columns in run_on_ranks(unavailable_body, 2):
+    for reason, refused, no_timeout, workspace, columns in run_on_ranks(unavailable_body, 2):
         assert "CUDA GPUs and the NCCL backend" in reason and "gloo" in reason
         assert refused == f"copy-engine transfers are not available: {reason}"
+        assert "a barrier timeout of 0 s never ends a wait" in no_timeout
         assert workspace is None
         assert torch.equal(columns, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 3))
 
@@ -217,3 +226,47 @@ def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
         assert result[:2] == [[True] * 9] * 2, result
         assert "an SM carveout of 100000 leaves the GEMMs no SMs" in result[2], result
         assert result[3:] == [2, None], result
+
+
+# Rank 1 never joins the gather: rank 0's barrier must give up after its timeout, say so, and end
+# the process with a CUDA error instead of waiting forever.
+_ABSENT_PEER = """
+import os, sys, torch, torch.distributed as dist
+from megafp8 import symmetric_memory
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl")
+group = dist.group.WORLD
+symmetric_memory.use_copy_engines(group, timeout_s=2)
+space = symmetric_memory.workspace(group)
+local = torch.ones(4, 8, device="cuda")
+out = local.new_empty(8, 8)
+space.all_gather_into(out, local).wait()  # both ranks: the workspace grows (collective), once
+torch.cuda.synchronize()
+dist.barrier()
+if rank == 0:
+    try:
+        space.all_gather_into(out, local).wait()
+        torch.cuda.synchronize()
+        print("no error", flush=True)
+    except RuntimeError as error:
+        print(f"rank 0 stopped: {error}", flush=True)
+    os._exit(0)
+os._exit(0)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_copy_engine_barrier_without_its_peer_times_out(tmp_path):
+    script = tmp_path / "absent_peer.py"
+    script.write_text(_ABSENT_PEER)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = done.stdout + done.stderr
+    assert "CUDASymmetricMemory::barrier: rank 0 failed" in out, out
+    assert "rank 0 stopped:" in out and "no error" not in out, out
