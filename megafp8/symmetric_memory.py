@@ -159,7 +159,7 @@ class _Workspace:
     """One group's symmetric buffer: a gather region (written and read on the copy stream) and a
     scatter region (written by the compute stream's GEMMs, read by the peers' copy streams)."""
 
-    def __init__(self, group, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S):
+    def __init__(self, group, timeout_s: float):
         self.group, self.size, self.rank = group, group_size(group), rank_in(group)
         self.timeout_ms = max(int(timeout_s * 1000), 1)
         self.stream = torch.cuda.Stream()
