@@ -13,17 +13,21 @@
 # warm-up ones (compilation). Each run appends its JSON line to $RESULTS/<shape>.jsonl (RESULTS,
 # relative to the checkout, defaults to benchmarks/results/one_gpu/<date>_side_by_side) and leaves its
 # output in $RESULTS/<shape>_<run>.log; the table of tokens/s and ratios is printed and saved as
-# $RESULTS/<shape>.md. EXTRA="...": more trainer flags; PEER_VARIANTS: the peer's variants
-# (default "bf16_compile float8_tensorwise"); RUN_TIMEOUT: seconds per run (default 600).
+# $RESULTS/<shape>.md. EXTRA="...": more trainer flags, and NAME their runs' name in the table
+# (a second call into the same RESULTS adds them beside the first call's runs); PRECISIONS: megafp8's runs (default
+# "bf16 delayed current"); PEER_VARIANTS: the peer's variants (default "bf16_compile
+# float8_tensorwise"; "" for none); RUN_TIMEOUT: seconds per run (default 600).
 # No internet needed: the peer uses whatever torchao imports (pip install 'megafp8[peer]', or its
 # wheel); a run that fails shows as "not run" in the table, and the script then exits 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHAPE=${1:-1b}
 RESULTS=${RESULTS:-benchmarks/results/one_gpu/$(date +%Y-%m-%d)_side_by_side}
-PEER_VARIANTS=${PEER_VARIANTS:-"bf16_compile float8_tensorwise"}
+PRECISIONS=${PRECISIONS:-"bf16 delayed current"}
+PEER_VARIANTS=${PEER_VARIANTS-"bf16_compile float8_tensorwise"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
 EXTRA=${EXTRA:-}
+NAME=${NAME:-}
 
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -eq 0 ]; then
     echo "side_by_side.sh: needs an NVIDIA GPU, and this machine has none (torch sees no CUDA device)." >&2
@@ -46,10 +50,10 @@ run() {
         tail -n 3 "$log" >&2
     fi
 }
-for precision in bf16 delayed current; do
+for precision in $PRECISIONS; do
     # shellcheck disable=SC2086  # SHAPE_FLAGS and EXTRA are word lists on purpose
-    run "megafp8_$precision" python -m torch.distributed.run --standalone --nproc-per-node 1 \
-        benchmarks/bench_layouts.py --output "$OUT" --label "$SHAPE" --precisions "$precision" -- \
+    run "megafp8_$precision${NAME:+_${NAME// /_}}" python -m torch.distributed.run --standalone --nproc-per-node 1 \
+        benchmarks/bench_layouts.py --output "$OUT" --label "$SHAPE${NAME:+, $NAME}" --precisions "$precision" -- \
         $SHAPE_FLAGS --bf16 --enable-cuda-graph --train-iters 20 --log-interval 10 --lr 1e-4 --mock-data $EXTRA
 done
 for variant in $PEER_VARIANTS; do

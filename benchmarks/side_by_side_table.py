@@ -39,10 +39,28 @@ RATIOS = (
 
 
 def run_name(record: dict) -> str:
-    """bench_layouts.py's records carry the precision, peer_gpt.py's the variant."""
+    """bench_layouts.py's records carry the precision (and after the shape in their label, the
+    name side_by_side.sh's NAME gave runs with more flags), peer_gpt.py's the variant."""
     if record.get("benchmark") == "peer_gpt":
         return PEER_RUNS[record["variant"]]
-    return MEGAFP8_RUNS[record["precision"]]
+    named = record.get("label", "").partition(", ")[2]
+    return MEGAFP8_RUNS[record["precision"]] + (f" ({named})" if named else "")
+
+
+def named_runs(runs: dict[str, dict]) -> list[str]:
+    """megafp8's runs with more flags (NAME), in the order they ran."""
+    return [name for name in runs if name not in RUNS]
+
+
+def all_ratios(runs: dict[str, dict]) -> tuple:
+    """RATIOS, then each named run against its plain namesake and, under FP8, against torchao."""
+    extra = []
+    for name in named_runs(runs):
+        plain = name.rpartition(" (")[0]
+        extra.append((name, plain))
+        if "FP8" in name:
+            extra.append((name, PEER_RUNS["float8_tensorwise"]))
+    return RATIOS + tuple(extra)
 
 
 def tokens_per_sec(record: dict) -> float:
@@ -60,23 +78,28 @@ def latest_runs(records: list[dict]) -> dict[str, dict]:
     return {run_name(record): record for record in records}
 
 
-def ratios(runs: dict[str, dict]) -> list[tuple[str, str, float | None]]:
-    """Each of RATIOS with its value, None where either run is missing."""
+def ratios(runs: dict[str, dict], of=tokens_per_sec) -> list[tuple[str, str, float | None]]:
+    """Each of `all_ratios` with its value of `of` (tokens/s), None where either is missing."""
     return [
         (
             top,
             bottom,
-            tokens_per_sec(runs[top]) / tokens_per_sec(runs[bottom])
-            if top in runs and bottom in runs
+            of(runs[top]) / of(runs[bottom])
+            if top in runs and bottom in runs and of(runs[top]) and of(runs[bottom])
             else None,
         )
-        for top, bottom in RATIOS
+        for top, bottom in all_ratios(runs)
     ]
+
+
+def peak_memory(record: dict) -> float | None:
+    return record.get("peak_memory_gib")
 
 
 def table(runs: dict[str, dict]) -> str:
     lines = ["| run | tokens/s | step ms | peak memory (GiB) | device |", "|---|---|---|---|---|"]
-    for name in RUNS:
+    megafp8 = tuple(MEGAFP8_RUNS.values())
+    for name in megafp8 + tuple(named_runs(runs)) + tuple(PEER_RUNS.values()):
         record = runs.get(name)
         if record is None:
             if name in EXPECTED:
@@ -92,6 +115,11 @@ def table(runs: dict[str, dict]) -> str:
         lines.append(
             f"| {top} / {bottom} | {'not run' if value is None else f'**{value:.3f}x**'} |"
         )
+    if named_runs(runs):  # what the named runs' flags do to memory
+        lines += ["", "| ratio of peak memory | |", "|---|---|"]
+        for top, bottom, value in ratios(runs, of=peak_memory):
+            if top in named_runs(runs) and value is not None:
+                lines.append(f"| {top} / {bottom} | {value:.3f}x |")
     peer = next((record for record in runs.values() if record.get("benchmark") == "peer_gpt"), None)
     if peer is not None:
         lines.append(

@@ -1,8 +1,8 @@
-"""The fp32 gradient protocol between the layers and data parallelism's gradient buffers
+"""The gradient-buffer protocol between the layers and data parallelism's gradient buffers
 (Megatron's `main_grad`; the base layer: imports nothing of megafp8).
 
 A parameter that data parallelism buffers (megafp8.parallel.data_parallel.GradientBuffer) carries
-`main_grad`, its fp32 view into the buffer, and `main_grad_empty`, True while that view holds no
+`main_grad`, its view into the buffer (fp32, or the buffer's bf16), and `main_grad_empty`, True while that view holds no
 gradient of this step (the buffer is not cleared between steps: the step's first gradient
 overwrites it). The layers that write their gradients there themselves (gradient-accumulation
 fusion in megafp8.fp8.linear, the backward of megafp8.parallel.cuda_graphs) and the buffer's own

@@ -1,9 +1,11 @@
-"""Data parallelism: contiguous fp32 gradient buffers whose buckets are reduced over the
+"""Data parallelism: contiguous gradient buffers (fp32 by default) whose buckets are reduced over the
 data-parallel group while backward is still running.
 
-Every trainable parameter gets `param.main_grad`, a view into one fp32 buffer. After each
+Every trainable parameter gets `param.main_grad`, a view into one buffer. After each
 backward of a parameter its (bf16) `.grad` is added into `main_grad` and freed, so gradients
-accumulate in fp32 across micro-batches. A layer may instead write its weight gradient into
+accumulate in fp32 across micro-batches. A bf16 buffer (`dtype`, Megatron's
+`--main-grads-dtype bf16`) halves its memory and the reduction's bytes, and accumulates and
+reduces in bf16. A layer may instead write its weight gradient into
 `main_grad` itself, in fp32 straight from the GEMM (Megatron's gradient-accumulation fusion,
 megafp8.fp8.linear): it then gives autograd no gradient for that weight.
 
@@ -49,8 +51,13 @@ class _Bucket:
         self.handle = None
 
 
+# What a gradient buffer may hold its gradients in
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class GradientBuffer:
-    """The fp32 `main_grad` buffer of `params`, with bucketed, overlapped reduction over `group`."""
+    """The `main_grad` buffer of `params` (fp32, or `dtype`), with bucketed, overlapped reduction
+    over `group`."""
 
     def __init__(
         self,
@@ -60,7 +67,12 @@ class GradientBuffer:
         shard=False,
         overlap=True,
         own_bucket=(),
+        dtype=torch.float32,
     ):
+        if dtype not in MAIN_GRAD_DTYPES:
+            raise ValueError(
+                f"gradients in {dtype}: a gradient buffer holds one of {MAIN_GRAD_DTYPES}"
+            )
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters")
@@ -92,7 +104,7 @@ class GradientBuffer:
                 offset = start + -(-(offset - start) // self.size) * self.size
             self.buckets.append(_Bucket(params_of_bucket, start, offset))
         self.numel = offset
-        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:

@@ -38,6 +38,7 @@ from pathlib import Path
 from megafp8.planner.memory import MemoryLayout, estimate
 from megafp8.planner.throughput import Calibration, NotPredicted, predict
 from megafp8.training import arguments
+from megafp8.training.flags import LEAN_OPTIMIZER_STATES
 
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (1, 2, 4)
@@ -111,6 +112,8 @@ def trainer_flags(args, layout: dict) -> list[str]:
         flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if args.fp8:
         flags += ["--fp8-format", "hybrid", "--fp8-recipe", args.fp8]
+    if args.lean_optimizer_states:
+        flags += list(LEAN_OPTIMIZER_STATES)
     return flags
 
 
@@ -268,6 +271,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="tensor parallelism stays within a node"
+    )
+    parser.add_argument(
+        "--lean-optimizer-states",
+        action="store_true",
+        help=f"plan with the trainer's {' '.join(LEAN_OPTIMIZER_STATES)}",
     )
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(

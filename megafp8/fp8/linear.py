@@ -96,11 +96,11 @@ class Fp8Linear(nn.Linear):
     the neighbour runs on its own first, with the same result.
 
     Gradient-accumulation fusion (Megatron's, on unless `fuse_wgrad_accumulation` is False): when
-    the weight carries an fp32 `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
-    weight and bias gradients go there straight from the GEMM in fp32, with no bf16 gradient and
-    no accumulation pass: the FP8 wgrad overwrites a `main_grad` that holds no gradient yet
-    (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and on a GPU the
-    high-precision wgrad adds into it inside the GEMM (addmm with an fp32 output). Autograd then gets no gradient
+    the weight carries a `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
+    weight and bias gradients go there straight from the GEMM in its dtype (fp32, or bf16), with
+    no bf16 gradient and no accumulation pass: the FP8 wgrad overwrites a `main_grad` that holds
+    no gradient yet (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and
+    on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output). Autograd then gets no gradient
     for them, which the GradientBuffer's hook understands.
     """
 
@@ -593,7 +593,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     dw = fp8_gemm(dy_t, x_saved, qdy.scale_inv, x_scale_inv, ctx.weight_dtype)
                 else:  # dw stays None: the gradient is in main_grad
                     fp8_gemm(
-                        dy_t, x_saved, qdy.scale_inv, x_scale_inv, torch.float32, out=main_grad
+                        dy_t, x_saved, qdy.scale_inv, x_scale_inv, main_grad.dtype, out=main_grad
                     )
             else:
                 if ctx.fp8_gather:  # the forward gathered its input in FP8: gather it again here
@@ -674,7 +674,7 @@ _ADDMM_INTO_FP32 = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """F.linear whose weight and bias gradients are added into their fp32 `main_grad` by the
+    """F.linear whose weight and bias gradients are added into their `main_grad` by the
     GEMM itself (beta = 1; beta = 0 overwrites an empty one) and the bias reduction, instead of
     returned in bf16."""
 
@@ -711,9 +711,12 @@ def _weight_and_bias_grads(
     dw = db = None
     if into_main_grad:
         beta = 0 if weight.main_grad_empty else 1  # beta = 0 reads nothing of the old values
-        torch.ops.aten.addmm.dtype_out(
-            weight.main_grad, dy2.t(), x2, torch.float32, beta=beta, out=weight.main_grad
-        )
+        if weight.main_grad.dtype == dy2.dtype:  # a bf16 buffer
+            torch.addmm(weight.main_grad, dy2.t(), x2, beta=beta, out=weight.main_grad)
+        else:
+            torch.ops.aten.addmm.dtype_out(
+                weight.main_grad, dy2.t(), x2, torch.float32, beta=beta, out=weight.main_grad
+            )
         weight.main_grad_empty = False
     elif weight.requires_grad:
         dw = dy2.t() @ x2

@@ -3,11 +3,13 @@ model, tools/plan_parallel.py).
 
 What megafp8 keeps, and so what is counted:
 - the parameters, in their dtype (bf16: 2 bytes), of the rank's pipeline stage and tensor shard;
-- the fp32 gradient buffer (`main_grad`, 4 bytes a parameter element; with the distributed
-  optimizer each bucket padded to a multiple of dp, not modelled: under dp elements a bucket);
+- the gradient buffer (`main_grad`, 4 bytes a parameter element, 2 with --main-grads-dtype
+  bf16; with the distributed optimizer each bucket padded to a multiple of dp, not modelled:
+  under dp elements a bucket);
 - the optimizer: fp32 master, exp_avg and exp_avg_sq of the elements the rank updates (12 bytes;
-  all of its parameters, or a dp-th with the distributed optimizer, which also keeps a bf16
-  slice of each bucket to all-gather from: 2 bytes an owned element);
+  each moment 2 in bf16, the master 2 as a remainder with --store-param-remainders; all of its
+  parameters, or a dp-th with the distributed optimizer, which also keeps a bf16 slice of each
+  bucket to all-gather from: 2 bytes an owned element);
 - under FP8, every FP8 linear's cached weight cast in both layouts (2 bytes a weight element);
 - activations saved for backward: per layer and micro-batch what this code saves (below), times
   the micro-batches a pipeline schedule holds in flight, plus the logits on the last stage.
@@ -36,6 +38,7 @@ from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 FP8_RECIPES = (None, "delayed", "current")
+STATE_BYTES = {"fp32": 4, "bf16": 2}  # an optimizer state's bytes an element, by flag value
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class MemoryLayout:
     overlap_p2p_comm: bool = True  # as overlap_param_gather
     recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
     fp8: str | None = None  # None (bf16) | delayed | current
+    # optimizer states: fp32 | bf16 each (--exp-avg-dtype, --exp-avg-sq-dtype, --main-grads-dtype)
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    store_param_remainders: bool = False
     fp8_neighbour_fusion: bool = True
     fp8_output_layer: bool = False
     first_last_layers_bf16: int = 0
@@ -80,6 +88,20 @@ class MemoryLayout:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype"):
+            if getattr(self, name) not in STATE_BYTES:
+                raise ValueError(
+                    f"{name} must be one of {tuple(STATE_BYTES)}, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def lean_states(self) -> bool:
+        """Whether any optimizer state is kept lean (the optimizer's fused pass then leaves the
+        FP8 weights' casts to the forward)."""
+        return self.store_param_remainders or any(
+            getattr(self, name) != "fp32"
+            for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype")
+        )
 
     @property
     def sp(self) -> bool:
@@ -105,6 +127,10 @@ class MemoryLayout:
             overlap_p2p_comm=args.overlap_p2p_communication,
             recompute=args.recompute_granularity or "none",
             fp8=args.fp8_recipe if args.fp8_format else None,
+            exp_avg_dtype=args.exp_avg_dtype,
+            exp_avg_sq_dtype=args.exp_avg_sq_dtype,
+            main_grads_dtype=args.main_grads_dtype,
+            store_param_remainders=args.store_param_remainders,
             fp8_neighbour_fusion=args.fp8_neighbour_fusion,
             fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16,
@@ -204,10 +230,15 @@ def static_bytes(
     counts = rank_parameters(config, layout, pp_rank)
     elements = counts["layers"] + counts["embedding"] + counts["output"]
     owned = elements / layout.dp if layout.distributed_optimizer else elements
-    optimizer = 12 * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
+    states = (
+        (2 if layout.store_param_remainders else 4)
+        + STATE_BYTES[layout.exp_avg_dtype]
+        + STATE_BYTES[layout.exp_avg_sq_dtype]
+    )
+    optimizer = states * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
     return {
         "parameters": param_bytes * elements,
-        "gradients": 4 * elements,
+        "gradients": STATE_BYTES[layout.main_grads_dtype] * elements,
         "optimizer": optimizer,
         "fp8_weight_casts": 2 * counts["fp8_weights"],
     }

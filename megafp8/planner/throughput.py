@@ -20,13 +20,13 @@ a map without that split: each layer at a one-layer step's host time); the outpu
 at their GPU time either way):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
-- data parallelism: the fp32 gradients' all-reduce (with the distributed optimizer a
+- data parallelism: the gradients' all-reduce (fp32, or bf16 with --main-grads-dtype bf16) (with the distributed optimizer a
   reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
   only what outlasts it counts; the distributed optimizer's all-gather of the bf16 parameters
   after its step, exposed, or with --overlap-param-gather (as the recipes run it) beside the
   next step's first forward: only what outlasts the stage's layers' forward counts;
-- the optimizer: its fused pass reads and writes OPTIMIZER_BYTES_PER_PARAMETER per element it
-  updates (and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per FP8 weight), at the measured copy bandwidth.
+- the optimizer: its fused pass reads and writes `optimizer_bytes_per_parameter` per element it
+  updates (and `weight_cast_bytes` more per FP8 weight), at the measured copy bandwidth.
 What is not measured is not guessed: a layout whose layer time (its tp, sequence length, a
 micro-batch within the measured range) or whose collectives have no measurement is not predicted,
 and says what to measure. Where the model stretches a measurement it says so in `extrapolated`:
@@ -45,13 +45,36 @@ from megafp8.models.config import TransformerConfig
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 
 from . import layer_map
-from .memory import MemoryLayout, rank_parameters, stage_layer_count
+from .memory import STATE_BYTES, MemoryLayout, rank_parameters, stage_layer_count
 
-# The fused AdamW pass per element it updates: fp32 master, exp_avg and exp_avg_sq read and
-# written (24), the fp32 gradient read (4), the bf16 parameter written (2); under FP8 it also
-# writes each FP8 weight's casts, both orientations (2).
+# The fused AdamW pass per element it updates, with the default states
+# (`optimizer_bytes_per_parameter`); under FP8 it also writes each FP8 weight's casts, both
+# orientations (2).
 OPTIMIZER_BYTES_PER_PARAMETER = 30
 OPTIMIZER_BYTES_PER_FP8_WEIGHT = 2
+# With lean states the forward casts the new weight instead: the bf16 weight read, both layouts
+# written.
+FORWARD_CAST_BYTES_PER_FP8_WEIGHT = 4
+
+
+def weight_cast_bytes(layout: MemoryLayout) -> int:
+    """Bytes a step spends per FP8 weight element on its new cast: written by the optimizer pass,
+    or with lean states by the forward (megafp8.training.optimizer)."""
+    return (
+        FORWARD_CAST_BYTES_PER_FP8_WEIGHT if layout.lean_states else OPTIMIZER_BYTES_PER_FP8_WEIGHT
+    )
+
+
+def optimizer_bytes_per_parameter(layout: MemoryLayout) -> int:
+    """What the fused AdamW pass reads and writes per element it updates: the master, exp_avg
+    and exp_avg_sq read and written, the gradient read, the bf16 parameter written (fp32 states:
+    24 + 4 + 2 = OPTIMIZER_BYTES_PER_PARAMETER); with remainders the master is the 2-byte
+    remainder, and the parameter, its high half, is read too."""
+    moments = STATE_BYTES[layout.exp_avg_dtype] + STATE_BYTES[layout.exp_avg_sq_dtype]
+    master = 2 + 2 + 2 if layout.store_param_remainders else 4 + 4
+    return 2 * moments + master + STATE_BYTES[layout.main_grads_dtype] + 2
+
+
 # nccl-tests' bus-bandwidth factors: bytes moved per byte of the message, per rank.
 BUS_FACTOR = {
     "all_reduce": lambda k: 2 * (k - 1) / k,
@@ -349,7 +372,8 @@ def predict(
             )
 
         gradient_sync = per_bucket(
-            "reduce_scatter" if layout.distributed_optimizer else "all_reduce", 4
+            "reduce_scatter" if layout.distributed_optimizer else "all_reduce",
+            STATE_BYTES[layout.main_grads_dtype],
         )
         if layout.distributed_optimizer:
             parameter_gather = per_bucket("all_gather", 2)
@@ -369,8 +393,8 @@ def predict(
     optimizer = (
         share
         * (
-            parameters * OPTIMIZER_BYTES_PER_PARAMETER
-            + counts["fp8_weights"] * OPTIMIZER_BYTES_PER_FP8_WEIGHT
+            parameters * optimizer_bytes_per_parameter(layout)
+            + counts["fp8_weights"] * weight_cast_bytes(layout)
         )
         / (calibration.copy_gbs * 1e6)
     )

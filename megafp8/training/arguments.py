@@ -435,7 +435,16 @@ def _check_and_resolve(args, given: set) -> None:
     _check_run(args, given)
     _check_profile(args, given)
     _check_param_gather(args)
+    _check_optimizer_states(args)
     _absolute_paths(args)
+
+
+def _check_optimizer_states(args) -> None:
+    if args.store_param_remainders and not args.bf16:
+        raise ArgumentsError(
+            "--store-param-remainders keeps the fp32 master weight as the bf16 parameter and a "
+            "16-bit remainder: give --bf16 too (these parameters are fp32, their own masters)"
+        )
 
 
 def _check_param_gather(args) -> None:

@@ -13,6 +13,19 @@ from megafp8.models.config import PRESETS
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from megafp8.parallel.stages import half_layers
 from megafp8.symmetric_memory import DEFAULT_SM_CARVEOUT
+from megafp8.training.optimizer import STATE_DTYPES as OPTIMIZER_STATE_DTYPES
+
+# Every lean optimizer state at once (docs/training.md): what the planner's
+# --lean-optimizer-states plans with
+LEAN_OPTIMIZER_STATES = (
+    "--exp-avg-dtype",
+    "bf16",
+    "--exp-avg-sq-dtype",
+    "bf16",
+    "--main-grads-dtype",
+    "bf16",
+    "--store-param-remainders",
+)
 
 
 class ArgumentsError(ValueError):
@@ -263,6 +276,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=_number(float, above=0.0), default=1e-8)
     g.add_argument(
         "--clip-grad", type=_number(float, minimum=0.0), default=1.0, help="0: no clipping"
+    )
+    g.add_argument(
+        "--exp-avg-dtype",
+        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        default="fp32",
+        help="Adam's first moment (Megatron's precision-aware optimizer): bf16 keeps 2 bytes a "
+        "parameter instead of 4, updated in fp32 and rounded to nearest (fused optimizer pass: "
+        "a CUDA GPU with triton)",
+    )
+    g.add_argument(
+        "--exp-avg-sq-dtype",
+        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        default="fp32",
+        help="Adam's second moment, as --exp-avg-dtype",
+    )
+    g.add_argument(
+        "--main-grads-dtype",
+        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        default="fp32",
+        help="the gradient buffer: bf16 halves it and the data-parallel reduction's bytes, and "
+        "accumulates micro-batches and sums data-parallel ranks in bf16 (Megatron's "
+        "--accumulate-allreduce-grads-in-fp32 off; fused optimizer pass)",
+    )
+    g.add_argument(
+        "--store-param-remainders",
+        action="store_true",
+        help="with --bf16: the fp32 master weight is the bf16 parameter plus a 16-bit remainder "
+        "(exact, 2 bytes a parameter instead of 4; Transformer Engine's FusedAdam option); the "
+        "parameter is the master rounded half away from zero (fused optimizer pass)",
     )
 
     g = p.add_argument_group("precision")

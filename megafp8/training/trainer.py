@@ -48,7 +48,7 @@ from megafp8.parallel.data_parallel import GradientBuffer
 from megafp8.training import arguments, checkpointing, metrics
 from megafp8.training.fp8_sentinel import Fp8Sentinel
 from megafp8.training.lr_schedule import LRSchedule
-from megafp8.training.optimizer import MixedPrecisionAdamW
+from megafp8.training.optimizer import STATE_DTYPES, MixedPrecisionAdamW, adamw_kernel
 from megafp8.training.profiling import StepProfiler
 
 
@@ -254,7 +254,19 @@ class Trainer:
             shard=a.use_distributed_optimizer,
             overlap=a.overlap_grad_reduce,
             own_bucket=self.model.own_buckets,
+            dtype=STATE_DTYPES[a.main_grads_dtype],
         )
+        lean = [
+            f"--{flag.replace('_', '-')} bf16"
+            for flag in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype")
+            if getattr(a, flag) != "fp32"
+        ]
+        lean += ["--store-param-remainders"] * a.store_param_remainders
+        if lean and not adamw_kernel.available(self.device):
+            raise arguments.ArgumentsError(
+                f"{', '.join(lean)}: lean optimizer states are kept by the fused optimizer pass, "
+                f"which runs on a CUDA GPU with triton; leave them out here"
+            )
         fp8_linears = [module for module in self.model.modules() if isinstance(module, Fp8Linear)]
         for module in fp8_linears:
             module.fuse_wgrad_accumulation = a.gradient_accumulation_fusion
@@ -273,6 +285,10 @@ class Trainer:
             distributed=a.use_distributed_optimizer,
             overlap_param_gather=a.overlap_param_gather,
             fp8_linears=fp8_linears if self.recipe is not None else (),
+            fused=True if lean else None,
+            exp_avg_dtype=STATE_DTYPES[a.exp_avg_dtype],
+            exp_avg_sq_dtype=STATE_DTYPES[a.exp_avg_sq_dtype],
+            store_param_remainders=a.store_param_remainders,
         )
         if a.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
             for chunk in self.chunks:

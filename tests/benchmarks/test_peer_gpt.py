@@ -112,6 +112,17 @@ def test_the_trainer_flags_describe_the_peers_shapes():
     ]
 
 
+def print_table(path, records) -> str:
+    """What side_by_side_table.py prints of `records`, written as JSON lines to `path`."""
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "side_by_side_table.py"), str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
     megafp8 = [
         {
@@ -175,20 +186,54 @@ def test_the_table_divides_the_runs_tokens_per_second(tmp_path):
     assert ratios[("peer torchao float8 tensorwise", "peer bf16 + compile")] == pytest.approx(1.28)
     assert ratios[("megafp8 FP8 current", "megafp8 bf16")] is None  # not run
 
-    runs = tmp_path / "1b.jsonl"
-    runs.write_text("".join(json.dumps(record) + "\n" for record in megafp8 + peer))
-    printed = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "side_by_side_table.py"), str(runs)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    printed = print_table(tmp_path / "1b.jsonl", megafp8 + peer)
     assert printed.startswith("## 1b\n")
     assert "| megafp8 FP8 delayed | 80,000 | 205.0 | 48.60 | H100 |" in printed
     assert "| megafp8 FP8 current | not run | | | |" in printed and "peer bf16 eager" not in printed
     assert "| megafp8 FP8 delayed / peer torchao float8 tensorwise | **1.250x** |" in printed
     assert "| megafp8 FP8 current / megafp8 bf16 | not run |" in printed
     assert "torchao 0.18.0" in printed
+    assert "ratio of peak memory" not in printed  # only for runs with more flags
+
+
+def test_runs_with_more_flags_are_named_and_divided_by_their_namesakes(tmp_path):
+    """side_by_side.sh's NAME: a run with EXTRA flags shows under its own name, beside the plain
+    one, with its tokens/s and peak memory against it and against torchao."""
+    records = [
+        {
+            "precision": "delayed",
+            "label": "7b",
+            "tokens_per_sec_per_gpu": 60000.0,
+            "peak_memory_gib": 40.0,
+        },
+        {
+            "precision": "delayed",
+            "label": "7b, lean states",
+            "tokens_per_sec_per_gpu": 59400.0,
+            "peak_memory_gib": 28.0,
+        },
+        {
+            "benchmark": "peer_gpt",
+            "variant": "float8_tensorwise",
+            "tokens_per_sec": 50000.0,
+            "peak_memory_gib": 32.0,
+            "torch": "2.11",
+            "torchao": "0.18.0",
+        },
+    ]
+    printed = print_table(tmp_path / "7b.jsonl", records)
+    lines = printed.splitlines()
+    plain = lines.index("| megafp8 FP8 delayed | 60,000 |  | 40.00 |  |")
+    assert lines[plain + 2] == "| megafp8 FP8 delayed (lean states) | 59,400 |  | 28.00 |  |"
+    assert "| megafp8 FP8 delayed (lean states) / megafp8 FP8 delayed | **0.990x** |" in lines
+    assert (
+        "| megafp8 FP8 delayed (lean states) / peer torchao float8 tensorwise | **1.188x** |"
+        in lines
+    )
+    assert "| megafp8 FP8 delayed (lean states) / megafp8 FP8 delayed | 0.700x |" in lines
+    assert (
+        "| megafp8 FP8 delayed (lean states) / peer torchao float8 tensorwise | 0.875x |" in lines
+    )
 
 
 def test_side_by_side_stops_at_once_without_a_gpu(tmp_path):

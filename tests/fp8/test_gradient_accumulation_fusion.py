@@ -17,14 +17,14 @@ from .helpers import rel_err
 MICRO_BATCHES = 3
 
 
-def layer_pair(dtype, device="cpu", out_features=48):
-    """The same layer twice, fused and unfused, each with its gradient buffer."""
+def layer_pair(dtype, device="cpu", out_features=48, grads_in=torch.float32):
+    """The same layer twice, fused and unfused, each with its gradient buffer (of `grads_in`)."""
     layers = []
     for fused in (True, False):
         torch.manual_seed(5)
         layer = Fp8Linear(64, out_features, dtype=dtype, device=device)
         layer.fuse_wgrad_accumulation = fused
-        layers.append((layer, GradientBuffer(layer.parameters())))
+        layers.append((layer, GradientBuffer(layer.parameters(), dtype=grads_in)))
     return layers
 
 
@@ -149,6 +149,29 @@ def test_on_the_gpu_the_fused_gradients_equal_the_unfused_to_bf16_rounding(fp8):
     if not fp8:
         ref = sum(dy.double().t() @ x.double() for x, dy in data)
         assert rel_err(got[-1][0], ref) <= rel_err(want[-1][0], ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_bf16_buffer_takes_the_fused_gradients_in_bf16(device, fp8):
+    """--main-grads-dtype bf16: the FP8 wgrad overwrites the empty bf16 main_grad with the GEMM's
+    bf16 result, which is what the unfused path hands autograd, so the two accumulate alike, bit
+    for bit; the bf16 GEMM on the GPU adds into it inside the GEMM, the unfused path after
+    rounding the gradient, the same to bf16 rounding."""
+    if device == "cpu" and not fp8:
+        pytest.skip("the bf16 GEMM into main_grad is the GPU's (addmm with its output)")
+    pair = layer_pair(torch.bfloat16, device, grads_in=torch.bfloat16)
+    (fused, fused_buffer), (unfused, unfused_buffer) = pair
+    assert fused.weight.main_grad.dtype == torch.bfloat16
+    data = batches(torch.bfloat16, device)
+    got = accumulate(fused, fused_buffer, data, fp8=fp8)
+    want = accumulate(unfused, unfused_buffer, data, fp8=fp8)
+    for (w, b), (w_ref, b_ref) in zip(got, want):
+        if fp8:
+            assert torch.equal(w, w_ref)
+        else:
+            assert rel_err(w, w_ref) < 2.0**-7
+        assert rel_err(b, b_ref) < 2.0**-7
 
 
 def beside_collective_body(rank, size):

@@ -18,6 +18,7 @@ from megafp8.planner.memory import (
     micro_batches_in_flight,
     static_bytes,
 )
+from megafp8.training.flags import LEAN_OPTIMIZER_STATES
 from megafp8.training.trainer import pretrain
 
 from ..multiprocess import run_on_ranks
@@ -248,7 +249,7 @@ def trainer_bytes(trainer):
     gradients = trainer.buffer.data.numel() * trainer.buffer.data.element_size()
     optimizer = 0
     for *_, master in trainer.optimizer.shards:
-        state = trainer.optimizer.optimizer.state[master]
+        state = trainer.optimizer.state[master]
         optimizer += sum(
             t.numel() * t.element_size() for t in (master, state["exp_avg"], state["exp_avg_sq"])
         )
@@ -332,6 +333,42 @@ def layouts_body(rank, world_size):
 def layout_bytes():
     """Each rank's {(model, layout): (pp rank, bytes held, config)}, every run in one launch."""
     return run_on_ranks(layouts_body, 4)
+
+
+def lean_body(rank, world_size):
+    flags = ["--model", "gpt-tiny", *BASE, *LEAN_OPTIMIZER_STATES, "--use-distributed-optimizer"]
+    trainer = pretrain(flags)
+    return trainer_bytes(trainer), trainer.config
+
+
+def test_static_memory_with_lean_optimizer_states(monkeypatch):
+    """Every lean state, with the distributed optimizer over two ranks (in Triton's interpreter:
+    the fused pass keeps them): what the model says the gradients and the optimizer hold."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for measured, config in run_on_ranks(lean_body, 2):
+        layout = MemoryLayout(
+            seq_length=32,
+            micro_batch_size=2,
+            num_micro_batches=2,
+            dp=2,
+            distributed_optimizer=True,
+            exp_avg_dtype="bf16",
+            exp_avg_sq_dtype="bf16",
+            main_grads_dtype="bf16",
+            store_param_remainders=True,
+        )
+        predicted = static_bytes(config, layout, 0)
+        # Buckets padded to a multiple of dp, as in test_static_memory_is_exact_on_every_rank:
+        # 2 bytes a gradient, 8 an owned element (remainder, two moments, the gather's input).
+        slack = 2 * 4 * 2
+        assert 0 <= measured["gradients"] - predicted["gradients"] <= slack
+        assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 8 * slack / 2
+        # the default states: 14 bytes an owned element (12 + the gather's input) against 8
+        default = static_bytes(
+            config, MemoryLayout(seq_length=32, dp=2, distributed_optimizer=True), 0
+        )
+        assert default["optimizer"] / predicted["optimizer"] == pytest.approx(14 / 8)
+        assert default["gradients"] / predicted["gradients"] == 2
 
 
 @pytest.mark.parametrize("model", MODELS)

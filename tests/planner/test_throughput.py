@@ -16,7 +16,9 @@ from megafp8.planner.throughput import (
     OPTIMIZER_BYTES_PER_PARAMETER,
     Calibration,
     NotPredicted,
+    optimizer_bytes_per_parameter,
     predict,
+    weight_cast_bytes,
 )
 
 from ..interpreter import run_interpreted_checks
@@ -567,18 +569,29 @@ def bytes_moved(step) -> int:
 
 def interpreted_checks():
     """MixedPrecisionAdamW's fused pass over a bf16 FP8 linear (its weight and bias) moves
-    OPTIMIZER_BYTES_PER_PARAMETER per element, and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per weight
-    element where it also writes the weight's FP8 cast (delayed scaling)."""
+    OPTIMIZER_BYTES_PER_PARAMETER per element (with every lean state, optimizer_bytes_per_parameter's
+    18), and OPTIMIZER_BYTES_PER_FP8_WEIGHT more per weight element where it also writes the
+    weight's FP8 cast (delayed scaling, default states)."""
     from megafp8.parallel.data_parallel import GradientBuffer
 
     from megafp8.fp8 import DelayedScaling, Fp8Linear, fp8_autocast
-    from megafp8.training.optimizer import MixedPrecisionAdamW
+    from megafp8.training.optimizer import STATE_DTYPES, MixedPrecisionAdamW
 
-    for casts in (False, True):
+    lean = dict(
+        exp_avg_dtype="bf16",
+        exp_avg_sq_dtype="bf16",
+        main_grads_dtype="bf16",
+        store_param_remainders=True,
+    )
+    for casts, states in ((False, {}), (True, {}), (False, lean), (True, lean)):
         torch.manual_seed(0)
         layer = Fp8Linear(80, 144, dtype=torch.bfloat16)
         params = list(layer.named_parameters())
-        buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
+        buffer = GradientBuffer(
+            [p for _, p in params],
+            bucket_size=20_000,
+            dtype=STATE_DTYPES[states.get("main_grads_dtype", "fp32")],
+        )
         optimizer = MixedPrecisionAdamW(
             params,
             buffer,
@@ -586,6 +599,9 @@ def interpreted_checks():
             weight_decay=0.1,
             fused=True,
             fp8_linears=[layer] if casts else (),
+            exp_avg_dtype=STATE_DTYPES[states.get("exp_avg_dtype", "fp32")],
+            exp_avg_sq_dtype=STATE_DTYPES[states.get("exp_avg_sq_dtype", "fp32")],
+            store_param_remainders=states.get("store_param_remainders", False),
         )
         with fp8_autocast(recipe=DelayedScaling()):
             y = layer(torch.randn(32, 80, dtype=torch.bfloat16))
@@ -594,10 +610,14 @@ def interpreted_checks():
         buffer.finish()
         moved = bytes_moved(optimizer.step)
         elements, weights = sum(p.numel() for _, p in params), layer.weight.numel()
-        expected = OPTIMIZER_BYTES_PER_PARAMETER * elements + (
-            OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casts else 0
+        per_parameter = optimizer_bytes_per_parameter(MemoryLayout(seq_length=1, **states))
+        assert per_parameter == (18 if states else OPTIMIZER_BYTES_PER_PARAMETER)
+        casting = casts and not states  # with lean states the forward casts the weight
+        assert weight_cast_bytes(MemoryLayout(seq_length=1, **states)) == (4 if states else 2)
+        expected = per_parameter * elements + (
+            OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casting else 0
         )
-        assert layer._weight_cast_by_optimizer == casts
+        assert layer._weight_cast_by_optimizer == casting
         assert moved == expected, (casts, moved / elements, moved, expected)
 
 

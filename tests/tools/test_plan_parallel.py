@@ -119,6 +119,30 @@ def test_the_plan_is_deterministic(tmp_path):
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
 
 
+def test_lean_optimizer_states_fit_more(tmp_path):
+    """--lean-optimizer-states plans with the trainer's lean flags: each layout's optimizer and
+    gradients take the memory model's lean bytes, so more layouts fit."""
+    plans = {}
+    for lean in (False, True):
+        out = tmp_path / f"{lean}.json"
+        plan_parallel.main(
+            LLAMA_7B + ["--json", str(out)] + (["--lean-optimizer-states"] if lean else [])
+        )
+        plans[lean] = json.loads(out.read_text())
+
+    def key(entry):
+        return tuple(
+            entry[k]
+            for k in ("tp", "pp", "vpp", "micro_batch_size", "recompute", "distributed_optimizer")
+        )
+
+    default_fits = {key(e): e for e in plans[False]["fits"]}
+    lean_fits = {key(e): e for e in plans[True]["fits"]}
+    assert set(default_fits) < set(lean_fits)
+    for layout, entry in default_fits.items():
+        assert lean_fits[layout]["memory_gib"] < entry["memory_gib"], layout
+
+
 def test_nothing_fits_says_so(capsys):
     assert plan_parallel.main(LLAMA_7B[:5] + ["1"] + LLAMA_7B[6:]) == 1  # 1 GiB GPUs
     captured = capsys.readouterr()

@@ -14,6 +14,7 @@ from megafp8.fp8.linear import Fp8Linear
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
 from megafp8.training.optimizer import MixedPrecisionAdamW
+from megafp8.training.optimizer.adamw import join_master, split_master
 
 from ..interpreter import run_interpreted_checks
 from ..multiprocess import run_on_ranks
@@ -40,8 +41,12 @@ def make_params(shapes, dtype, device):
     ]
 
 
-def make_optimizer(params, fused, group=None, distributed=False):
-    buffer = GradientBuffer([p for _, p in params], group, bucket_size=20_000, shard=distributed)
+def make_optimizer(
+    params, fused, group=None, distributed=False, main_grads_dtype=torch.float32, **lean
+):
+    buffer = GradientBuffer(
+        [p for _, p in params], group, bucket_size=20_000, shard=distributed, dtype=main_grads_dtype
+    )
     optimizer = MixedPrecisionAdamW(
         params,
         buffer,
@@ -51,13 +56,15 @@ def make_optimizer(params, fused, group=None, distributed=False):
         dp_group=group,
         distributed=distributed,
         fused=fused,
+        **lean,
     )
     return buffer, optimizer
 
 
-def train(params, buffer, optimizer, steps, rank=0):
+def train(params, buffer, optimizer, steps, rank=0, grads_in=torch.float32, after_step=None):
     """Fresh random gradients each step (drawn from the step and the rank, so that a resumed run
-    sees the same ones); every other step's are large enough to be clipped."""
+    sees the same ones; rounded to `grads_in`); every other step's are large enough to be
+    clipped. `after_step(optimizer)` runs after each step."""
     norms = []
     for step in steps:
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -68,11 +75,13 @@ def train(params, buffer, optimizer, steps, rank=0):
                 * torch.rand(p.shape, generator=g)
                 * (3.0 if step % 2 else 0.01)
             )
-            p.main_grad.add_(grad.to(p.main_grad.device))
+            p.main_grad.add_(grad.to(grads_in).to(p.main_grad.device))
         buffer.finish()
         applied, norm = optimizer.step()
         assert applied
         norms.append(norm)
+        if after_step is not None:
+            after_step(optimizer)
     return norms
 
 
@@ -287,10 +296,199 @@ def check_a_non_finite_step_is_skipped():
     assert_same_snapshot(*runs)
 
 
+# -- lean states: bf16 moments, a bf16 gradient buffer, masters as bf16 parameters + remainders --
+
+BF16 = torch.bfloat16
+LEAN = {
+    "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+    "bf16 gradients": dict(main_grads_dtype=BF16),
+    "remainders": dict(store_param_remainders=True),
+    "all": dict(
+        exp_avg_dtype=BF16,
+        exp_avg_sq_dtype=BF16,
+        main_grads_dtype=BF16,
+        store_param_remainders=True,
+    ),
+}
+
+
+def round_moments_like(lean):
+    """after_step for torch.optim.AdamW's run: its moments rounded as the lean run keeps them."""
+
+    def round_moments(optimizer):
+        for *_, master in optimizer.shards:
+            state = optimizer.optimizer.state[master]
+            for key in ("exp_avg", "exp_avg_sq"):
+                dtype = lean.get(f"{key}_dtype", torch.float32)
+                state[key].copy_(state[key].to(dtype))
+
+    return round_moments
+
+
+def assert_close_to_rounding(got, want, rounded_in, what):
+    """`got` and `want` are states of runs whose arithmetic differs in the last fp32 bits (the
+    interpreter's against torch's CPU formula): fp32 ones to 1e-5 relative error; bf16-kept ones
+    may round the other way where that difference straddles a rounding boundary, and later steps
+    carry it on, so each element is within two bf16 steps (2^-6 of its magnitude, or of a small
+    share of the largest where later steps nearly cancel it), and few of them differ at all."""
+    if rounded_in == torch.float32:
+        assert rel_err(got, want) < 1e-5, what
+        return
+    steps = (want.abs() + want.abs().max() * 2.0**-10) * 2.0**-6
+    assert ((got - want).abs() <= steps).all(), what
+    assert (got != want).sum().item() <= max(3, want.numel() // 1000), what
+
+
+def check_lean_states_against_torch(device, name, exact):
+    """The lean pass equals torch.optim.AdamW on fp32 states that are rounded as the lean run
+    keeps them (moments after each step, gradients before): bit for bit where `exact` (a GPU:
+    both are torch's fused arithmetic), else up to rounding (`assert_close_to_rounding`). The
+    lean run's weights are its masters' rounding, with remainders their high halves."""
+    lean = LEAN[name]
+    grads_in = lean.get("main_grads_dtype", torch.float32)
+    ref_params = make_params(SHAPES, BF16, device)
+    ref_buffer, ref = make_optimizer(ref_params, fused=False)
+    lean_params = make_params(SHAPES, BF16, device)
+    lean_buffer, lean_optimizer = make_optimizer(lean_params, fused=True, **lean)
+    assert lean_optimizer.optimizer is None and lean_optimizer.fused
+    ref_norms = train(
+        ref_params,
+        ref_buffer,
+        ref,
+        range(STEPS),
+        grads_in=grads_in,
+        after_step=round_moments_like(lean),
+    )
+    assert ref_norms == train(
+        lean_params, lean_buffer, lean_optimizer, range(STEPS), grads_in=grads_in
+    )
+    params, states = snapshot(ref_params, ref)
+    lean_out, lean_states = snapshot(lean_params, lean_optimizer)
+    for param_name, entry in states.items():
+        for key, want in entry.items():
+            got, what = lean_states[param_name][key], (name, param_name, key)
+            if exact:
+                assert torch.equal(got, want), what
+            else:
+                assert_close_to_rounding(got, want, lean.get(f"{key}_dtype", torch.float32), what)
+        if lean.get("store_param_remainders"):
+            high, low = split_master(lean_states[param_name]["master"])
+            assert torch.equal(lean_out[param_name], high), (name, param_name)
+        else:
+            assert torch.equal(lean_out[param_name], lean_states[param_name]["master"].to(BF16))
+    for *_, master in lean_optimizer.shards:
+        state = lean_optimizer.state[master]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == lean.get(f"{key}_dtype", torch.float32), (name, key)
+        assert state["step"].item() == STEPS
+    assert lean_buffer.data.dtype == grads_in
+
+
+def check_remainders_keep_the_fp32_master_exactly():
+    """With remainders the run is that of fp32 masters, bit for bit (masters and moments; the
+    fused pass's arithmetic is the same), in 2 bytes a parameter instead of 4."""
+    runs = []
+    for remainders in (False, True):
+        params = make_params(SHAPES, BF16, "cpu")
+        buffer, optimizer = make_optimizer(
+            params, fused=True, exp_avg_dtype=BF16, store_param_remainders=remainders
+        )
+        train(params, buffer, optimizer, range(STEPS))
+        runs.append(snapshot(params, optimizer)[1])
+        masters = [master for *_, master in optimizer.shards]
+        assert {m.dtype for m in masters} == {torch.int16 if remainders else torch.float32}
+    assert_same_snapshot([runs[0]], [runs[1]])
+
+
+def distributed_lean_body(rank, world_size, distributed):
+    params = make_params(SHAPES, BF16, "cpu")
+    buffer, optimizer = make_optimizer(
+        params, True, torch.distributed.group.WORLD, distributed=distributed, **LEAN["all"]
+    )
+    train(params, buffer, optimizer, range(STEPS), rank, grads_in=BF16)
+    return snapshot(params, optimizer)
+
+
+def check_distributed_lean_states():
+    """The distributed optimizer with every lean state is the replicated optimizer with them (up
+    to the rounding of its gradient norm, summed from slices): each rank's remainders complete
+    its slice of the all-gather's input, which holds the masters' high halves from the start,
+    and every rank's parameters are the gathered high halves."""
+    sharded = run_on_ranks(distributed_lean_body, 2, True)
+    replicated = run_on_ranks(distributed_lean_body, 2, False)
+    for (params, states), (ref_params, ref_states) in zip(sharded, replicated):
+        for name, entry in states.items():
+            for key, tensor in entry.items():
+                rounded_in = torch.float32 if key == "master" else BF16
+                assert_close_to_rounding(tensor, ref_states[name][key], rounded_in, (name, key))
+            assert torch.equal(params[name], split_master(entry["master"])[0]), name
+    assert all(torch.equal(sharded[0][0][name], sharded[1][0][name]) for name in SHAPES)
+
+
+def check_lean_resume_is_exact_and_takes_any_checkpoint():
+    """A lean run saved and resumed equals the straight run, bit for bit (checkpoints hold fp32,
+    which bf16 states and remainders come back from exactly); and a checkpoint of fp32 states
+    resumes lean (rounded) as a lean one resumes with fp32 states."""
+    for lean in (LEAN["all"], {}):
+        grads_in = lean.get("main_grads_dtype", torch.float32)
+        params = make_params(SHAPES, BF16, "cpu")
+        buffer, optimizer = make_optimizer(params, fused=True, **lean)
+        train(params, buffer, optimizer, range(2), grads_in=grads_in)
+        _, saved = snapshot(params, optimizer)
+        train(params, buffer, optimizer, range(2, STEPS), grads_in=grads_in)
+        for resumed_with in (lean, LEAN["all"] if not lean else {}):
+            resumed_params = make_params(SHAPES, BF16, "cpu")
+            resumed_buffer, resumed = make_optimizer(resumed_params, fused=True, **resumed_with)
+            resumed.load_checkpoint_state(saved, 2)
+            train(resumed_params, resumed_buffer, resumed, range(2, STEPS), grads_in=grads_in)
+            if resumed_with is lean:
+                assert_same_snapshot(snapshot(params, optimizer), snapshot(resumed_params, resumed))
+            else:  # other options: the same run up to their rounding
+                for name, entry in snapshot(resumed_params, resumed)[1].items():
+                    for key, tensor in entry.items():
+                        want = snapshot(params, optimizer)[1][name][key]
+                        assert rel_err(tensor, want) < 2e-2, (name, key)
+
+
+def check_lean_states_leave_the_weight_casts_to_the_forward():
+    """With lean states the pass steps FP8 linears' weights without casting them (faster: the
+    forward's own cast and the plain pass beat the casting pass); the forward casts them, as
+    after any step (check_fp8_weight_casts_follow_the_step)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, dtype=BF16)
+    buffer = GradientBuffer(layer.parameters())
+    lean_with_casts = MixedPrecisionAdamW(
+        list(layer.named_parameters()),
+        buffer,
+        lr=1e-2,
+        fused=True,
+        fp8_linears=[layer],
+        exp_avg_dtype=BF16,
+        store_param_remainders=True,
+    )
+    x = torch.randn(16, 64, dtype=BF16)
+    for _ in range(2):
+        with fp8_autocast(recipe=DelayedScaling()):
+            y = layer(x)
+        buffer.zero()
+        y.float().square().sum().backward()
+        buffer.finish()
+        before = layer.weight.detach().clone()
+        assert lean_with_casts.step()[0]
+        assert not layer._weight_cast_by_optimizer and not layer.keep_weight_cast_addresses
+        assert not torch.equal(before, layer.weight)
+
+
 def interpreted_checks():
     for dtype in (torch.bfloat16, torch.float32):
         check_against_torch(dtype)
     check_resume_is_exact()
+    for name in LEAN:
+        check_lean_states_against_torch("cpu", name, exact=False)
+    check_remainders_keep_the_fp32_master_exactly()
+    check_distributed_lean_states()
+    check_lean_resume_is_exact_and_takes_any_checkpoint()
+    check_lean_states_leave_the_weight_casts_to_the_forward()
     check_distributed()
     check_fp8_weight_casts_follow_the_step("cpu")
     for dtype in (torch.bfloat16, torch.float32):
@@ -309,6 +507,54 @@ def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
     assert not make_optimizer(params, fused=None)[1].fused  # the CPU's default: torch.optim.AdamW
     with pytest.raises(ValueError, match="fused=True"):
         make_optimizer(make_params({"w": (4, 4)}, torch.float32, "cpu"), fused=True)
+
+
+def test_master_remainders_give_the_fp32_master_back_exactly():
+    """split_master / join_master on fresh random fp32 of every magnitude and sign, zeros,
+    subnormals and the largest finite: the high half is within half a bf16 step of the master
+    (rounded half away from zero), and the two halves give the master's bits back."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(100_000, generator=g) * torch.exp(torch.randn(100_000, generator=g) * 20)
+    edges = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            1e-39,
+            torch.finfo(torch.float32).max,
+            1.0 + 2**-8,
+            -(1.0 + 2**-8),
+        ]
+    )
+    masters = torch.cat([values, edges])
+    high, low = split_master(masters)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(join_master(high, low).view(torch.int32), masters.view(torch.int32))
+    finite = high.isfinite()
+    # half a bf16 step at most: 2^-8 of the magnitude, or of the smallest subnormal's step
+    step = (masters.abs() * 2.0**-8).clamp(min=2.0**-134)
+    assert ((high[finite].double() - masters[finite].double()).abs() <= step[finite].double()).all()
+    # A tie (exactly half a bf16 step) goes away from zero, not to even.
+    assert high[-2].item() == 1.0 + 2**-7 and high[-1].item() == -(1.0 + 2**-7)
+
+
+def test_lean_states_are_refused_with_the_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    params = make_params({"w": (4, 4)}, torch.bfloat16, "cpu")
+    with pytest.raises(
+        ValueError, match="exp_avg in torch.bfloat16: lean optimizer states need the fused"
+    ):
+        make_optimizer(params, fused=False, exp_avg_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gradients in torch.bfloat16: lean"):
+        make_optimizer(params, fused=False, main_grads_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Adam's moments are kept in one of"):
+        make_optimizer(params, fused=False, exp_avg_sq_dtype=torch.float16)
+    fp32 = make_params({"w": (4, 4)}, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="needs bf16 parameters, these are torch.float32"):
+        make_optimizer(fp32, fused=False, store_param_remainders=True)
+    with pytest.raises(ValueError, match="a gradient buffer holds one of"):
+        GradientBuffer([p for _, p in params], dtype=torch.float16)
 
 
 # -- on a GPU: bit for bit torch's fused AdamW ----------------------------------------------------
@@ -350,6 +596,13 @@ def distributed_cuda_body(rank, world_size):
         train(params, buffer, optimizer, range(STEPS), rank)
         runs.append(snapshot(params, optimizer))
     assert_same_run(*runs)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("name", list(LEAN))
+def test_lean_states_equal_torch_fused_adamw_with_their_rounding_on_cuda(name):
+    check_lean_states_against_torch("cuda", name, exact=True)
 
 
 @pytest.mark.gpu

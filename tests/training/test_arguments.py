@@ -463,6 +463,21 @@ def test_cuda_graphs_refuse_what_they_cannot_capture():
         fails("--enable-cuda-graph", "--enable-cuda-graph", "CUDA GPU", world_size=1)
 
 
+def test_lean_optimizer_states():
+    args = parse(
+        "--bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --main-grads-dtype bf16 "
+        "--store-param-remainders"
+    )
+    assert (args.exp_avg_dtype, args.exp_avg_sq_dtype, args.main_grads_dtype) == ("bf16",) * 3
+    assert args.store_param_remainders is True
+    defaults = parse()
+    assert (defaults.exp_avg_dtype, defaults.exp_avg_sq_dtype, defaults.main_grads_dtype) == (
+        "fp32",
+    ) * 3
+    fails("--store-param-remainders", "--store-param-remainders", "--bf16")
+    fails("--exp-avg-dtype fp16", "--exp-avg-dtype")
+
+
 def test_overlap_param_gather():
     assert parse("--use-distributed-optimizer --overlap-param-gather").overlap_param_gather is True
     fails("--overlap-param-gather", "--overlap-param-gather", "--use-distributed-optimizer")

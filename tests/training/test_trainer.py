@@ -18,6 +18,7 @@ from megafp8.parallel import check_embeddings_in_sync
 from megafp8.fp8 import Fp8Linear
 from megafp8.training import arguments, checkpointing, trainer
 from megafp8.training.checkpointing import CheckpointError
+from megafp8.training.flags import LEAN_OPTIMIZER_STATES
 from megafp8.training.trainer import NonFiniteError, pretrain
 
 from ..multiprocess import run_on_ranks
@@ -295,6 +296,50 @@ def test_resume_is_bitwise_exact(tmp_path, extra):
     straight, first, second = run_on_ranks(resume_body, 1, TINY + dropout + extra, str(tmp_path))[0]
     assert [i for i, _ in first] == [1, 2, 3] and [i for i, _ in second] == [4, 5, 6]
     assert first + second == straight  # bitwise: FP8 state, Adam moments, data position, RNG
+
+
+LEAN_STATES = ["--bf16", *LEAN_OPTIMIZER_STATES]
+
+
+def test_lean_optimizer_states_resume_bitwise_and_on_another_layout(tmp_path, monkeypatch):
+    """Every lean state on (in Triton's interpreter, the fused pass that keeps them): a resumed
+    run is the straight one bit for bit, and the same checkpoint resumes with the distributed
+    optimizer over two data-parallel ranks, or with fp32 states, as the same run up to their
+    rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = TINY + LEAN_STATES
+    straight, first, second = run_on_ranks(resume_body, 1, argv, str(tmp_path))[0]
+    assert [i for i, _ in first] == [1, 2, 3] and first + second == straight
+    resume = ["--train-iters", "8", "--load", str(tmp_path)]
+    lean = run_on_ranks(reshard_body, 1, argv + resume)[0]
+    dp2 = run_on_ranks(reshard_body, 2, argv + resume + ["--use-distributed-optimizer"])[0]
+    fp32_states = run_on_ranks(reshard_body, 1, TINY + ["--bf16"] + resume)[0]
+    assert [i for i, _ in lean] == [7, 8]
+    for other in (dp2, fp32_states):
+        assert [i for i, _ in other] == [7, 8]
+        assert [loss for _, loss in other] == pytest.approx([loss for _, loss in lean], rel=1e-5)
+
+
+def test_lean_optimizer_states_are_refused_without_the_fused_pass(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("the fused pass runs here")
+    with pytest.raises(
+        arguments.ArgumentsError,
+        match="--exp-avg-dtype bf16, --store-param-remainders: lean optimizer states are kept by "
+        "the fused optimizer pass",
+    ):
+        pretrain(
+            TINY
+            + [
+                "--train-iters",
+                "3",
+                "--bf16",
+                "--exp-avg-dtype",
+                "bf16",
+                "--store-param-remainders",
+            ]
+        )
 
 
 def test_a_run_resumes_from_its_checkpoint_without_shape_flags(tmp_path):

@@ -16,6 +16,13 @@ the parameters, or into the all-gather's input), bit for bit what torch's fused 
 give; and, for the FP8 linears it is given whose weights it updates whole, the FP8 cast of the
 new weight that their next forward would otherwise make (delayed scaling: the scale is known).
 On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
+
+Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16, the
+gradients from a bf16 buffer (`GradientBuffer(dtype=torch.bfloat16)`), and with
+`store_param_remainders` no fp32 master beside the bf16 parameter: the parameter is the master's
+high half and an int16 its low half, so the master stays exact in 2 more bytes instead of 4.
+They need the fused pass. Checkpoints hold fp32 whatever the options (`state_for_checkpoint`):
+a run may resume with other options, and bf16 states and remainders come back bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from megafp8.parallel.data_parallel import GradientBuffer
 
 from . import adamw_kernel
 
+# What Adam's moments and the gradient buffer may be kept in, by the trainer flags' names
+# (--exp-avg-dtype, --exp-avg-sq-dtype, --main-grads-dtype)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LEAN_DTYPES = tuple(STATE_DTYPES.values())
+
 
 def no_weight_decay(name: str, param) -> bool:
     """Biases and norm weights (every 1-D parameter) are not decayed, as in Megatron-LM."""
@@ -43,6 +55,25 @@ def counts_towards_norm(param, tp_rank: int) -> bool:
     if getattr(param, "shared_embedding_copy", False):
         return False
     return hasattr(param, "partition") or tp_rank == 0
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 high half, int16 remainder) of fp32 `master`, as the fused pass stores it with
+    `store_param_remainders`: the high half is the master rounded half away from zero on its bits
+    (so that the remainder fits 16 signed bits), and `join_master` gives the master back exactly."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = (bits + 0x8000) >> 16
+    low = bits - (high << 16)
+    high = torch.where(high >= 0x8000, high - 0x10000, high)
+    return high.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
+
+
+def join_master(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 master whose `split_master` is (`high`, `low`)."""
+    bits = ((high.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + low.to(
+        torch.int64
+    )
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
 def _norm_of(squared: float) -> float:
@@ -62,7 +93,7 @@ def squared_norms(tensors) -> torch.Tensor:
     if tensors[0].is_cuda:
         # A few launches for all of them (per chunk of 65536 elements, then per tensor), not one
         # per tensor: 290 tensors took 3.0 ms per step of GPT-1.3B, most of it launch-bound.
-        return torch.stack(torch._foreach_norm(tensors, 2)).float().square()
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
     return torch.stack([squared_norm(t) for t in tensors])
 
 
@@ -78,8 +109,13 @@ class MixedPrecisionAdamW:
 
     `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
     writes their weights' FP8 casts too, where `Fp8Linear.weight_cast_target` allows (not with
-    the distributed optimizer, whose ranks update slices). Their cast buffers are then kept
+    the distributed optimizer, whose ranks update slices, nor with lean states). Their cast buffers are then kept
     from step to step (`keep_weight_cast_addresses`).
+
+    Lean states (the module's docstring, fused pass only): `exp_avg_dtype` and
+    `exp_avg_sq_dtype` (fp32 or bf16), `store_param_remainders` (bf16 parameters); the
+    gradients' dtype is the buffer's. Their state is then the pass's own (`self.state`), not
+    torch.optim's (`self.optimizer` is None).
     """
 
     def __init__(
@@ -99,8 +135,34 @@ class MixedPrecisionAdamW:
         overlap_param_gather=False,
         fused=None,
         fp8_linears=(),
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        store_param_remainders=False,
     ):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        for what, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
+            if dtype not in LEAN_DTYPES:
+                raise ValueError(
+                    f"{what} in {dtype}: Adam's moments are kept in one of {LEAN_DTYPES}"
+                )
+        if store_param_remainders and any(p.dtype != torch.bfloat16 for _, p in named_params):
+            odd = sorted({str(p.dtype) for _, p in named_params} - {"torch.bfloat16"})
+            raise ValueError(
+                f"store_param_remainders keeps the fp32 master as the bf16 parameter and 16 more bits: "
+                f"it needs bf16 parameters, these are {', '.join(odd)}"
+            )
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.store_param_remainders = store_param_remainders
+        lean = [
+            what
+            for what, on in (
+                (f"exp_avg in {exp_avg_dtype}", exp_avg_dtype != torch.float32),
+                (f"exp_avg_sq in {exp_avg_sq_dtype}", exp_avg_sq_dtype != torch.float32),
+                (f"gradients in {buffer.data.dtype}", buffer.data.dtype != torch.float32),
+                ("store_param_remainders", store_param_remainders),
+            )
+            if on
+        ]
         self.names = {p: n for n, p in named_params}
         self.buffer, self.distributed, self.clip_grad = buffer, distributed, clip_grad
         self.model_parallel_group, self.dp_group = model_parallel_group, dp_group
@@ -116,16 +178,23 @@ class MixedPrecisionAdamW:
         self.overlap_param_gather = overlap_param_gather
         self._pending_gathers = {}  # bucket -> (all-gather handle, gathered elements): not copied yet
         tp_rank = rank_in(tp_group)
-        # (param, start, end, master): the flattened element range of param this rank updates.
-        self.shards = []
+        # (param, start, end, master): the flattened element range of param this rank updates,
+        # and its fp32 master (with store_param_remainders, the int16 remainder; see split_master).
+        self.shards, self._grads = [], []
         ranges = (
             buffer.owned_ranges() if distributed else [(p, 0, p.numel()) for _, p in named_params]
         )
         groups = {True: [], False: []}
         for param, start, end in ranges:
-            master = param.detach().reshape(-1)[start:end].float().clone()
-            master.grad = param.main_grad.view(-1)[start:end]
+            grad = param.main_grad.view(-1)[start:end]
+            if store_param_remainders:  # the parameter is the master's rounding: nothing remains
+                master = torch.zeros(end - start, dtype=torch.int16, device=param.device)
+            else:
+                master = param.detach().reshape(-1)[start:end].float().clone()
+                if grad.dtype == torch.float32:  # torch.optim's step reads it there
+                    master.grad = grad
             self.shards.append((param, start, end, master))
+            self._grads.append(grad)
             groups[no_weight_decay(self.names[param], param)].append(master)
         # Per master, for the fused pass: torch skips the decay where the group's is 0.
         self._decayed = [
@@ -139,7 +208,15 @@ class MixedPrecisionAdamW:
         param_groups = [g for g in param_groups if g["params"]]
         device = named_params[0][1].device
         torch_kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **torch_kind)
+        # torch.optim.AdamW steps the fp32 states of the unfused path, and holds the fused pass's
+        # (torch could go on from them); lean states are the pass's alone.
+        self.optimizer = (
+            None
+            if lean
+            else torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, **torch_kind)
+        )
+        self.state = {} if lean else self.optimizer.state  # per master: step, exp_avg, exp_avg_sq
+        self.lr = lr
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self.steps = 0
         # Where each master's new value goes (copies or the fused pass): the parameter itself,
@@ -155,6 +232,11 @@ class MixedPrecisionAdamW:
                 self._gather_input_of(param, start, end) for param, start, end, _ in self.shards
             ]
             self._out_sources = [master for *_, master in self.shards]
+            # the masters' rounding, which the remainders complete
+            torch._foreach_copy_(
+                self._outs,
+                [param.detach().reshape(-1)[start:end] for param, start, end, _ in self.shards],
+            )
         else:
             self._outs = [param for param, *_ in self.shards]
             self._out_sources = [master.view_as(param) for param, _, _, master in self.shards]
@@ -165,11 +247,20 @@ class MixedPrecisionAdamW:
                 "(or Triton's interpreter, TRITON_INTERPRET=1)"
             )
         self.fused = (fusable and device.type == "cuda") if fused is None else fused
+        if lean and not self.fused:
+            raise ValueError(
+                f"{', '.join(lean)}: lean optimizer states need the fused optimizer pass (CUDA with "
+                f"triton, or Triton's interpreter, TRITON_INTERPRET=1); torch.optim.AdamW, the other "
+                f"path, keeps fp32 masters, gradients and moments"
+            )
         self._fused_pass = None  # built at the first fused step, again after the state is replaced
         # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it.
+        # Not with lean states: the casting kernel's tiles of 2- and 4-byte states ran at 1.4 TB/s
+        # on an H200, the 7B shape's step 3.5% slower than the plain pass and the forwards' own
+        # casts (benchmarks/RESULTS.md).
         linear_of = (
             {id(linear.weight): linear for linear in fp8_linears}
-            if self.fused and not distributed
+            if self.fused and not distributed and not lean
             else {}
         )
         self._cast_linears = [linear_of.get(id(param)) for param, *_ in self.shards]
@@ -184,7 +275,8 @@ class MixedPrecisionAdamW:
         return self._gather_inputs[bucket][offset + start : offset + end]
 
     def set_lr(self, lr):
-        for group in self.optimizer.param_groups:
+        self.lr = lr
+        for group in self.optimizer.param_groups if self.optimizer is not None else ():
             group["lr"] = lr
 
     def grad_norm(self) -> float:
@@ -194,9 +286,7 @@ class MixedPrecisionAdamW:
 
     def _squared_grad_norm(self) -> torch.Tensor:
         """The model's squared gradient norm, fp64 [1] on the device; nothing waited for."""
-        grads = [
-            m.grad for m, counted in zip((s[3] for s in self.shards), self.norm_mask) if counted
-        ]
+        grads = [grad for grad, counted in zip(self._grads, self.norm_mask) if counted]
         device = self.buffer.data.device
         local = (
             squared_norms(grads).double().sum()
@@ -224,9 +314,7 @@ class MixedPrecisionAdamW:
         if not math.isfinite(norm):
             return False, norm
         if self.clip_grad and norm > self.clip_grad:
-            torch._foreach_mul_(
-                [master.grad for *_, master in self.shards], self.clip_grad / (norm + 1e-6)
-            )
+            torch._foreach_mul_(self._grads, self.clip_grad / (norm + 1e-6))
         self.optimizer.step()
         self._copy_masters_to_params()
         self.steps += 1
@@ -258,7 +346,7 @@ class MixedPrecisionAdamW:
         ready = torch.cuda.Event() if squared.is_cuda else None
         if ready is not None:
             ready.record()
-        self._fused_pass.step(self.optimizer.param_groups[0]["lr"], control)
+        self._fused_pass.step(self.lr, control)
         for linear, cast in zip(self._cast_linears, casts):
             if cast is not None:
                 linear.weight_cast_written()
@@ -276,19 +364,20 @@ class MixedPrecisionAdamW:
         masters = [master for *_, master in self.shards]
         steps = torch.zeros(len(masters), dtype=torch.float32, device=masters[0].device)
         for i, master in enumerate(masters):
-            state = self.optimizer.state[master]
+            state = self.state.setdefault(master, {})
             if "step" in state:
                 steps[i] = state["step"]
             else:
-                state["exp_avg"], state["exp_avg_sq"] = (
-                    torch.zeros_like(master),
-                    torch.zeros_like(master),
-                )
+                for key, dtype in (
+                    ("exp_avg", self.exp_avg_dtype),
+                    ("exp_avg_sq", self.exp_avg_sq_dtype),
+                ):
+                    state[key] = torch.zeros(master.numel(), dtype=dtype, device=master.device)
             state["step"] = steps[i]
-        states = [self.optimizer.state[m] for m in masters]
+        states = [self.state[m] for m in masters]
         return adamw_kernel.MultiTensorAdamW(
             masters,
-            [m.grad for m in masters],
+            self._grads,
             [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
             steps,
@@ -302,8 +391,24 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def _copy_masters_to_params(self):
-        torch._foreach_copy_(self._outs, self._out_sources)
+        if not self.store_param_remainders:  # else the outputs are the masters' high halves
+            torch._foreach_copy_(self._outs, self._out_sources)
         self._gather_params()
+
+    def _master(self, i: int) -> torch.Tensor:
+        """Shard i's fp32 master, flat (with remainders, joined from the parameter's bits)."""
+        master = self.shards[i][3]
+        if self.store_param_remainders:
+            return join_master(self._outs[i].detach().view(-1), master)
+        return master
+
+    def _moment(self, i: int, key: str) -> torch.Tensor:
+        """Shard i's `key` moment in fp32, flat (zeros before the first step)."""
+        master = self.shards[i][3]
+        moment = self.state.get(master, {}).get(key)
+        if moment is None:
+            return torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+        return moment.float()
 
     @torch.no_grad()
     def _gather_params(self):
@@ -355,18 +460,16 @@ class MixedPrecisionAdamW:
     def state_for_checkpoint(self):
         """{name: {"master", "exp_avg", "exp_avg_sq"}} as full (local tp shard) fp32 tensors of
         every parameter of this rank (gathered over dp when sharded), plus the step count."""
-        if not self.distributed:  # each master is a whole parameter already: no copies
+        if not self.distributed:  # each master is a whole parameter already: fp32 ones not copied
             return {
                 self.names[param]: {
-                    "master": master.view_as(param),
+                    "master": self._master(i).view_as(param),
                     **{
-                        key: self.optimizer.state.get(master, {})
-                        .get(key, torch.zeros_like(master))
-                        .view_as(param)
+                        key: self._moment(i, key).view_as(param)
                         for key in ("exp_avg", "exp_avg_sq")
                     },
                 }
-                for param, _, _, master in self.shards
+                for i, (param, *_) in enumerate(self.shards)
             }
         device = self.buffer.data.device
         # Every parameter, in one order on every rank (the dp all-reduce below is collective).
@@ -377,12 +480,11 @@ class MixedPrecisionAdamW:
             }
             for param, name in self.names.items()
         }
-        for param, start, end, master in self.shards:
-            entry, state = states[self.names[param]], self.optimizer.state.get(master, {})
-            entry["master"][start:end] = master
+        for i, (param, start, end, _) in enumerate(self.shards):
+            entry = states[self.names[param]]
+            entry["master"][start:end] = self._master(i)
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    entry[key][start:end] = state[key]
+                entry[key][start:end] = self._moment(i, key)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             for entry in states.values():  # disjoint owners: a sum assembles the whole
                 for tensor in entry.values():
@@ -400,26 +502,39 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def reset_masters_from_params(self):
         """Start over from the current parameters (loaded weights without optimizer state)."""
-        self.optimizer.state.clear()
+        self.state.clear()
         self._fused_pass = None
-        for param, start, end, master in self.shards:
-            master.copy_(param.detach().reshape(-1)[start:end])
+        for i, (param, start, end, master) in enumerate(self.shards):
+            if self.store_param_remainders:
+                master.zero_()
+                self._outs[i].view(-1).copy_(param.detach().reshape(-1)[start:end])
+            else:
+                master.copy_(param.detach().reshape(-1)[start:end])
 
     @torch.no_grad()
     def load_checkpoint_state(self, states, step):
         """Inverse of `state_for_checkpoint`: take this rank's elements of the full tensors."""
         self.steps = step
         self._fused_pass = None  # its state tensors are replaced below
-        for param, start, end, master in self.shards:
+        dtypes = {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype}
+        for i, (param, start, end, master) in enumerate(self.shards):
             entry = states[self.names[param]]
-            master.copy_(entry["master"].reshape(-1)[start:end])
+            saved = (
+                entry["master"].reshape(-1)[start:end].to(device=master.device, dtype=torch.float32)
+            )
+            if self.store_param_remainders:
+                high, low = split_master(saved)
+                self._outs[i].view(-1).copy_(high)
+                master.copy_(low)
+            else:
+                master.copy_(saved)
             if step:
-                state = self.optimizer.state[master]
+                state = self.state.setdefault(master, {})
                 state["step"] = torch.tensor(
                     float(step),
                     dtype=torch.float32,
                     device=master.device if master.is_cuda else "cpu",
                 )
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = entry[key].reshape(-1)[start:end].to(master.device).clone()
+                for key, dtype in dtypes.items():
+                    state[key] = entry[key].reshape(-1)[start:end].to(master.device, dtype).clone()
         self._copy_masters_to_params()

@@ -27,6 +27,12 @@ dtype (one in practice; one more for the weights it casts, after zeroing their a
 to step and the clipping factor are read from the device (`control`), so a step is queued
 before the gradient norm is known on the host.
 
+Lean states (Megatron's precision-aware optimizer, TE's FusedAdam options): the moments may be
+kept in bf16 (rounded to nearest even after each update, computed in fp32), the gradients read
+in bf16 (a bf16 `main_grad`), and with `store_param_remainders` the fp32 master is no tensor of
+its own: the bf16 output holds its high 16 bits (the master rounded half away from zero in its
+bits) and an int16 its remainder, so `(high << 16) + remainder` is the fp32 master, exactly.
+
 Weights of FP8 linears may be given a `WeightCast`: their tensors are then stepped by a second
 kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts, with its amax
 and inverse scale) from the value it has just rounded, exactly what the next forward would make
@@ -47,8 +53,10 @@ except ImportError:  # CPU-only installs: MixedPrecisionAdamW steps with torch.o
 else:
     from megafp8.fp8.triton_kernels import to_fp8, transpose_stored_tile
 
-BLOCK = 1024  # elements per loop iteration of a program
-CHUNK = 16 * BLOCK  # elements per program
+CHUNK = 16 * 1024  # elements per program
+# Elements per loop iteration of a program; Triton's interpreter, whose cost is per operation
+# and not per element, takes a whole chunk at once (16 times faster CPU tests).
+BLOCK = CHUNK if INTERPRETING else 1024
 NUM_WARPS = 4
 # The pass that casts weights steps TILES tiles of [TILE_ROWS, TILE_COLS] per program: on an H100,
 # 9.8 ms for 0.81B parameters against 10.0 for the plain pass and separate casts; 64 x 128 tiles
@@ -75,21 +83,73 @@ if triton is not None:
         return tl.div_rn(lr, bias_correction1), bias_correction2_sqrt, lr * weight_decay, decayed
 
     @triton.jit
-    def _state_pointers(tensors, count, t):
-        # Tensor t's master, gradient, exp_avg and exp_avg_sq (fp32).
-        return (
-            tl.load(tensors + t).to(tl.pointer_type(tl.float32)),
-            tl.load(tensors + count + t).to(tl.pointer_type(tl.float32)),
-            tl.load(tensors + 2 * count + t).to(tl.pointer_type(tl.float32)),
-            tl.load(tensors + 3 * count + t).to(tl.pointer_type(tl.float32)),
-        )
+    def _address(tensors, row, count, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+        # Tensor t's address in `row` of the table, as a pointer to DTYPE (bf16 as its bits:
+        # _load_float and _store_float convert them, the interpreter's casts truncate).
+        # ALIGNED: every address of the launch is a multiple of 16, which lets the compiler
+        # vectorize the loads and stores (a pointer read from memory says nothing of its own).
+        address = tl.load(tensors + row * count + t)
+        if ALIGNED:
+            address = tl.multiple_of(address, 16)
+        if DTYPE == tl.bfloat16:
+            return address.to(tl.pointer_type(tl.uint16))
+        else:
+            return address.to(tl.pointer_type(DTYPE))
+
+    @triton.jit
+    def _load_float(pointer, offsets, mask, DTYPE: tl.constexpr):
+        # fp32 values of the elements at `offsets` (0 where masked) of a DTYPE tensor
+        if DTYPE == tl.bfloat16:
+            bits = tl.load(pointer + offsets, mask=mask, other=0)
+            return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(pointer + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_float(pointer, offsets, x, mask, DTYPE: tl.constexpr):
+        # x rounded to nearest even into a DTYPE tensor
+        if DTYPE == tl.bfloat16:
+            tl.store(pointer + offsets, _bfloat16_bits(x), mask=mask)
+        else:
+            tl.store(pointer + offsets, x.to(DTYPE), mask=mask)
+
+    @triton.jit
+    def _load_master(master, out, offsets, mask, REMAINDERS: tl.constexpr):
+        # The fp32 masters at `offsets`: stored whole, or as the bf16 output's bits over the
+        # int16 remainder.
+        if REMAINDERS:
+            high = tl.load(out + offsets, mask=mask, other=0).to(tl.uint32) << 16
+            low = tl.load(master + offsets, mask=mask, other=0).to(tl.int32)
+            return (high + low.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(master + offsets, mask=mask, other=0.0)
+
+    @triton.jit
+    def _store_weight(
+        master, out, offsets, p, mask, OUT_DTYPE: tl.constexpr, REMAINDERS: tl.constexpr
+    ):
+        # The new masters `p` into the output (the model's dtype) and, with remainders, the
+        # int16 that completes the output's bits to p's; returns the output's values (fp32).
+        if REMAINDERS:
+            bits = p.to(tl.uint32, bitcast=True)
+            high = (bits + 0x8000) >> 16  # half away from zero: bits - (high << 16) is an int16
+            low = (bits - (high << 16)).to(tl.int32, bitcast=True)
+            tl.store(master + offsets, low.to(tl.int16), mask=mask)
+            tl.store(out + offsets, high.to(tl.uint16), mask=mask)
+            return (high << 16).to(tl.float32, bitcast=True)
+        elif OUT_DTYPE == tl.bfloat16:
+            bits = _bfloat16_bits(p)
+            tl.store(out + offsets, bits, mask=mask)
+            return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            tl.store(out + offsets, p.to(OUT_DTYPE), mask=mask)
+            return p.to(OUT_DTYPE).to(tl.float32)
 
     @triton.jit
     def _step_elements(
-        master,
-        grad,
-        exp_avg,
-        exp_avg_sq,
+        tensors,
+        count,
+        t,
         offsets,
         mask,
         apply,
@@ -101,14 +161,26 @@ if triton is not None:
         bias_correction2_sqrt,
         decay,
         decayed,
+        OUT_DTYPE: tl.constexpr,
+        GRAD_DTYPE: tl.constexpr,
+        EXP_AVG_DTYPE: tl.constexpr,
+        EXP_AVG_SQ_DTYPE: tl.constexpr,
+        REMAINDERS: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
-        # AdamW on the elements at `offsets`, torch's fused CUDA arithmetic (see the module's
-        # docstring), unless not `apply`; returns the (new) master values.
-        p = tl.load(master + offsets, mask=mask, other=0.0)
+        # AdamW on tensor t's elements at `offsets`, torch's fused CUDA arithmetic (see the
+        # module's docstring), unless not `apply`; writes the new masters and their rounding to
+        # the output, and returns the output's values (fp32).
+        master = _address(tensors, 0, count, t, tl.int16 if REMAINDERS else tl.float32, ALIGNED)
+        out = _address(tensors, 4, count, t, OUT_DTYPE, ALIGNED)
+        p = _load_master(master, out, offsets, mask, REMAINDERS)
         if apply:
-            g = tl.load(grad + offsets, mask=mask) * grad_scale
-            m = tl.load(exp_avg + offsets, mask=mask)
-            v = tl.load(exp_avg_sq + offsets, mask=mask)
+            grad = _address(tensors, 1, count, t, GRAD_DTYPE, ALIGNED)
+            exp_avg = _address(tensors, 2, count, t, EXP_AVG_DTYPE, ALIGNED)
+            exp_avg_sq = _address(tensors, 3, count, t, EXP_AVG_SQ_DTYPE, ALIGNED)
+            g = _load_float(grad, offsets, mask, GRAD_DTYPE) * grad_scale
+            m = _load_float(exp_avg, offsets, mask, EXP_AVG_DTYPE)
+            v = _load_float(exp_avg_sq, offsets, mask, EXP_AVG_SQ_DTYPE)
             if decayed:  # a branch, not a multiply by 0: -0.0 stays -0.0 as in torch
                 p = tl.fma(-decay, p, p)
             m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
@@ -116,17 +188,11 @@ if triton is not None:
             v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
             denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
             p = p - tl.div_rn(step_size * m, denom)
-            tl.store(master + offsets, p, mask=mask)
-            tl.store(exp_avg + offsets, m, mask=mask)
-            tl.store(exp_avg_sq + offsets, v, mask=mask)
-        return p
-
-    @triton.jit
-    def _out_pointer(tensors, count, t, OUT_DTYPE: tl.constexpr):
-        if OUT_DTYPE == tl.bfloat16:  # stored as bits, rounded by _bfloat16_bits
-            return tl.load(tensors + 4 * count + t).to(tl.pointer_type(tl.uint16))
-        else:
-            return tl.load(tensors + 4 * count + t).to(tl.pointer_type(OUT_DTYPE))
+            if not REMAINDERS:
+                tl.store(master + offsets, p, mask=mask)
+            _store_float(exp_avg, offsets, m, mask, EXP_AVG_DTYPE)
+            _store_float(exp_avg_sq, offsets, v, mask, EXP_AVG_SQ_DTYPE)
+        return _store_weight(master, out, offsets, p, mask, OUT_DTYPE, REMAINDERS)
 
     @triton.jit
     def _adamw_kernel(
@@ -142,6 +208,11 @@ if triton is not None:
         weight_decay,
         control,
         OUT_DTYPE: tl.constexpr,
+        GRAD_DTYPE: tl.constexpr,
+        EXP_AVG_DTYPE: tl.constexpr,
+        EXP_AVG_SQ_DTYPE: tl.constexpr,
+        REMAINDERS: tl.constexpr,
+        ALIGNED: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
@@ -155,8 +226,6 @@ if triton is not None:
         program = tl.program_id(0)
         t = tl.load(chunks + 2 * program)
         chunk = tl.load(chunks + 2 * program + 1)
-        master, grad, exp_avg, exp_avg_sq = _state_pointers(tensors, count, t)
-        out = _out_pointer(tensors, count, t, OUT_DTYPE)
         numel = tl.load(tensors + 7 * count + t)
         step_size, bias_correction2_sqrt, decay, decayed = _step_constants(
             tensors, count, total, powers, t, lr, weight_decay
@@ -164,14 +233,12 @@ if triton is not None:
         start = chunk.to(tl.int64) * CHUNK
         for i in range(0, CHUNK, BLOCK):
             offsets = start + i + tl.arange(0, BLOCK)
-            mask = offsets < numel
-            p = _step_elements(
-                master,
-                grad,
-                exp_avg,
-                exp_avg_sq,
+            _step_elements(
+                tensors,
+                count,
+                t,
                 offsets,
-                mask,
+                offsets < numel,
                 apply,
                 grad_scale,
                 beta1,
@@ -181,11 +248,13 @@ if triton is not None:
                 bias_correction2_sqrt,
                 decay,
                 decayed,
+                OUT_DTYPE,
+                GRAD_DTYPE,
+                EXP_AVG_DTYPE,
+                EXP_AVG_SQ_DTYPE,
+                REMAINDERS,
+                ALIGNED,
             )
-            if OUT_DTYPE == tl.bfloat16:
-                tl.store(out + offsets, _bfloat16_bits(p), mask=mask)
-            else:
-                tl.store(out + offsets, p.to(OUT_DTYPE), mask=mask)
 
     @triton.jit
     def _adamw_cast_kernel(
@@ -201,6 +270,11 @@ if triton is not None:
         weight_decay,
         control,
         OUT_DTYPE: tl.constexpr,
+        GRAD_DTYPE: tl.constexpr,
+        EXP_AVG_DTYPE: tl.constexpr,
+        EXP_AVG_SQ_DTYPE: tl.constexpr,
+        REMAINDERS: tl.constexpr,
+        ALIGNED: tl.constexpr,
         FP8_DTYPE: tl.constexpr,
         TILE_ROWS: tl.constexpr,
         TILE_COLS: tl.constexpr,
@@ -217,12 +291,10 @@ if triton is not None:
         program = tl.program_id(0)
         t = tl.load(chunks + 2 * program)
         first_tile = tl.load(chunks + 2 * program + 1) * TILES
-        master, grad, exp_avg, exp_avg_sq = _state_pointers(tensors, count, t)
-        out = _out_pointer(tensors, count, t, OUT_DTYPE)
         M = tl.multiple_of(tl.load(tensors + 7 * count + t), 16)
         N = tl.multiple_of(tl.load(tensors + 8 * count + t), 16)
-        data = tl.load(tensors + 9 * count + t).to(tl.pointer_type(FP8_DTYPE))
-        data_t = tl.load(tensors + 10 * count + t).to(tl.pointer_type(FP8_DTYPE))
+        data = _address(tensors, 9, count, t, FP8_DTYPE, ALIGNED)
+        data_t = _address(tensors, 10, count, t, FP8_DTYPE, ALIGNED)
         scale = tl.load(tl.load(tensors + 11 * count + t).to(tl.pointer_type(tl.float32)))
         amax_ptr = tl.load(tensors + 12 * count + t).to(tl.pointer_type(tl.float32))
         scale_inv_ptr = tl.load(tensors + 13 * count + t).to(tl.pointer_type(tl.float32))
@@ -242,11 +314,10 @@ if triton is not None:
             )
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-            p = _step_elements(
-                master,
-                grad,
-                exp_avg,
-                exp_avg_sq,
+            weight = _step_elements(
+                tensors,
+                count,
+                t,
                 offsets,
                 mask,
                 apply,
@@ -258,14 +329,13 @@ if triton is not None:
                 bias_correction2_sqrt,
                 decay,
                 decayed,
+                OUT_DTYPE,
+                GRAD_DTYPE,
+                EXP_AVG_DTYPE,
+                EXP_AVG_SQ_DTYPE,
+                REMAINDERS,
+                ALIGNED,
             )
-            if OUT_DTYPE == tl.bfloat16:
-                bits = _bfloat16_bits(p)
-                tl.store(out + offsets, bits, mask=mask)
-                weight = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            else:
-                tl.store(out + offsets, p.to(OUT_DTYPE), mask=mask)
-                weight = p.to(OUT_DTYPE).to(tl.float32)
             # The cast: amax (a NaN counts as +inf), then the bytes and their transpose.
             magnitude = tl.where(
                 mask, tl.where(weight == weight, tl.abs(weight), float("inf")), 0.0
@@ -288,11 +358,13 @@ if triton is not None:
 
 
 class MultiTensorAdamW:
-    """AdamW over a fixed set of 1-D fp32 tensors: masters[i] with grads[i], exp_avgs[i],
+    """AdamW over a fixed set of 1-D tensors: masters[i] with grads[i], exp_avgs[i],
     exp_avg_sqs[i], its step count steps[i] (one fp32 tensor holds them all) and outs[i], a
     contiguous tensor as long as masters[i] that receives the new master in its own dtype.
     `decayed[i]` says whether `weight_decay` applies to it. `casts[i]`, when given and not None,
     is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in bf16 or fp32).
+    Masters are fp32, or int16 remainders of bf16 outs (the module's docstring); gradients and
+    moments fp32 or bf16, one dtype for each kind.
     Addresses are read once, here: the tensors must stay where they are (build another after
     replacing any)."""
 
@@ -323,6 +395,30 @@ class MultiTensorAdamW:
                     f"a WeightCast of shape {tuple(cast.data.shape)} for a weight of "
                     f"{out.numel()} {out.dtype} elements: needs bf16 or fp32, as many elements"
                 )
+        kinds = {}
+        for kind, tensors, allowed in (
+            ("master", masters, (torch.float32, torch.int16)),
+            ("gradient", grads, (torch.float32, torch.bfloat16)),
+            ("exp_avg", exp_avgs, (torch.float32, torch.bfloat16)),
+            ("exp_avg_sq", exp_avg_sqs, (torch.float32, torch.bfloat16)),
+        ):
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) != 1 or not dtypes <= set(allowed):
+                raise ValueError(
+                    f"{kind}s of dtypes {sorted(map(str, dtypes))}: give one of {allowed}"
+                )
+            kinds[kind] = dtypes.pop()
+        remainders = kinds["master"] == torch.int16
+        if remainders and any(out.dtype != torch.bfloat16 for out in outs):
+            raise ValueError(
+                "int16 master remainders complete bf16 outputs: every out must be bf16"
+            )
+        state_dtypes = dict(
+            GRAD_DTYPE=_triton_dtype(kinds["gradient"]),
+            EXP_AVG_DTYPE=_triton_dtype(kinds["exp_avg"]),
+            EXP_AVG_SQ_DTYPE=_triton_dtype(kinds["exp_avg_sq"]),
+            REMAINDERS=remainders,
+        )
         self._amaxes = [cast.amax for cast in casts if cast is not None]
         device = masters[0].device
         self._betas_column = torch.tensor(betas, dtype=torch.float32, device=device)[:, None]
@@ -334,6 +430,14 @@ class MultiTensorAdamW:
             ]
             columns += [[int(decayed[i]) for i in members], members, *extra_rows]
             return torch.tensor(columns, dtype=torch.int64).to(device)
+
+        def aligned(members, casts=None):
+            # whether every tensor the launch addresses starts on 16 bytes (_address)
+            tensors = [t[i] for i in members for t in (masters, grads, exp_avgs, exp_avg_sqs, outs)]
+            tensors += (
+                [t for i in members for t in (casts[i].data, casts[i].data_t)] if casts else []
+            )
+            return all(t.data_ptr() % 16 == 0 for t in tensors)
 
         def chunk_table(per_tensor):
             per_tensor = torch.tensor(per_tensor)
@@ -351,7 +455,13 @@ class MultiTensorAdamW:
             self.launches.append(
                 (
                     _adamw_kernel,
-                    dict(OUT_DTYPE=_triton_dtype(dtype), BLOCK=BLOCK, CHUNK=CHUNK),
+                    dict(
+                        OUT_DTYPE=_triton_dtype(dtype),
+                        **state_dtypes,
+                        ALIGNED=aligned(members),
+                        BLOCK=BLOCK,
+                        CHUNK=CHUNK,
+                    ),
                     table(members, [masters[i].numel() for i in members]),
                     chunks,
                     programs,
@@ -370,6 +480,8 @@ class MultiTensorAdamW:
                     _adamw_cast_kernel,
                     dict(
                         OUT_DTYPE=_triton_dtype(dtypes[0]),
+                        **state_dtypes,
+                        ALIGNED=aligned(members, casts),
                         FP8_DTYPE=_triton_dtype(dtypes[1]),
                         TILE_ROWS=TILE_ROWS,
                         TILE_COLS=TILE_COLS,
@@ -425,6 +537,7 @@ def _triton_dtype(dtype: torch.dtype):
     return {
         torch.float32: tl.float32,
         torch.bfloat16: tl.bfloat16,
+        torch.int16: tl.int16,
         torch.float16: tl.float16,
         torch.float8_e4m3fn: tl.float8e4nv,
         torch.float8_e5m2: tl.float8e5,
