@@ -52,7 +52,7 @@ run() {
 }
 for precision in $PRECISIONS; do
     # shellcheck disable=SC2086  # SHAPE_FLAGS and EXTRA are word lists on purpose
-    run "megafp8_$precision${NAME:+_${NAME// /_}}" python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    run "megafp8_$precision${NAME:+_${NAME//[^A-Za-z0-9]/_}}" python -m torch.distributed.run --standalone --nproc-per-node 1 \
         benchmarks/bench_layouts.py --output "$OUT" --label "$SHAPE${NAME:+, $NAME}" --precisions "$precision" -- \
         $SHAPE_FLAGS --bf16 --enable-cuda-graph --train-iters 20 --log-interval 10 --lr 1e-4 --mock-data $EXTRA
 done

@@ -7,7 +7,8 @@ What megafp8 keeps, and so what is counted:
   bf16; with the distributed optimizer each bucket padded to a multiple of dp, not modelled:
   under dp elements a bucket);
 - the optimizer: fp32 master, exp_avg and exp_avg_sq of the elements the rank updates (12 bytes;
-  each moment 2 in bf16, the master 2 as a remainder with --store-param-remainders; all of its
+  each moment 2 in bf16, the first 1 + 1/32 in fp8, the master 2 as a remainder with
+  --store-param-remainders; all of its
   parameters, or a dp-th with the distributed optimizer, which also keeps a bf16 slice of each
   bucket to all-gather from: 2 bytes an owned element);
 - under FP8, every FP8 linear's cached weight cast in both layouts (2 bytes a weight element);
@@ -38,7 +39,9 @@ from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
 FP8_RECIPES = (None, "delayed", "current")
-STATE_BYTES = {"fp32": 4, "bf16": 2}  # an optimizer state's bytes an element, by flag value
+# An optimizer state's bytes an element, by flag value (fp8: a first moment, with an fp32 scale
+# per 128 elements)
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / 128}
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,13 @@ class MemoryLayout:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
-        for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype"):
-            if getattr(self, name) not in STATE_BYTES:
-                raise ValueError(
-                    f"{name} must be one of {tuple(STATE_BYTES)}, got {getattr(self, name)!r}"
-                )
+        for name, allowed in (
+            ("exp_avg_dtype", tuple(STATE_BYTES)),
+            ("exp_avg_sq_dtype", ("fp32", "bf16")),
+            ("main_grads_dtype", ("fp32", "bf16")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @property
     def lean_states(self) -> bool:

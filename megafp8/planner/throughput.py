@@ -65,7 +65,7 @@ def weight_cast_bytes(layout: MemoryLayout) -> int:
     )
 
 
-def optimizer_bytes_per_parameter(layout: MemoryLayout) -> int:
+def optimizer_bytes_per_parameter(layout: MemoryLayout) -> float:
     """What the fused AdamW pass reads and writes per element it updates: the master, exp_avg
     and exp_avg_sq read and written, the gradient read, the bf16 parameter written (fp32 states:
     24 + 4 + 2 = OPTIMIZER_BYTES_PER_PARAMETER); with remainders the master is the 2-byte

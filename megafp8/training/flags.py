@@ -13,7 +13,6 @@ from megafp8.models.config import PRESETS
 from megafp8.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from megafp8.parallel.stages import half_layers
 from megafp8.symmetric_memory import DEFAULT_SM_CARVEOUT
-from megafp8.training.optimizer import STATE_DTYPES as OPTIMIZER_STATE_DTYPES
 
 # Every lean optimizer state at once (docs/training.md): what the planner's
 # --lean-optimizer-states plans with
@@ -279,21 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--exp-avg-dtype",
-        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        choices=("fp32", "bf16", "fp8"),
         default="fp32",
         help="Adam's first moment (Megatron's precision-aware optimizer): bf16 keeps 2 bytes a "
-        "parameter instead of 4, updated in fp32 and rounded to nearest (fused optimizer pass: "
-        "a CUDA GPU with triton)",
+        "parameter instead of 4, updated in fp32 and rounded to nearest; fp8, E4M3 with a "
+        "power-of-two scale per 128 elements, 1.03 (MS-AMP's; fused optimizer pass: a CUDA GPU "
+        "with triton)",
     )
     g.add_argument(
         "--exp-avg-sq-dtype",
-        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        choices=("fp32", "bf16"),
         default="fp32",
-        help="Adam's second moment, as --exp-avg-dtype",
+        help="Adam's second moment, as --exp-avg-dtype (not fp8: E4M3's range within a block "
+        "cannot hold squared gradients)",
     )
     g.add_argument(
         "--main-grads-dtype",
-        choices=tuple(OPTIMIZER_STATE_DTYPES),
+        choices=("fp32", "bf16"),
         default="fp32",
         help="the gradient buffer: bf16 halves it and the data-parallel reduction's bytes, and "
         "accumulates micro-batches and sums data-parallel ranks in bf16 (Megatron's "

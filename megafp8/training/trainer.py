@@ -257,7 +257,7 @@ class Trainer:
             dtype=STATE_DTYPES[a.main_grads_dtype],
         )
         lean = [
-            f"--{flag.replace('_', '-')} bf16"
+            f"--{flag.replace('_', '-')} {getattr(a, flag)}"
             for flag in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype")
             if getattr(a, flag) != "fp32"
         ]

@@ -250,9 +250,9 @@ def trainer_bytes(trainer):
     optimizer = 0
     for *_, master in trainer.optimizer.shards:
         state = trainer.optimizer.state[master]
-        optimizer += sum(
-            t.numel() * t.element_size() for t in (master, state["exp_avg"], state["exp_avg_sq"])
-        )
+        # the moments (and an FP8 one's block scales); the step counts are one small tensor
+        kept = [t for key, t in state.items() if key != "step"]
+        optimizer += sum(t.numel() * t.element_size() for t in (master, *kept))
     for gathered in getattr(trainer.optimizer, "_gather_inputs", {}).values():
         optimizer += gathered.numel() * gathered.element_size()
     casts = 0
@@ -336,39 +336,48 @@ def layout_bytes():
 
 
 def lean_body(rank, world_size):
-    flags = ["--model", "gpt-tiny", *BASE, *LEAN_OPTIMIZER_STATES, "--use-distributed-optimizer"]
-    trainer = pretrain(flags)
-    return trainer_bytes(trainer), trainer.config
+    out = {}
+    for exp_avg in ("bf16", "fp8"):
+        flags = [*LEAN_OPTIMIZER_STATES, "--exp-avg-dtype", exp_avg, "--use-distributed-optimizer"]
+        trainer = pretrain(["--model", "gpt-tiny", *BASE, *flags])
+        out[exp_avg] = trainer_bytes(trainer), trainer.config, len(trainer.optimizer.shards)
+    return out
 
 
 def test_static_memory_with_lean_optimizer_states(monkeypatch):
-    """Every lean state, with the distributed optimizer over two ranks (in Triton's interpreter:
-    the fused pass keeps them): what the model says the gradients and the optimizer hold."""
+    """Every lean state, the first moment in bf16 or FP8, with the distributed optimizer over two
+    ranks (in Triton's interpreter: the fused pass keeps them): what the model says the gradients
+    and the optimizer hold."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for measured, config in run_on_ranks(lean_body, 2):
-        layout = MemoryLayout(
-            seq_length=32,
-            micro_batch_size=2,
-            num_micro_batches=2,
-            dp=2,
-            distributed_optimizer=True,
-            exp_avg_dtype="bf16",
-            exp_avg_sq_dtype="bf16",
-            main_grads_dtype="bf16",
-            store_param_remainders=True,
-        )
-        predicted = static_bytes(config, layout, 0)
-        # Buckets padded to a multiple of dp, as in test_static_memory_is_exact_on_every_rank:
-        # 2 bytes a gradient, 8 an owned element (remainder, two moments, the gather's input).
-        slack = 2 * 4 * 2
-        assert 0 <= measured["gradients"] - predicted["gradients"] <= slack
-        assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 8 * slack / 2
-        # the default states: 14 bytes an owned element (12 + the gather's input) against 8
-        default = static_bytes(
-            config, MemoryLayout(seq_length=32, dp=2, distributed_optimizer=True), 0
-        )
-        assert default["optimizer"] / predicted["optimizer"] == pytest.approx(14 / 8)
-        assert default["gradients"] / predicted["gradients"] == 2
+    for runs in run_on_ranks(lean_body, 2):
+        for exp_avg, (measured, config, shards) in runs.items():
+            layout = MemoryLayout(
+                seq_length=32,
+                micro_batch_size=2,
+                num_micro_batches=2,
+                dp=2,
+                distributed_optimizer=True,
+                exp_avg_dtype=exp_avg,
+                exp_avg_sq_dtype="bf16",
+                main_grads_dtype="bf16",
+                store_param_remainders=True,
+            )
+            predicted = static_bytes(config, layout, 0)
+            # Buckets padded to a multiple of dp, as in test_static_memory_is_exact_on_every_rank:
+            # 2 bytes a gradient, 8 an owned element (remainder, moments, the gather's input);
+            # an FP8 moment's last scale of each shard covers a partial block.
+            slack = 2 * 4 * 2
+            blocks = 4 * shards if exp_avg == "fp8" else 0
+            assert 0 <= measured["gradients"] - predicted["gradients"] <= slack, exp_avg
+            assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 8 * slack / 2 + blocks
+            # the default states: 14 bytes an owned element (12 + the gather's input) against 8
+            # (bf16 first moment) or 7 and a 32nd (FP8)
+            default = static_bytes(
+                config, MemoryLayout(seq_length=32, dp=2, distributed_optimizer=True), 0
+            )
+            lean_bytes = 8 if exp_avg == "bf16" else 7 + 1 / 32
+            assert default["optimizer"] / predicted["optimizer"] == pytest.approx(14 / lean_bytes)
+            assert default["gradients"] / predicted["gradients"] == 2
 
 
 @pytest.mark.parametrize("model", MODELS)

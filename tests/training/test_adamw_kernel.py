@@ -14,7 +14,12 @@ from megafp8.fp8.linear import Fp8Linear
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
 from megafp8.training.optimizer import MixedPrecisionAdamW
-from megafp8.training.optimizer.adamw import join_master, split_master
+from megafp8.training.optimizer.adamw import (
+    dequantize_moment,
+    join_master,
+    quantize_moment,
+    split_master,
+)
 
 from ..interpreter import run_interpreted_checks
 from ..multiprocess import run_on_ranks
@@ -298,13 +303,19 @@ def check_a_non_finite_step_is_skipped():
 
 # -- lean states: bf16 moments, a bf16 gradient buffer, masters as bf16 parameters + remainders --
 
-BF16 = torch.bfloat16
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 LEAN = {
     "bf16 moments": dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
     "bf16 gradients": dict(main_grads_dtype=BF16),
     "remainders": dict(store_param_remainders=True),
     "all": dict(
         exp_avg_dtype=BF16,
+        exp_avg_sq_dtype=BF16,
+        main_grads_dtype=BF16,
+        store_param_remainders=True,
+    ),
+    "fp8 exp_avg": dict(
+        exp_avg_dtype=FP8,
         exp_avg_sq_dtype=BF16,
         main_grads_dtype=BF16,
         store_param_remainders=True,
@@ -320,7 +331,10 @@ def round_moments_like(lean):
             state = optimizer.optimizer.state[master]
             for key in ("exp_avg", "exp_avg_sq"):
                 dtype = lean.get(f"{key}_dtype", torch.float32)
-                state[key].copy_(state[key].to(dtype))
+                if dtype == FP8:
+                    state[key].copy_(dequantize_moment(*quantize_moment(state[key])))
+                else:
+                    state[key].copy_(state[key].to(dtype))
 
     return round_moments
 
@@ -329,12 +343,14 @@ def assert_close_to_rounding(got, want, rounded_in, what):
     """`got` and `want` are states of runs whose arithmetic differs in the last fp32 bits (the
     interpreter's against torch's CPU formula): fp32 ones to 1e-5 relative error; bf16-kept ones
     may round the other way where that difference straddles a rounding boundary, and later steps
-    carry it on, so each element is within two bf16 steps (2^-6 of its magnitude, or of a small
-    share of the largest where later steps nearly cancel it), and few of them differ at all."""
+    carry it on, so each element is within two steps of its format (bf16: 2^-6 of its magnitude;
+    FP8 E4M3: 2^-2; or of a small share of the largest where later steps nearly cancel it), and
+    few of them differ at all."""
     if rounded_in == torch.float32:
         assert rel_err(got, want) < 1e-5, what
         return
-    steps = (want.abs() + want.abs().max() * 2.0**-10) * 2.0**-6
+    two_steps = 2.0**-2 if rounded_in == FP8 else 2.0**-6
+    steps = (want.abs() + want.abs().max() * 2.0**-10) * two_steps
     assert ((got - want).abs() <= steps).all(), what
     assert (got != want).sum().item() <= max(3, want.numel() // 1000), what
 
@@ -429,14 +445,15 @@ def check_lean_resume_is_exact_and_takes_any_checkpoint():
     """A lean run saved and resumed equals the straight run, bit for bit (checkpoints hold fp32,
     which bf16 states and remainders come back from exactly); and a checkpoint of fp32 states
     resumes lean (rounded) as a lean one resumes with fp32 states."""
-    for lean in (LEAN["all"], {}):
+    for lean in (LEAN["all"], LEAN["fp8 exp_avg"], {}):
         grads_in = lean.get("main_grads_dtype", torch.float32)
         params = make_params(SHAPES, BF16, "cpu")
         buffer, optimizer = make_optimizer(params, fused=True, **lean)
         train(params, buffer, optimizer, range(2), grads_in=grads_in)
         _, saved = snapshot(params, optimizer)
         train(params, buffer, optimizer, range(2, STEPS), grads_in=grads_in)
-        for resumed_with in (lean, LEAN["all"] if not lean else {}):
+        others = () if lean is LEAN["fp8 exp_avg"] else (LEAN["all"] if not lean else {},)
+        for resumed_with in (lean, *others):
             resumed_params = make_params(SHAPES, BF16, "cpu")
             resumed_buffer, resumed = make_optimizer(resumed_params, fused=True, **resumed_with)
             resumed.load_checkpoint_state(saved, 2)
@@ -548,8 +565,10 @@ def test_lean_states_are_refused_with_the_reason(monkeypatch):
         make_optimizer(params, fused=False, exp_avg_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="gradients in torch.bfloat16: lean"):
         make_optimizer(params, fused=False, main_grads_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="Adam's moments are kept in one of"):
+    with pytest.raises(ValueError, match="exp_avg_sq in torch.float16: it is kept in one of"):
         make_optimizer(params, fused=False, exp_avg_sq_dtype=torch.float16)
+    with pytest.raises(ValueError, match="exp_avg_sq in torch.float8_e4m3fn: it is kept in one of"):
+        make_optimizer(params, fused=False, exp_avg_sq_dtype=FP8)
     fp32 = make_params({"w": (4, 4)}, torch.float32, "cpu")
     with pytest.raises(ValueError, match="needs bf16 parameters, these are torch.float32"):
         make_optimizer(fp32, fused=False, store_param_remainders=True)

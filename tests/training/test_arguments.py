@@ -476,6 +476,9 @@ def test_lean_optimizer_states():
     ) * 3
     fails("--store-param-remainders", "--store-param-remainders", "--bf16")
     fails("--exp-avg-dtype fp16", "--exp-avg-dtype")
+    assert parse("--exp-avg-dtype fp8").exp_avg_dtype == "fp8"
+    fails("--exp-avg-sq-dtype fp8", "--exp-avg-sq-dtype")  # E4M3 cannot hold squared gradients
+    fails("--main-grads-dtype fp8", "--main-grads-dtype")
 
 
 def test_overlap_param_gather():

@@ -38,9 +38,14 @@ from megafp8.parallel.data_parallel import GradientBuffer
 from . import adamw_kernel
 
 # What Adam's moments and the gradient buffer may be kept in, by the trainer flags' names
-# (--exp-avg-dtype, --exp-avg-sq-dtype, --main-grads-dtype)
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LEAN_DTYPES = tuple(STATE_DTYPES.values())
+# (--exp-avg-dtype, --exp-avg-sq-dtype, --main-grads-dtype); fp8 for the first moment only
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+LEAN_DTYPES = {
+    "exp_avg": tuple(STATE_DTYPES.values()),
+    # E4M3 spans 2^17 within a block, a second moment's squares far more: the small ones would
+    # flush to zero and their updates blow up (MS-AMP keeps it in 16 bits too)
+    "exp_avg_sq": (torch.float32, torch.bfloat16),
+}
 
 
 def no_weight_decay(name: str, param) -> bool:
@@ -74,6 +79,26 @@ def join_master(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         torch.int64
     )
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def quantize_moment(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 bytes, fp32 inverse scale of each block of MOMENT_BLOCK elements) of the flat fp32
+    `moment`, as the fused pass keeps an FP8 first moment: each block scaled by the power of two
+    that puts its largest magnitude in (224, 448] (an all-zero block by 2^126), rounded to nearest.
+    The bytes of a moment quantized this way come back unchanged from its dequantized values."""
+    block = adamw_kernel.MOMENT_BLOCK
+    padded = torch.nn.functional.pad(moment.float(), (0, -moment.numel() % block)).view(-1, block)
+    amax = padded.abs().amax(dim=1)
+    ratio = torch.clamp(torch.full_like(amax, 448.0) / amax, max=2.0**126)
+    scale = ((ratio.view(torch.int32) >> 23) << 23).view(torch.float32)
+    q = (padded * scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(-1)[: moment.numel()].clone(), 1.0 / scale
+
+
+def dequantize_moment(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of an FP8 first moment (`quantize_moment`'s bytes and inverse scales)."""
+    per_element = scale_inv.repeat_interleave(adamw_kernel.MOMENT_BLOCK)[: q.numel()]
+    return q.float() * per_element
 
 
 def _norm_of(squared: float) -> float:
@@ -141,10 +166,8 @@ class MixedPrecisionAdamW:
     ):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
         for what, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
-            if dtype not in LEAN_DTYPES:
-                raise ValueError(
-                    f"{what} in {dtype}: Adam's moments are kept in one of {LEAN_DTYPES}"
-                )
+            if dtype not in LEAN_DTYPES[what]:
+                raise ValueError(f"{what} in {dtype}: it is kept in one of {LEAN_DTYPES[what]}")
         if store_param_remainders and any(p.dtype != torch.bfloat16 for _, p in named_params):
             odd = sorted({str(p.dtype) for _, p in named_params} - {"torch.bfloat16"})
             raise ValueError(
@@ -373,8 +396,12 @@ class MixedPrecisionAdamW:
                     ("exp_avg_sq", self.exp_avg_sq_dtype),
                 ):
                     state[key] = torch.zeros(master.numel(), dtype=dtype, device=master.device)
+                if self.exp_avg_dtype == torch.float8_e4m3fn:
+                    blocks = -(-master.numel() // adamw_kernel.MOMENT_BLOCK)
+                    state["exp_avg_scale_inv"] = torch.ones(blocks, device=master.device)
             state["step"] = steps[i]
         states = [self.state[m] for m in masters]
+        fp8_moments = self.exp_avg_dtype == torch.float8_e4m3fn
         return adamw_kernel.MultiTensorAdamW(
             masters,
             self._grads,
@@ -387,6 +414,7 @@ class MixedPrecisionAdamW:
             eps=self.eps,
             weight_decay=self.weight_decay,
             casts=casts,
+            exp_avg_scales=[s["exp_avg_scale_inv"] for s in states] if fp8_moments else None,
         )
 
     @torch.no_grad()
@@ -405,9 +433,12 @@ class MixedPrecisionAdamW:
     def _moment(self, i: int, key: str) -> torch.Tensor:
         """Shard i's `key` moment in fp32, flat (zeros before the first step)."""
         master = self.shards[i][3]
-        moment = self.state.get(master, {}).get(key)
+        state = self.state.get(master, {})
+        moment = state.get(key)
         if moment is None:
             return torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+        if moment.dtype == torch.float8_e4m3fn:
+            return dequantize_moment(moment, state[f"{key}_scale_inv"])
         return moment.float()
 
     @torch.no_grad()
@@ -536,5 +567,9 @@ class MixedPrecisionAdamW:
                     device=master.device if master.is_cuda else "cpu",
                 )
                 for key, dtype in dtypes.items():
-                    state[key] = entry[key].reshape(-1)[start:end].to(master.device, dtype).clone()
+                    saved = entry[key].reshape(-1)[start:end].to(master.device, torch.float32)
+                    if dtype == torch.float8_e4m3fn:
+                        state[key], state[f"{key}_scale_inv"] = quantize_moment(saved)
+                    else:
+                        state[key] = saved.to(dtype).clone()
         self._copy_masters_to_params()

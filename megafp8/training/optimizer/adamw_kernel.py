@@ -33,6 +33,11 @@ in bf16 (a bf16 `main_grad`), and with `store_param_remainders` the fp32 master 
 its own: the bf16 output holds its high 16 bits (the master rounded half away from zero in its
 bits) and an int16 its remainder, so `(high << 16) + remainder` is the fp32 master, exactly.
 
+The first moment may also be kept in FP8 (E4M3, MS-AMP's O2 choice), in blocks of MOMENT_BLOCK
+elements, each with its own power-of-two scale: the block's largest magnitude lands in
+(224, 448], and a scale that is a power of two makes the fp32 values a checkpoint holds quantize
+back to the same bytes (`quantize_moment`, the same rule on the CPU).
+
 Weights of FP8 linears may be given a `WeightCast`: their tensors are then stepped by a second
 kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts, with its amax
 and inverse scale) from the value it has just rounded, exactly what the next forward would make
@@ -57,6 +62,8 @@ CHUNK = 16 * 1024  # elements per program
 # Elements per loop iteration of a program; Triton's interpreter, whose cost is per operation
 # and not per element, takes a whole chunk at once (16 times faster CPU tests).
 BLOCK = CHUNK if INTERPRETING else 1024
+# Elements per scale of an FP8 first moment (a divisor of BLOCK: a block never straddles two)
+MOMENT_BLOCK = 128
 NUM_WARPS = 4
 # The pass that casts weights steps TILES tiles of [TILE_ROWS, TILE_COLS] per program: on an H100,
 # 9.8 ms for 0.81B parameters against 10.0 for the plain pass and separate casts; 64 x 128 tiles
@@ -83,14 +90,10 @@ if triton is not None:
         return tl.div_rn(lr, bias_correction1), bias_correction2_sqrt, lr * weight_decay, decayed
 
     @triton.jit
-    def _address(tensors, row, count, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    def _address(tensors, row, count, t, DTYPE: tl.constexpr):
         # Tensor t's address in `row` of the table, as a pointer to DTYPE (bf16 as its bits:
         # _load_float and _store_float convert them, the interpreter's casts truncate).
-        # ALIGNED: every address of the launch is a multiple of 16, which lets the compiler
-        # vectorize the loads and stores (a pointer read from memory says nothing of its own).
         address = tl.load(tensors + row * count + t)
-        if ALIGNED:
-            address = tl.multiple_of(address, 16)
         if DTYPE == tl.bfloat16:
             return address.to(tl.pointer_type(tl.uint16))
         else:
@@ -145,6 +148,32 @@ if triton is not None:
             tl.store(out + offsets, p.to(OUT_DTYPE), mask=mask)
             return p.to(OUT_DTYPE).to(tl.float32)
 
+    _MOMENT_BLOCK = tl.constexpr(MOMENT_BLOCK)
+    _E4M3_MAX = tl.constexpr(448.0)
+
+    @triton.jit
+    def _load_moment(moment, scales, offsets, mask):
+        # An FP8 first moment's fp32 values at `offsets`: each byte times its block's scale.
+        q = tl.load(moment + offsets, mask=mask, other=0.0).to(tl.float32)
+        return q * tl.load(scales + offsets // _MOMENT_BLOCK, mask=mask, other=1.0)
+
+    @triton.jit
+    def _store_moment(moment, scales, offsets, m, mask):
+        # `m` (fp32, at `offsets`: whole blocks from a block's start) into the FP8 first moment,
+        # each block scaled by the power of two that puts its largest magnitude in (224, 448].
+        blocks: tl.constexpr = m.shape[0] // _MOMENT_BLOCK
+        magnitude = tl.reshape(tl.where(mask, tl.abs(m), 0.0), (blocks, _MOMENT_BLOCK))
+        # 448 / amax, its mantissa dropped; an all-zero block takes the largest scale
+        ratio = tl.minimum(tl.div_rn(_E4M3_MAX, tl.max(magnitude, axis=1)), 2.0**126)
+        scale = ((ratio.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
+        scaled = tl.reshape(tl.reshape(m, (blocks, _MOMENT_BLOCK)) * scale[:, None], m.shape)
+        tl.store(moment + offsets, to_fp8(scaled, tl.float8e4nv), mask=mask)
+        first = tl.reshape(offsets, (blocks, _MOMENT_BLOCK))
+        in_tensor = tl.max(tl.reshape(mask.to(tl.int32), (blocks, _MOMENT_BLOCK)), axis=1) > 0
+        tl.store(
+            scales + tl.min(first, axis=1) // _MOMENT_BLOCK, tl.div_rn(1.0, scale), mask=in_tensor
+        )
+
     @triton.jit
     def _step_elements(
         tensors,
@@ -166,20 +195,23 @@ if triton is not None:
         EXP_AVG_DTYPE: tl.constexpr,
         EXP_AVG_SQ_DTYPE: tl.constexpr,
         REMAINDERS: tl.constexpr,
-        ALIGNED: tl.constexpr,
     ):
         # AdamW on tensor t's elements at `offsets`, torch's fused CUDA arithmetic (see the
         # module's docstring), unless not `apply`; writes the new masters and their rounding to
         # the output, and returns the output's values (fp32).
-        master = _address(tensors, 0, count, t, tl.int16 if REMAINDERS else tl.float32, ALIGNED)
-        out = _address(tensors, 4, count, t, OUT_DTYPE, ALIGNED)
+        master = _address(tensors, 0, count, t, tl.int16 if REMAINDERS else tl.float32)
+        out = _address(tensors, 4, count, t, OUT_DTYPE)
         p = _load_master(master, out, offsets, mask, REMAINDERS)
         if apply:
-            grad = _address(tensors, 1, count, t, GRAD_DTYPE, ALIGNED)
-            exp_avg = _address(tensors, 2, count, t, EXP_AVG_DTYPE, ALIGNED)
-            exp_avg_sq = _address(tensors, 3, count, t, EXP_AVG_SQ_DTYPE, ALIGNED)
+            grad = _address(tensors, 1, count, t, GRAD_DTYPE)
+            exp_avg = _address(tensors, 2, count, t, EXP_AVG_DTYPE)
+            exp_avg_sq = _address(tensors, 3, count, t, EXP_AVG_SQ_DTYPE)
             g = _load_float(grad, offsets, mask, GRAD_DTYPE) * grad_scale
-            m = _load_float(exp_avg, offsets, mask, EXP_AVG_DTYPE)
+            if EXP_AVG_DTYPE == tl.float8e4nv:
+                exp_avg_scales = _address(tensors, 8, count, t, tl.float32)
+                m = _load_moment(exp_avg, exp_avg_scales, offsets, mask)
+            else:
+                m = _load_float(exp_avg, offsets, mask, EXP_AVG_DTYPE)
             v = _load_float(exp_avg_sq, offsets, mask, EXP_AVG_SQ_DTYPE)
             if decayed:  # a branch, not a multiply by 0: -0.0 stays -0.0 as in torch
                 p = tl.fma(-decay, p, p)
@@ -190,7 +222,10 @@ if triton is not None:
             p = p - tl.div_rn(step_size * m, denom)
             if not REMAINDERS:
                 tl.store(master + offsets, p, mask=mask)
-            _store_float(exp_avg, offsets, m, mask, EXP_AVG_DTYPE)
+            if EXP_AVG_DTYPE == tl.float8e4nv:
+                _store_moment(exp_avg, exp_avg_scales, offsets, m, mask)
+            else:
+                _store_float(exp_avg, offsets, m, mask, EXP_AVG_DTYPE)
             _store_float(exp_avg_sq, offsets, v, mask, EXP_AVG_SQ_DTYPE)
         return _store_weight(master, out, offsets, p, mask, OUT_DTYPE, REMAINDERS)
 
@@ -212,12 +247,11 @@ if triton is not None:
         EXP_AVG_DTYPE: tl.constexpr,
         EXP_AVG_SQ_DTYPE: tl.constexpr,
         REMAINDERS: tl.constexpr,
-        ALIGNED: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
         # tensors rows: master, grad, exp_avg, exp_avg_sq, out addresses, decayed, index in the
-        # step counts, numel; a column per tensor. chunks: (column, chunk index) per program.
+        # step counts, numel, the FP8 first moment's block scales (else 0); a column per tensor. chunks: (column, chunk index) per program.
         # control: the gradients' factor (clipping) and whether to step at all. A step not taken
         # still writes the outputs, the masters' rounding (what they hold already, or for the
         # distributed optimizer the all-gather input, which its caller gathers either way).
@@ -253,7 +287,6 @@ if triton is not None:
                 EXP_AVG_DTYPE,
                 EXP_AVG_SQ_DTYPE,
                 REMAINDERS,
-                ALIGNED,
             )
 
     @triton.jit
@@ -274,7 +307,6 @@ if triton is not None:
         EXP_AVG_DTYPE: tl.constexpr,
         EXP_AVG_SQ_DTYPE: tl.constexpr,
         REMAINDERS: tl.constexpr,
-        ALIGNED: tl.constexpr,
         FP8_DTYPE: tl.constexpr,
         TILE_ROWS: tl.constexpr,
         TILE_COLS: tl.constexpr,
@@ -293,8 +325,8 @@ if triton is not None:
         first_tile = tl.load(chunks + 2 * program + 1) * TILES
         M = tl.multiple_of(tl.load(tensors + 7 * count + t), 16)
         N = tl.multiple_of(tl.load(tensors + 8 * count + t), 16)
-        data = _address(tensors, 9, count, t, FP8_DTYPE, ALIGNED)
-        data_t = _address(tensors, 10, count, t, FP8_DTYPE, ALIGNED)
+        data = _address(tensors, 9, count, t, FP8_DTYPE)
+        data_t = _address(tensors, 10, count, t, FP8_DTYPE)
         scale = tl.load(tl.load(tensors + 11 * count + t).to(tl.pointer_type(tl.float32)))
         amax_ptr = tl.load(tensors + 12 * count + t).to(tl.pointer_type(tl.float32))
         scale_inv_ptr = tl.load(tensors + 13 * count + t).to(tl.pointer_type(tl.float32))
@@ -334,7 +366,6 @@ if triton is not None:
                 EXP_AVG_DTYPE,
                 EXP_AVG_SQ_DTYPE,
                 REMAINDERS,
-                ALIGNED,
             )
             # The cast: amax (a NaN counts as +inf), then the bytes and their transpose.
             magnitude = tl.where(
@@ -364,7 +395,8 @@ class MultiTensorAdamW:
     `decayed[i]` says whether `weight_decay` applies to it. `casts[i]`, when given and not None,
     is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in bf16 or fp32).
     Masters are fp32, or int16 remainders of bf16 outs (the module's docstring); gradients and
-    moments fp32 or bf16, one dtype for each kind.
+    moments fp32 or bf16, one dtype for each kind; first moments also FP8 E4M3, each with
+    `exp_avg_scales[i]`, the fp32 inverse scale of each of its MOMENT_BLOCK-element blocks.
     Addresses are read once, here: the tensors must stay where they are (build another after
     replacing any)."""
 
@@ -382,6 +414,7 @@ class MultiTensorAdamW:
         eps,
         weight_decay,
         casts: list | None = None,
+        exp_avg_scales: list | None = None,
     ):
         self.steps, self.count = steps, len(masters)
         self._written = [*masters, *exp_avgs, *exp_avg_sqs, *outs]
@@ -399,7 +432,7 @@ class MultiTensorAdamW:
         for kind, tensors, allowed in (
             ("master", masters, (torch.float32, torch.int16)),
             ("gradient", grads, (torch.float32, torch.bfloat16)),
-            ("exp_avg", exp_avgs, (torch.float32, torch.bfloat16)),
+            ("exp_avg", exp_avgs, (torch.float32, torch.bfloat16, torch.float8_e4m3fn)),
             ("exp_avg_sq", exp_avg_sqs, (torch.float32, torch.bfloat16)),
         ):
             dtypes = {t.dtype for t in tensors}
@@ -408,6 +441,14 @@ class MultiTensorAdamW:
                     f"{kind}s of dtypes {sorted(map(str, dtypes))}: give one of {allowed}"
                 )
             kinds[kind] = dtypes.pop()
+        fp8_moments = kinds["exp_avg"] == torch.float8_e4m3fn
+        if fp8_moments != (exp_avg_scales is not None) or (
+            fp8_moments and any(c is not None for c in (casts or ()))
+        ):
+            raise ValueError(
+                "FP8 first moments come with their block scales (exp_avg_scales), and step in the "
+                "plain pass: give no casts"
+            )
         remainders = kinds["master"] == torch.int16
         if remainders and any(out.dtype != torch.bfloat16 for out in outs):
             raise ValueError(
@@ -431,14 +472,6 @@ class MultiTensorAdamW:
             columns += [[int(decayed[i]) for i in members], members, *extra_rows]
             return torch.tensor(columns, dtype=torch.int64).to(device)
 
-        def aligned(members, casts=None):
-            # whether every tensor the launch addresses starts on 16 bytes (_address)
-            tensors = [t[i] for i in members for t in (masters, grads, exp_avgs, exp_avg_sqs, outs)]
-            tensors += (
-                [t for i in members for t in (casts[i].data, casts[i].data_t)] if casts else []
-            )
-            return all(t.data_ptr() % 16 == 0 for t in tensors)
-
         def chunk_table(per_tensor):
             per_tensor = torch.tensor(per_tensor)
             column = torch.repeat_interleave(torch.arange(len(per_tensor)), per_tensor)
@@ -449,6 +482,9 @@ class MultiTensorAdamW:
         # (kernel, its dtype arguments, address table, chunk table, number of programs)
         self.launches = []
         plain = [i for i in range(len(masters)) if casts[i] is None]
+        scales = (
+            [0] * len(masters) if exp_avg_scales is None else [s.data_ptr() for s in exp_avg_scales]
+        )
         for dtype in dict.fromkeys(outs[i].dtype for i in plain):
             members = [i for i in plain if outs[i].dtype == dtype]
             chunks, programs = chunk_table([-(-masters[i].numel() // CHUNK) for i in members])
@@ -458,11 +494,12 @@ class MultiTensorAdamW:
                     dict(
                         OUT_DTYPE=_triton_dtype(dtype),
                         **state_dtypes,
-                        ALIGNED=aligned(members),
                         BLOCK=BLOCK,
                         CHUNK=CHUNK,
                     ),
-                    table(members, [masters[i].numel() for i in members]),
+                    table(
+                        members, [masters[i].numel() for i in members], [scales[i] for i in members]
+                    ),
                     chunks,
                     programs,
                 )
@@ -481,7 +518,6 @@ class MultiTensorAdamW:
                     dict(
                         OUT_DTYPE=_triton_dtype(dtypes[0]),
                         **state_dtypes,
-                        ALIGNED=aligned(members, casts),
                         FP8_DTYPE=_triton_dtype(dtypes[1]),
                         TILE_ROWS=TILE_ROWS,
                         TILE_COLS=TILE_COLS,
