@@ -10,7 +10,9 @@
 #   SEED, the gpt and llama groups' batches; its reports seed_gpt and seed_llama set them beside
 #   those groups' bf16 runs); data (prepare the data only) or report (curves only). A GROUP/RUN
 #   (e.g. lr2x/fp8_delayed) trains that one run of its group; list prints the runs the other
-#   arguments name (default: every group's), with their settings, and trains nothing.
+#   arguments name (default: every group's), with their settings, and trains nothing. lean: GPT-125M
+#   in FP8 delayed with each lossy lean optimizer state (bf16 moments, an FP8 first moment, bf16
+#   gradients; docs/training.md) on the gpt group's batches, reported beside its FP8 delayed run.
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -23,7 +25,7 @@
 # SENS_ITERS for the learning-rate groups, validation every EVAL_INTERVAL steps over EVAL_ITERS
 # batches; MODEL_ARGS is added to every run's flags (e.g. a shrunk model for a CPU try, with CPU=1).
 set -euo pipefail
-WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|seed|GROUP/RUN|data|report|list ...]}
+WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|seed|lean|GROUP/RUN|data|report|list ...]}
 shift
 GROUPS_TO_RUN=() LIST=0
 for group in "$@"; do
@@ -31,7 +33,7 @@ for group in "$@"; do
 done
 if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
     GROUPS_TO_RUN=(gpt llama lr2x lr4x)
-    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed)
+    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean)
 fi
 if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
                 "${MINUTES:-100000}" 2> /dev/null); then
@@ -112,9 +114,14 @@ train() {
     local precision_args=(--bf16)
     case $precision in
         bf16) ;;
-        fp8_delayed) precision_args+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
-                                      --fp8-amax-compute-algo max) ;;
+        fp8_delayed*) precision_args+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                                       --fp8-amax-compute-algo max) ;;
         fp8_current) precision_args+=(--fp8-format hybrid --fp8-recipe current) ;;
+    esac
+    case $precision in  # the lean group's optimizer states
+        *_bf16_moments) precision_args+=(--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16) ;;
+        *_fp8_exp_avg) precision_args+=(--exp-avg-dtype fp8 --exp-avg-sq-dtype bf16) ;;
+        *_bf16_grads) precision_args+=(--main-grads-dtype bf16) ;;
     esac
     # Where a high learning rate may strain FP8, which layers do: per-layer FP8 health in metrics.jsonl
     # (tools/fp8_layer_table.py reads it).
@@ -196,8 +203,13 @@ runs_of() {  # the runs of a group, or the one run GROUP/RUN: NAME MODEL PRECISI
                 echo "seed/${model}_bf16 $preset bf16 $LR $ITERS $((SEED + 1)) $((SEED + 1))"
                 echo "seed/${model}_bf16_init $preset bf16 $LR $ITERS $((SEED + 1)) $SEED"
             done ;;
+        lean)  # the gpt group's FP8 delayed run with each lossy optimizer state (remainders lose nothing)
+            local states
+            for states in bf16_moments fp8_exp_avg bf16_grads; do
+                echo "lean/fp8_delayed_$states gpt-125m fp8_delayed_$states $LR $ITERS $SEED $SEED"
+            done ;;
         data|report) ;;
-        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, data or report)" >&2
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, data or report)" >&2
            return 2 ;;
     esac
 }
@@ -233,6 +245,10 @@ for model in gpt llama; do
     report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
         "seed/${model}_bf16:seed $((SEED + 1))" "seed/${model}_bf16_init:seed $((SEED + 1)), same data"
 done
+if compgen -G "$WORKDIR/runs/lean/*/metrics.jsonl" > /dev/null; then
+    mapfile -t names < <(runs_of lean | cut -d' ' -f1)
+    report lean "GPT-125M, FP8 delayed with lean optimizer states" gpt/fp8_delayed:default "${names[@]}"
+fi
 if [ "$time_up" = 1 ]; then
     echo "convergence_study: MINUTES=${MINUTES:-} is up; run the same command again to go on"
     exit 3

@@ -135,6 +135,10 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         f"seed/{run} ({preset}, {precision}, peak LR 6e-4, 4 iterations, seed {seed}, "
         f"data seed {data_seed})"
         for run, preset, precision, seed, data_seed in seed_runs
+    ] + [
+        f"lean/fp8_delayed_{states} (gpt-125m, fp8_delayed_{states}, peak LR 6e-4, 4 iterations, "
+        "seed 1234, data seed 1234)"
+        for states in ("bf16_moments", "fp8_exp_avg", "bf16_grads")
     ]
     assert not (tmp_path / "listed").exists()  # listing creates nothing
 
