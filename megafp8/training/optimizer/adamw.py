@@ -17,12 +17,12 @@ give; and, for the FP8 linears it is given whose weights it updates whole, the F
 new weight that their next forward would otherwise make (delayed scaling: the scale is known).
 On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 
-Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16, the
-gradients from a bf16 buffer (`GradientBuffer(dtype=torch.bfloat16)`), and with
+Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16 (the
+first also in FP8 with a scale per block, `quantize_moment`), the gradients from a bf16 buffer (`GradientBuffer(dtype=torch.bfloat16)`), and with
 `store_param_remainders` no fp32 master beside the bf16 parameter: the parameter is the master's
 high half and an int16 its low half, so the master stays exact in 2 more bytes instead of 4.
 They need the fused pass. Checkpoints hold fp32 whatever the options (`state_for_checkpoint`):
-a run may resume with other options, and bf16 states and remainders come back bit for bit.
+a run may resume with other options, and lean states come back bit for bit.
 """
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ class MixedPrecisionAdamW:
 
     `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
     writes their weights' FP8 casts too, where `Fp8Linear.weight_cast_target` allows (not with
-    the distributed optimizer, whose ranks update slices, nor with lean states). Their cast buffers are then kept
-    from step to step (`keep_weight_cast_addresses`).
+    the distributed optimizer, whose ranks update slices, nor with lean states). Their cast
+    buffers are then kept from step to step (`keep_weight_cast_addresses`).
 
-    Lean states (the module's docstring, fused pass only): `exp_avg_dtype` and
-    `exp_avg_sq_dtype` (fp32 or bf16), `store_param_remainders` (bf16 parameters); the
-    gradients' dtype is the buffer's. Their state is then the pass's own (`self.state`), not
-    torch.optim's (`self.optimizer` is None).
+    Lean states (the module's docstring, fused pass only): `exp_avg_dtype` (fp32, bf16 or
+    float8_e4m3fn) and `exp_avg_sq_dtype` (fp32 or bf16), `store_param_remainders` (bf16
+    parameters); the gradients' dtype is the buffer's. Their state is then the pass's own
+    (`self.state`), not torch.optim's (`self.optimizer` is None).
     """
 
     def __init__(
