@@ -556,6 +556,36 @@ def test_master_remainders_give_the_fp32_master_back_exactly():
     assert high[-2].item() == 1.0 + 2**-7 and high[-1].item() == -(1.0 + 2**-7)
 
 
+def test_fp8_moments_come_back_from_their_fp32_values_exactly():
+    """quantize_moment on fresh random moments of every magnitude, an all-zero block and a last
+    partial block: each block's largest magnitude scales into (224, 448] by a power of two, the
+    values are within half an E4M3 step (2^-4 relative; a block's small ones, subnormal, within
+    its largest's 2^-10), and the dequantized values quantize back to the same values (what
+    makes a resumed run's FP8 first moment the saved one): the same bytes and scales, but for a
+    block whose largest byte rounded down to 224, which comes back at twice the scale."""
+    g = torch.Generator().manual_seed(0)
+    moment = torch.randn(1000, generator=g) * torch.exp(torch.randn(1000, generator=g) * 8)
+    moment[256:384] = 0
+    q, scale_inv = quantize_moment(moment)
+    assert q.dtype == FP8 and q.shape == moment.shape and scale_inv.shape == (8,)
+    values = dequantize_moment(q, scale_inv)
+    blocks = torch.nn.functional.pad(moment, (0, 24)).view(8, 128)
+    amax = blocks.abs().amax(dim=1)
+    scaled = amax / scale_inv
+    assert ((scaled > 224) & (scaled <= 448))[amax > 0].all() and scale_inv[2] == 2.0**-126
+    assert torch.log2(scale_inv).frac().eq(0).all()  # powers of two
+    floor = (amax / 448 * 2.0**-6).repeat_interleave(128)[:1000]  # E4M3's subnormal step
+    assert ((values - moment).abs() <= torch.maximum(moment.abs() * 2.0**-4, floor)).all()
+    again, again_scale = quantize_moment(values)
+    assert torch.equal(dequantize_moment(again, again_scale), values)
+    stored_max = torch.nn.functional.pad(values, (0, 24)).view(8, 128).abs().amax(dim=1)
+    rounded_down = stored_max / scale_inv == 224
+    assert rounded_down.any()  # these random moments have such blocks
+    assert torch.equal(again_scale, torch.where(rounded_down, scale_inv / 2, scale_inv))
+    same = ~rounded_down.repeat_interleave(128)[:1000]
+    assert torch.equal(again.view(torch.uint8)[same], q.view(torch.uint8)[same])
+
+
 def test_lean_states_are_refused_with_the_reason(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     params = make_params({"w": (4, 4)}, torch.bfloat16, "cpu")

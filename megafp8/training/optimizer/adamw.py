@@ -85,7 +85,9 @@ def quantize_moment(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 bytes, fp32 inverse scale of each block of MOMENT_BLOCK elements) of the flat fp32
     `moment`, as the fused pass keeps an FP8 first moment: each block scaled by the power of two
     that puts its largest magnitude in (224, 448] (an all-zero block by 2^126), rounded to nearest.
-    The bytes of a moment quantized this way come back unchanged from its dequantized values."""
+    The values of a moment quantized this way come back exactly from its dequantized values (the
+    bytes too, but for a block whose largest byte rounded down to 224: it comes back at twice
+    the scale, every byte doubled), which makes a resumed run's moment the saved one."""
     block = adamw_kernel.MOMENT_BLOCK
     padded = torch.nn.functional.pad(moment.float(), (0, -moment.numel() % block)).view(-1, block)
     amax = padded.abs().amax(dim=1)

@@ -36,7 +36,7 @@ bits) and an int16 its remainder, so `(high << 16) + remainder` is the fp32 mast
 The first moment may also be kept in FP8 (E4M3, MS-AMP's O2 choice), in blocks of MOMENT_BLOCK
 elements, each with its own power-of-two scale: the block's largest magnitude lands in
 (224, 448], and a scale that is a power of two makes the fp32 values a checkpoint holds quantize
-back to the same bytes (`quantize_moment`, the same rule on the CPU).
+back to the same values (`quantize_moment`, the same rule on the CPU).
 
 Weights of FP8 linears may be given a `WeightCast`: their tensors are then stepped by a second
 kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts, with its amax
