@@ -1,12 +1,12 @@
-"""Data parallelism: contiguous gradient buffers (fp32 by default) whose buckets are reduced over the
-data-parallel group while backward is still running.
+"""Data parallelism: contiguous gradient buffers (fp32 by default) whose buckets are reduced
+over the data-parallel group while backward is still running.
 
 Every trainable parameter gets `param.main_grad`, a view into one buffer. After each
 backward of a parameter its (bf16) `.grad` is added into `main_grad` and freed, so gradients
 accumulate in fp32 across micro-batches. A bf16 buffer (`dtype`, Megatron's
 `--main-grads-dtype bf16`) halves its memory and the reduction's bytes, and accumulates and
-reduces in bf16. A layer may instead write its weight gradient into
-`main_grad` itself, in fp32 straight from the GEMM (Megatron's gradient-accumulation fusion,
+reduces in bf16. A layer may instead write its weight gradient into `main_grad` itself, in the
+buffer's dtype straight from the GEMM (Megatron's gradient-accumulation fusion,
 megafp8.fp8.linear): it then gives autograd no gradient for that weight.
 
 `param.main_grad_empty`, kept here, says that `main_grad` holds no gradient of this step yet:

@@ -100,8 +100,8 @@ class Fp8Linear(nn.Linear):
     weight and bias gradients go there straight from the GEMM in its dtype (fp32, or bf16), with
     no bf16 gradient and no accumulation pass: the FP8 wgrad overwrites a `main_grad` that holds
     no gradient yet (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and
-    on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output). Autograd then gets no gradient
-    for them, which the GradientBuffer's hook understands.
+    on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output).
+    Autograd then gets no gradient for them, which the GradientBuffer's hook understands.
     """
 
     def __init__(

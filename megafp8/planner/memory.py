@@ -8,9 +8,8 @@ What megafp8 keeps, and so what is counted:
   under dp elements a bucket);
 - the optimizer: fp32 master, exp_avg and exp_avg_sq of the elements the rank updates (12 bytes;
   each moment 2 in bf16, the first 1 + 1/32 in fp8, the master 2 as a remainder with
-  --store-param-remainders; all of its
-  parameters, or a dp-th with the distributed optimizer, which also keeps a bf16 slice of each
-  bucket to all-gather from: 2 bytes an owned element);
+  --store-param-remainders; all of its parameters, or a dp-th with the distributed optimizer,
+  which also keeps a bf16 slice of each bucket to all-gather from: 2 bytes an owned element);
 - under FP8, every FP8 linear's cached weight cast in both layouts (2 bytes a weight element);
 - activations saved for backward: per layer and micro-batch what this code saves (below), times
   the micro-batches a pipeline schedule holds in flight, plus the logits on the last stage.
@@ -64,7 +63,8 @@ class MemoryLayout:
     overlap_p2p_comm: bool = True  # as overlap_param_gather
     recompute: str = "none"  # none | selective | full (one layer per recomputed unit)
     fp8: str | None = None  # None (bf16) | delayed | current
-    # optimizer states: fp32 | bf16 each (--exp-avg-dtype, --exp-avg-sq-dtype, --main-grads-dtype)
+    # optimizer states (--exp-avg-dtype fp32 | bf16 | fp8, --exp-avg-sq-dtype and
+    # --main-grads-dtype fp32 | bf16)
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     main_grads_dtype: str = "fp32"

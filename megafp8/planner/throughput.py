@@ -20,8 +20,8 @@ a map without that split: each layer at a one-layer step's host time); the outpu
 at their GPU time either way):
 - the 1F1B schedule: m micro-batches take (m + (pp - 1) / vpp) x t, the bubble Megatron's
   interleaved schedule leaves;
-- data parallelism: the gradients' all-reduce (fp32, or bf16 with --main-grads-dtype bf16) (with the distributed optimizer a
-  reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
+- data parallelism: the gradients' all-reduce (fp32, or bf16 with --main-grads-dtype bf16; with
+  the distributed optimizer a reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
   only what outlasts it counts; the distributed optimizer's all-gather of the bf16 parameters
   after its step, exposed, or with --overlap-param-gather (as the recipes run it) beside the
   next step's first forward: only what outlasts the stage's layers' forward counts;

@@ -285,7 +285,6 @@ class Trainer:
             distributed=a.use_distributed_optimizer,
             overlap_param_gather=a.overlap_param_gather,
             fp8_linears=fp8_linears if self.recipe is not None else (),
-            fused=True if lean else None,
             exp_avg_dtype=STATE_DTYPES[a.exp_avg_dtype],
             exp_avg_sq_dtype=STATE_DTYPES[a.exp_avg_sq_dtype],
             store_param_remainders=a.store_param_remainders,

@@ -130,8 +130,8 @@ class MixedPrecisionAdamW:
     `step()` returns (applied, grad_norm): a step whose gradients hold inf/NaN anywhere in the
     model is skipped on every rank alike and leaves parameters and states untouched.
 
-    `fused`: step with the fused pass of `adamw_kernel` (None: on CUDA when triton is there;
-    True also runs in Triton's interpreter, for tests). Its state is torch.optim.AdamW's, in
+    `fused`: step with the fused pass of `adamw_kernel` (None: on CUDA when triton is there, and
+    with lean states wherever it runs; True also runs in Triton's interpreter, for tests). Its state is torch.optim.AdamW's, in
     `self.optimizer.state`, so checkpoints do not depend on it.
 
     `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
@@ -271,7 +271,7 @@ class MixedPrecisionAdamW:
                 "fused=True needs triton and contiguous parameters on CUDA "
                 "(or Triton's interpreter, TRITON_INTERPRET=1)"
             )
-        self.fused = (fusable and device.type == "cuda") if fused is None else fused
+        self.fused = (fusable and (device.type == "cuda" or bool(lean))) if fused is None else fused
         if lean and not self.fused:
             raise ValueError(
                 f"{', '.join(lean)}: lean optimizer states need the fused optimizer pass (CUDA with "

@@ -251,7 +251,8 @@ if triton is not None:
         CHUNK: tl.constexpr,
     ):
         # tensors rows: master, grad, exp_avg, exp_avg_sq, out addresses, decayed, index in the
-        # step counts, numel, the FP8 first moment's block scales (else 0); a column per tensor. chunks: (column, chunk index) per program.
+        # step counts, numel, the FP8 first moment's block scales (else 0); a column per tensor.
+        # chunks: (column, chunk index) per program.
         # control: the gradients' factor (clipping) and whether to step at all. A step not taken
         # still writes the outputs, the masters' rounding (what they hold already, or for the
         # distributed optimizer the all-gather input, which its caller gathers either way).
@@ -573,7 +574,6 @@ def _triton_dtype(dtype: torch.dtype):
     return {
         torch.float32: tl.float32,
         torch.bfloat16: tl.bfloat16,
-        torch.int16: tl.int16,
         torch.float16: tl.float16,
         torch.float8_e4m3fn: tl.float8e4nv,
         torch.float8_e5m2: tl.float8e5,
