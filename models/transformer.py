@@ -520,6 +520,14 @@ class TransformerLM(nn.Module):
             logits, labels, self.tp_group, vocab_size=self.config.vocab_size
         )
 
+    def fp8_linears(self) -> list[Fp8Linear]:
+        """The linears whose GEMMs run in FP8 under fp8_autocast: those of the layers not kept in
+        high precision, and the output layer with `fp8_output_layer`."""
+        modules = [layer for layer in self.layers.values() if not layer.high_precision]
+        if self.fp8_output_layer and getattr(self, "output_layer", None) is not None:
+            modules.append(self.output_layer)
+        return [m for module in modules for m in module.modules() if isinstance(m, Fp8Linear)]
+
     def _run_units(self, x, rotary, mask):
         for layers, recomputed in self.units:
             self._need([p for layer in layers for p in layer.parameters()])

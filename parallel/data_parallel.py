@@ -133,6 +133,12 @@ class GradientBuffer:
 
     def _grad_ready(self, param):
         if param.grad is not None:  # else the layer has written main_grad itself
+            if param.grad.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise RuntimeError(
+                    "an FP8 primary weight's gradient reached autograd, which cast it to FP8: "
+                    "its layer hands it to main_grad only with gradient-accumulation fusion on "
+                    "(Fp8Linear.fuse_wgrad_accumulation)"
+                )
             accumulate_into_main_grad(param, param.grad)
             param.grad = None
         self.mark_ready((param,))

@@ -18,11 +18,13 @@ from . import norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
 from .gemm import fp8_gemm
+from .quantize import quantize
 from .scaling import cast, record_reuse, scaling_states
-from .tensor import Fp8Tensor, WeightCast
+from .tensor import Fp8Tensor, WeightCast, absmax, scale_from_amax
 
 # torch._scaled_mm needs every GEMM dimension (tokens, in and out features) divisible by 16.
 GEMM_ALIGNMENT = 16
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Bumped after every torch.optim optimizer step, which invalidates every cached weight cast.
 # The parameter's version counter is not enough: fused AdamW (fused=True) updates weights
@@ -102,6 +104,13 @@ class Fp8Linear(nn.Linear):
     no gradient yet (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and
     on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output).
     Autograd then gets no gradient for them, which the GradientBuffer's hook understands.
+
+    FP8 primary weights (`make_weight_fp8`; Transformer Engine's fp8_model_init, Megatron's
+    --fp8-param-gather): the weight parameter becomes its FP8 cast, with the transpose beside
+    it, and no high-precision copy is kept. An optimizer holding the fp32 master writes it
+    (`write_weight`, or the pass that `weight_cast_target` describes) with the weight's delayed
+    scale; a GEMM that does not run in FP8 reads it dequantized. Its gradient always goes to
+    `main_grad` (a GradientBuffer's), in high precision.
     """
 
     def __init__(
@@ -110,7 +119,13 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         _watch_optimizer_steps()
         self.fp8_scaling = scaling_states(device)
-        self._weight_fp8 = None  # (cache key, Fp8Tensor)
+        self._weight_fp8 = None  # (cache key, Fp8Tensor); an FP8 primary weight's: (None, it)
+        self._high_precision_dtype = None  # an FP8 primary weight's dtype before make_weight_fp8
+        self._weight_amax_group = None  # the ranks an FP8 primary weight's first scale agrees over
+        # An FP8 primary weight's last cast's saturation counts, and whether no forward that
+        # collects them has taken them yet
+        self._weight_cast_counts = None
+        self._weight_counts_fresh = False
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.parallel.cuda_graphs)
         self.fuse_wgrad_accumulation = True
@@ -118,14 +133,120 @@ class Fp8Linear(nn.Linear):
         self._warned_fallback = False
 
     def clear_fp8_weight_cache(self) -> None:
-        self._weight_fp8 = None
+        if not self.fp8_primary_weight:  # else the cast is the weight
+            self._weight_fp8 = None
+
+    # -- FP8 primary weights -------------------------------------------------------------------
+
+    @property
+    def fp8_primary_weight(self) -> bool:
+        """Whether the weight is held only in FP8 (`make_weight_fp8`)."""
+        return self.weight.dtype in FP8_DTYPES
+
+    @torch.no_grad()
+    def make_weight_fp8(
+        self,
+        fp8_dtype=torch.float8_e4m3fn,
+        value: torch.Tensor | None = None,
+        amax_reduction_group=None,
+    ):
+        """Hold the weight only as its FP8 cast from now on: the parameter becomes the cast's
+        bytes ([out, in], same shape, `fp8_dtype`) and the transpose a buffer beside it, cast
+        from `value` (default: the weight itself; an optimizer passes its fp32 master) with the
+        weight's delayed scale (fitted to `value` while there is no history, over the ranks of
+        `amax_reduction_group` as a first forward cast would be). The high-precision copy is
+        freed. The parameter object stays the same, with its attributes."""
+        if self.fp8_primary_weight:
+            raise ValueError(f"{self}: the weight is in FP8 already")
+        weight = self.weight
+        value = weight.detach() if value is None else value
+        self._high_precision_dtype = weight.dtype
+        shape, device = weight.shape, weight.device
+        cast = Fp8Tensor(
+            torch.empty(shape, dtype=fp8_dtype, device=device),
+            torch.empty(shape[::-1], dtype=fp8_dtype, device=device),
+            torch.ones((), device=device),
+            self.fp8_scaling["weight"].amax,
+        )
+        self._weight_fp8 = (None, cast)
+        self._weight_amax_group = amax_reduction_group
+        self._weight_cast_counts = torch.zeros(3, dtype=torch.int64, device=device)
+        weight.data = cast.data
+        self.write_weight(value)
+
+    @torch.no_grad()
+    def write_weight(self, value: torch.Tensor) -> None:
+        """Cast `value` (the weight's shape, high precision) into the FP8 primary weight with
+        the weight's delayed scale, fitted to `value` while the scale has no history; the amax
+        accumulator takes its amax, as after the optimizer pass's own cast."""
+        state = self.fp8_scaling["weight"]
+        cast = self._weight_fp8[1]
+        value = value.reshape(self.weight.shape)
+        if state.update_count == 0:
+            amax = collectives.max_over(absmax(value), self._weight_amax_group)
+            state.scale.copy_(scale_from_amax(amax, cast.data.dtype))
+        state.amax.zero_()
+        self._weight_cast_counts.zero_()
+        quantize(
+            value,
+            cast.data.dtype,
+            state.scale,
+            columnwise=True,
+            amax_out=state.amax,
+            saturation_out=self._weight_cast_counts,
+            out=cast,
+        )
+        self._weight_counts_fresh = True
+
+    @property
+    def high_precision_dtype(self) -> torch.dtype:
+        """The weight's dtype, or an FP8 primary weight's before `make_weight_fp8`: its
+        gradient's and its dequantized values'."""
+        return self._high_precision_dtype if self.fp8_primary_weight else self.weight.dtype
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight in high precision: itself, or an FP8 primary weight's values in the dtype
+        it had (no autograd history)."""
+        if not self.fp8_primary_weight:
+            return self.weight.detach()
+        cast = self._weight_fp8[1]
+        return (cast.data.float() * cast.scale_inv).to(self._high_precision_dtype)
+
+    def high_precision_weight(self) -> torch.Tensor:
+        """The weight for a GEMM in high precision: the parameter, or an FP8 primary weight
+        dequantized, whose gradient autograd then hands to `main_grad`."""
+        if not self.fp8_primary_weight:
+            return self.weight
+        return _DequantizedFp8Weight.apply(self.weight, self)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.fp8_primary_weight:  # the values, not bytes that mean nothing without the scale
+            destination[prefix + "weight"] = self.dequantized_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args):
+        value = state_dict.get(prefix + "weight")
+        if not self.fp8_primary_weight or value is None or value.dtype in FP8_DTYPES:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args)
+        # High-precision values into the FP8 weight: cast with the scale that comes with them
+        # (its state loads after this module's own entries; loaded here first, then again).
+        missing_keys = args[0]
+        rest = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, *args)
+        missing_keys.remove(prefix + "weight")
+        self.fp8_scaling["weight"]._load_from_state_dict(
+            state_dict, prefix + "fp8_scaling.weight.", local_metadata, False, [], [], []
+        )
+        self.write_weight(value.to(self.weight.device))
 
     def reseed_fp8_scaling(self) -> None:
         """Start the scales over (ScalingState.reseed of every role) and recast the weight at
-        the next forward, into the buffers it has (a CUDA graph reads them)."""
-        for state in self.fp8_scaling.values():
-            state.reseed()
-        if self._weight_fp8 is not None:
+        the next forward, into the buffers it has (a CUDA graph reads them). An FP8 primary
+        weight keeps its scale: its bytes are cast with it."""
+        for role, state in self.fp8_scaling.items():
+            if not (role == "weight" and self.fp8_primary_weight):  # its bytes hold that scale
+                state.reseed()
+        if self._weight_fp8 is not None and not self.fp8_primary_weight:
             (_, *rest), q = self._weight_fp8
             self._weight_fp8 = ((None, *rest), q)  # a key no forward makes: stale
 
@@ -209,18 +330,17 @@ class Fp8Linear(nn.Linear):
             and x.dtype == self.weight.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_autocast_enabled(x.device.type)
         )
+        weight = self.high_precision_weight()
         comm = _Collectives(gather_group, scatter_group, overlap=True)
         if comm.gather is not None or comm.scatter is not None:
             if torch.is_autocast_enabled(x.device.type):
                 raise ValueError(
                     "the overlapped collectives of a high-precision linear do not run under torch.autocast"
                 )
-            return _HighPrecisionLinearBesideCollective.apply(
-                x, self.weight, bias, comm, into_main_grad
-            )
+            return _HighPrecisionLinearBesideCollective.apply(x, weight, bias, comm, into_main_grad)
         if into_main_grad:
-            return _LinearIntoMainGrad.apply(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            return _LinearIntoMainGrad.apply(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def fp8_context(self, x: torch.Tensor, gathered_ranks: int = 1) -> Fp8Context | None:
         """The fp8_autocast this layer's GEMMs run under for the input `x` (one of
@@ -292,6 +412,9 @@ class Fp8Linear(nn.Linear):
         first micro-batch of a step), else record its reuse, as that forward would. A CUDA-graphed
         layer calls this before each replay: the captured graph reads the cast, never makes it.
         Only for a layer that has cast its weight before (its first forward is eager)."""
+        if self.fp8_primary_weight:
+            self._quantized_weight(context, context.recipe.fp8_format.forward_dtype)
+            return
         if self._weight_fp8 is None:
             return
         *_, fp8_dtype, recipe = self._weight_fp8[0]  # the cache key's last two fields
@@ -305,6 +428,8 @@ class Fp8Linear(nn.Linear):
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
         weight = self.weight
         state = self.fp8_scaling["weight"]
+        if self.fp8_primary_weight:
+            return self._fp8_primary_cast(context, fp8_dtype)
         key = self._weight_cast_key(fp8_dtype, context.recipe)
         # A cast the optimizer made counted no saturation: a forward that counts makes its own.
         uncounted = context.collect_saturation and self._weight_cast_by_optimizer
@@ -333,6 +458,24 @@ class Fp8Linear(nn.Linear):
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
 
+    def _fp8_primary_cast(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
+        """The FP8 primary weight, for a forward under `context`: its scale is delayed scaling's,
+        which the optimizer casts with, and whose history this forward extends."""
+        cast = self._weight_fp8[1]
+        if not context.recipe.delayed or cast.data.dtype != fp8_dtype:
+            raise ValueError(
+                f"{self}: its weight is held in {cast.data.dtype} with a delayed scale (FP8 primary "
+                f"weights), which a forward in {fp8_dtype} under "
+                f"{'delayed' if context.recipe.delayed else 'current'} scaling cannot use: train "
+                "it under delayed scaling, or keep high-precision weights"
+            )
+        state = self.fp8_scaling["weight"]
+        if context.collect_saturation and self._weight_counts_fresh:  # what its cast counted
+            state.cast_counts.add_(self._weight_cast_counts)
+            self._weight_counts_fresh = False
+        record_reuse(state, fp8_dtype, context)
+        return cast
+
     def weight_cast_target(self) -> WeightCast | None:
         """Where an optimizer that writes this layer's weight may write, in the same pass, the
         FP8 cast the next forward would make of it (megafp8.training.optimizer.adamw_kernel): the
@@ -340,7 +483,18 @@ class Fp8Linear(nn.Linear):
         known ahead: no forward has cast the weight yet, or not under delayed scaling with a
         scale history (current scaling fits the scale to the new weight), or the cast's buffers
         are not kept from step to step (`keep_weight_cast_addresses`). After writing it, call
-        `weight_cast_written`."""
+        `weight_cast_written`. An FP8 primary weight always has one: it is the weight."""
+        if self.fp8_primary_weight:
+            cast = self._weight_fp8[1]
+            state = self.fp8_scaling["weight"]
+            return WeightCast(
+                cast.data,
+                cast.data_t,
+                state.scale,
+                state.amax,
+                cast.scale_inv,
+                self._weight_cast_counts,
+            )
         if self._weight_fp8 is None or not self.keep_weight_cast_addresses:
             return None
         (*_, recipe), q = self._weight_fp8
@@ -352,6 +506,9 @@ class Fp8Linear(nn.Linear):
     def weight_cast_written(self) -> None:
         """The optimizer has just written the weight and, where `weight_cast_target` said, its
         cast: the next forward uses that cast, as if it had made it."""
+        if self.fp8_primary_weight:
+            self._weight_counts_fresh = True
+            return
         (*_, fp8_dtype, recipe), q = self._weight_fp8
         self._weight_fp8 = (self._weight_cast_key(fp8_dtype, recipe), q)
         self._weight_cast_by_optimizer = True
@@ -440,8 +597,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else None
         )
 
+        # an FP8 primary weight's values, for a GEMM in high precision
+        hp_weight = (
+            module.dequantized_weight()
+            if module.fp8_primary_weight and (fprop_hp or not dgrad_fp8)
+            else weight
+        )
         if fprop_hp:
-            y = F.linear(x2, weight.to(x2.dtype))
+            y = F.linear(x2, hp_weight.to(x2.dtype))
             if scatter is not None:
                 y = collectives.reduce_scatter(y, scatter)
                 scatter = None  # done
@@ -484,14 +647,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # the weight transposed in FP8 (or the parameter itself, for a high-precision dgrad); a
         # fused neighbour's input and statistics, for its backward.
         x_saved, x_scale_inv = (qx.data_t, qx.scale_inv) if wgrad_fp8 else (x2, None)
-        w_saved, w_scale_inv = (qw.data_t, qw.scale_inv) if dgrad_fp8 else (weight, None)
+        w_saved, w_scale_inv = (qw.data_t, qw.scale_inv) if dgrad_fp8 else (hp_weight, None)
         neighbour = ()
         if fusion.norm is not None:
             neighbour = (x2, norm_weight, source.mean, source.rstd)
         elif fusion.activation is not None:
             neighbour = (x2,)
         ctx.save_for_backward(x_saved, x_scale_inv, w_saved, w_scale_inv, *neighbour)
-        ctx.module, ctx.context, ctx.weight_dtype = module, context, weight.dtype
+        ctx.module, ctx.context, ctx.weight_dtype = module, context, module.high_precision_dtype
         ctx.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
         ctx.fp8 = (dgrad_fp8, wgrad_fp8)
         ctx.has_bias = bias is not None
@@ -599,6 +762,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if ctx.fp8_gather:  # the forward gathered its input in FP8: gather it again here
                     x_saved = collectives.all_gather(x_saved, comm.gather)
                 dw = (dy2.t() @ x_saved.to(dy.dtype)).to(ctx.weight_dtype)
+            if dw is not None and ctx.fuse_wgrad_accumulation and ctx.module.fp8_primary_weight:
+                _hand_to_main_grad(ctx.module.weight, dw)  # autograd would cast it to FP8
+                dw = None
         if need_db and ctx.has_bias:
             if bias_grad is not None:
                 db = bias_grad
@@ -667,6 +833,34 @@ def hand_over_gradient(
         col_sum=bias is not None and bias.requires_grad,
     )
     return handoff.hand_over(q, like=like)
+
+
+def _hand_to_main_grad(weight, grad: torch.Tensor) -> None:
+    """Add an FP8 primary weight's high-precision gradient into its `main_grad`."""
+    if getattr(weight, "main_grad", None) is None:
+        raise RuntimeError(
+            "an FP8 primary weight (Fp8Linear.make_weight_fp8) takes its gradient in main_grad: "
+            "build a GradientBuffer (megafp8.parallel.data_parallel) over the model's parameters"
+        )
+    accumulate_into_main_grad(weight, grad)
+
+
+class _DequantizedFp8Weight(torch.autograd.Function):
+    """An FP8 primary weight in high precision, for a GEMM that does not run in FP8; its gradient
+    goes to `main_grad` (with gradient-accumulation fusion off, to autograd, which casts it to
+    the parameter's FP8 dtype: only CUDA graphs' warm-up, which discards it, turns it off)."""
+
+    @staticmethod
+    def forward(ctx, weight, module: Fp8Linear):
+        ctx.module = module
+        return module.dequantized_weight()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.module.fuse_wgrad_accumulation:
+            return grad, None
+        _hand_to_main_grad(ctx.module.weight, grad)
+        return None, None
 
 
 # addmm with bf16/fp16 factors and an fp32 output (torch >= 2.8, CUDA only).

@@ -31,13 +31,16 @@ class WeightCast(NamedTuple):
     just updated (Fp8Linear.weight_cast_target, megafp8.training.optimizer.adamw_kernel): `data`
     [rows, cols] and `data_t` [cols, rows] in one FP8 dtype, cast with the fp32 `scale` it reads;
     the largest magnitude is maxed into `amax` (zeroed first) and 1 / scale written to
-    `scale_inv`."""
+    `scale_inv`. `counts`, when given (an FP8 primary weight's), takes (elements saturated,
+    elements cast, nonzero elements flushed to zero) of the cast (zeroed first; `saturates`,
+    `underflows`)."""
 
     data: torch.Tensor
     data_t: torch.Tensor
     scale: torch.Tensor
     amax: torch.Tensor
     scale_inv: torch.Tensor
+    counts: torch.Tensor | None = None
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:

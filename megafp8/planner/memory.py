@@ -69,6 +69,8 @@ class MemoryLayout:
     exp_avg_sq_dtype: str = "fp32"
     main_grads_dtype: str = "fp32"
     store_param_remainders: bool = False
+    # --fp8-primary-weights: the FP8 linears' weights held as their casts only (delayed scaling)
+    fp8_primary_weights: bool = False
     fp8_neighbour_fusion: bool = True
     fp8_output_layer: bool = False
     first_last_layers_bf16: int = 0
@@ -98,6 +100,10 @@ class MemoryLayout:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8_primary_weights and self.fp8 != "delayed":
+            raise ValueError(
+                f"fp8_primary_weights needs fp8='delayed' (the weights' delayed scale), got {self.fp8!r}"
+            )
 
     @property
     def lean_states(self) -> bool:
@@ -136,6 +142,7 @@ class MemoryLayout:
             exp_avg_sq_dtype=args.exp_avg_sq_dtype,
             main_grads_dtype=args.main_grads_dtype,
             store_param_remainders=args.store_param_remainders,
+            fp8_primary_weights=args.fp8_primary_weights,
             fp8_neighbour_fusion=args.fp8_neighbour_fusion,
             fp8_output_layer=args.fp8_output_layer,
             first_last_layers_bf16=args.first_last_layers_bf16,
@@ -231,7 +238,8 @@ def static_bytes(
     config: TransformerConfig, layout: MemoryLayout, pp_rank: int, param_bytes: int = 2
 ) -> dict:
     """Bytes of what lives for the whole run on a rank of pipeline stage `pp_rank`: parameters,
-    gradient buffer, optimizer states and FP8 weight casts."""
+    gradient buffer, optimizer states and FP8 weight casts (with FP8 primary weights, the FP8
+    linears' only copy)."""
     counts = rank_parameters(config, layout, pp_rank)
     elements = counts["layers"] + counts["embedding"] + counts["output"]
     owned = elements / layout.dp if layout.distributed_optimizer else elements
@@ -241,8 +249,9 @@ def static_bytes(
         + STATE_BYTES[layout.exp_avg_sq_dtype]
     )
     optimizer = states * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
+    held = elements - counts["fp8_weights"] if layout.fp8_primary_weights else elements
     return {
-        "parameters": param_bytes * elements,
+        "parameters": param_bytes * held,
         "gradients": STATE_BYTES[layout.main_grads_dtype] * elements,
         "optimizer": optimizer,
         "fp8_weight_casts": 2 * counts["fp8_weights"],

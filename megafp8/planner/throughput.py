@@ -59,7 +59,11 @@ FORWARD_CAST_BYTES_PER_FP8_WEIGHT = 4
 
 def weight_cast_bytes(layout: MemoryLayout) -> int:
     """Bytes a step spends per FP8 weight element on its new cast: written by the optimizer pass,
-    or with lean states by the forward (megafp8.training.optimizer)."""
+    or with lean states by the forward (megafp8.training.optimizer); an FP8 primary weight's cast
+    is the weight, written by the pass in place of the bf16 weight that
+    `optimizer_bytes_per_parameter` counts."""
+    if layout.fp8_primary_weights:
+        return OPTIMIZER_BYTES_PER_FP8_WEIGHT - 2
     return (
         FORWARD_CAST_BYTES_PER_FP8_WEIGHT if layout.lean_states else OPTIMIZER_BYTES_PER_FP8_WEIGHT
     )

@@ -436,7 +436,39 @@ def _check_and_resolve(args, given: set) -> None:
     _check_profile(args, given)
     _check_param_gather(args)
     _check_optimizer_states(args)
+    _resolve_fp8_primary_weights(args)
     _absolute_paths(args)
+
+
+def _resolve_fp8_primary_weights(args) -> None:
+    """--fp8-primary-weights: on by default where it applies; asked for where it cannot, refused."""
+    blockers = [
+        flag
+        for flag, on in (
+            ("--fp8-recipe current", args.fp8_recipe == "current"),
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("--store-param-remainders", args.store_param_remainders),
+            ("--exp-avg-dtype fp8", args.exp_avg_dtype == "fp8"),
+            ("--fp8-check-interval", bool(args.fp8_check_interval)),
+            ("--no-gradient-accumulation-fusion", not args.gradient_accumulation_fusion),
+            ("--torch-compile", args.torch_compile),
+        )
+        if on
+    ]
+    if args.fp8_format is None:
+        if args.fp8_primary_weights:
+            raise ArgumentsError(
+                "--fp8-primary-weights holds the FP8 linears' weights in FP8: add --fp8-format"
+            )
+        args.fp8_primary_weights = False
+    elif args.fp8_primary_weights is None:
+        args.fp8_primary_weights = not blockers
+    elif args.fp8_primary_weights and blockers:
+        raise ArgumentsError(
+            f"--fp8-primary-weights does not combine with {', '.join(blockers)}: the optimizer "
+            "writes FP8 weights from fp32 masters of whole weights, with the delayed scale, and "
+            "the layers hand their gradients to the gradient buffer; drop one or the other"
+        )
 
 
 def _check_optimizer_states(args) -> None:

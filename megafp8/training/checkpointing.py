@@ -21,7 +21,8 @@ record classes allowed, and its non-tensor items with `torch.load(weights_only=T
 What is stored is layout-free, so loading reshards:
 - each parameter under its name (layers are named by their global index, so any pipeline split
   finds its own), tensor-parallel ones as DTensors sharded over the tp group (DCP then reads any
-  tp size's slice), vocabulary-parallel ones whole and without the padding rows;
+  tp size's slice), vocabulary-parallel ones whole and without the padding rows, FP8 primary
+  weights (Fp8Linear.make_weight_fp8) as their high-precision values;
 - the fp32 master weight and Adam moments of each parameter, laid out like the parameter
   (the distributed optimizer's dp shards are assembled per parameter);
 - the FP8 scaling state (scales, amax histories, update counts: agreed over tp x dp, so stored
@@ -52,10 +53,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megafp8.collectives import all_gather, group_size, rank_in
+from megafp8.fp8 import Fp8Linear
 from megafp8.models.config import TransformerConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -571,14 +574,29 @@ def _set_rng_state(state):
 # -- save / load -----------------------------------------------------------------------------
 
 
-def _fp8_state(model):
-    """The model's non-parameter state: FP8 scales, amax histories and (as JSON) update counts."""
-    params = {n for n, _ in model.named_parameters()}
+def _fp8_weight_linears(model) -> dict:
+    """{id(parameter): its Fp8Linear} for the FP8 primary weights of `model` (Fp8Linear.make_weight_fp8):
+    stored as their high-precision values, loaded by casting those with the loaded scale."""
     return {
-        k: v if torch.is_tensor(v) else json.dumps(v)
-        for k, v in model.state_dict().items()
-        if k not in params
+        id(m.weight): m
+        for m in model.modules()
+        if isinstance(m, Fp8Linear) and m.fp8_primary_weight
     }
+
+
+def _fp8_state(model):
+    """The model's non-parameter state: FP8 scales, amax histories and (as JSON) update counts;
+    what its state_dict holds beside the parameters, gathered without the parameters (an FP8
+    primary weight's entry there is a dequantized copy)."""
+    state = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state[prefix + name] = buffer.detach()
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            state[prefix + "_extra_state"] = json.dumps(module.get_extra_state())
+    return state
 
 
 def _coordinates(groups):
@@ -599,9 +617,12 @@ def save_checkpoint(
     """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it.
     `model_config` is the config `model` was built from."""
     layout = _Layout(groups.tp_group if groups else None)
+    fp8_weights = _fp8_weight_linears(model)
     state = {}
     for name, param in model.named_parameters():
-        state[f"model/{name}"] = layout.stored(param, param.detach())
+        linear = fp8_weights.get(id(param))
+        value = linear.dequantized_weight() if linear is not None else param.detach()
+        state[f"model/{name}"] = layout.stored(param, value)
     if optimizer is not None:
         for name, entry in optimizer.state_for_checkpoint().items():
             param = model.get_parameter(name)
@@ -974,9 +995,12 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
             )
         return placeholder
 
+    fp8_weights = _fp8_weight_linears(model)
     state = {}
     for name, param in params:
-        state[f"model/{name}"] = expect(f"model/{name}", layout.placeholder(param, param.dtype))
+        linear = fp8_weights.get(id(param))
+        dtype = linear.high_precision_dtype if linear is not None else param.dtype
+        state[f"model/{name}"] = expect(f"model/{name}", layout.placeholder(param, dtype))
     with_optimizer = load_optimizer and optimizer is not None and "optimizer/step" in metadata
     if with_optimizer:
         for name, param in params:
@@ -1000,15 +1024,22 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
         state[key] = torch.empty(tuple(metadata[key].size), dtype=torch.uint8)
     read_state(state, checkpoint)
 
-    with torch.no_grad():
-        for name, param in params:
-            param.copy_(layout.local(param, state[f"model/{name}"]))
     fp8 = {
         k[len("fp8/") :]: v if torch.is_tensor(v) else json.loads(v)
         for k, v in state.items()
         if k.startswith("fp8/")
     }
     missing = model.load_state_dict(fp8, strict=False).missing_keys
+    loaded = {}  # the FP8 primary weights' high-precision values
+    with torch.no_grad():  # after the scales: FP8 primary weights are cast with theirs
+        for name, param in params:
+            value = layout.local(param, state[f"model/{name}"])
+            linear = fp8_weights.get(id(param))
+            if linear is None:
+                param.copy_(value)
+            else:
+                linear.write_weight(value)
+                loaded[param] = value
     param_names = {name for name, _ in params}
     missing = [key for key in missing if key not in param_names]
     if missing:
@@ -1029,7 +1060,7 @@ def load_checkpoint(path, model, optimizer, *, groups, load_optimizer=True, load
             }
             optimizer.load_checkpoint_state(states, int(state["optimizer/step"]))
         else:
-            optimizer.reset_masters_from_params()
+            optimizer.reset_masters_from_params(loaded)
     if rng_keys:
         _set_rng_state({k[len(rng_prefix) :]: state[k] for k in rng_keys})
     return json.loads(state["train"])

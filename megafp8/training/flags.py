@@ -335,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
         "activation into those GEMMs' FP8 input casts, and the activation's backward into fc1's "
         "gradient cast (Transformer Engine's LayerNormLinear / LayerNormMLP)",
     )
+    g.add_argument(
+        "--fp8-primary-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hold the FP8 linears' weights only in FP8 (E4M3 and its transpose, written from the "
+        "fp32 master by the optimizer with the delayed scale): no bf16 copy, 2 bytes a parameter "
+        "less (Transformer Engine's fp8_model_init, Megatron's --fp8-param-gather). Default: on "
+        "under delayed scaling wherever it applies (each rank steps whole weights with fp32 "
+        "masters: not with --use-distributed-optimizer, --store-param-remainders, "
+        "--exp-avg-dtype fp8, --fp8-check-interval, --no-gradient-accumulation-fusion or "
+        "--torch-compile)",
+    )
     g.add_argument("--fp8-output-layer", action="store_true", help="the output layer in FP8 too")
     g.add_argument(
         "--first-last-layers-bf16",

@@ -289,6 +289,12 @@ class Trainer:
             exp_avg_sq_dtype=STATE_DTYPES[a.exp_avg_sq_dtype],
             store_param_remainders=a.store_param_remainders,
         )
+        if a.fp8_primary_weights:  # no bf16 copy of the FP8 layers' weights from here on
+            optimizer.make_weights_fp8(
+                [linear for chunk in self.chunks for linear in chunk.fp8_linears()],
+                self.recipe.fp8_format.forward_dtype,
+                groups.amax_reduction_group if self.recipe.reduce_amax else None,
+            )
         if a.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
             for chunk in self.chunks:
                 chunk.params_needed = optimizer.wait_for_params

@@ -16,8 +16,10 @@ from megafp8.planner.memory import (
     estimate,
     layer_activation_roles,
     micro_batches_in_flight,
+    rank_parameters,
     static_bytes,
 )
+from megafp8.planner.throughput import weight_cast_bytes
 from megafp8.training.flags import LEAN_OPTIMIZER_STATES
 from megafp8.training.trainer import pretrain
 
@@ -245,7 +247,12 @@ def test_micro_batches_in_flight_follow_the_schedules():
 
 def trainer_bytes(trainer):
     """What a trainer holds, by kind, on this rank."""
-    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    # an FP8 primary weight's bytes are its cast's
+    params = sum(
+        p.numel() * p.element_size()
+        for p in trainer.model.parameters()
+        if p.dtype != torch.float8_e4m3fn
+    )
     gradients = trainer.buffer.data.numel() * trainer.buffer.data.element_size()
     optimizer = 0
     for *_, master in trainer.optimizer.shards:
@@ -282,7 +289,26 @@ LAYOUTS = {  # name: (flags, MemoryLayout fields)
             "--decoder-last-pipeline-num-layers",
             "1.5",
         ],
-        dict(tp=2, pp=2, sequence_parallel=True, fp8="delayed", last_stage_layers=1.5),
+        dict(
+            tp=2,
+            pp=2,
+            sequence_parallel=True,
+            fp8="delayed",
+            last_stage_layers=1.5,
+            fp8_primary_weights=True,
+        ),
+    ),
+    "tp2-pp2-fp8-bf16-weights": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--fp8-format",
+            "hybrid",
+            "--no-fp8-primary-weights",
+        ],
+        dict(tp=2, pp=2, fp8="delayed"),
     ),
     "pp2-dp2-vpp2-distributed": (
         [
@@ -461,3 +487,20 @@ def test_against_the_peaks_measured_on_eight_gpus(capsys):
     errors = [float(row.split("|")[6].strip().rstrip("%")) for row in rows]
     assert max(map(abs, errors)) < 10, rows
     assert tool.main(["/nonexistent"]) == 2
+
+
+def test_fp8_primary_weights_hold_no_bf16_copy_of_the_fp8_weights():
+    """FP8 primary weights drop 2 bytes from each FP8 weight's parameter bytes (the cast, counted
+    apart, is then the weight); the throughput model's optimizer pass writes the cast in place of
+    the bf16 weight; only delayed scaling has them."""
+    bf16_weights = MemoryLayout(seq_length=64, fp8="delayed")
+    fp8_weights = MemoryLayout(seq_length=64, fp8="delayed", fp8_primary_weights=True)
+    counts = rank_parameters(LLAMA, bf16_weights, 0)
+    before, after = static_bytes(LLAMA, bf16_weights, 0), static_bytes(LLAMA, fp8_weights, 0)
+    assert before["parameters"] - after["parameters"] == 2 * counts["fp8_weights"]
+    assert {k: v for k, v in before.items() if k != "parameters"} == {
+        k: v for k, v in after.items() if k != "parameters"
+    }
+    assert weight_cast_bytes(fp8_weights) == weight_cast_bytes(bf16_weights) - 2
+    with pytest.raises(ValueError, match="fp8='delayed'"):
+        MemoryLayout(seq_length=64, fp8="current", fp8_primary_weights=True)

@@ -17,6 +17,10 @@ give; and, for the FP8 linears it is given whose weights it updates whole, the F
 new weight that their next forward would otherwise make (delayed scaling: the scale is known).
 On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor copy follows.
 
+FP8 primary weights (`make_weights_fp8`): FP8 linears whose weights are their FP8 casts only;
+each step casts the fp32 masters into them (the fused pass in place of the bf16 copy, or
+Fp8Linear.write_weight after torch's step).
+
 Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16 (the
 first also in FP8 with a scale per block, `quantize_moment`), the gradients from a bf16 buffer (`GradientBuffer(dtype=torch.bfloat16)`), and with
 `store_param_remainders` no fp32 master beside the bf16 parameter: the parameter is the master's
@@ -279,17 +283,15 @@ class MixedPrecisionAdamW:
                 f"path, keeps fp32 masters, gradients and moments"
             )
         self._fused_pass = None  # built at the first fused step, again after the state is replaced
-        # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it.
-        # Not with lean states: the casting kernel's tiles of 2- and 4-byte states ran at 1.4 TB/s
-        # on an H200, the 7B shape's step 3.5% slower than the plain pass and the forwards' own
-        # casts (benchmarks/RESULTS.md).
-        linear_of = (
-            {id(linear.weight): linear for linear in fp8_linears}
-            if self.fused and not distributed and not lean
-            else {}
-        )
-        self._cast_linears = [linear_of.get(id(param)) for param, *_ in self.shards]
-        for linear in filter(None, self._cast_linears):
+        # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it,
+        # and it may hold its weight in FP8 only (`make_weights_fp8`). Not with lean states,
+        # unless the weight is FP8 alone: the casting kernel's tiles of 2- and 4-byte states
+        # ran at 1.4 TB/s on an H200, the 7B shape's step 3.5% slower than the plain pass and
+        # the forwards' own casts (benchmarks/RESULTS.md).
+        linear_of = {} if distributed else {id(linear.weight): linear for linear in fp8_linears}
+        self._linears = [linear_of.get(id(param)) for param, *_ in self.shards]
+        self._pass_casts = self.fused and not lean
+        for linear in filter(None, self._linears if self._pass_casts else ()):
             linear.keep_weight_cast_addresses = True
         self._fused_casts = None  # the addresses of the casts the fused pass was built with
 
@@ -348,10 +350,15 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def _fused_step(self):
         casts = [
-            linear.weight_cast_target() if linear is not None else None
-            for linear in self._cast_linears
+            linear.weight_cast_target()
+            if linear is not None and (self._pass_casts or linear.fp8_primary_weight)
+            else None
+            for linear in self._linears
         ]
-        addresses = [None if cast is None else [t.data_ptr() for t in cast] for cast in casts]
+        addresses = [
+            None if cast is None else [t.data_ptr() for t in cast if t is not None]
+            for cast in casts
+        ]
         # a layer's cast came or went
         if self._fused_pass is None or addresses != self._fused_casts:
             self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
@@ -372,7 +379,7 @@ class MixedPrecisionAdamW:
         if ready is not None:
             ready.record()
         self._fused_pass.step(self.lr, control)
-        for linear, cast in zip(self._cast_linears, casts):
+        for linear, cast in zip(self._linears, casts):
             if cast is not None:
                 linear.weight_cast_written()
         self._gather_params()
@@ -420,9 +427,52 @@ class MixedPrecisionAdamW:
         )
 
     @torch.no_grad()
+    def make_weights_fp8(
+        self, linears, fp8_dtype=torch.float8_e4m3fn, amax_reduction_group=None
+    ) -> None:
+        """Hold the weights of `linears` (FP8 linears given as `fp8_linears`) only in FP8 from
+        here on (Fp8Linear.make_weight_fp8, with `amax_reduction_group`), cast from their fp32
+        masters; each step writes them from the masters directly. Each rank must step whole weights (not the distributed
+        optimizer) and keep fp32 masters of its own (not `store_param_remainders`, whose master
+        is the bf16 weight), and the fused pass must be able to cast (no FP8 first moment)."""
+        reasons = [
+            why
+            for why, on in (
+                ("the distributed optimizer steps slices of weights", self.distributed),
+                (
+                    "store_param_remainders keeps the master in the bf16 weight",
+                    self.store_param_remainders,
+                ),
+                (
+                    "an FP8 first moment steps in the pass that casts no weights",
+                    self.exp_avg_dtype == torch.float8_e4m3fn,
+                ),
+            )
+            if on
+        ]
+        if reasons:
+            raise ValueError(f"FP8 primary weights cannot be used here: {'; '.join(reasons)}")
+        index = {id(linear): i for i, linear in enumerate(self._linears) if linear is not None}
+        for linear in linears:
+            if id(linear) not in index:
+                raise ValueError(f"{linear}: not among this optimizer's fp8_linears")
+            i = index[id(linear)]
+            master = self.shards[i][3].view_as(linear.weight)
+            linear.make_weight_fp8(fp8_dtype, master, amax_reduction_group)
+        self._fused_pass = None  # its outputs changed dtype
+
+    @torch.no_grad()
     def _copy_masters_to_params(self):
-        if not self.store_param_remainders:  # else the outputs are the masters' high halves
-            torch._foreach_copy_(self._outs, self._out_sources)
+        copies = []
+        for out, source, linear in zip(self._outs, self._out_sources, self._linears):
+            if linear is not None and linear.fp8_primary_weight:
+                linear.write_weight(source)  # cast with its scale
+            else:
+                copies.append((out, source))
+        if (
+            copies and not self.store_param_remainders
+        ):  # else the outputs are the masters' high halves
+            torch._foreach_copy_(*map(list, zip(*copies)))
         self._gather_params()
 
     def _master(self, i: int) -> torch.Tensor:
@@ -533,12 +583,21 @@ class MixedPrecisionAdamW:
         return self.steps
 
     @torch.no_grad()
-    def reset_masters_from_params(self):
-        """Start over from the current parameters (loaded weights without optimizer state)."""
+    def reset_masters_from_params(self, values=None):
+        """Start over from the current parameters (loaded weights without optimizer state), or
+        from `values` ({parameter: its values}, e.g. an FP8 primary weight's loaded values)."""
         self.state.clear()
         self._fused_pass = None
+        values = values or {}
         for i, (param, start, end, master) in enumerate(self.shards):
-            if self.store_param_remainders:
+            linear = self._linears[i]
+            if param in values or (linear is not None and linear.fp8_primary_weight):
+                value = values.get(param)
+                value = linear.dequantized_weight() if value is None else value
+                master.copy_(value.reshape(-1)[start:end])
+                if linear is not None and linear.fp8_primary_weight:
+                    linear.write_weight(master.view_as(param))
+            elif self.store_param_remainders:
                 master.zero_()
                 self._outs[i].view(-1).copy_(param.detach().reshape(-1)[start:end])
             else:

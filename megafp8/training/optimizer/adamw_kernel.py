@@ -41,13 +41,16 @@ back to the same values (`quantize_moment`, the same rule on the CPU).
 Weights of FP8 linears may be given a `WeightCast`: their tensors are then stepped by a second
 kernel, tile by tile, which also writes the new weight's FP8 cast (both layouts, with its amax
 and inverse scale) from the value it has just rounded, exactly what the next forward would make
-with that scale. The separate cast would read the weight again and launch once per layer.
+with that scale. The separate cast would read the weight again and launch once per layer. An
+FP8 primary weight (Fp8Linear.make_weight_fp8) is its own cast: its output is the cast's bytes,
+cast from the fp32 master itself, with no high-precision copy written.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megafp8.fp8.tensor import saturation_bound, underflow_bound
 from megafp8.triton_support import INTERPRETING
 
 try:
@@ -133,7 +136,10 @@ if triton is not None:
     ):
         # The new masters `p` into the output (the model's dtype) and, with remainders, the
         # int16 that completes the output's bits to p's; returns the output's values (fp32).
-        if REMAINDERS:
+        # An FP8 output is an FP8 primary weight: the cast kernel writes it, scaled, from p.
+        if OUT_DTYPE == tl.float8e4nv or OUT_DTYPE == tl.float8e5:
+            return p
+        elif REMAINDERS:
             bits = p.to(tl.uint32, bitcast=True)
             high = (bits + 0x8000) >> 16  # half away from zero: bits - (high << 16) is an int16
             low = (bits - (high << 16)).to(tl.int32, bitcast=True)
@@ -312,13 +318,18 @@ if triton is not None:
         TILE_ROWS: tl.constexpr,
         TILE_COLS: tl.constexpr,
         TILES: tl.constexpr,
+        saturation_bound=0.0,
+        flush_bound=0.0,
+        COUNT: tl.constexpr = False,
+        BOUND_INCLUSIVE: tl.constexpr = False,
     ):
         # _adamw_kernel's step of 2-D weights, TILES consecutive [TILE_ROWS, TILE_COLS] tiles
         # (in row-major order of tiles) per program, that also casts the new weight to FP8 as
         # triton_kernels._quantize_kernel would cast the model's copy (the value just rounded to
         # OUT_DTYPE). tensors rows: _adamw_kernel's first seven, then rows, cols (multiples of
         # 16, as FP8 GEMMs need), and the addresses of the WeightCast's data, data_t, scale, amax
-        # and scale_inv. chunks: (column, index of the program's first tile / TILES).
+        # and scale_inv (and with COUNT its counts: quantize's saturation counts, on the product
+        # the cast takes). chunks: (column, index of the program's first tile / TILES).
         grad_scale = tl.load(control)
         apply = tl.load(control + 1) != 0.0
         program = tl.program_id(0)
@@ -336,6 +347,9 @@ if triton is not None:
         )
         tiles_per_row = tl.cdiv(N, TILE_COLS)
         amax = 0.0
+        saturated = 0
+        cast = 0
+        flushed = 0
         for i in range(TILES):
             tile = first_tile + i  # past the last row: all masked
             rows = (tile // tiles_per_row) * TILE_ROWS + tl.arange(0, TILE_ROWS)
@@ -373,10 +387,22 @@ if triton is not None:
                 mask, tl.where(weight == weight, tl.abs(weight), float("inf")), 0.0
             )
             amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
+            if COUNT:
+                scaled = tl.where(mask, tl.abs(weight * scale), 0.0)
+                hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+                saturated += tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
+                cast += tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0)
+                small = (scaled != 0.0) & (scaled <= flush_bound)
+                flushed += tl.sum(tl.sum(small.to(tl.int32), axis=1), axis=0)
             tl.store(data + offsets, to_fp8(weight * scale, FP8_DTYPE), mask=mask)
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
             transpose_stored_tile(data, data_t, rows[None, :], cols[:, None], mask_t, M, N)
         tl.atomic_max(amax_ptr, amax)
+        if COUNT:
+            counts = tl.load(tensors + 14 * count + t).to(tl.pointer_type(tl.int64))
+            tl.atomic_add(counts, saturated.to(tl.int64))
+            tl.atomic_add(counts + 1, cast.to(tl.int64))
+            tl.atomic_add(counts + 2, flushed.to(tl.int64))
         if first_tile == 0:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
 
@@ -394,7 +420,8 @@ class MultiTensorAdamW:
     exp_avg_sqs[i], its step count steps[i] (one fp32 tensor holds them all) and outs[i], a
     contiguous tensor as long as masters[i] that receives the new master in its own dtype.
     `decayed[i]` says whether `weight_decay` applies to it. `casts[i]`, when given and not None,
-    is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in bf16 or fp32).
+    is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in
+    bf16 or fp32, or an FP8 primary weight's bytes: then outs[i] is the cast's `data`).
     Masters are fp32, or int16 remainders of bf16 outs (the module's docstring); gradients and
     moments fp32 or bf16, one dtype for each kind; first moments also FP8 E4M3, each with
     `exp_avg_scales[i]`, the fp32 inverse scale of each of its MOMENT_BLOCK-element blocks.
@@ -422,12 +449,19 @@ class MultiTensorAdamW:
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         casts = casts if casts is not None else [None] * len(masters)
         for out, cast in zip(outs, casts):
+            fp8_primary = out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            if fp8_primary and (cast is None or cast.data.data_ptr() != out.data_ptr()):
+                raise ValueError(
+                    "an FP8 output is an FP8 primary weight: give its WeightCast, whose data it is"
+                )
             if cast is not None and (
-                out.dtype not in (torch.bfloat16, torch.float32) or cast.data.numel() != out.numel()
+                out.dtype not in (torch.bfloat16, torch.float32, cast.data.dtype)
+                or cast.data.numel() != out.numel()
             ):
                 raise ValueError(
                     f"a WeightCast of shape {tuple(cast.data.shape)} for a weight of "
-                    f"{out.numel()} {out.dtype} elements: needs bf16 or fp32, as many elements"
+                    f"{out.numel()} {out.dtype} elements: needs bf16 or fp32 (or the cast's own "
+                    f"bytes), as many elements"
                 )
         kinds = {}
         for kind, tensors, allowed in (
@@ -462,6 +496,9 @@ class MultiTensorAdamW:
             REMAINDERS=remainders,
         )
         self._amaxes = [cast.amax for cast in casts if cast is not None]
+        self._counts = [
+            cast.counts for cast in casts if cast is not None and cast.counts is not None
+        ]
         device = masters[0].device
         self._betas_column = torch.tensor(betas, dtype=torch.float32, device=device)[:, None]
 
@@ -506,13 +543,18 @@ class MultiTensorAdamW:
                 )
             )
         cast = [i for i in range(len(masters)) if casts[i] is not None]
-        for dtypes in dict.fromkeys((outs[i].dtype, casts[i].data.dtype) for i in cast):
-            members = [i for i in cast if (outs[i].dtype, casts[i].data.dtype) == dtypes]
+
+        def kind(i):  # a launch per kind: output dtype, cast dtype, counted
+            return outs[i].dtype, casts[i].data.dtype, casts[i].counts is not None
+
+        for dtypes in dict.fromkeys(kind(i) for i in cast):
+            members = [i for i in cast if kind(i) == dtypes]
             shapes = [casts[i].data.shape for i in members]
             tiles = [-(-rows // TILE_ROWS) * -(-cols // TILE_COLS) for rows, cols in shapes]
             chunks, programs = chunk_table([-(-n // TILES) for n in tiles])
-            # a row per WeightCast field
-            addresses = zip(*([t.data_ptr() for t in casts[i]] for i in members))
+            # a row per WeightCast field given
+            addresses = zip(*([t.data_ptr() for t in casts[i] if t is not None] for i in members))
+            bound, inclusive = saturation_bound(dtypes[1])
             self.launches.append(
                 (
                     _adamw_cast_kernel,
@@ -523,6 +565,10 @@ class MultiTensorAdamW:
                         TILE_ROWS=TILE_ROWS,
                         TILE_COLS=TILE_COLS,
                         TILES=TILES,
+                        saturation_bound=bound,
+                        flush_bound=underflow_bound(dtypes[1]),
+                        COUNT=dtypes[2],
+                        BOUND_INCLUSIVE=inclusive,
                     ),
                     table(
                         members,
@@ -546,7 +592,7 @@ class MultiTensorAdamW:
         # [beta1^t; beta2^t]: the powf of torch's kernel
         powers = torch.pow(self._betas_column, self.steps)
         if self._amaxes:
-            torch._foreach_zero_(self._amaxes)
+            torch._foreach_zero_(self._amaxes + self._counts)
         for kernel, dtypes, tensors, chunks, programs in self.launches:
             kernel[(programs,)](
                 tensors,

@@ -1,0 +1,12 @@
+# one H200: the GPU tests of FP8 primary weights, the optimizer and the linears; then side by side
+# at 7b: our bf16, FP8 delayed with its defaults (FP8 primary weights), FP8 delayed with bf16
+# weights (--no-fp8-primary-weights), the torchao peer
+source .dev/setup.sh; mkdir -p $OUT
+T0=$SECONDS
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_fp8_primary_weights.py tests/training/test_adamw_kernel.py tests/fp8/test_gradient_accumulation_fusion.py tests/training/test_cuda_graphs.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? $(tail -1 $OUT/gpu_tests.txt) t=$((SECONDS-T0))"
+grep -E "^FAILED|^E  " $OUT/gpu_tests.txt | head -12
+export RESULTS=$OUT/side_by_side RUN_TIMEOUT=150
+PRECISIONS="bf16 delayed" PEER_VARIANTS=float8_tensorwise bash benchmarks/side_by_side.sh 7b > $OUT/sbs_7b_default.txt 2>&1; echo "7b default rc=$? t=$((SECONDS-T0))"
+EXTRA="--no-fp8-primary-weights" NAME="bf16 weights" PRECISIONS=delayed PEER_VARIANTS="" bash benchmarks/side_by_side.sh 7b > $OUT/sbs_7b_bf16w.txt 2>&1; echo "7b bf16 weights rc=$? t=$((SECONDS-T0))"
+tar czf $OUT/side_by_side.tgz -C $OUT side_by_side
+grep -v "not run" $RESULTS/7b.md

@@ -1,0 +1,306 @@
+"""FP8 primary weights (Fp8Linear.make_weight_fp8, MixedPrecisionAdamW.make_weights_fp8,
+--fp8-primary-weights): the FP8 linears hold their weights only as FP8 bytes and transposes,
+written from the fp32 masters; what reads them in high precision gets them dequantized, their
+gradients reach main_grad, checkpoints store their values."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from megafp8.parallel.data_parallel import GradientBuffer
+
+from megafp8.fp8.autocast import fp8_autocast
+from megafp8.fp8.linear import Fp8Linear
+from megafp8.fp8.quantize import quantize_torch
+from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
+from megafp8.training import arguments
+from megafp8.training.optimizer import MixedPrecisionAdamW
+from megafp8.training.trainer import pretrain
+
+from ..interpreter import run_interpreted_checks
+from ..multiprocess import run_on_ranks
+from .test_trainer import TINY, resume_body
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+needs_fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 tensor cores",
+)
+
+
+def build(device, fp8_primary, fused, **options):
+    """Two FP8 linears ([144, 80] and [48, 144]: partial kernel tiles both ways) in fp32, their
+    gradient buffer and optimizer; with `fp8_primary`, weights held in FP8 only."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        [
+            Fp8Linear(80, 144, device=device, dtype=torch.float32),
+            Fp8Linear(144, 48, device=device, dtype=torch.float32),
+        ]
+    )
+    for layer in layers:  # as the fused pass sets it for its own: both runs alike
+        layer.keep_weight_cast_addresses = True
+    params = list(layers.named_parameters())
+    buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
+    optimizer = MixedPrecisionAdamW(
+        params,
+        buffer,
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        fused=fused,
+        fp8_linears=list(layers),
+        **options,
+    )
+    if fp8_primary:
+        optimizer.make_weights_fp8(list(layers))
+    return layers, buffer, optimizer
+
+
+def train(layers, buffer, optimizer, steps=4, recipe=None):
+    recipe = recipe or DelayedScaling(amax_history_len=4)
+    x = torch.randn(32, 80, device=layers[0].weight.device, generator=None)
+    outputs = []
+    for step in range(steps):
+        with fp8_autocast(recipe=recipe, collect_saturation=step == 2):
+            y = layers[1](layers[0](x))
+        buffer.zero()
+        y.float().square().sum().backward()
+        buffer.finish()
+        assert optimizer.step()[0]
+        outputs.append(y.detach())
+    return outputs
+
+
+def check_fp8_primary_weights_train_as_fp32_weights(device, fused):
+    """fp32 weights are their masters, so FP8 linears that cast them make, step after step, the
+    bytes that FP8 primary weights get from the masters directly: outputs, masters, scales,
+    histories and the weights' bytes are the same, bit for bit; and each FP8 weight is the cast
+    of its master with the weight's scale (both layouts, amax, inverse scale). A logging step's
+    saturation counts of the weights are those of the same casts."""
+    runs = []
+    for fp8_primary in (False, True):
+        layers, buffer, optimizer = build(device, fp8_primary, fused)
+        torch.manual_seed(1)
+        outputs = train(layers, buffer, optimizer)
+        masters = [master for *_, master in optimizer.shards]
+        states = [
+            (s.scale.clone(), s.amax_history.clone(), s.cast_counts.clone())
+            for layer in layers
+            for s in layer.fp8_scaling.values()
+        ]
+        runs.append((outputs, [m.clone() for m in masters], states))
+        if fp8_primary:
+            master_of = {id(param): master for param, *_, master in optimizer.shards}
+            for layer in layers:
+                master = master_of[id(layer.weight)]
+                assert layer.fp8_scaling["weight"].cast_counts[1] == layer.weight.numel()
+                assert layer.weight.dtype == torch.float8_e4m3fn
+                cast = layer._weight_fp8[1]
+                state = layer.fp8_scaling["weight"]
+                ref = quantize_torch(
+                    master.view(layer.weight.shape).cpu(),
+                    torch.float8_e4m3fn,
+                    state.scale.cpu(),
+                    0,
+                    True,
+                    True,
+                )
+                for got, want in (
+                    (layer.weight.detach(), ref.data),
+                    (cast.data_t, ref.data_t),
+                    (cast.scale_inv, ref.scale_inv),
+                    (state.amax, ref.amax),
+                ):
+                    got = got.cpu()
+                    if got.element_size() == 1:
+                        got, want = got.view(torch.uint8), want.view(torch.uint8)
+                    assert torch.equal(got, want)
+    (out_a, masters_a, states_a), (out_b, masters_b, states_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    assert all(torch.equal(a, b) for a, b in zip(masters_a, masters_b))
+    assert all(torch.equal(a, b) for s, t in zip(states_a, states_b) for a, b in zip(s, t))
+
+
+def test_fp8_primary_weights_train_as_fp32_weights():
+    check_fp8_primary_weights_train_as_fp32_weights("cpu", fused=False)
+
+
+def interpreted_checks():
+    check_fp8_primary_weights_train_as_fp32_weights("cpu", fused=True)
+
+
+@needs_triton
+def test_fp8_primary_weights_in_the_fused_pass_in_the_triton_interpreter():
+    run_interpreted_checks(__name__)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_fp8_primary_weights_train_as_fp32_weights_on_cuda(fused):
+    check_fp8_primary_weights_train_as_fp32_weights("cuda", fused)
+
+
+def test_the_weight_is_held_in_fp8_only():
+    """The parameter object stays (with its attributes), its storage becomes one byte an element,
+    the transpose sits beside it, and its values are the weight's within E4M3's rounding."""
+    layer = Fp8Linear(64, 48, dtype=torch.bfloat16)
+    layer.weight.partition = "kept"
+    param, values = layer.weight, layer.weight.detach().float().clone()
+    layer.make_weight_fp8()
+    assert layer.weight is param and param.partition == "kept" and param.requires_grad
+    assert param.dtype == torch.float8_e4m3fn
+    assert param.untyped_storage().nbytes() == param.numel()
+    cast = layer._weight_fp8[1]
+    assert cast.data_t.shape == (64, 48) and torch.equal(
+        cast.data_t.view(torch.uint8), param.detach().t().view(torch.uint8)
+    )
+    dequantized = layer.dequantized_weight()
+    assert dequantized.dtype == torch.bfloat16 == layer.high_precision_dtype
+    error = (dequantized.float() - values).abs() / values.abs()
+    assert error.max() <= 2.0**-4 + 2.0**-8  # half an E4M3 step, plus bf16's rounding
+    with pytest.raises(ValueError, match="in FP8 already"):
+        layer.make_weight_fp8()
+
+
+def test_high_precision_gemms_read_the_dequantized_weight_and_fill_main_grad():
+    """Outside fp8_autocast, and for each GEMM a recipe keeps in high precision, the layer
+    computes with the dequantized weight; the weight gradient reaches main_grad (fp32 buffer)
+    as the reference computes it, the input gradient too."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, dtype=torch.float32)
+    layer.make_weight_fp8()
+    buffer = GradientBuffer(list(layer.parameters()), bucket_size=10_000)
+    w = layer.dequantized_weight().double()
+    x = torch.randn(32, 64, requires_grad=True)
+    for recipe in (
+        None,
+        DelayedScaling(override_linear_precision=(True, True, True)),
+        DelayedScaling(override_linear_precision=(False, True, True)),
+    ):
+        buffer.zero()
+        x.grad = None
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+        if recipe is None or recipe.override_linear_precision[0]:
+            want = x.double() @ w.t() + layer.bias.double()
+            assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        buffer.finish()
+        grad_w = dy.double().t() @ x.double()
+        assert torch.allclose(layer.weight.main_grad.double(), grad_w, rtol=1e-5, atol=1e-5)
+        assert layer.weight.grad is None
+        assert torch.allclose(x.grad.double(), dy.double() @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_gemms_accumulate_micro_batches_into_main_grad():
+    """The FP8 weight gradient overwrites main_grad at a step's first micro-batch; the later
+    ones are added there too (autograd, which would cast them to FP8, gets none)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, dtype=torch.float32)
+    layer.make_weight_fp8()
+    buffer = GradientBuffer(list(layer.parameters()), bucket_size=10_000)
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    grads = []
+    buffer.zero()
+    for x in xs:
+        with fp8_autocast(recipe=DelayedScaling()):
+            y = layer(x)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        grads.append(dy.double().t() @ x.double())
+    buffer.finish()
+    want = sum(grads)
+    error = (layer.weight.main_grad.double() - want).norm() / want.norm()
+    assert error < 0.1  # E5M2 gradients, E4M3 inputs
+    assert layer.weight.grad is None
+
+
+def test_state_dict_holds_the_values_and_loads_by_casting_them():
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, dtype=torch.bfloat16)
+    layer.make_weight_fp8()
+    state = layer.state_dict()
+    assert state["weight"].dtype == torch.bfloat16
+    assert torch.equal(state["weight"], layer.dequantized_weight())
+    plain = Fp8Linear(64, 48, dtype=torch.bfloat16)
+    plain.load_state_dict(state)
+    assert torch.equal(plain.weight.detach(), state["weight"])
+    other = Fp8Linear(64, 48, dtype=torch.bfloat16)
+    other.make_weight_fp8()
+    other.load_state_dict(state)  # the scale comes with the values: the same bytes
+    assert torch.equal(other.weight.view(torch.uint8), layer.weight.view(torch.uint8))
+    assert torch.equal(other.fp8_scaling["weight"].scale, layer.fp8_scaling["weight"].scale)
+
+
+def test_what_fp8_primary_weights_cannot_do_is_refused():
+    layer = Fp8Linear(64, 48, dtype=torch.float32)
+    layer.make_weight_fp8()
+    with pytest.raises(ValueError, match="under delayed scaling"):
+        with fp8_autocast(recipe=CurrentScaling()):
+            layer(torch.randn(16, 64))
+    y = layer(torch.randn(16, 64, requires_grad=True))  # high precision: needs main_grad
+    with pytest.raises(RuntimeError, match="takes its gradient in main_grad"):
+        y.sum().backward()
+    linear = Fp8Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    buffer = GradientBuffer([linear.weight], bucket_size=10_000)
+    optimizer = MixedPrecisionAdamW(
+        [("weight", linear.weight)],
+        buffer,
+        lr=1e-3,
+        fused=False,
+        fp8_linears=[],
+    )
+    with pytest.raises(ValueError, match="not among this optimizer's fp8_linears"):
+        optimizer.make_weights_fp8([linear])
+
+
+@pytest.mark.parametrize(
+    "extra, on",
+    [
+        (["--fp8-format", "hybrid"], True),
+        (["--fp8-format", "hybrid", "--fp8-recipe", "current"], False),
+        (["--fp8-format", "hybrid", "--no-fp8-primary-weights"], False),
+        (["--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"], False),
+        ([], False),
+    ],
+)
+def test_fp8_primary_weights_are_on_by_default_where_they_apply(extra, on):
+    args = arguments.parse_args(TINY + ["--train-iters", "3", *extra])
+    assert args.fp8_primary_weights is on
+
+
+def test_fp8_primary_weights_asked_for_where_they_cannot_run_are_refused():
+    with pytest.raises(arguments.ArgumentsError, match="--fp8-recipe current"):
+        arguments.parse_args(
+            TINY
+            + ["--train-iters", "3", "--fp8-format", "hybrid", "--fp8-recipe", "current"]
+            + ["--fp8-primary-weights"]
+        )
+    with pytest.raises(arguments.ArgumentsError, match="add --fp8-format"):
+        arguments.parse_args(TINY + ["--train-iters", "3", "--fp8-primary-weights"])
+
+
+def reshard_body(rank, world_size, argv):
+    return pretrain(argv).history
+
+
+def test_a_run_with_fp8_primary_weights_resumes_bitwise_and_in_any_other_way(tmp_path):
+    """bf16 parameters, where FP8 primary weights are not the casts of a bf16 copy: the resumed
+    run is the straight one bit for bit, and its checkpoint resumes with bf16 weights, or with
+    the distributed optimizer over two data-parallel ranks, as the same run up to rounding."""
+    argv = TINY + ["--bf16", "--fp8-format", "hybrid"]
+    straight, first, second = run_on_ranks(resume_body, 1, argv, str(tmp_path))[0]
+    assert [i for i, _ in first] == [1, 2, 3] and first + second == straight
+    resume = ["--train-iters", "8", "--load", str(tmp_path)]
+    fp8 = run_on_ranks(reshard_body, 1, argv + resume)[0]
+    bf16 = run_on_ranks(reshard_body, 1, argv + resume + ["--no-fp8-primary-weights"])[0]
+    dp2 = run_on_ranks(reshard_body, 2, argv + resume + ["--use-distributed-optimizer"])[0]
+    assert [i for i, _ in fp8] == [7, 8]
+    for other in (bf16, dp2):
+        assert [i for i, _ in other] == [7, 8]
+        assert [loss for _, loss in other] == pytest.approx([loss for _, loss in fp8], rel=1e-3)
