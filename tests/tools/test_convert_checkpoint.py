@@ -84,8 +84,9 @@ def run_args(name, tp=2):
 
 
 def train_and_save_body(rank, world_size, folders):
-    """A few FP8 training steps of each model at tp = 2, then a checkpoint; and a bf16 gpt-tiny
-    (bf16 weights, fp32 masters), whose masters it returns."""
+    """A few FP8 training steps of each model at tp = 2, then a checkpoint (gpt-tiny, under
+    delayed scaling, with FP8 primary weights, which the checkpoint holds as their values); and
+    a bf16 gpt-tiny (bf16 weights, fp32 masters), whose masters it returns."""
     groups = ParallelGroups(world_size)
     for name, folder in folders.items():
         bf16 = name.endswith("-bf16")
@@ -106,7 +107,12 @@ def train_and_save_body(rank, world_size, folders):
             model_parallel_group=groups.model_parallel_group,
             tp_group=groups.tp_group,
             dp_group=groups.dp_group,
+            fp8_linears=model.fp8_linears(),
         )
+        if isinstance(RECIPES[name], DelayedScaling) and not bf16:
+            optimizer.make_weights_fp8(
+                model.fp8_linears(), amax_reduction_group=groups.amax_reduction_group
+            )
         for step in range(3):
             buffer.zero()
             batch = tokens(config.vocab_size, seed=100 + step, shape=(2, SEQ + 1))
