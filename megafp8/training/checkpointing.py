@@ -22,7 +22,8 @@ What is stored is layout-free, so loading reshards:
 - each parameter under its name (layers are named by their global index, so any pipeline split
   finds its own), tensor-parallel ones as DTensors sharded over the tp group (DCP then reads any
   tp size's slice), vocabulary-parallel ones whole and without the padding rows, FP8 primary
-  weights (Fp8Linear.make_weight_fp8) as their high-precision values;
+  weights (Fp8Linear.make_weight_fp8) as their masters in the weights' dtype, what a run with
+  high-precision weights stores;
 - the fp32 master weight and Adam moments of each parameter, laid out like the parameter
   (the distributed optimizer's dp shards are assembled per parameter);
 - the FP8 scaling state (scales, amax histories, update counts: agreed over tp x dp, so stored
@@ -576,7 +577,8 @@ def _set_rng_state(state):
 
 def _fp8_weight_linears(model) -> dict:
     """{id(parameter): its Fp8Linear} for the FP8 primary weights of `model` (Fp8Linear.make_weight_fp8):
-    stored as their high-precision values, loaded by casting those with the loaded scale."""
+    stored as a run with high-precision weights stores them (the master in the weights' dtype;
+    without an optimizer, the dequantized weight), loaded by casting that with the loaded scale."""
     return {
         id(m.weight): m
         for m in model.modules()
@@ -617,17 +619,25 @@ def save_checkpoint(
     """Save everything for an exact resume as `save_dir/iter_<iteration>`, then point latest at it.
     `model_config` is the config `model` was built from."""
     layout = _Layout(groups.tp_group if groups else None)
+    optimizer_states = optimizer.state_for_checkpoint() if optimizer is not None else {}
     fp8_weights = _fp8_weight_linears(model)
     state = {}
     for name, param in model.named_parameters():
+        value = param.detach()
         linear = fp8_weights.get(id(param))
-        value = linear.dequantized_weight() if linear is not None else param.detach()
+        if linear is not None:  # what a run with high-precision weights stores: the master rounded
+            master = optimizer_states.get(name, {}).get("master")
+            value = (
+                linear.dequantized_weight()
+                if master is None
+                else master.to(linear.high_precision_dtype)
+            )
         state[f"model/{name}"] = layout.stored(param, value)
+    for name, entry in optimizer_states.items():
+        param = model.get_parameter(name)
+        for key in OPTIMIZER_KEYS:
+            state[f"optimizer/{name}/{key}"] = layout.stored(param, entry[key])
     if optimizer is not None:
-        for name, entry in optimizer.state_for_checkpoint().items():
-            param = model.get_parameter(name)
-            for key in OPTIMIZER_KEYS:
-                state[f"optimizer/{name}/{key}"] = layout.stored(param, entry[key])
         state["optimizer/step"] = optimizer.step_count()
     for name, value in _fp8_state(model).items():
         state[f"fp8/{name}"] = value

@@ -9,13 +9,15 @@ import importlib.util
 
 import pytest
 import torch
+from megafp8.models.config import gpt_config
+from megafp8.models.transformer import TransformerLM
 from megafp8.parallel.data_parallel import GradientBuffer
 
 from megafp8.fp8.autocast import fp8_autocast
 from megafp8.fp8.linear import Fp8Linear
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
-from megafp8.training import arguments
+from megafp8.training import arguments, checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
 from megafp8.training.trainer import pretrain
 
@@ -304,3 +306,63 @@ def test_a_run_with_fp8_primary_weights_resumes_bitwise_and_in_any_other_way(tmp
     for other in (bf16, dp2):
         assert [i for i, _ in other] == [7, 8]
         assert [loss for _, loss in other] == pytest.approx([loss for _, loss in fp8], rel=1e-3)
+
+
+def small_run(seed):
+    """A two-layer GPT in bf16 with FP8 primary weights, its buffer and optimizer."""
+    config = gpt_config(2, 64, 4, vocab_size=256, max_position_embeddings=32)
+    torch.manual_seed(seed)
+    model = TransformerLM(config, dtype=torch.bfloat16)
+    buffer = GradientBuffer(list(model.parameters()), bucket_size=100_000)
+    optimizer = MixedPrecisionAdamW(
+        list(model.named_parameters()),
+        buffer,
+        lr=1e-2,
+        fused=False,
+        fp8_linears=model.fp8_linears(),
+    )
+    optimizer.make_weights_fp8(model.fp8_linears())
+    return config, model, buffer, optimizer
+
+
+def test_checkpoints_store_fp8_primary_weights_as_their_masters_and_load_them_back(tmp_path):
+    """The checkpoint stores an FP8 primary weight as a bf16-weight run would: its master in
+    bf16. Loaded with the optimizer, the FP8 bytes are the saved run's, bit for bit (cast again
+    from the masters with the saved scales); without it (a finetune), the masters start from
+    those bf16 values, not from the coarser FP8 ones."""
+    config, model, buffer, optimizer = small_run(0)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        buffer.zero()
+        with fp8_autocast(recipe=DelayedScaling()):
+            model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+        buffer.finish()
+        optimizer.step()
+    checkpointing.save_checkpoint(
+        tmp_path, 2, model, optimizer, groups=None, train_state={}, args={}, model_config=config
+    )
+    name = "layers.0.mlp.fc1.weight"
+    param = model.get_parameter(name)
+    saved = {
+        f"model/{name}": torch.empty(param.shape, dtype=torch.bfloat16),
+        f"optimizer/{name}/master": torch.empty(param.shape),
+    }
+    checkpointing.read_state(saved, checkpointing.latest_checkpoint(tmp_path))
+    master = saved[f"optimizer/{name}/master"]
+    assert torch.equal(saved[f"model/{name}"], master.to(torch.bfloat16))
+
+    _, resumed, _, resumed_optimizer = small_run(1)
+    checkpointing.load_checkpoint(tmp_path, resumed, resumed_optimizer, groups=None)
+    for a, b in zip(model.fp8_linears(), resumed.fp8_linears()):
+        assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8))
+        assert torch.equal(
+            a._weight_fp8[1].data_t.view(torch.uint8), b._weight_fp8[1].data_t.view(torch.uint8)
+        )
+
+    _, finetuned, _, finetuned_optimizer = small_run(2)
+    checkpointing.load_checkpoint(
+        tmp_path, finetuned, finetuned_optimizer, groups=None, load_optimizer=False
+    )
+    master_of = {id(p): m for p, *_, m in finetuned_optimizer.shards}
+    finetuned_master = master_of[id(finetuned.get_parameter(name))]
+    assert torch.equal(finetuned_master.view(param.shape), saved[f"model/{name}"].float())
