@@ -284,6 +284,7 @@ class LayerGraphs:
             for t in (s.scale, s.amax, s.cast_counts)
         ]
         saved, rng = [t.clone() for t in states], torch.cuda.get_rng_state()
+        pending = [m.weight_counts_pending for m in linears]  # FP8 primary weights' counts
         fused = [m.fuse_wgrad_accumulation for m in linears]
         for m in linears:
             m.fuse_wgrad_accumulation = False
@@ -303,8 +304,9 @@ class LayerGraphs:
         if states:  # units without FP8 linears have no scaling state
             torch._foreach_copy_(states, saved)
         torch.cuda.set_rng_state(rng)
-        for m, fuse in zip(linears, fused):
+        for m, fuse, counts in zip(linears, fused, pending):
             m.fuse_wgrad_accumulation = fuse
+            m.weight_counts_pending = counts
 
 
 class _ReplayUnit(torch.autograd.Function):

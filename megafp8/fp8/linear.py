@@ -123,9 +123,9 @@ class Fp8Linear(nn.Linear):
         self._high_precision_dtype = None  # an FP8 primary weight's dtype before make_weight_fp8
         self._weight_amax_group = None  # the ranks an FP8 primary weight's first scale agrees over
         # An FP8 primary weight's last cast's saturation counts, and whether no forward that
-        # collects them has taken them yet
+        # collects them has taken them yet (CUDA graphs' warm-up puts it back)
         self._weight_cast_counts = None
-        self._weight_counts_fresh = False
+        self.weight_counts_pending = False
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.parallel.cuda_graphs)
         self.fuse_wgrad_accumulation = True
@@ -196,7 +196,7 @@ class Fp8Linear(nn.Linear):
             saturation_out=self._weight_cast_counts,
             out=cast,
         )
-        self._weight_counts_fresh = True
+        self.weight_counts_pending = True
 
     @property
     def high_precision_dtype(self) -> torch.dtype:
@@ -470,9 +470,9 @@ class Fp8Linear(nn.Linear):
                 "it under delayed scaling, or keep high-precision weights"
             )
         state = self.fp8_scaling["weight"]
-        if context.collect_saturation and self._weight_counts_fresh:  # what its cast counted
+        if context.collect_saturation and self.weight_counts_pending:  # what its cast counted
             state.cast_counts.add_(self._weight_cast_counts)
-            self._weight_counts_fresh = False
+            self.weight_counts_pending = False
         record_reuse(state, fp8_dtype, context)
         return cast
 
@@ -507,7 +507,7 @@ class Fp8Linear(nn.Linear):
         """The optimizer has just written the weight and, where `weight_cast_target` said, its
         cast: the next forward uses that cast, as if it had made it."""
         if self.fp8_primary_weight:
-            self._weight_counts_fresh = True
+            self.weight_counts_pending = True
             return
         (*_, fp8_dtype, recipe), q = self._weight_fp8
         self._weight_fp8 = (self._weight_cast_key(fp8_dtype, recipe), q)
