@@ -121,7 +121,8 @@ class Fp8Linear(nn.Linear):
         self.fp8_scaling = scaling_states(device)
         self._weight_fp8 = None  # (cache key, Fp8Tensor); an FP8 primary weight's: (None, it)
         self._high_precision_dtype = None  # an FP8 primary weight's dtype before make_weight_fp8
-        self._weight_amax_group = None  # the ranks an FP8 primary weight's first scale agrees over
+        # the ranks an FP8 primary weight's first scale agrees over, and its recipe's margin
+        self._weight_amax_group, self._weight_margin = None, 0
         # An FP8 primary weight's last cast's saturation counts, and whether no forward that
         # collects them has taken them yet (CUDA graphs' warm-up puts it back)
         self._weight_cast_counts = None
@@ -149,13 +150,15 @@ class Fp8Linear(nn.Linear):
         fp8_dtype=torch.float8_e4m3fn,
         value: torch.Tensor | None = None,
         amax_reduction_group=None,
+        margin: int = 0,
     ):
         """Hold the weight only as its FP8 cast from now on: the parameter becomes the cast's
         bytes ([out, in], same shape, `fp8_dtype`) and the transpose a buffer beside it, cast
         from `value` (default: the weight itself; an optimizer passes its fp32 master) with the
         weight's delayed scale (fitted to `value` while there is no history, over the ranks of
-        `amax_reduction_group` as a first forward cast would be). The high-precision copy is
-        freed. The parameter object stays the same, with its attributes."""
+        `amax_reduction_group` and with the recipe's `margin`, as a first forward cast would be).
+        The high-precision copy is freed. The parameter object stays the same, with its
+        attributes."""
         if self.fp8_primary_weight:
             raise ValueError(f"{self}: the weight is in FP8 already")
         weight = self.weight
@@ -169,7 +172,7 @@ class Fp8Linear(nn.Linear):
             self.fp8_scaling["weight"].amax,
         )
         self._weight_fp8 = (None, cast)
-        self._weight_amax_group = amax_reduction_group
+        self._weight_amax_group, self._weight_margin = amax_reduction_group, margin
         self._weight_cast_counts = torch.zeros(3, dtype=torch.int64, device=device)
         weight.data = cast.data
         self.write_weight(value)
@@ -184,7 +187,7 @@ class Fp8Linear(nn.Linear):
         value = value.reshape(self.weight.shape)
         if state.update_count == 0:
             amax = collectives.max_over(absmax(value), self._weight_amax_group)
-            state.scale.copy_(scale_from_amax(amax, cast.data.dtype))
+            state.scale.copy_(scale_from_amax(amax, cast.data.dtype, self._weight_margin))
         state.amax.zero_()
         self._weight_cast_counts.zero_()
         quantize(

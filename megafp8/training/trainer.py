@@ -294,6 +294,7 @@ class Trainer:
                 [linear for chunk in self.chunks for linear in chunk.fp8_linears()],
                 self.recipe.fp8_format.forward_dtype,
                 groups.amax_reduction_group if self.recipe.reduce_amax else None,
+                self.recipe.margin,
             )
         if a.overlap_param_gather:  # a forward waits for each part's gather as it reaches it
             for chunk in self.chunks:

@@ -17,6 +17,7 @@ from megafp8.fp8.autocast import fp8_autocast
 from megafp8.fp8.linear import Fp8Linear
 from megafp8.fp8.quantize import quantize_torch
 from megafp8.fp8.recipe import CurrentScaling, DelayedScaling
+from megafp8.fp8.tensor import scale_from_amax
 from megafp8.training import arguments, checkpointing
 from megafp8.training.optimizer import MixedPrecisionAdamW
 from megafp8.training.trainer import pretrain
@@ -128,6 +129,16 @@ def check_fp8_primary_weights_train_as_fp32_weights(device, fused):
 
 def test_fp8_primary_weights_train_as_fp32_weights():
     check_fp8_primary_weights_train_as_fp32_weights("cpu", fused=False)
+
+
+def test_the_first_scale_is_the_one_a_first_forward_cast_fits():
+    """Fitted to the weight, with the recipe's margin: a first forward cast's scale."""
+    for margin in (0, 2):
+        layer = Fp8Linear(64, 48, dtype=torch.float32)
+        amax = layer.weight.detach().abs().max()
+        layer.make_weight_fp8(margin=margin)
+        want = scale_from_amax(amax, torch.float8_e4m3fn, margin)
+        assert torch.equal(layer.fp8_scaling["weight"].scale, want)
 
 
 def interpreted_checks():

@@ -428,11 +428,11 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def make_weights_fp8(
-        self, linears, fp8_dtype=torch.float8_e4m3fn, amax_reduction_group=None
+        self, linears, fp8_dtype=torch.float8_e4m3fn, amax_reduction_group=None, margin=0
     ) -> None:
         """Hold the weights of `linears` (FP8 linears given as `fp8_linears`) only in FP8 from
-        here on (Fp8Linear.make_weight_fp8, with `amax_reduction_group`), cast from their fp32
-        masters; each step writes them from the masters directly. Each rank must step whole weights (not the distributed
+        here on (Fp8Linear.make_weight_fp8, with `amax_reduction_group` and `margin`), cast from
+        their fp32 masters; each step writes them from the masters directly. Each rank must step whole weights (not the distributed
         optimizer) and keep fp32 masters of its own (not `store_param_remainders`, whose master
         is the bf16 weight), and the fused pass must be able to cast (no FP8 first moment)."""
         reasons = [
@@ -458,7 +458,7 @@ class MixedPrecisionAdamW:
                 raise ValueError(f"{linear}: not among this optimizer's fp8_linears")
             i = index[id(linear)]
             master = self.shards[i][3].view_as(linear.weight)
-            linear.make_weight_fp8(fp8_dtype, master, amax_reduction_group)
+            linear.make_weight_fp8(fp8_dtype, master, amax_reduction_group, margin)
         self._fused_pass = None  # its outputs changed dtype
 
     @torch.no_grad()
