@@ -432,9 +432,10 @@ class MixedPrecisionAdamW:
     ) -> None:
         """Hold the weights of `linears` (FP8 linears given as `fp8_linears`) only in FP8 from
         here on (Fp8Linear.make_weight_fp8, with `amax_reduction_group` and `margin`), cast from
-        their fp32 masters; each step writes them from the masters directly. Each rank must step whole weights (not the distributed
-        optimizer) and keep fp32 masters of its own (not `store_param_remainders`, whose master
-        is the bf16 weight), and the fused pass must be able to cast (no FP8 first moment)."""
+        their fp32 masters; each step writes them from the masters directly. Each rank must step
+        whole weights (not the distributed optimizer) and keep fp32 masters of its own (not
+        `store_param_remainders`, whose master is the bf16 weight), and the fused pass must be
+        able to cast (no FP8 first moment)."""
         reasons = [
             why
             for why, on in (
@@ -469,9 +470,8 @@ class MixedPrecisionAdamW:
                 linear.write_weight(source)  # cast with its scale
             else:
                 copies.append((out, source))
-        if (
-            copies and not self.store_param_remainders
-        ):  # else the outputs are the masters' high halves
+        # with remainders the outputs are the masters' high halves already
+        if copies and not self.store_param_remainders:
             torch._foreach_copy_(*map(list, zip(*copies)))
         self._gather_params()
 
@@ -584,19 +584,19 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def reset_masters_from_params(self, values=None):
-        """Start over from the current parameters (loaded weights without optimizer state), or
-        from `values` ({parameter: its values}, e.g. an FP8 primary weight's loaded values)."""
+        """Start over from the current parameters (loaded weights without optimizer state); an
+        FP8 primary weight from its high-precision values in `values` ({parameter: values}, what
+        a checkpoint held), else from its dequantized bytes."""
         self.state.clear()
         self._fused_pass = None
         values = values or {}
         for i, (param, start, end, master) in enumerate(self.shards):
             linear = self._linears[i]
-            if param in values or (linear is not None and linear.fp8_primary_weight):
+            if linear is not None and linear.fp8_primary_weight:
                 value = values.get(param)
                 value = linear.dequantized_weight() if value is None else value
                 master.copy_(value.reshape(-1)[start:end])
-                if linear is not None and linear.fp8_primary_weight:
-                    linear.write_weight(master.view_as(param))
+                linear.write_weight(master.view_as(param))
             elif self.store_param_remainders:
                 master.zero_()
                 self._outs[i].view(-1).copy_(param.detach().reshape(-1)[start:end])
