@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.collectives import group_size, rank_in, reduce_scatter_into
+from megafp8.fp8.formats import FP8_DTYPES
 from megafp8.main_grad import accumulate_into_main_grad
 from megafp8.messages import check_integer
 
@@ -133,7 +134,7 @@ class GradientBuffer:
 
     def _grad_ready(self, param):
         if param.grad is not None:  # else the layer has written main_grad itself
-            if param.grad.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if param.grad.dtype in FP8_DTYPES:
                 raise RuntimeError(
                     "an FP8 primary weight's gradient reached autograd, which cast it to FP8: "
                     "its layer hands it to main_grad only with gradient-accumulation fusion on "

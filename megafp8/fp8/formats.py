@@ -8,6 +8,7 @@ import torch
 
 E4M3_DTYPE = torch.float8_e4m3fn
 E5M2_DTYPE = torch.float8_e5m2
+FP8_DTYPES = (E4M3_DTYPE, E5M2_DTYPE)
 
 
 class Format(enum.Enum):

@@ -16,6 +16,7 @@ from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
 from . import norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
+from .formats import FP8_DTYPES
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
 from .gemm import fp8_gemm
 from .quantize import quantize
@@ -24,7 +25,6 @@ from .tensor import Fp8Tensor, WeightCast, absmax, scale_from_amax
 
 # torch._scaled_mm needs every GEMM dimension (tokens, in and out features) divisible by 16.
 GEMM_ALIGNMENT = 16
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Bumped after every torch.optim optimizer step, which invalidates every cached weight cast.
 # The parameter's version counter is not enough: fused AdamW (fused=True) updates weights
@@ -429,10 +429,10 @@ class Fp8Linear(nn.Linear):
         return (_optimizer_steps, weight._version, weight.data_ptr(), fp8_dtype, recipe)
 
     def _quantized_weight(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
-        weight = self.weight
-        state = self.fp8_scaling["weight"]
         if self.fp8_primary_weight:
             return self._fp8_primary_cast(context, fp8_dtype)
+        weight = self.weight
+        state = self.fp8_scaling["weight"]
         key = self._weight_cast_key(fp8_dtype, context.recipe)
         # A cast the optimizer made counted no saturation: a forward that counts makes its own.
         uncounted = context.collect_saturation and self._weight_cast_by_optimizer

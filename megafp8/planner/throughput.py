@@ -52,6 +52,7 @@ from .memory import STATE_BYTES, MemoryLayout, rank_parameters, stage_layer_coun
 # orientations (2).
 OPTIMIZER_BYTES_PER_PARAMETER = 30
 OPTIMIZER_BYTES_PER_FP8_WEIGHT = 2
+PARAMETER_WRITE_BYTES = 2  # the bf16 parameter the pass writes, part of the 30
 # With lean states the forward casts the new weight instead: the bf16 weight read, both layouts
 # written.
 FORWARD_CAST_BYTES_PER_FP8_WEIGHT = 4
@@ -63,7 +64,7 @@ def weight_cast_bytes(layout: MemoryLayout) -> int:
     is the weight, written by the pass in place of the bf16 weight that
     `optimizer_bytes_per_parameter` counts."""
     if layout.fp8_primary_weights:
-        return OPTIMIZER_BYTES_PER_FP8_WEIGHT - 2
+        return OPTIMIZER_BYTES_PER_FP8_WEIGHT - PARAMETER_WRITE_BYTES
     return (
         FORWARD_CAST_BYTES_PER_FP8_WEIGHT if layout.lean_states else OPTIMIZER_BYTES_PER_FP8_WEIGHT
     )
@@ -76,7 +77,7 @@ def optimizer_bytes_per_parameter(layout: MemoryLayout) -> float:
     remainder, and the parameter, its high half, is read too."""
     moments = STATE_BYTES[layout.exp_avg_dtype] + STATE_BYTES[layout.exp_avg_sq_dtype]
     master = 2 + 2 + 2 if layout.store_param_remainders else 4 + 4
-    return 2 * moments + master + STATE_BYTES[layout.main_grads_dtype] + 2
+    return 2 * moments + master + STATE_BYTES[layout.main_grads_dtype] + PARAMETER_WRITE_BYTES
 
 
 # nccl-tests' bus-bandwidth factors: bytes moved per byte of the message, per rank.

@@ -22,9 +22,10 @@ each step casts the fp32 masters into them (the fused pass in place of the bf16 
 Fp8Linear.write_weight after torch's step).
 
 Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16 (the
-first also in FP8 with a scale per block, `quantize_moment`), the gradients from a bf16 buffer (`GradientBuffer(dtype=torch.bfloat16)`), and with
-`store_param_remainders` no fp32 master beside the bf16 parameter: the parameter is the master's
-high half and an int16 its low half, so the master stays exact in 2 more bytes instead of 4.
+first also in FP8 with a scale per block, `quantize_moment`), the gradients from a bf16 buffer
+(`GradientBuffer(dtype=torch.bfloat16)`), and with `store_param_remainders` no fp32 master
+beside the bf16 parameter: the parameter is the master's high half and an int16 its low half,
+so the master stays exact in 2 more bytes instead of 4.
 They need the fused pass. Checkpoints hold fp32 whatever the options (`state_for_checkpoint`):
 a run may resume with other options, and lean states come back bit for bit.
 """
@@ -135,8 +136,8 @@ class MixedPrecisionAdamW:
     model is skipped on every rank alike and leaves parameters and states untouched.
 
     `fused`: step with the fused pass of `adamw_kernel` (None: on CUDA when triton is there, and
-    with lean states wherever it runs; True also runs in Triton's interpreter, for tests). Its state is torch.optim.AdamW's, in
-    `self.optimizer.state`, so checkpoints do not depend on it.
+    with lean states wherever it runs; True also runs in Triton's interpreter, for tests). Its
+    state is torch.optim.AdamW's, in `self.optimizer.state`, so checkpoints do not depend on it.
 
     `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
     writes their weights' FP8 casts too, where `Fp8Linear.weight_cast_target` allows (not with

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from megafp8.fp8.formats import FP8_DTYPES
 from megafp8.fp8.tensor import saturation_bound, underflow_bound
 from megafp8.triton_support import INTERPRETING
 
@@ -449,7 +450,7 @@ class MultiTensorAdamW:
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         casts = casts if casts is not None else [None] * len(masters)
         for out, cast in zip(outs, casts):
-            fp8_primary = out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            fp8_primary = out.dtype in FP8_DTYPES
             if fp8_primary and (cast is None or cast.data.data_ptr() != out.data_ptr()):
                 raise ValueError(
                     "an FP8 output is an FP8 primary weight: give its WeightCast, whose data it is"
