@@ -28,6 +28,8 @@ dp = N equals dp = 1 with the same global batch.
 A parameter given in `own_bucket` gets a bucket to itself. The tied embedding needs one: its
 copies on the first and last pipeline stage are summed element by element after the reduction,
 so each dp rank must own the same slice of both copies, whatever else each stage holds.
+Parameters given in `bucket_apart` share buckets only with each other: FP8 primary weights,
+whose buckets the distributed optimizer all-gathers as FP8 bytes and the others' as bf16.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class GradientBuffer:
         overlap=True,
         own_bucket=(),
         dtype=torch.float32,
+        bucket_apart=(),
     ):
         if dtype not in MAIN_GRAD_DTYPES:
             raise ValueError(
@@ -82,19 +85,26 @@ class GradientBuffer:
         self.size = group_size(group)
         device = self.params[0].device
         alone = {id(p) for p in own_bucket}
-        # Buckets of whole parameters, in reverse order (roughly the order backward produces them).
-        members, current, size = [], [], 0
+        apart = {id(p) for p in bucket_apart}
+        # Buckets of whole parameters, in reverse order (roughly the order backward produces
+        # them); one bucket filling for the parameters apart, one for the others.
+        members, current, size = [], {False: [], True: []}, {False: 0, True: 0}
+
+        def close(kind):
+            if current[kind]:
+                members.append(current[kind])
+                current[kind], size[kind] = [], 0
+
         for p in reversed(self.params):
-            if id(p) in alone and current:
-                members.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += p.numel()
-            if id(p) in alone or size >= bucket_size:
-                members.append(current)
-                current, size = [], 0
-        if current:
-            members.append(current)
+            kind = id(p) in apart
+            if id(p) in alone:
+                close(kind)
+            current[kind].append(p)
+            size[kind] += p.numel()
+            if id(p) in alone or size[kind] >= bucket_size:
+                close(kind)
+        close(False)
+        close(True)
         self.buckets, layout, offset = [], {}, 0
         for params_of_bucket in members:
             start = offset

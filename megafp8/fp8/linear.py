@@ -201,6 +201,15 @@ class Fp8Linear(nn.Linear):
         )
         self.weight_counts_pending = True
 
+    @torch.no_grad()
+    def weight_bytes_written(self) -> None:
+        """The FP8 primary weight's bytes were written in place from a cast with its scale (the
+        distributed optimizer all-gathers the slices its ranks cast): make the transpose and
+        the inverse scale agree with them."""
+        cast = self._weight_fp8[1]
+        cast.data_t.view(torch.uint8).copy_(cast.data.view(torch.uint8).t())
+        cast.scale_inv.copy_(self.fp8_scaling["weight"].scale.reciprocal())
+
     @property
     def high_precision_dtype(self) -> torch.dtype:
         """The weight's dtype, or an FP8 primary weight's before `make_weight_fp8`: its

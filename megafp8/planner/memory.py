@@ -9,7 +9,8 @@ What megafp8 keeps, and so what is counted:
 - the optimizer: fp32 master, exp_avg and exp_avg_sq of the elements the rank updates (12 bytes;
   each moment 2 in bf16, the first 1 + 1/32 in fp8, the master 2 as a remainder with
   --store-param-remainders; all of its parameters, or a dp-th with the distributed optimizer,
-  which also keeps a bf16 slice of each bucket to all-gather from: 2 bytes an owned element);
+  which also keeps a bf16 slice of each bucket to all-gather from: 2 bytes an owned element, 1
+  for an FP8 primary weight's, gathered in FP8);
 - under FP8, every FP8 linear's cached weight cast in both layouts (2 bytes a weight element);
 - activations saved for backward: per layer and micro-batch what this code saves (below), times
   the micro-batches a pipeline schedule holds in flight, plus the logits on the last stage.
@@ -248,8 +249,14 @@ def static_bytes(
         + STATE_BYTES[layout.exp_avg_dtype]
         + STATE_BYTES[layout.exp_avg_sq_dtype]
     )
-    optimizer = states * owned + (param_bytes * owned if layout.distributed_optimizer else 0)
-    held = elements - counts["fp8_weights"] if layout.fp8_primary_weights else elements
+    fp8_weights = counts["fp8_weights"] if layout.fp8_primary_weights else 0
+    gather_input = (
+        param_bytes * (elements - fp8_weights) / layout.dp + fp8_weights / layout.dp
+        if layout.distributed_optimizer
+        else 0
+    )
+    optimizer = states * owned + gather_input
+    held = elements - fp8_weights
     return {
         "parameters": param_bytes * held,
         "gradients": STATE_BYTES[layout.main_grads_dtype] * elements,

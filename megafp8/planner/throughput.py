@@ -23,10 +23,13 @@ at their GPU time either way):
 - data parallelism: the gradients' all-reduce (fp32, or bf16 with --main-grads-dtype bf16; with
   the distributed optimizer a reduce-scatter), one per bucket of the trainer's default size, overlapped with the last micro-batch's backward as the trainer's buckets are:
   only what outlasts it counts; the distributed optimizer's all-gather of the bf16 parameters
-  after its step, exposed, or with --overlap-param-gather (as the recipes run it) beside the
-  next step's first forward: only what outlasts the stage's layers' forward counts;
+  (FP8 primary weights in FP8) after its step, exposed, or with --overlap-param-gather (as the
+  recipes run it) beside the next step's first forward: only what outlasts the stage's layers'
+  forward counts;
 - the optimizer: its fused pass reads and writes `optimizer_bytes_per_parameter` per element it
-  updates (and `weight_cast_bytes` more per FP8 weight), at the measured copy bandwidth.
+  updates (and `weight_cast_bytes` more per FP8 weight; with the distributed optimizer and FP8
+  primary weights, each rank's transposes of the gathered FP8 weights too), at the measured
+  copy bandwidth.
 What is not measured is not guessed: a layout whose layer time (its tp, sequence length, a
 micro-batch within the measured range) or whose collectives have no measurement is not predicted,
 and says what to measure. Where the model stretches a measurement it says so in `extrapolated`:
@@ -53,6 +56,10 @@ from .memory import STATE_BYTES, MemoryLayout, rank_parameters, stage_layer_coun
 OPTIMIZER_BYTES_PER_PARAMETER = 30
 OPTIMIZER_BYTES_PER_FP8_WEIGHT = 2
 PARAMETER_WRITE_BYTES = 2  # the bf16 parameter the pass writes, part of the 30
+# With the distributed optimizer an FP8 primary weight's slice is written as its 1-byte cast, and
+# every rank makes each weight's transpose from the gathered bytes (one read, one write).
+FP8_SLICE_WRITE_BYTES = 1
+GATHERED_TRANSPOSE_BYTES = 2
 # With lean states the forward casts the new weight instead: the bf16 weight read, both layouts
 # written.
 FORWARD_CAST_BYTES_PER_FP8_WEIGHT = 4
@@ -63,6 +70,8 @@ def weight_cast_bytes(layout: MemoryLayout) -> int:
     or with lean states by the forward (megafp8.training.optimizer); an FP8 primary weight's cast
     is the weight, written by the pass in place of the bf16 weight that
     `optimizer_bytes_per_parameter` counts."""
+    if layout.fp8_primary_weights and layout.distributed_optimizer:
+        return FP8_SLICE_WRITE_BYTES - PARAMETER_WRITE_BYTES
     if layout.fp8_primary_weights:
         return OPTIMIZER_BYTES_PER_FP8_WEIGHT - PARAMETER_WRITE_BYTES
     return (
@@ -380,8 +389,9 @@ def predict(
             "reduce_scatter" if layout.distributed_optimizer else "all_reduce",
             STATE_BYTES[layout.main_grads_dtype],
         )
-        if layout.distributed_optimizer:
-            parameter_gather = per_bucket("all_gather", 2)
+        if layout.distributed_optimizer:  # bf16, FP8 primary weights in FP8
+            fp8_share = counts["fp8_weights"] / parameters if layout.fp8_primary_weights else 0.0
+            parameter_gather = per_bucket("all_gather", 2 - fp8_share)
     # The buckets' reductions start as the last micro-batch's backward produces their gradients;
     # with --overlap-param-gather the parameters' gathers run beside the next step's first forward.
     if layout.overlap_param_gather:
@@ -395,14 +405,15 @@ def predict(
             "no measured copy bandwidth for the optimizer (a layer map from bench_layer_grid.py --model)"
         )
     share = 1 / dp if layout.distributed_optimizer else 1
+    gathered_fp8 = layout.distributed_optimizer and layout.fp8_primary_weights
     optimizer = (
         share
         * (
             parameters * optimizer_bytes_per_parameter(layout)
             + counts["fp8_weights"] * weight_cast_bytes(layout)
         )
-        / (calibration.copy_gbs * 1e6)
-    )
+        + (counts["fp8_weights"] * GATHERED_TRANSPOSE_BYTES if gathered_fp8 else 0)
+    ) / (calibration.copy_gbs * 1e6)
     step = pipeline + exposed_sync + optimizer
     gpus = tp * pp * dp
     return {

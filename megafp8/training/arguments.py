@@ -441,12 +441,12 @@ def _check_and_resolve(args, given: set) -> None:
 
 
 def _resolve_fp8_primary_weights(args) -> None:
-    """--fp8-primary-weights: on by default where it applies; asked for where it cannot, refused."""
+    """--fp8-primary-weights: on by default where it applies (with the distributed optimizer only
+    when asked for: its FP8 all-gather is the newer path); asked for where it cannot, refused."""
     blockers = [
         flag
         for flag, on in (
             ("--fp8-recipe current", args.fp8_recipe == "current"),
-            ("--use-distributed-optimizer", args.use_distributed_optimizer),
             ("--store-param-remainders", args.store_param_remainders),
             ("--exp-avg-dtype fp8", args.exp_avg_dtype == "fp8"),
             ("--fp8-check-interval", bool(args.fp8_check_interval)),
@@ -455,6 +455,13 @@ def _resolve_fp8_primary_weights(args) -> None:
         )
         if on
     ]
+    if args.fp8_param_gather:
+        if not args.use_distributed_optimizer or args.fp8_primary_weights is False:
+            raise ArgumentsError(
+                "--fp8-param-gather all-gathers the distributed optimizer's FP8 primary weights in "
+                "FP8: give --use-distributed-optimizer, and leave out --no-fp8-primary-weights"
+            )
+        args.fp8_primary_weights = True
     if args.fp8_format is None:
         if args.fp8_primary_weights:
             raise ArgumentsError(
@@ -462,12 +469,12 @@ def _resolve_fp8_primary_weights(args) -> None:
             )
         args.fp8_primary_weights = False
     elif args.fp8_primary_weights is None:
-        args.fp8_primary_weights = not blockers
+        args.fp8_primary_weights = not blockers and not args.use_distributed_optimizer
     elif args.fp8_primary_weights and blockers:
         raise ArgumentsError(
             f"--fp8-primary-weights does not combine with {', '.join(blockers)}: the optimizer "
-            "writes FP8 weights from fp32 masters of whole weights, with the delayed scale, and "
-            "the layers hand their gradients to the gradient buffer; drop one or the other"
+            "writes FP8 weights from fp32 masters, with the delayed scale, and the layers hand "
+            "their gradients to the gradient buffer; drop one or the other"
         )
 
 

@@ -341,11 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hold the FP8 linears' weights only in FP8 (E4M3 and its transpose, written from the "
         "fp32 master by the optimizer with the delayed scale): no bf16 copy, 2 bytes a parameter "
-        "less (Transformer Engine's fp8_model_init, Megatron's --fp8-param-gather). Default: on "
-        "under delayed scaling wherever it applies (each rank steps whole weights with fp32 "
-        "masters: not with --use-distributed-optimizer, --store-param-remainders, "
-        "--exp-avg-dtype fp8, --fp8-check-interval, --no-gradient-accumulation-fusion or "
-        "--torch-compile)",
+        "less (Transformer Engine's fp8_model_init); with --use-distributed-optimizer the "
+        "parameter all-gather moves those weights in FP8. Default: on under delayed scaling "
+        "wherever it applies (fp32 masters: not with --store-param-remainders, --exp-avg-dtype "
+        "fp8, --fp8-check-interval, --no-gradient-accumulation-fusion or --torch-compile), but "
+        "with --use-distributed-optimizer only when asked for",
+    )
+    g.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="Megatron's name for --fp8-primary-weights with --use-distributed-optimizer: the "
+        "FP8 linears' weights held and all-gathered in FP8",
     )
     g.add_argument("--fp8-output-layer", action="store_true", help="the output layer in FP8 too")
     g.add_argument(

@@ -247,6 +247,12 @@ class Trainer:
         # One buffer for all chunks: the schedule turns sync on only for each chunk's last
         # backward, so a bucket mixing chunks starts reducing after the later one's. The tied
         # embedding gets a bucket of its own, so both stages' copies are sliced alike over dp.
+        # FP8 primary weights are gathered in FP8 by the distributed optimizer: buckets apart.
+        fp8_weight_linears = (
+            [linear for chunk in self.chunks for linear in chunk.fp8_linears()]
+            if a.fp8_primary_weights
+            else []
+        )
         buffer = GradientBuffer(
             self.model.parameters(),
             groups.dp_group,
@@ -255,6 +261,9 @@ class Trainer:
             overlap=a.overlap_grad_reduce,
             own_bucket=self.model.own_buckets,
             dtype=STATE_DTYPES[a.main_grads_dtype],
+            bucket_apart=[linear.weight for linear in fp8_weight_linears]
+            if a.use_distributed_optimizer
+            else (),
         )
         lean = [
             f"--{flag.replace('_', '-')} {getattr(a, flag)}"
@@ -291,7 +300,7 @@ class Trainer:
         )
         if a.fp8_primary_weights:  # no bf16 copy of the FP8 layers' weights from here on
             optimizer.make_weights_fp8(
-                [linear for chunk in self.chunks for linear in chunk.fp8_linears()],
+                fp8_weight_linears,
                 self.recipe.fp8_format.forward_dtype,
                 groups.amax_reduction_group if self.recipe.reduce_amax else None,
                 self.recipe.margin,

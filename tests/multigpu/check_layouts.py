@@ -13,6 +13,8 @@ and with an error on its last rank.
 
 The recipe's own overlaps are on, as it ships them: --tp-comm-overlap where tp > 1, the
 distributed optimizer with --overlap-param-gather where dp > 1 (`--without-...` turns them off).
+`--fp8-param-gather` adds that flag to the FP8 delayed runs of the distributed optimizer (their
+FP8 primary weights all-gathered in FP8; not the recipe's default).
 
 Each run must
 - exit with status 0 within 30 s of its last iteration (teardown: graphs, NCCL, data workers);
@@ -152,13 +154,29 @@ def overlap_flags(layout: str, tp_comm_overlap: bool, distributed_optimizer: boo
     return flags
 
 
-def environment(run: Run, work: Path, cpu: bool, devices: list[int], overlaps=(True, True)) -> dict:
+def fp8_param_gather_flags(run: Run, distributed_optimizer: bool, fp8_param_gather: bool) -> list:
+    """--fp8-param-gather for `run` when asked for and it applies: FP8 delayed with the
+    distributed optimizer (dp > 1)."""
+    gpus, tp, pp, _ = LAYOUTS[run.layout]
+    applies = run.precision == "delayed" and distributed_optimizer and gpus // (tp * pp) > 1
+    return ["--fp8-param-gather"] if fp8_param_gather and applies else []
+
+
+def environment(
+    run: Run,
+    work: Path,
+    cpu: bool,
+    devices: list[int],
+    overlaps=(True, True),
+    fp8_param_gather: bool = False,
+) -> dict:
     """The recipe's environment for `run`; `overlaps`: the recipe's TP_COMM_OVERLAP and
-    DISTRIBUTED_OPTIMIZER."""
+    DISTRIBUTED_OPTIMIZER; `fp8_param_gather`: see fp8_param_gather_flags."""
     gpus, tp, pp, vpp = LAYOUTS[run.layout]
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     save = work / "runs" / run.name
     extra = [shape["SHAPE"], "--save-interval", str(RESUME_AT), "--seed", "1234"]
+    extra += fp8_param_gather_flags(run, overlaps[1], fp8_param_gather)
     # a rank left waiting for a peer fails, saying where (NCCL's watchdog, a copy-engine barrier's
     # message), before the check would call it hung
     extra += ["--distributed-timeout-minutes", str(PEER_TIMEOUT_S / 60)]
@@ -309,13 +327,18 @@ def start_order(runs: list[Run]) -> list[Run]:
 class Launcher:
     """Runs the planned runs side by side on `gpus` devices (`share` runs per device at once)."""
 
-    def __init__(self, work: Path, gpus: int, cpu: bool, share: int, overlaps=(True, True)):
+    def __init__(
+        self,
+        work: Path,
+        gpus: int,
+        cpu: bool,
+        share: int,
+        overlaps=(True, True),
+        fp8_param_gather: bool = False,
+    ):
         # (tp_comm_overlap, distributed_optimizer)
-        self.work, self.cpu, self.overlaps = (
-            work,
-            cpu,
-            overlaps,
-        )
+        self.work, self.cpu, self.overlaps = work, cpu, overlaps
+        self.fp8_param_gather = fp8_param_gather
         self.free = {d: share for d in range(max(gpus, 1))}
         self.running: dict = {}  # Run -> (process, devices, start, log file, processes it started)
         self.events: dict = {}  # Run -> when it was signalled or failed
@@ -333,14 +356,18 @@ class Launcher:
         shutil.rmtree(save, ignore_errors=True)
         save.mkdir(parents=True)
         log = open(self.work / "logs" / f"{run.name}.log", "w")
+        flags = overlap_flags(run.layout, *self.overlaps)
+        flags += fp8_param_gather_flags(run, self.overlaps[1], self.fp8_param_gather)
         command = (
-            failing_command(run, self.work, self.cpu, overlap_flags(run.layout, *self.overlaps))
+            failing_command(run, self.work, self.cpu, flags)
             if run.kind == "fail"
             else ["bash", str(RECIPE)]
         )
         process = subprocess.Popen(
             command,
-            env=environment(run, self.work, self.cpu, devices, self.overlaps),
+            env=environment(
+                run, self.work, self.cpu, devices, self.overlaps, self.fp8_param_gather
+            ),
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -724,6 +751,12 @@ def main(argv=None) -> int:
         "(and its --overlap-param-gather)",
     )
     parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="FP8 delayed runs with the distributed optimizer hold and all-gather their FP8 "
+        "primary weights in FP8 (the trainer's --fp8-param-gather; not the recipe's default)",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="on the CPU with gloo (the recipe's CPU=1), no graphs"
     )
     parser.add_argument(
@@ -773,6 +806,7 @@ def main(argv=None) -> int:
         args.cpu,
         args.share,
         (not args.without_tp_comm_overlap, not args.without_distributed_optimizer),
+        args.fp8_param_gather,
     )
     outcomes = launcher.run_all(runs, args.time_limit)
     judge(outcomes, int((CPU_SHAPE if args.cpu else GPU_SHAPE)["ITERS"]), work)

@@ -142,6 +142,27 @@ def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
         assert all(flag in command for flag in flags), layout
 
 
+def test_fp8_param_gather_goes_to_the_delayed_runs_of_the_distributed_optimizer(tmp_path):
+    """--fp8-param-gather reaches the trainer only where it applies: FP8 delayed, dp > 1, the
+    distributed optimizer on."""
+    for layout, precision, distributed, on in (
+        ("dp2", "delayed", True, True),
+        ("tp2dp2", "delayed", True, True),
+        ("dp2", "current", True, False),
+        ("dp2", "bf16", True, False),
+        ("dp2", "delayed", False, False),
+        ("tp2", "delayed", True, False),
+    ):
+        run = check_layouts.Run(layout, precision, True)
+        flags = check_layouts.fp8_param_gather_flags(run, distributed, True)
+        assert flags == (["--fp8-param-gather"] if on else []), (layout, precision, distributed)
+        assert check_layouts.fp8_param_gather_flags(run, distributed, False) == []
+        env = check_layouts.environment(
+            run, tmp_path, False, [0, 1, 2, 3], (True, distributed), True
+        )
+        assert ("--fp8-param-gather" in env["EXTRA_ARGS"]) is on
+
+
 def test_a_hung_run_leaves_its_stacks_and_nothing_running(tmp_path, monkeypatch):
     """torchrun starts each rank in a session of its own: a hung run's ranks are found under its
     launcher, write their Python stacks into the run's log one after the other (each whole), with

@@ -320,6 +320,17 @@ LAYOUTS = {  # name: (flags, MemoryLayout fields)
         ],
         dict(pp=2, dp=2, vpp=2, distributed_optimizer=True),
     ),
+    "pp2-dp2-fp8-param-gather": (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--fp8-format",
+            "hybrid",
+            "--fp8-param-gather",
+        ],
+        dict(pp=2, dp=2, distributed_optimizer=True, fp8="delayed", fp8_primary_weights=True),
+    ),
 }
 BASE = [
     "--seq-length",
@@ -492,7 +503,8 @@ def test_against_the_peaks_measured_on_eight_gpus(capsys):
 def test_fp8_primary_weights_hold_no_bf16_copy_of_the_fp8_weights():
     """FP8 primary weights drop 2 bytes from each FP8 weight's parameter bytes (the cast, counted
     apart, is then the weight); the throughput model's optimizer pass writes the cast in place of
-    the bf16 weight; only delayed scaling has them."""
+    the bf16 weight; the distributed optimizer gathers them in FP8; only delayed scaling has
+    them."""
     bf16_weights = MemoryLayout(seq_length=64, fp8="delayed")
     fp8_weights = MemoryLayout(seq_length=64, fp8="delayed", fp8_primary_weights=True)
     counts = rank_parameters(LLAMA, bf16_weights, 0)
@@ -502,5 +514,14 @@ def test_fp8_primary_weights_hold_no_bf16_copy_of_the_fp8_weights():
         k: v for k, v in after.items() if k != "parameters"
     }
     assert weight_cast_bytes(fp8_weights) == weight_cast_bytes(bf16_weights) - 2
+    # With the distributed optimizer the weights' slices are gathered in FP8: a byte an owned
+    # element less in the gather's input, and the pass writes 1 byte in place of the bf16 2.
+    sharded = dict(seq_length=64, fp8="delayed", dp=4, distributed_optimizer=True)
+    bf16_gather = static_bytes(LLAMA, MemoryLayout(**sharded), 0)
+    fp8_layout = MemoryLayout(**sharded, fp8_primary_weights=True)
+    fp8_gather = static_bytes(LLAMA, fp8_layout, 0)
+    assert bf16_gather["optimizer"] - fp8_gather["optimizer"] == counts["fp8_weights"] / 4
+    assert bf16_gather["parameters"] - fp8_gather["parameters"] == 2 * counts["fp8_weights"]
+    assert weight_cast_bytes(fp8_layout) == -1
     with pytest.raises(ValueError, match="fp8='delayed'"):
         MemoryLayout(seq_length=64, fp8="current", fp8_primary_weights=True)

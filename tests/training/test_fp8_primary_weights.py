@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 from megafp8.models.config import gpt_config
 from megafp8.models.transformer import TransformerLM
 from megafp8.parallel.data_parallel import GradientBuffer
@@ -33,9 +34,12 @@ needs_fp8_gpu = pytest.mark.skipif(
 )
 
 
-def build(device, fp8_primary, fused, **options):
+def build(device, fp8_primary, fused, dp_group=None, amax_group=None, clip_grad=1.0, **options):
     """Two FP8 linears ([144, 80] and [48, 144]: partial kernel tiles both ways) in fp32, their
-    gradient buffer and optimizer; with `fp8_primary`, weights held in FP8 only."""
+    gradient buffer and optimizer; with `fp8_primary`, weights held in FP8 only. With
+    `dp_group`, the distributed optimizer over it, the weights' amaxes agreed over `amax_group`
+    (over two ranks: both weights in one bucket, the first rank's slice ends inside a row of
+    the first layer's weight, the second owns none of the second layer's)."""
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         [
@@ -46,28 +50,39 @@ def build(device, fp8_primary, fused, **options):
     for layer in layers:  # as the fused pass sets it for its own: both runs alike
         layer.keep_weight_cast_addresses = True
     params = list(layers.named_parameters())
-    buffer = GradientBuffer([p for _, p in params], bucket_size=20_000)
+    distributed = dp_group is not None
+    buffer = GradientBuffer(
+        [p for _, p in params],
+        dp_group,
+        bucket_size=20_000,
+        shard=distributed,
+        bucket_apart=[layer.weight for layer in layers] if distributed else (),
+    )
     optimizer = MixedPrecisionAdamW(
         params,
         buffer,
         lr=1e-2,
         weight_decay=0.1,
-        clip_grad=1.0,
+        clip_grad=clip_grad,
+        dp_group=dp_group,
+        distributed=distributed,
         fused=fused,
         fp8_linears=list(layers),
         **options,
     )
     if fp8_primary:
-        optimizer.make_weights_fp8(list(layers))
+        optimizer.make_weights_fp8(list(layers), amax_reduction_group=amax_group)
     return layers, buffer, optimizer
 
 
-def train(layers, buffer, optimizer, steps=4, recipe=None):
+def train(layers, buffer, optimizer, steps=4, recipe=None, amax_group=None):
     recipe = recipe or DelayedScaling(amax_history_len=4)
     x = torch.randn(32, 80, device=layers[0].weight.device, generator=None)
     outputs = []
     for step in range(steps):
-        with fp8_autocast(recipe=recipe, collect_saturation=step == 2):
+        with fp8_autocast(
+            recipe=recipe, amax_reduction_group=amax_group, collect_saturation=step == 2
+        ):
             y = layers[1](layers[0](x))
         buffer.zero()
         y.float().square().sum().backward()
@@ -131,6 +146,114 @@ def test_fp8_primary_weights_train_as_fp32_weights():
     check_fp8_primary_weights_train_as_fp32_weights("cpu", fused=False)
 
 
+def distributed_body(rank, world_size, fused, reduce_amax, device="cpu"):
+    """FP8 primary weights under the distributed optimizer, every rank on the same batch (so
+    that the averaged gradient is one rank's, exactly): what each rank holds."""
+    group = dist.group.WORLD
+    amax_group = group if reduce_amax else None
+    layers, buffer, optimizer = build(
+        device, True, fused, dp_group=group, amax_group=amax_group, clip_grad=0.0
+    )
+    assert all(
+        len({p.dtype for p in bucket.params}) == 1 for bucket in buffer.buckets
+    )  # FP8 weights apart from the biases
+    torch.manual_seed(1)
+    for step in (1, 2):  # a resumed optimizer's first step casts alike
+        outputs = train(layers, buffer, optimizer, steps=2, amax_group=amax_group)
+        states = optimizer.state_for_checkpoint()
+        if step == 1:
+            optimizer.load_checkpoint_state(states, optimizer.step_count())
+    masters = {name: s["master"].cpu() for name, s in states.items()}
+    return [y.cpu() for y in outputs], fp8_weights_of(layers), masters
+
+
+def fp8_weights_of(layers):
+    """Each layer's weight bytes, transpose, inverse scale, scale, amax history and counts."""
+    held = []
+    for layer in layers:
+        cast, state = layer._weight_fp8[1], layer.fp8_scaling["weight"]
+        held.append(
+            tuple(
+                t.cpu().clone()
+                for t in (
+                    layer.weight.detach().view(torch.uint8),
+                    cast.data_t.view(torch.uint8),
+                    cast.scale_inv,
+                    state.scale,
+                    state.amax_history,
+                    state.cast_counts,
+                )
+            )
+        )
+    return held
+
+
+def check_the_distributed_optimizer_gathers_fp8_primary_weights_as_one_rank_holds_them(
+    fused, device="cpu", world_size=2, backend="gloo"
+):
+    """Two data-parallel ranks cast their slices with the weights' scales and all-gather the
+    bytes: each rank holds, step after step, what one process with whole weights holds (bytes,
+    transposes, inverse scales, scales, histories, the weights' saturation counts summed over
+    the ranks), bit for bit, and the same masters; with the forward's amax reduction over the
+    data-parallel ranks, or without it (the optimizer agrees the weights' amaxes itself).
+    No clipping: the norm of slices sums in another order."""
+    layers, buffer, optimizer = build(device, True, fused, clip_grad=0.0)
+    torch.manual_seed(1)
+    want_outputs = train(layers, buffer, optimizer, steps=2)
+    optimizer.load_checkpoint_state(optimizer.state_for_checkpoint(), optimizer.step_count())
+    want_outputs = [y.cpu() for y in train(layers, buffer, optimizer, steps=2)]
+    want = fp8_weights_of(layers)
+    masters = {name: s["master"].cpu() for name, s in optimizer.state_for_checkpoint().items()}
+    for reduce_amax in (True, False):
+        ranks = run_on_ranks(
+            distributed_body, world_size, fused, reduce_amax, device, backend=backend
+        )
+        for outputs, held, got_masters in ranks:
+            assert all(torch.equal(a, b) for a, b in zip(outputs, want_outputs))
+            for got_layer, want_layer in zip(held, want):
+                *same, counts = got_layer
+                assert all(torch.equal(a, b) for a, b in zip(same, want_layer))
+            assert all(torch.equal(got_masters[n], masters[n]) for n in masters)
+        summed = [sum(held[i][-1] for _, held, _ in ranks) for i in range(len(want))]
+        assert all(torch.equal(a, b[-1]) for a, b in zip(summed, want))
+
+
+def test_the_distributed_optimizer_gathers_fp8_primary_weights_as_one_rank_holds_them():
+    check_the_distributed_optimizer_gathers_fp8_primary_weights_as_one_rank_holds_them(False)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_the_fused_pass_casts_fp8_primary_weight_slices_on_cuda():
+    """The compiled kernel's slice casts: one NCCL rank (its slices are whole buckets) against
+    whole weights, bit for bit."""
+    check_the_distributed_optimizer_gathers_fp8_primary_weights_as_one_rank_holds_them(
+        True, "cuda", world_size=1, backend="nccl"
+    )
+
+
+def test_a_bucket_mixing_fp8_primary_weights_with_other_parameters_is_refused():
+    body_result = run_on_ranks(mixed_bucket_body, 2)
+    assert all("bucket_apart" in message for message in body_result)
+
+
+def mixed_bucket_body(rank, world_size):
+    layer = Fp8Linear(64, 48, dtype=torch.float32)
+    buffer = GradientBuffer(list(layer.parameters()), dist.group.WORLD, shard=True)
+    optimizer = MixedPrecisionAdamW(
+        list(layer.named_parameters()),
+        buffer,
+        lr=1e-3,
+        dp_group=dist.group.WORLD,
+        distributed=True,
+        fused=False,
+        fp8_linears=[layer],
+    )
+    with pytest.raises(ValueError, match="bucket_apart") as refused:
+        optimizer.make_weights_fp8([layer])
+    return str(refused.value)
+
+
 def test_the_first_scale_is_the_one_a_first_forward_cast_fits():
     """Fitted to the weight, with the recipe's margin: a first forward cast's scale."""
     for margin in (0, 2):
@@ -143,6 +266,7 @@ def test_the_first_scale_is_the_one_a_first_forward_cast_fits():
 
 def interpreted_checks():
     check_fp8_primary_weights_train_as_fp32_weights("cpu", fused=True)
+    check_the_distributed_optimizer_gathers_fp8_primary_weights_as_one_rank_holds_them(True)
 
 
 @needs_triton
@@ -279,6 +403,8 @@ def test_what_fp8_primary_weights_cannot_do_is_refused():
         (["--fp8-format", "hybrid", "--fp8-recipe", "current"], False),
         (["--fp8-format", "hybrid", "--no-fp8-primary-weights"], False),
         (["--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"], False),
+        (["--fp8-format", "hybrid", "--use-distributed-optimizer"], False),
+        (["--fp8-format", "hybrid", "--use-distributed-optimizer", "--fp8-param-gather"], True),
         ([], False),
     ],
 )
@@ -296,6 +422,13 @@ def test_fp8_primary_weights_asked_for_where_they_cannot_run_are_refused():
         )
     with pytest.raises(arguments.ArgumentsError, match="add --fp8-format"):
         arguments.parse_args(TINY + ["--train-iters", "3", "--fp8-primary-weights"])
+    fp8 = TINY + ["--train-iters", "3", "--fp8-format", "hybrid"]
+    with pytest.raises(arguments.ArgumentsError, match="give --use-distributed-optimizer"):
+        arguments.parse_args(fp8 + ["--fp8-param-gather"])
+    with pytest.raises(arguments.ArgumentsError, match="leave out --no-fp8-primary-weights"):
+        arguments.parse_args(
+            fp8 + ["--use-distributed-optimizer", "--fp8-param-gather", "--no-fp8-primary-weights"]
+        )
 
 
 def reshard_body(rank, world_size, argv):
@@ -317,6 +450,36 @@ def test_a_run_with_fp8_primary_weights_resumes_bitwise_and_in_any_other_way(tmp
     for other in (bf16, dp2):
         assert [i for i, _ in other] == [7, 8]
         assert [loss for _, loss in other] == pytest.approx([loss for _, loss in fp8], rel=1e-3)
+
+
+def gather_dtypes_body(rank, world_size, argv):
+    """The dtypes of the parameters and of the distributed optimizer's all-gather inputs."""
+    trainer = pretrain(argv + ["--train-iters", "3"])
+    inputs = trainer.optimizer._gather_inputs.values()
+    return {p.dtype for p in trainer.model.parameters()}, {t.dtype for t in inputs}
+
+
+def test_fp8_parameter_gather_resumes_bitwise_and_trains_as_whole_weights(tmp_path):
+    """--use-distributed-optimizer --fp8-param-gather over two data-parallel ranks (bf16, the
+    gathers overlapped with the forward): the resumed run is the straight one bit for bit, and
+    it trains as the replicated optimizer with FP8 primary weights does, up to the gradient
+    norm's summation order."""
+    argv = TINY + ["--bf16", "--fp8-format", "hybrid"]
+    gathered = argv + [
+        "--use-distributed-optimizer",
+        "--overlap-param-gather",
+        "--fp8-param-gather",
+    ]
+    ranks = run_on_ranks(resume_body, 2, gathered, str(tmp_path))
+    for straight, first, second in ranks:
+        assert [i for i, _ in first] == [1, 2, 3] and first + second == straight
+    held, gathered_dtypes = run_on_ranks(gather_dtypes_body, 2, gathered)[0]
+    assert held == {torch.bfloat16, torch.float8_e4m3fn}
+    assert gathered_dtypes == {torch.bfloat16, torch.float8_e4m3fn}
+    replicated = run_on_ranks(reshard_body, 2, argv + ["--train-iters", "6"])[0]
+    assert [loss for _, loss in ranks[0][0]] == pytest.approx(
+        [loss for _, loss in replicated], rel=1e-3
+    )
 
 
 def small_run(seed):

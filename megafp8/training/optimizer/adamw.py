@@ -19,7 +19,11 @@ On the CPU, or with `fused=False`, torch.optim.AdamW steps and a multi-tensor co
 
 FP8 primary weights (`make_weights_fp8`): FP8 linears whose weights are their FP8 casts only;
 each step casts the fp32 masters into them (the fused pass in place of the bf16 copy, or
-Fp8Linear.write_weight after torch's step).
+Fp8Linear.write_weight after torch's step). With the distributed optimizer (Megatron's
+--fp8-param-gather) each rank casts its slices with the weights' scales into FP8 all-gather
+inputs: their buckets (`GradientBuffer(bucket_apart=...)`) travel as one byte an element, the
+weights' amaxes are agreed over the data-parallel ranks (by the forward's amax reduction, or
+here), and each rank makes the transposes from the gathered bytes.
 
 Lean states (each an option; Megatron's precision-aware optimizer): Adam's moments in bf16 (the
 first also in FP8 with a scale per block, `quantize_moment`), the gradients from a bf16 buffer
@@ -37,7 +41,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from megafp8.collectives import all_gather_into, rank_in
+from megafp8.collectives import all_gather_into, group_size, max_over, rank_in
+from megafp8.fp8.quantize import quantize
 from megafp8.parallel.data_parallel import GradientBuffer
 
 from . import adamw_kernel
@@ -141,8 +146,9 @@ class MixedPrecisionAdamW:
 
     `fp8_linears`: FP8 linears (megafp8.fp8.Fp8Linear) of these parameters; the fused pass
     writes their weights' FP8 casts too, where `Fp8Linear.weight_cast_target` allows (not with
-    the distributed optimizer, whose ranks update slices, nor with lean states). Their cast
-    buffers are then kept from step to step (`keep_weight_cast_addresses`).
+    the distributed optimizer, whose ranks update slices, nor with lean states; but an FP8
+    primary weight's, or its slices', always). Their cast buffers are then kept from step to
+    step (`keep_weight_cast_addresses`).
 
     Lean states (the module's docstring, fused pass only): `exp_avg_dtype` (fp32, bf16 or
     float8_e4m3fn) and `exp_avg_sq_dtype` (fp32 or bf16), `store_param_remainders` (bf16
@@ -284,14 +290,19 @@ class MixedPrecisionAdamW:
                 f"path, keeps fp32 masters, gradients and moments"
             )
         self._fused_pass = None  # built at the first fused step, again after the state is replaced
-        # Per shard, the FP8 linear whose weight it is whole, if any: the fused pass casts it,
-        # and it may hold its weight in FP8 only (`make_weights_fp8`). Not with lean states,
-        # unless the weight is FP8 alone: the casting kernel's tiles of 2- and 4-byte states
-        # ran at 1.4 TB/s on an H200, the 7B shape's step 3.5% slower than the plain pass and
-        # the forwards' own casts (benchmarks/RESULTS.md).
-        linear_of = {} if distributed else {id(linear.weight): linear for linear in fp8_linears}
+        # Per shard, the FP8 linear whose weight it is (or a slice of), if any: it may hold its
+        # weight in FP8 only (`make_weights_fp8`), and the fused pass casts a whole bf16 weight
+        # too. Not with lean states, unless the weight is FP8 alone: the casting kernel's tiles
+        # of 2- and 4-byte states ran at 1.4 TB/s on an H200, the 7B shape's step 3.5% slower
+        # than the plain pass and the forwards' own casts (benchmarks/RESULTS.md).
+        fp8_linears = list(fp8_linears)
+        self._fp8_linears = {id(linear) for linear in fp8_linears}
+        linear_of = {id(linear.weight): linear for linear in fp8_linears}
         self._linears = [linear_of.get(id(param)) for param, *_ in self.shards]
-        self._pass_casts = self.fused and not lean
+        self._pass_casts = self.fused and not lean and not distributed
+        # FP8 primary weights (make_weights_fp8); with the distributed optimizer, the buckets
+        # gathered in FP8 with their linears, and whether the weights' amaxes need agreeing here
+        self._fp8_weight_linears, self._fp8_buckets, self._agree_amaxes = [], {}, False
         for linear in filter(None, self._linears if self._pass_casts else ()):
             linear.keep_weight_cast_addresses = True
         self._fused_casts = None  # the addresses of the casts the fused pass was built with
@@ -348,14 +359,21 @@ class MixedPrecisionAdamW:
         self.steps += 1
         return True, norm
 
+    def _pass_cast(self, i: int):
+        """The WeightCast the fused pass writes beside shard i's new value, if any: its whole
+        weight's cast, or for an FP8 primary weight's slice (the distributed optimizer's) the
+        slice's bytes in its all-gather input, cast with the weight's scale."""
+        linear = self._linears[i]
+        if linear is None or not (self._pass_casts or linear.fp8_primary_weight):
+            return None
+        cast = linear.weight_cast_target()
+        if cast is not None and self.distributed:
+            cast = cast._replace(data=self._outs[i].view(-1), data_t=None)
+        return cast
+
     @torch.no_grad()
     def _fused_step(self):
-        casts = [
-            linear.weight_cast_target()
-            if linear is not None and (self._pass_casts or linear.fp8_primary_weight)
-            else None
-            for linear in self._linears
-        ]
+        casts = [self._pass_cast(i) for i in range(len(self.shards))]
         addresses = [
             None if cast is None else [t.data_ptr() for t in cast if t is not None]
             for cast in casts
@@ -379,10 +397,13 @@ class MixedPrecisionAdamW:
         ready = torch.cuda.Event() if squared.is_cuda else None
         if ready is not None:
             ready.record()
+        if self._fp8_buckets:  # a rank may own no slice of a weight: its amax starts at 0 here
+            self._zero_weight_amaxes()
         self._fused_pass.step(self.lr, control)
-        for linear, cast in zip(self._linears, casts):
-            if cast is not None:
-                linear.weight_cast_written()
+        written = [linear for linear, cast in zip(self._linears, casts) if cast is not None]
+        for linear in self._fp8_weight_linears if self._fp8_buckets else written:
+            linear.weight_cast_written()
+        self._agree_on_weight_amaxes()
         self._gather_params()
         if ready is not None:
             ready.synchronize()  # the norm's copy (and all before it), not the update queued after
@@ -433,14 +454,14 @@ class MixedPrecisionAdamW:
     ) -> None:
         """Hold the weights of `linears` (FP8 linears given as `fp8_linears`) only in FP8 from
         here on (Fp8Linear.make_weight_fp8, with `amax_reduction_group` and `margin`), cast from
-        their fp32 masters; each step writes them from the masters directly. Each rank must step
-        whole weights (not the distributed optimizer) and keep fp32 masters of its own (not
-        `store_param_remainders`, whose master is the bf16 weight), and the fused pass must be
-        able to cast (no FP8 first moment)."""
+        their fp32 masters; each step writes them from the masters directly. The optimizer must
+        keep fp32 masters of its own (not `store_param_remainders`, whose master is the bf16
+        weight), and the fused pass must be able to cast (no FP8 first moment). With the
+        distributed optimizer, the gradient buffer must hold these weights in buckets of their
+        own (`bucket_apart`), which are all-gathered as FP8 bytes."""
         reasons = [
             why
             for why, on in (
-                ("the distributed optimizer steps slices of weights", self.distributed),
                 (
                     "store_param_remainders keeps the master in the bf16 weight",
                     self.store_param_remainders,
@@ -454,26 +475,94 @@ class MixedPrecisionAdamW:
         ]
         if reasons:
             raise ValueError(f"FP8 primary weights cannot be used here: {'; '.join(reasons)}")
-        index = {id(linear): i for i, linear in enumerate(self._linears) if linear is not None}
+        linears = list(linears)
         for linear in linears:
-            if id(linear) not in index:
+            if id(linear) not in self._fp8_linears:
                 raise ValueError(f"{linear}: not among this optimizer's fp8_linears")
-            i = index[id(linear)]
-            master = self.shards[i][3].view_as(linear.weight)
-            linear.make_weight_fp8(fp8_dtype, master, amax_reduction_group, margin)
+        self._fp8_weight_linears = linears
+        if self.distributed:
+            self._make_gathered_weights_fp8(linears, fp8_dtype, amax_reduction_group, margin)
+        else:
+            index = {id(linear): i for i, linear in enumerate(self._linears) if linear is not None}
+            for linear in linears:
+                master = self.shards[index[id(linear)]][3].view_as(linear.weight)
+                linear.make_weight_fp8(fp8_dtype, master, amax_reduction_group, margin)
         self._fused_pass = None  # its outputs changed dtype
+
+    def _make_gathered_weights_fp8(self, linears, fp8_dtype, amax_reduction_group, margin):
+        """make_weights_fp8 with the distributed optimizer: the weights' buckets gathered in FP8."""
+        weights = {id(linear.weight): linear for linear in linears}
+        for bucket in self.buffer.buckets:
+            fp8 = [p for p in bucket.params if id(p) in weights]
+            if fp8 and len(fp8) != len(bucket.params):
+                raise ValueError(
+                    "a gradient bucket holds FP8 primary weights beside other parameters: the "
+                    "distributed optimizer all-gathers a bucket in one dtype; build the "
+                    "GradientBuffer with bucket_apart=<those weights>"
+                )
+            if fp8:
+                self._fp8_buckets[bucket] = [weights[id(p)] for p in fp8]
+                self._gather_inputs[bucket] = torch.zeros_like(
+                    self._gather_inputs[bucket], dtype=fp8_dtype
+                )
+        # The masters came from the weights: the first scales are fitted to those.
+        for linear in linears:
+            linear.make_weight_fp8(fp8_dtype, None, amax_reduction_group, margin)
+        self._outs = [
+            self._gather_input_of(param, start, end) for param, start, end, _ in self.shards
+        ]
+        # The forward's amax reduction agrees the weights' amaxes only over a group holding
+        # every data-parallel rank.
+        self._agree_amaxes = group_size(self.dp_group) > 1 and not (
+            amax_reduction_group is not None
+            and set(dist.get_process_group_ranks(self.dp_group))
+            <= set(dist.get_process_group_ranks(amax_reduction_group))
+        )
+        self._copy_masters_to_params()
+        self.finish_param_gather()
+
+    def _zero_weight_amaxes(self) -> None:
+        """Every FP8 primary weight's amax and cast counts at 0: what its slices' casts max
+        and add into."""
+        targets = [linear.weight_cast_target() for linear in self._fp8_weight_linears]
+        torch._foreach_zero_([t.amax for t in targets] + [t.counts for t in targets])
+
+    def _agree_on_weight_amaxes(self) -> None:
+        """The distributed optimizer's ranks cast slices: each weight's amax is the largest of
+        its slices', over the data-parallel ranks (when the forward's reduction does not)."""
+        if not self._agree_amaxes:
+            return
+        amaxes = [linear.weight_cast_target().amax for linear in self._fp8_weight_linears]
+        torch._foreach_copy_(amaxes, list(max_over(torch.stack(amaxes), self.dp_group).unbind(0)))
 
     @torch.no_grad()
     def _copy_masters_to_params(self):
         copies = []
-        for out, source, linear in zip(self._outs, self._out_sources, self._linears):
-            if linear is not None and linear.fp8_primary_weight:
-                linear.write_weight(source)  # cast with its scale
-            else:
+        if self._fp8_buckets:
+            self._zero_weight_amaxes()
+        for i, (out, source, linear) in enumerate(
+            zip(self._outs, self._out_sources, self._linears)
+        ):
+            if linear is None or not linear.fp8_primary_weight:
                 copies.append((out, source))
+            elif self.distributed:  # the slice, cast with the weight's scale into the gather input
+                cast = self._pass_cast(i)
+                q = quantize(
+                    source.view(1, -1),
+                    out.dtype,
+                    cast.scale,
+                    amax_out=cast.amax,
+                    saturation_out=cast.counts,
+                )
+                out.copy_(q.data.view(-1))
+            else:
+                linear.write_weight(source)  # cast with its scale
+        for linear in self._fp8_weight_linears if self._fp8_buckets else ():
+            linear.weight_cast_written()
         # with remainders the outputs are the masters' high halves already
         if copies and not self.store_param_remainders:
             torch._foreach_copy_(*map(list, zip(*copies)))
+        self._agree_on_weight_amaxes()
         self._gather_params()
 
     def _master(self, i: int) -> torch.Tensor:
@@ -533,11 +622,17 @@ class MixedPrecisionAdamW:
         handle, gathered = self._pending_gathers.pop(bucket)
         if handle is not None:
             handle.wait()
+        linears = self._fp8_buckets.get(bucket, ())
+        params = [p.view(torch.uint8) if linears else p for p in bucket.params]  # FP8 as bytes
+        if linears:
+            gathered = gathered.view(torch.uint8)
         pieces = [
             gathered[p.main_grad_offset - bucket.start :][: p.numel()].view_as(p)
             for p in bucket.params
         ]
-        torch._foreach_copy_(bucket.params, pieces)
+        torch._foreach_copy_(params, pieces)
+        for linear in linears:
+            linear.weight_bytes_written()
 
     # -- checkpoints: per-parameter, layout-free state ----------------------------------------
 
@@ -597,12 +692,16 @@ class MixedPrecisionAdamW:
                 value = values.get(param)
                 value = linear.dequantized_weight() if value is None else value
                 master.copy_(value.reshape(-1)[start:end])
-                linear.write_weight(master.view_as(param))
+                if not self.distributed:  # else cast and gathered below
+                    linear.write_weight(master.view_as(param))
             elif self.store_param_remainders:
                 master.zero_()
                 self._outs[i].view(-1).copy_(param.detach().reshape(-1)[start:end])
             else:
                 master.copy_(param.detach().reshape(-1)[start:end])
+        if self._fp8_buckets:  # the FP8 weights cast from their masters, slice by slice
+            self._copy_masters_to_params()
+            self.finish_param_gather()
 
     @torch.no_grad()
     def load_checkpoint_state(self, states, step):

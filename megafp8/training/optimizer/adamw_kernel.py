@@ -256,10 +256,16 @@ if triton is not None:
         REMAINDERS: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNK: tl.constexpr,
+        saturation_bound=0.0,
+        flush_bound=0.0,
+        COUNT: tl.constexpr = False,
+        BOUND_INCLUSIVE: tl.constexpr = False,
     ):
         # tensors rows: master, grad, exp_avg, exp_avg_sq, out addresses, decayed, index in the
         # step counts, numel, the FP8 first moment's block scales (else 0); a column per tensor.
-        # chunks: (column, chunk index) per program.
+        # An FP8 output (a slice of an FP8 primary weight) is cast with a scale: then also the
+        # addresses of its scale, amax, scale_inv and (with COUNT) saturation counts, as the cast
+        # kernel's. chunks: (column, chunk index) per program.
         # control: the gradients' factor (clipping) and whether to step at all. A step not taken
         # still writes the outputs, the masters' rounding (what they hold already, or for the
         # distributed optimizer the all-gather input, which its caller gathers either way).
@@ -273,14 +279,22 @@ if triton is not None:
             tensors, count, total, powers, t, lr, weight_decay
         )
         start = chunk.to(tl.int64) * CHUNK
+        FP8_OUT: tl.constexpr = OUT_DTYPE == tl.float8e4nv or OUT_DTYPE == tl.float8e5
+        if FP8_OUT:
+            out = _address(tensors, 4, count, t, OUT_DTYPE)
+            scale = tl.load(tl.load(tensors + 9 * count + t).to(tl.pointer_type(tl.float32)))
+        amax = 0.0
+        saturated = 0
+        flushed = 0
         for i in range(0, CHUNK, BLOCK):
             offsets = start + i + tl.arange(0, BLOCK)
-            _step_elements(
+            mask = offsets < numel
+            weight = _step_elements(
                 tensors,
                 count,
                 t,
                 offsets,
-                offsets < numel,
+                mask,
                 apply,
                 grad_scale,
                 beta1,
@@ -296,6 +310,30 @@ if triton is not None:
                 EXP_AVG_SQ_DTYPE,
                 REMAINDERS,
             )
+            if FP8_OUT:  # the cast kernel's cast, of a flat slice: no transpose
+                magnitude = tl.where(
+                    mask, tl.where(weight == weight, tl.abs(weight), float("inf")), 0.0
+                )
+                amax = tl.maximum(amax, tl.max(magnitude, axis=0))
+                if COUNT:
+                    scaled = tl.where(mask, tl.abs(weight * scale), 0.0)
+                    hits = (
+                        scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+                    )
+                    saturated += tl.sum(hits.to(tl.int32), axis=0)
+                    small = (scaled != 0.0) & (scaled <= flush_bound)
+                    flushed += tl.sum(small.to(tl.int32), axis=0)
+                tl.store(out + offsets, to_fp8(weight * scale, OUT_DTYPE), mask=mask)
+        if FP8_OUT:
+            tl.atomic_max(tl.load(tensors + 10 * count + t).to(tl.pointer_type(tl.float32)), amax)
+            if COUNT:
+                counts = tl.load(tensors + 12 * count + t).to(tl.pointer_type(tl.int64))
+                tl.atomic_add(counts, saturated.to(tl.int64))
+                tl.atomic_add(counts + 1, tl.minimum(numel - start, CHUNK).to(tl.int64))
+                tl.atomic_add(counts + 2, flushed.to(tl.int64))
+            if chunk == 0:
+                scale_inv = tl.load(tensors + 11 * count + t).to(tl.pointer_type(tl.float32))
+                tl.store(scale_inv, tl.div_rn(1.0, scale))
 
     @triton.jit
     def _adamw_cast_kernel(
@@ -422,7 +460,10 @@ class MultiTensorAdamW:
     contiguous tensor as long as masters[i] that receives the new master in its own dtype.
     `decayed[i]` says whether `weight_decay` applies to it. `casts[i]`, when given and not None,
     is a WeightCast (megafp8.fp8.tensor) of outs[i] viewed as its `data`'s [rows, cols] (outs in
-    bf16 or fp32, or an FP8 primary weight's bytes: then outs[i] is the cast's `data`).
+    bf16 or fp32, or an FP8 primary weight's bytes: then outs[i] is the cast's `data`); or, for
+    an FP8 output that is a flat slice of an FP8 primary weight (the distributed optimizer's),
+    one whose `data` is outs[i] and `data_t` None: the slice is cast with the weight's scale
+    and its amax maxed into the weight's (no transpose).
     Masters are fp32, or int16 remainders of bf16 outs (the module's docstring); gradients and
     moments fp32 or bf16, one dtype for each kind; first moments also FP8 E4M3, each with
     `exp_avg_scales[i]`, the fp32 inverse scale of each of its MOMENT_BLOCK-element blocks.
@@ -455,6 +496,11 @@ class MultiTensorAdamW:
                 raise ValueError(
                     "an FP8 output is an FP8 primary weight: give its WeightCast, whose data it is"
                 )
+            if cast is not None and cast.data_t is None and not fp8_primary:
+                raise ValueError(
+                    "a WeightCast without data_t casts a slice of an FP8 primary weight: its "
+                    "output is the slice's FP8 bytes"
+                )
             if cast is not None and (
                 out.dtype not in (torch.bfloat16, torch.float32, cast.data.dtype)
                 or cast.data.numel() != out.numel()
@@ -477,13 +523,13 @@ class MultiTensorAdamW:
                     f"{kind}s of dtypes {sorted(map(str, dtypes))}: give one of {allowed}"
                 )
             kinds[kind] = dtypes.pop()
+        # a cast of a 2-D weight, by the kernel that steps tiles
+        tiled = [i for i, cast in enumerate(casts) if cast is not None and cast.data_t is not None]
         fp8_moments = kinds["exp_avg"] == torch.float8_e4m3fn
-        if fp8_moments != (exp_avg_scales is not None) or (
-            fp8_moments and any(c is not None for c in (casts or ()))
-        ):
+        if fp8_moments != (exp_avg_scales is not None) or (fp8_moments and tiled):
             raise ValueError(
                 "FP8 first moments come with their block scales (exp_avg_scales), and step in the "
-                "plain pass: give no casts"
+                "plain pass: give no casts of whole weights"
             )
         remainders = kinds["master"] == torch.int16
         if remainders and any(out.dtype != torch.bfloat16 for out in outs):
@@ -520,13 +566,31 @@ class MultiTensorAdamW:
 
         # (kernel, its dtype arguments, address table, chunk table, number of programs)
         self.launches = []
-        plain = [i for i in range(len(masters)) if casts[i] is None]
+        plain = [i for i, cast in enumerate(casts) if cast is None or cast.data_t is None]
         scales = (
             [0] * len(masters) if exp_avg_scales is None else [s.data_ptr() for s in exp_avg_scales]
         )
-        for dtype in dict.fromkeys(outs[i].dtype for i in plain):
-            members = [i for i in plain if outs[i].dtype == dtype]
+
+        def plain_kind(i):  # a launch per kind: output dtype, counted
+            return outs[i].dtype, casts[i] is not None and casts[i].counts is not None
+
+        for dtype, counted in dict.fromkeys(plain_kind(i) for i in plain):
+            members = [i for i in plain if plain_kind(i) == (dtype, counted)]
             chunks, programs = chunk_table([-(-masters[i].numel() // CHUNK) for i in members])
+            rows = [[masters[i].numel() for i in members], [scales[i] for i in members]]
+            fp8_options = {}
+            if dtype in FP8_DTYPES:  # slices of FP8 primary weights: their casts' addresses
+                rows += [
+                    [getattr(casts[i], field).data_ptr() for i in members]
+                    for field in ("scale", "amax", "scale_inv", *(("counts",) if counted else ()))
+                ]
+                bound, inclusive = saturation_bound(dtype)
+                fp8_options = dict(
+                    saturation_bound=bound,
+                    flush_bound=underflow_bound(dtype),
+                    COUNT=counted,
+                    BOUND_INCLUSIVE=inclusive,
+                )
             self.launches.append(
                 (
                     _adamw_kernel,
@@ -535,21 +599,19 @@ class MultiTensorAdamW:
                         **state_dtypes,
                         BLOCK=BLOCK,
                         CHUNK=CHUNK,
+                        **fp8_options,
                     ),
-                    table(
-                        members, [masters[i].numel() for i in members], [scales[i] for i in members]
-                    ),
+                    table(members, *rows),
                     chunks,
                     programs,
                 )
             )
-        cast = [i for i in range(len(masters)) if casts[i] is not None]
 
         def kind(i):  # a launch per kind: output dtype, cast dtype, counted
             return outs[i].dtype, casts[i].data.dtype, casts[i].counts is not None
 
-        for dtypes in dict.fromkeys(kind(i) for i in cast):
-            members = [i for i in cast if kind(i) == dtypes]
+        for dtypes in dict.fromkeys(kind(i) for i in tiled):
+            members = [i for i in tiled if kind(i) == dtypes]
             shapes = [casts[i].data.shape for i in members]
             tiles = [-(-rows // TILE_ROWS) * -(-cols // TILE_COLS) for rows, cols in shapes]
             chunks, programs = chunk_table([-(-n // TILES) for n in tiles])
