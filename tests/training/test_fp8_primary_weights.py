@@ -438,7 +438,8 @@ def reshard_body(rank, world_size, argv):
 def test_a_run_with_fp8_primary_weights_resumes_bitwise_and_in_any_other_way(tmp_path):
     """bf16 parameters, where FP8 primary weights are not the casts of a bf16 copy: the resumed
     run is the straight one bit for bit, and its checkpoint resumes with bf16 weights, or with
-    the distributed optimizer over two data-parallel ranks, as the same run up to rounding."""
+    the distributed optimizer over two data-parallel ranks (bf16 weights, or FP8 ones gathered
+    in FP8), as the same run up to rounding."""
     argv = TINY + ["--bf16", "--fp8-format", "hybrid"]
     straight, first, second = run_on_ranks(resume_body, 1, argv, str(tmp_path))[0]
     assert [i for i, _ in first] == [1, 2, 3] and first + second == straight
@@ -446,8 +447,10 @@ def test_a_run_with_fp8_primary_weights_resumes_bitwise_and_in_any_other_way(tmp
     fp8 = run_on_ranks(reshard_body, 1, argv + resume)[0]
     bf16 = run_on_ranks(reshard_body, 1, argv + resume + ["--no-fp8-primary-weights"])[0]
     dp2 = run_on_ranks(reshard_body, 2, argv + resume + ["--use-distributed-optimizer"])[0]
+    gathered = ["--use-distributed-optimizer", "--fp8-param-gather"]
+    dp2_fp8 = run_on_ranks(reshard_body, 2, argv + resume + gathered)[0]
     assert [i for i, _ in fp8] == [7, 8]
-    for other in (bf16, dp2):
+    for other in (bf16, dp2, dp2_fp8):
         assert [i for i, _ in other] == [7, 8]
         assert [loss for _, loss in other] == pytest.approx([loss for _, loss in fp8], rel=1e-3)
 
