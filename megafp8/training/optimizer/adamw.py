@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.collectives import all_gather_into, group_size, max_over, rank_in
-from megafp8.fp8.quantize import quantize
+from megafp8.fp8.quantize import quantize_torch
 from megafp8.parallel.data_parallel import GradientBuffer
 
 from . import adamw_kernel
@@ -546,11 +546,16 @@ class MixedPrecisionAdamW:
             if linear is None or not linear.fp8_primary_weight:
                 copies.append((out, source))
             elif self.distributed:  # the slice, cast with the weight's scale into the gather input
+                # (in torch: a flat slice as one row of up to 10^8 columns is beyond the Triton
+                # cast's grid)
                 cast = self._pass_cast(i)
-                q = quantize(
+                q = quantize_torch(
                     source.view(1, -1),
                     out.dtype,
                     cast.scale,
+                    0,
+                    True,
+                    False,
                     amax_out=cast.amax,
                     saturation_out=cast.counts,
                 )
