@@ -13,7 +13,13 @@ from .gemm import fp8_gemm
 from .health import fp8_health
 from .linear import Fp8Linear
 from .quantize import quantize
-from .recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision, Recipe
+from .recipe import (
+    CurrentScaling,
+    DelayedScaling,
+    OverrideLinearPrecision,
+    Recipe,
+    RowwiseScaling,
+)
 from .scaling import ScalingState
 from .tensor import Fp8Tensor, scale_from_amax
 
@@ -25,6 +31,7 @@ __all__ = [
     "Fp8Tensor",
     "OverrideLinearPrecision",
     "Recipe",
+    "RowwiseScaling",
     "ScalingState",
     "fp8_autocast",
     "fp8_recompute",

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megafp8 import collective_gemm, collectives
 from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
-from . import norm_kernels
+from . import norm_kernels, rowwise
 from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .formats import FP8_DTYPES
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
@@ -128,6 +128,7 @@ class Fp8Linear(nn.Linear):
         self._weight_cast_counts = None
         self.weight_counts_pending = False
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
+        self._weight_cast_counted = False  # a rowwise cast counted its saturation
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.parallel.cuda_graphs)
         self.fuse_wgrad_accumulation = True
         self.fuse_neighbours = True
@@ -396,9 +397,11 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
             with torch.autocast(x.device.type, enabled=False):
-                return _Fp8LinearFunction.apply(
-                    x, self.weight, bias, *norm_params, self, context, comm, fusion
+                return self.fp8_linear(
+                    x, bias, context, gather_group, fusion, scatter_group, overlap
                 )
+        if context.recipe.rowwise:  # no neighbour fusion (delayed scaling only): NO_FUSION here
+            return rowwise.rowwise_linear(self, x, bias, context, gather_group, scatter_group)
         return _Fp8LinearFunction.apply(
             x, self.weight, bias, *norm_params, self, context, comm, fusion
         )
@@ -430,7 +433,9 @@ class Fp8Linear(nn.Linear):
         if self._weight_fp8 is None:
             return
         *_, fp8_dtype, recipe = self._weight_fp8[0]  # the cache key's last two fields
-        if recipe == context.recipe:
+        if recipe == context.recipe and recipe.rowwise:
+            self.rowwise_weight_cast(context)
+        elif recipe == context.recipe:
             self._quantized_weight(context, fp8_dtype)
 
     def _weight_cast_key(self, fp8_dtype, recipe) -> tuple:
@@ -468,6 +473,21 @@ class Fp8Linear(nn.Linear):
             self._weight_cast_by_optimizer = False
             return q
         record_reuse(state, fp8_dtype, context)
+        return self._weight_fp8[1]
+
+    def rowwise_weight_cast(self, context: Fp8Context) -> rowwise.RowwiseWeight:
+        """The weight cast per row for both of its GEMMs under a RowwiseScaling `context`
+        (megafp8.fp8.rowwise), made once per optimizer step as the tensorwise cast is."""
+        key = self._weight_cast_key(context.recipe.fp8_format.forward_dtype, context.recipe)
+        uncounted = context.collect_saturation and not self._weight_cast_counted
+        if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
+            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
+                    "call refresh_weight_cast before capturing"
+                )
+            self._weight_fp8 = (key, rowwise.cast_weight(self, context))
+            self._weight_cast_counted = context.collect_saturation
         return self._weight_fp8[1]
 
     def _fp8_primary_cast(self, context: Fp8Context, fp8_dtype) -> Fp8Tensor:
@@ -530,7 +550,11 @@ class Fp8Linear(nn.Linear):
         graphs captured their addresses); eager layers take fresh ones, so a backward still
         to run keeps the cast its forward used."""
         cached = self._weight_fp8[1] if self._weight_fp8 is not None else None
-        if not self.keep_weight_cast_addresses or cached is None or cached.data.dtype != fp8_dtype:
+        if (
+            not self.keep_weight_cast_addresses
+            or not isinstance(cached, Fp8Tensor)
+            or cached.data.dtype != fp8_dtype
+        ):
             return None
         return cached
 

@@ -44,12 +44,28 @@ class Recipe:
     - `delayed`: casts take a scale fitted to the amaxes of earlier passes, kept in a history of
       `amax_history_len` entries and recomputed every `interval` passes (else from the tensor itself).
     - `reduce_amax`: those amaxes are MAX-reduced over the amax-reduction group once per pass.
+    - `rowwise`: a scale per row of each GEMM operand, along the dimension the GEMM sums over
+      (megafp8.fp8.rowwise), instead of one per tensor.
     - `override_linear_precision`: which GEMMs (fprop, dgrad, wgrad) stay in high precision.
     """
 
     delayed = False
     reduce_amax = False
+    rowwise = False
     override_linear_precision = OverrideLinearPrecision()
+
+
+def _checked_override(owner: str, override) -> OverrideLinearPrecision:
+    if (
+        not isinstance(override, (tuple, list))
+        or len(override) != 3
+        or not all(isinstance(flag, bool) for flag in override)
+    ):
+        raise ValueError(
+            f"{owner}.override_linear_precision must be three booleans (fprop, dgrad, wgrad), "
+            f"got {override!r}"
+        )
+    return OverrideLinearPrecision(*override)
 
 
 @dataclass(frozen=True)
@@ -85,17 +101,11 @@ class DelayedScaling(Recipe):
                 f"{owner}.amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, "
                 f"got {self.amax_compute_algo!r}"
             )
-        override = self.override_linear_precision
-        if (
-            not isinstance(override, (tuple, list))
-            or len(override) != 3
-            or not all(isinstance(flag, bool) for flag in override)
-        ):
-            raise ValueError(
-                f"{owner}.override_linear_precision must be three booleans (fprop, dgrad, wgrad), "
-                f"got {override!r}"
-            )
-        object.__setattr__(self, "override_linear_precision", OverrideLinearPrecision(*override))
+        object.__setattr__(
+            self,
+            "override_linear_precision",
+            _checked_override(owner, self.override_linear_precision),
+        )
         if not isinstance(self.reduce_amax, bool):
             raise ValueError(f"{owner}.reduce_amax must be True or False, got {self.reduce_amax!r}")
 
@@ -116,3 +126,34 @@ class CurrentScaling(Recipe):
         owner = type(self).__name__
         object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
         check_integer(f"{owner}.margin", self.margin, minimum=0)
+
+
+@dataclass(frozen=True)
+class RowwiseScaling(Recipe):
+    """Scale each row of a GEMM operand from its own amax, along the dimension the GEMM sums
+    over (torchao's rowwise recipe; megafp8.fp8.rowwise): the forward's input per token, its
+    weight per output channel; the input gradient's GEMM takes the output gradient per token
+    and the weight per input channel; the weight gradient's takes both per channel, summed over
+    the tokens. An outlier then costs only its own row's precision. Every operand is cast once
+    for each GEMM it enters, each cast fitted to the tensor itself (no history).
+
+    E4M3 for every operand by default, as torchao's rowwise (the per-row scales keep the
+    gradients in range); `override_linear_precision=(False, False, True)` keeps the weight
+    gradient in high precision (torchao's rowwise with a high-precision weight gradient).
+    """
+
+    fp8_format: Format = Format.E4M3
+    margin: int = 0
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
+
+    rowwise = True
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        object.__setattr__(self, "fp8_format", _coerce_format(owner, self.fp8_format))
+        check_integer(f"{owner}.margin", self.margin, minimum=0)
+        object.__setattr__(
+            self,
+            "override_linear_precision",
+            _checked_override(owner, self.override_linear_precision),
+        )
