@@ -442,7 +442,8 @@ def _check_and_resolve(args, given: set) -> None:
 
 def _resolve_fp8_primary_weights(args) -> None:
     """--fp8-primary-weights: on by default where it applies (with the distributed optimizer only
-    when asked for: its FP8 all-gather is the newer path); asked for where it cannot, refused."""
+    when asked for: it saves memory there at a cost in step time, each rank transposing the
+    gathered weights); asked for where it cannot, refused."""
     blockers = [
         flag
         for flag, on in (
