@@ -25,7 +25,8 @@ Under delayed scaling with neighbour fusion the norms and the activation are fus
 casts, so no high-precision norm output or activation output is kept. Selective recomputation
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
-QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy.
+QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (rowwise
+scaling: the gathered input's, with an fp32 scale a column).
 A stage that ends inside a layer holds its attention or its MLP: each counts its own norm,
 linears, parameters and activations.
 """
@@ -38,7 +39,7 @@ from megafp8.models.config import TransformerConfig
 from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
-FP8_RECIPES = (None, "delayed", "current")
+FP8_RECIPES = (None, "delayed", "current", "rowwise")
 # An optimizer state's bytes an element, by flag value (fp8: a first moment, with an fp32 scale
 # per 128 elements)
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / 128}
@@ -285,15 +286,18 @@ def layer_activation_roles(
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
-    # (gathered again in backward), in bf16 the gathered input.
-    gathered = local / tokens if fp8 else 1.0
+    # (gathered again in backward), in bf16 the gathered input; rowwise scaling gathers in bf16
+    # and keeps the gathered input's FP8 copy, with an fp32 scale for each of its columns.
+    gathered = local / tokens if fp8 in ("delayed", "current") else 1.0
+    column_scales = 4 if fp8 == "rowwise" else 0
     norm = _norm_bytes(config, layout, fused) * local
     each = {
         "attention": {
             "norms": norm,
             # QKV's input (the norm's output); proj's in FP8 (in bf16 it is the attention output
             # itself, counted below).
-            "linear_inputs": (linear_input * h * gathered + (query if fp8 else 0)) * tokens,
+            "linear_inputs": (linear_input * h * gathered + (query if fp8 else 0)) * tokens
+            + column_scales * (h + query),
             "qkv": 2 * (query + 2 * kv) * tokens,  # the packed q, k, v
             "rotated_qk": 2 * (query + kv) * tokens if config.position_embedding == "rope" else 0,
             "log_sum_exp": 4 * heads / tp * tokens if layout.recompute != "selective" else 0,
@@ -305,7 +309,8 @@ def layer_activation_roles(
         "mlp": {
             "norms": norm,
             # fc1's input (the norm's output), fc2's (the activation's output)
-            "linear_inputs": linear_input * (h * gathered + ffn) * tokens,
+            "linear_inputs": linear_input * (h * gathered + ffn) * tokens
+            + column_scales * (h + ffn),
             "activation_input": 2 * (2 if gated else 1) * ffn * tokens,
             # silu(gate), kept by the unfused SwiGLU for its product's backward.
             "silu_gate": 2 * ffn * tokens if gated and not fused else 0,

@@ -29,7 +29,13 @@ import torch
 from megafp8.data.gpt_dataset import parse_split
 from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.fp8.formats import Format
-from megafp8.fp8.recipe import CurrentScaling, DelayedScaling, OverrideLinearPrecision
+from megafp8.fp8.recipe import (
+    CurrentScaling,
+    DelayedScaling,
+    OverrideLinearPrecision,
+    Recipe,
+    RowwiseScaling,
+)
 from megafp8.messages import check_integer
 from megafp8.models.config import PRESETS, TransformerConfig
 
@@ -250,12 +256,14 @@ def _check_precision(args, given) -> None:
             f"{', '.join(flag_names(d) for d in stray)} {_apply(stray)} only to the bf16 sentinel: "
             "add --fp8-check-interval N (a check every N iterations), or drop them"
         )
-    if args.fp8_recipe == "current":
-        stray = [d for d in _DELAYED_ONLY if d in given]
+    if args.fp8_recipe in ("current", "rowwise"):
+        # rowwise scaling may keep the weight gradient in high precision (torchao's option)
+        allowed = ("no_fp8_wgrad",) if args.fp8_recipe == "rowwise" else ()
+        stray = [d for d in _DELAYED_ONLY if d in given and d not in allowed]
         if stray:
             raise ArgumentsError(
                 f"{', '.join(flag_names(d) for d in stray)} {_apply(stray)} only to --fp8-recipe delayed; "
-                "current scaling keeps no amax history and runs every GEMM in FP8"
+                f"{args.fp8_recipe} scaling keeps no amax history"
             )
 
     # The model keeps the same N layers at each end; Megatron's start/end counts must agree.
@@ -448,6 +456,7 @@ def _resolve_fp8_primary_weights(args) -> None:
         flag
         for flag, on in (
             ("--fp8-recipe current", args.fp8_recipe == "current"),
+            ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
             ("--store-param-remainders", args.store_param_remainders),
             ("--exp-avg-dtype fp8", args.exp_avg_dtype == "fp8"),
             ("--fp8-check-interval", bool(args.fp8_check_interval)),
@@ -614,13 +623,19 @@ def balance_pipeline_split(args, config: TransformerConfig) -> float:
     return cost
 
 
-def fp8_recipe(args) -> DelayedScaling | CurrentScaling | None:
+def fp8_recipe(args) -> Recipe | None:
     """The FP8 recipe of --fp8-*, or None without --fp8-format."""
     if args.fp8_format is None:
         return None
     fmt = Format(args.fp8_format)
     if args.fp8_recipe == "current":
         return CurrentScaling(fp8_format=fmt, margin=args.fp8_margin)
+    if args.fp8_recipe == "rowwise":
+        return RowwiseScaling(
+            fp8_format=fmt,
+            margin=args.fp8_margin,
+            override_linear_precision=OverrideLinearPrecision(wgrad=args.no_fp8_wgrad),
+        )
     return DelayedScaling(
         margin=args.fp8_margin,
         interval=args.fp8_interval,

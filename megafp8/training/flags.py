@@ -316,9 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), help="turns FP8 on; absent: no FP8")
     g.add_argument(
         "--fp8-recipe",
-        choices=("delayed", "current", "tensorwise"),
+        choices=("delayed", "current", "tensorwise", "rowwise"),
         default="delayed",
-        help="tensorwise is Megatron's name for current scaling",
+        help="tensorwise is Megatron's name for current scaling; rowwise: a scale per row of each "
+        "GEMM operand (torchao's rowwise, docs/fp8.md; its casts are not fused yet)",
     )
     g.add_argument("--fp8-margin", type=_NON_NEGATIVE, default=0)
     g.add_argument("--fp8-interval", type=_POSITIVE, default=1)

@@ -10,7 +10,14 @@ from megafp8.models import transformer
 from megafp8.models.config import gpt_config, llama_config
 from megafp8.models.transformer import TransformerLayer, TransformerLM
 
-from megafp8.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, fp8_autocast
+from megafp8.fp8 import (
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Linear,
+    Fp8Tensor,
+    RowwiseScaling,
+    fp8_autocast,
+)
 from megafp8.planner.memory import (
     MemoryLayout,
     estimate,
@@ -25,7 +32,12 @@ from megafp8.training.trainer import pretrain
 
 from ..multiprocess import run_on_ranks
 
-RECIPES = {None: None, "delayed": DelayedScaling, "current": CurrentScaling}
+RECIPES = {
+    None: None,
+    "delayed": DelayedScaling,
+    "current": CurrentScaling,
+    "rowwise": RowwiseScaling,
+}
 GPT = gpt_config(2, 256, 4, vocab_size=1000, max_position_embeddings=128)
 LLAMA = llama_config(2, 256, 4, 2, 512, vocab_size=1000, max_position_embeddings=128)
 
@@ -35,7 +47,14 @@ def weight_cast_storages(model):
     storages = set()
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module._weight_fp8 is not None:
-            for t in (module._weight_fp8[1].data, module._weight_fp8[1].data_t):
+            cast = module._weight_fp8[1]
+            # a tensorwise cast's two layouts, or a rowwise cast's (each with its scales)
+            tensors = (
+                (cast.data, cast.data_t)
+                if isinstance(cast, Fp8Tensor)
+                else (*cast.rows, *cast.columns)
+            )
+            for t in tensors:
                 if t is not None:
                     storages.add(t.untyped_storage()._cdata)
     return storages
@@ -63,7 +82,7 @@ def saved_bytes(model, recipe, inputs, labels, tp_group=None):
 
 
 @pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+@pytest.mark.parametrize("recipe", [None, "delayed", "current", "rowwise"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activations_within_one_percent(config, recipe, recompute):
     seq, batch = 64, 2

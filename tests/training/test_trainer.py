@@ -289,7 +289,12 @@ def resume_body(rank, world_size, argv, save):
 
 # With dropout, so that the RNG state must be restored, and restored last, for the test to pass.
 @pytest.mark.parametrize(
-    "extra", [["--fp8-format", "hybrid"], ["--fp8-format", "hybrid", "--fp8-recipe", "current"]]
+    "extra",
+    [
+        ["--fp8-format", "hybrid"],
+        ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
+        ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    ],
 )
 def test_resume_is_bitwise_exact(tmp_path, extra):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -1370,3 +1375,15 @@ def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(
         "was made with\n"
     )
     assert "iteration" not in out  # no step ran
+
+
+def test_rowwise_scaling_trains_under_tensor_parallelism_as_on_one_rank():
+    """--fp8-recipe rowwise with tp 2 and sequence parallelism tracks one rank: the shards'
+    rows take their own scales (a row-parallel weight's rows are half as long), so the losses
+    agree to FP8's rounding, not bit for bit."""
+    argv = TINY + ["--train-iters", "4", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+    one = run_on_ranks(losses_of, 1, argv)[0]
+    tp2 = run_on_ranks(
+        losses_of, 2, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    )[0]
+    assert [loss for _, loss in tp2] == pytest.approx([loss for _, loss in one], rel=1e-3)
