@@ -70,7 +70,8 @@ LAYOUTS = {
     "pp4": (4, 1, 4, 1),
     "dp4": (4, 1, 1, 1),
 }
-PRECISIONS = ("bf16", "delayed", "current")
+PRECISIONS = ("bf16", "delayed", "current")  # checked by default; rowwise when asked for
+PRECISION_CHOICES = (*PRECISIONS, "rowwise")
 EXIT_WITHIN_S = 30.0
 TRACK_TOLERANCE = 0.01
 RESUME_TOLERANCE = 1e-3
@@ -722,7 +723,13 @@ def main(argv=None) -> int:
         choices=[name for name in LAYOUTS if name != "1gpu"],
         help="default: every layout of 2 GPUs, and of 4 with 4 or more",
     )
-    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISION_CHOICES,
+        default=list(PRECISIONS),
+        help="default: bf16, FP8 delayed and current (rowwise: FP8 rowwise scaling)",
+    )
     parser.add_argument(
         "--kinds",
         nargs="+",
