@@ -50,10 +50,11 @@ def quantize_rows(
     """Cast the 2-D `x` to `fp8_dtype` with each row's scale fitted to its own amax
     (`fp8_max / amax / 2**margin`, 1 for a row of zeros or one holding inf/NaN), saturating;
     `saturation_out`, an int64 triple, takes (elements saturated, elements cast, nonzero
-    elements flushed to zero) as megafp8.fp8.quantize counts them."""
+    elements flushed to zero) as megafp8.fp8.quantize counts them. The bytes are row-major."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x.shape)}")
-    values = x.float()
+    # row-major, as the GEMM's first operand must be (a transpose is laid out in x's dtype)
+    values = x.contiguous().float()
     amax = values.abs().amax(dim=1, keepdim=True)
     scale = scale_from_amax(amax, fp8_dtype, margin)
     scaled = values * scale

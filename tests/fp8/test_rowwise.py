@@ -35,6 +35,7 @@ def test_each_row_is_scaled_to_its_own_amax():
     counts = torch.zeros(3, dtype=torch.int64)
     q = quantize_rows(x, E4M3, saturation_out=counts)
     assert q.data.shape == (64, 96) and q.scale_inv.shape == (64, 1)
+    assert quantize_rows(x.t(), E4M3).data.is_contiguous()  # row-major, as the GEMM takes it
     assert q.scale_inv[3].item() == 1.0 and q.scale_inv[5].item() == 1.0
     finite = [r for r in range(64) if r not in (3, 5)]
     values = q.data.float() * q.scale_inv
