@@ -137,14 +137,17 @@ class RowwiseScaling(Recipe):
     the tokens. An outlier then costs only its own row's precision. Every operand is cast once
     for each GEMM it enters, each cast fitted to the tensor itself (no history).
 
-    E4M3 for every operand by default, as torchao's rowwise (the per-row scales keep the
-    gradients in range); `override_linear_precision=(False, False, True)` keeps the weight
-    gradient in high precision (torchao's rowwise with a high-precision weight gradient).
+    E4M3 for every operand by default, and each scale rounded down to a power of two
+    (`power_of_two_scales`), as torchao's rowwise (the per-row scales keep the gradients in
+    range; a power-of-two scale dequantizes exactly); `override_linear_precision=(False, False,
+    True)` keeps the weight gradient in high precision (torchao's rowwise with a high-precision
+    weight gradient).
     """
 
     fp8_format: Format = Format.E4M3
     margin: int = 0
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
+    power_of_two_scales: bool = True
 
     rowwise = True
 
@@ -157,3 +160,7 @@ class RowwiseScaling(Recipe):
             "override_linear_precision",
             _checked_override(owner, self.override_linear_precision),
         )
+        if not isinstance(self.power_of_two_scales, bool):
+            raise ValueError(
+                f"{owner}.power_of_two_scales must be True or False, got {self.power_of_two_scales!r}"
+            )

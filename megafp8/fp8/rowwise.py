@@ -45,10 +45,15 @@ class RowwiseWeight(NamedTuple):
 
 
 def quantize_rows(
-    x: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, saturation_out=None
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    saturation_out=None,
+    power_of_two: bool = False,
 ) -> RowwiseFp8:
     """Cast the 2-D `x` to `fp8_dtype` with each row's scale fitted to its own amax
-    (`fp8_max / amax / 2**margin`, 1 for a row of zeros or one holding inf/NaN), saturating;
+    (`fp8_max / amax / 2**margin`, 1 for a row of zeros or one holding inf/NaN; with
+    `power_of_two`, the power of two at or below it), saturating;
     `saturation_out`, an int64 triple, takes (elements saturated, elements cast, nonzero
     elements flushed to zero) as megafp8.fp8.quantize counts them. The bytes are row-major."""
     if x.dim() != 2:
@@ -57,6 +62,8 @@ def quantize_rows(
     values = x.contiguous().float()
     amax = values.abs().amax(dim=1, keepdim=True)
     scale = scale_from_amax(amax, fp8_dtype, margin)
+    if power_of_two:  # dequantizing is then exact in any precision
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = values * scale
     if saturation_out is not None:
         saturation_out[0] += saturates(scaled, fp8_dtype).sum()
@@ -97,6 +104,10 @@ def rowwise_linear(
     )
 
 
+def _cast(x: torch.Tensor, fp8_dtype, recipe, counts) -> RowwiseFp8:
+    return quantize_rows(x, fp8_dtype, recipe.margin, counts, recipe.power_of_two_scales)
+
+
 def _counts(module, role: str, context: Fp8Context):
     return module.fp8_scaling[role].cast_counts if context.collect_saturation else None
 
@@ -106,8 +117,8 @@ def cast_weight(module, context: Fp8Context) -> RowwiseWeight:
     recipe = context.recipe
     weight = module.weight.detach()
     counts = _counts(module, "weight", context)
-    rows = quantize_rows(weight, recipe.fp8_format.forward_dtype, recipe.margin, counts)
-    columns = quantize_rows(weight.t(), recipe.fp8_format.forward_dtype, recipe.margin, counts)
+    rows = _cast(weight, recipe.fp8_format.forward_dtype, recipe, counts)
+    columns = _cast(weight.t(), recipe.fp8_format.forward_dtype, recipe, counts)
     _note_scale(module, "weight", rows)
     return RowwiseWeight(rows, columns)
 
@@ -122,7 +133,7 @@ class _RowwiseLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module, context: Fp8Context, gather, scatter):
         recipe = context.recipe
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
-        forward_dtype, margin = recipe.fp8_format.forward_dtype, recipe.margin
+        forward_dtype = recipe.fp8_format.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
         if gather is not None:
             x2 = collectives.all_gather(x2, gather)
@@ -132,7 +143,7 @@ class _RowwiseLinear(torch.autograd.Function):
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype))
         else:
-            qx = quantize_rows(x2, forward_dtype, margin, _counts(module, "input", context))
+            qx = _cast(x2, forward_dtype, recipe, _counts(module, "input", context))
             _note_scale(module, "input", qx)
             y = rowwise_gemm(qx, cast.rows, x2.dtype)
         if scatter is not None:
@@ -141,7 +152,7 @@ class _RowwiseLinear(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         # For backward: the input per input channel (transposed), the weight per input channel.
         x_saved = (
-            quantize_rows(x2.t(), forward_dtype, margin, _counts(module, "input", context))
+            _cast(x2.t(), forward_dtype, recipe, _counts(module, "input", context))
             if wgrad_fp8
             else x2
         )
@@ -163,7 +174,6 @@ class _RowwiseLinear(torch.autograd.Function):
         w_saved = RowwiseFp8(saved.pop(0), saved.pop(0)) if dgrad_fp8 else saved.pop(0)
         module, context = ctx.module, ctx.context
         backward_dtype = context.recipe.fp8_format.backward_dtype
-        margin = context.recipe.margin
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
         db = None
@@ -175,7 +185,7 @@ class _RowwiseLinear(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             if dgrad_fp8:
-                qdy = quantize_rows(dy2, backward_dtype, margin, counts)
+                qdy = _cast(dy2, backward_dtype, context.recipe, counts)
                 _note_scale(module, "grad_output", qdy)
                 dx = rowwise_gemm(qdy, w_saved, dy.dtype)
             else:
@@ -186,7 +196,7 @@ class _RowwiseLinear(torch.autograd.Function):
         if need_dw:
             if wgrad_fp8:
                 dw = rowwise_gemm(
-                    quantize_rows(dy2.t(), backward_dtype, margin, counts), x_saved, dy.dtype
+                    _cast(dy2.t(), backward_dtype, context.recipe, counts), x_saved, dy.dtype
                 )
             else:
                 dw = dy2.t() @ x_saved.to(dy.dtype)

@@ -48,6 +48,26 @@ def test_each_row_is_scaled_to_its_own_amax():
     assert counts[1] == x.numel()
 
 
+def test_power_of_two_scales_keep_each_row_within_a_factor_two_of_the_range():
+    """Rounded down to a power of two (RowwiseScaling's default, as torchao's): a row's peak
+    lands in [fp8_max / 2, fp8_max] (the lower end by rounding), nothing saturates, and the
+    values come back within the format's rounding."""
+    x = fresh(64, 96, seed=18)
+    q = quantize_rows(x, E4M3, power_of_two=True)
+    scales = q.scale_inv.reciprocal()
+    assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
+    peaks = q.data.float().abs().amax(dim=1)
+    assert (peaks >= fp8_max(E4M3) / 2).all() and (peaks <= fp8_max(E4M3)).all()
+    normal = x.abs() >= x.abs().amax(dim=1, keepdim=True) * 2.0**-7
+    error = ((q.data.float() * q.scale_inv) - x).abs() / x.abs()
+    assert error[normal].max() <= UNIT_ROUNDOFF[E4M3]
+    layer = Fp8Linear(96, 32, dtype=torch.float32)
+    with fp8_autocast(recipe=RowwiseScaling()):
+        layer(x)
+    scale = layer.fp8_scaling["input"].scale
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))
+
+
 def test_an_outlier_costs_only_its_own_row():
     """One token with a 10^4 outlier: per-tensor scaling flushes the small rows, rowwise keeps
     each of them within its own rounding."""
@@ -98,7 +118,7 @@ def test_the_three_gemms_against_fp64(fmt, wgrad_hp):
     )
     assert rel_err(layer.bias.grad, db_ref) < 1e-5
     health = fp8_health(layer)
-    assert 1.0 < health["fp8_scale_min"] <= health["fp8_scale_max"]
+    assert 0.0 < health["fp8_scale_min"] <= health["fp8_scale_max"] and health["fp8_scale_max"] > 1
     assert health["fp8_saturation"] is not None
 
 
