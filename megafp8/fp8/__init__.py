@@ -14,6 +14,7 @@ from .health import fp8_health
 from .linear import Fp8Linear
 from .quantize import quantize
 from .recipe import (
+    BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     OverrideLinearPrecision,
@@ -24,6 +25,7 @@ from .scaling import ScalingState
 from .tensor import Fp8Tensor, scale_from_amax
 
 __all__ = [
+    "BlockwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Format",

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megafp8 import collective_gemm, collectives
 from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
-from . import norm_kernels, rowwise
+from . import fine_grained, norm_kernels
 from .autocast import Fp8Context, backward_pass, current_fp8_context
 from .formats import FP8_DTYPES
 from .fused import ActivationGradSource, ActivationSource, GradHandoff, Norm, NormSource
@@ -128,7 +128,7 @@ class Fp8Linear(nn.Linear):
         self._weight_cast_counts = None
         self.weight_counts_pending = False
         self._weight_cast_by_optimizer = False  # the cached cast came from weight_cast_target
-        self._weight_cast_counted = False  # a rowwise cast counted its saturation
+        self._weight_cast_counted = False  # a fine-grained cast counted its saturation
         self.keep_weight_cast_addresses = False  # set by CUDA graphs (megafp8.parallel.cuda_graphs)
         self.fuse_wgrad_accumulation = True
         self.fuse_neighbours = True
@@ -363,7 +363,9 @@ class Fp8Linear(nn.Linear):
         context = current_fp8_context()
         if context is None or all(context.recipe.override_linear_precision):
             return None
-        reason = self._fp8_unsupported(x, gathered_ranks)
+        # blockwise scaling splits every dimension a GEMM multiplies over into blocks of 128
+        alignment = fine_grained.BLOCK if context.recipe.granularity == "block" else GEMM_ALIGNMENT
+        reason = self._fp8_unsupported(x, gathered_ranks, alignment)
         if reason is None:
             return context
         if not self._warned_fallback:
@@ -400,13 +402,15 @@ class Fp8Linear(nn.Linear):
                 return self.fp8_linear(
                     x, bias, context, gather_group, fusion, scatter_group, overlap
                 )
-        if context.recipe.rowwise:  # no neighbour fusion (delayed scaling only): NO_FUSION here
-            return rowwise.rowwise_linear(self, x, bias, context, gather_group, scatter_group)
+        if context.recipe.granularity != "tensor":  # no neighbour fusion (delayed only) here
+            return fine_grained.fine_grained_linear(
+                self, x, bias, context, gather_group, scatter_group
+            )
         return _Fp8LinearFunction.apply(
             x, self.weight, bias, *norm_params, self, context, comm, fusion
         )
 
-    def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int):
+    def _fp8_unsupported(self, x: torch.Tensor, gathered_ranks: int, alignment: int):
         if not x.is_floating_point() or x.numel() == 0:
             return f"input of dtype {x.dtype} and {x.numel()} elements"
         tokens = x.numel() // x.shape[-1] * gathered_ranks
@@ -415,9 +419,9 @@ class Fp8Linear(nn.Linear):
             "out_features": self.out_features,
             "tokens": tokens,
         }
-        odd = [f"{name}={value}" for name, value in dims.items() if value % GEMM_ALIGNMENT]
+        odd = [f"{name}={value}" for name, value in dims.items() if value % alignment]
         if odd:
-            return f"FP8 GEMMs need dimensions divisible by {GEMM_ALIGNMENT} ({', '.join(odd)})"
+            return f"FP8 GEMMs need dimensions divisible by {alignment} ({', '.join(odd)})"
         if x.is_cuda and not _has_fp8_tensor_cores(x.device.index):
             return "FP8 GEMMs need a GPU of compute capability 8.9 or newer"
         return None
@@ -433,8 +437,8 @@ class Fp8Linear(nn.Linear):
         if self._weight_fp8 is None:
             return
         *_, fp8_dtype, recipe = self._weight_fp8[0]  # the cache key's last two fields
-        if recipe == context.recipe and recipe.rowwise:
-            self.rowwise_weight_cast(context)
+        if recipe == context.recipe and recipe.granularity != "tensor":
+            self.fine_grained_weight_cast(context)
         elif recipe == context.recipe:
             self._quantized_weight(context, fp8_dtype)
 
@@ -475,9 +479,9 @@ class Fp8Linear(nn.Linear):
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
 
-    def rowwise_weight_cast(self, context: Fp8Context) -> rowwise.RowwiseWeight:
-        """The weight cast per row for both of its GEMMs under a RowwiseScaling `context`
-        (megafp8.fp8.rowwise), made once per optimizer step as the tensorwise cast is."""
+    def fine_grained_weight_cast(self, context: Fp8Context) -> fine_grained.WeightCasts:
+        """The weight cast for both of its GEMMs under a rowwise or blockwise `context`
+        (megafp8.fp8.fine_grained), made once per optimizer step as the tensorwise cast is."""
         key = self._weight_cast_key(context.recipe.fp8_format.forward_dtype, context.recipe)
         uncounted = context.collect_saturation and not self._weight_cast_counted
         if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
@@ -486,7 +490,7 @@ class Fp8Linear(nn.Linear):
                     f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
                     "call refresh_weight_cast before capturing"
                 )
-            self._weight_fp8 = (key, rowwise.cast_weight(self, context))
+            self._weight_fp8 = (key, fine_grained.cast_weight(self, context))
             self._weight_cast_counted = context.collect_saturation
         return self._weight_fp8[1]
 

@@ -44,14 +44,14 @@ class Recipe:
     - `delayed`: casts take a scale fitted to the amaxes of earlier passes, kept in a history of
       `amax_history_len` entries and recomputed every `interval` passes (else from the tensor itself).
     - `reduce_amax`: those amaxes are MAX-reduced over the amax-reduction group once per pass.
-    - `rowwise`: a scale per row of each GEMM operand, along the dimension the GEMM sums over
-      (megafp8.fp8.rowwise), instead of one per tensor.
+    - `granularity`: what a scale covers: "tensor", or (megafp8.fp8.fine_grained) "row", a row
+      of a GEMM operand along the dimension the GEMM sums over, or "block", a block of one.
     - `override_linear_precision`: which GEMMs (fprop, dgrad, wgrad) stay in high precision.
     """
 
     delayed = False
     reduce_amax = False
-    rowwise = False
+    granularity = "tensor"
     override_linear_precision = OverrideLinearPrecision()
 
 
@@ -129,27 +129,17 @@ class CurrentScaling(Recipe):
 
 
 @dataclass(frozen=True)
-class RowwiseScaling(Recipe):
-    """Scale each row of a GEMM operand from its own amax, along the dimension the GEMM sums
-    over (torchao's rowwise recipe; megafp8.fp8.rowwise): the forward's input per token, its
-    weight per output channel; the input gradient's GEMM takes the output gradient per token
-    and the weight per input channel; the weight gradient's takes both per channel, summed over
-    the tokens. An outlier then costs only its own row's precision. Every operand is cast once
-    for each GEMM it enters, each cast fitted to the tensor itself (no history).
-
-    E4M3 for every operand by default, and each scale rounded down to a power of two
-    (`power_of_two_scales`), as torchao's rowwise (the per-row scales keep the gradients in
-    range; a power-of-two scale dequantizes exactly); `override_linear_precision=(False, False,
-    True)` keeps the weight gradient in high precision (torchao's rowwise with a high-precision
-    weight gradient).
+class FineGrainedScaling(Recipe):
+    """What the per-row and per-block recipes share (megafp8.fp8.fine_grained): each cast fits a
+    scale to each of its rows or blocks (no history); `power_of_two_scales` rounds each down to a
+    power of two (dequantizing is then exact in any precision);
+    `override_linear_precision=(False, False, True)` keeps the weight gradient in high precision.
     """
 
     fp8_format: Format = Format.E4M3
     margin: int = 0
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
-    power_of_two_scales: bool = True
-
-    rowwise = True
+    power_of_two_scales: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -164,3 +154,34 @@ class RowwiseScaling(Recipe):
             raise ValueError(
                 f"{owner}.power_of_two_scales must be True or False, got {self.power_of_two_scales!r}"
             )
+
+
+@dataclass(frozen=True)
+class RowwiseScaling(FineGrainedScaling):
+    """Scale each row of a GEMM operand from its own amax, along the dimension the GEMM sums
+    over (torchao's rowwise recipe): the forward's input per token, its weight per output
+    channel; the input gradient's GEMM takes the output gradient per token and the weight per
+    input channel; the weight gradient's takes both per channel, summed over the tokens. An
+    outlier then costs only its own row's precision. Every operand is cast once for each GEMM it
+    enters. E4M3 for every operand and power-of-two scales by default, as torchao's rowwise
+    (the per-row scales keep the gradients in range); with a high-precision weight gradient,
+    torchao's rowwise_with_gw_hp.
+    """
+
+    power_of_two_scales: bool = True
+
+    granularity = "row"
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling(FineGrainedScaling):
+    """Scale activations and gradients per 1 x 128 block and weights per 128 x 128 block, along
+    the dimension each GEMM sums over (DeepSeek-V3's fine-grained recipe): an outlier costs only
+    its own block's precision. The weight's square blocks serve both of its GEMMs, transposed
+    for dgrad. E4M3 for every operand and fp32 scales by default, as DeepSeek-V3 trains. The
+    GEMM is emulated from the dequantized operands (fp32 products and sums) for now; every
+    dimension a linear multiplies over must be a multiple of 128, else it runs in high
+    precision (Fp8Linear warns).
+    """
+
+    granularity = "block"

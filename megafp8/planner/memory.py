@@ -26,7 +26,7 @@ casts, so no high-precision norm output or activation output is kept. Selective 
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
 QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (rowwise
-scaling: the gathered input's, with an fp32 scale a column).
+and blockwise scaling: the gathered input's, with an fp32 scale a column or a block).
 A stage that ends inside a layer holds its attention or its MLP: each counts its own norm,
 linears, parameters and activations.
 """
@@ -39,7 +39,7 @@ from megafp8.models.config import TransformerConfig
 from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
-FP8_RECIPES = (None, "delayed", "current", "rowwise")
+FP8_RECIPES = (None, "delayed", "current", "rowwise", "blockwise")
 # An optimizer state's bytes an element, by flag value (fp8: a first moment, with an fp32 scale
 # per 128 elements)
 STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / 128}
@@ -286,10 +286,11 @@ def layer_activation_roles(
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
-    # (gathered again in backward), in bf16 the gathered input; rowwise scaling gathers in bf16
-    # and keeps the gathered input's FP8 copy, with an fp32 scale for each of its columns.
+    # (gathered again in backward), in bf16 the gathered input; fine-grained scaling gathers in
+    # bf16 and keeps the gathered input's FP8 copy, with an fp32 scale for each of its columns
+    # (rowwise) or each 128 tokens of one (blockwise).
     gathered = local / tokens if fp8 in ("delayed", "current") else 1.0
-    column_scales = 4 if fp8 == "rowwise" else 0
+    column_scales = {"rowwise": 4, "blockwise": 4 * tokens / 128}.get(fp8, 0)
     norm = _norm_bytes(config, layout, fused) * local
     each = {
         "attention": {

@@ -30,6 +30,7 @@ from megafp8.data.gpt_dataset import parse_split
 from megafp8.data.tokenizers import TOKENIZER_TYPES
 from megafp8.fp8.formats import Format
 from megafp8.fp8.recipe import (
+    BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     OverrideLinearPrecision,
@@ -233,6 +234,8 @@ _FP8_KNOBS = (
     "log_fp8_layers",
 )
 _SENTINEL = ("fp8_check_iters", "fp8_check_tolerance", "fp8_fallback_iters", "fp8_max_fallbacks")
+# --fp8-recipe values with a scale per row or block (megafp8.fp8.fine_grained)
+FINE_GRAINED = {"rowwise": RowwiseScaling, "blockwise": BlockwiseScaling}
 _DELAYED_ONLY = ("fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad")
 
 
@@ -256,9 +259,9 @@ def _check_precision(args, given) -> None:
             f"{', '.join(flag_names(d) for d in stray)} {_apply(stray)} only to the bf16 sentinel: "
             "add --fp8-check-interval N (a check every N iterations), or drop them"
         )
-    if args.fp8_recipe in ("current", "rowwise"):
-        # rowwise scaling may keep the weight gradient in high precision (torchao's option)
-        allowed = ("no_fp8_wgrad",) if args.fp8_recipe == "rowwise" else ()
+    if args.fp8_recipe in ("current", *FINE_GRAINED):
+        # fine-grained scaling may keep the weight gradient in high precision (torchao's option)
+        allowed = ("no_fp8_wgrad",) if args.fp8_recipe in FINE_GRAINED else ()
         stray = [d for d in _DELAYED_ONLY if d in given and d not in allowed]
         if stray:
             raise ArgumentsError(
@@ -456,7 +459,7 @@ def _resolve_fp8_primary_weights(args) -> None:
         flag
         for flag, on in (
             ("--fp8-recipe current", args.fp8_recipe == "current"),
-            ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
+            (f"--fp8-recipe {args.fp8_recipe}", args.fp8_recipe in FINE_GRAINED),
             ("--store-param-remainders", args.store_param_remainders),
             ("--exp-avg-dtype fp8", args.exp_avg_dtype == "fp8"),
             ("--fp8-check-interval", bool(args.fp8_check_interval)),
@@ -630,8 +633,8 @@ def fp8_recipe(args) -> Recipe | None:
     fmt = Format(args.fp8_format)
     if args.fp8_recipe == "current":
         return CurrentScaling(fp8_format=fmt, margin=args.fp8_margin)
-    if args.fp8_recipe == "rowwise":
-        return RowwiseScaling(
+    if args.fp8_recipe in FINE_GRAINED:
+        return FINE_GRAINED[args.fp8_recipe](
             fp8_format=fmt,
             margin=args.fp8_margin,
             override_linear_precision=OverrideLinearPrecision(wgrad=args.no_fp8_wgrad),

@@ -316,10 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), help="turns FP8 on; absent: no FP8")
     g.add_argument(
         "--fp8-recipe",
-        choices=("delayed", "current", "tensorwise", "rowwise"),
+        choices=("delayed", "current", "tensorwise", "rowwise", "blockwise"),
         default="delayed",
         help="tensorwise is Megatron's name for current scaling; rowwise: a scale per row of each "
-        "GEMM operand (torchao's rowwise, docs/fp8.md; its casts are not fused yet)",
+        "GEMM operand (torchao's rowwise); blockwise: per 1x128 block of activations and "
+        "gradients and 128x128 block of weights (DeepSeek-V3's; its GEMMs emulated for now). "
+        "docs/fp8.md; neither's casts are fused yet",
     )
     g.add_argument("--fp8-margin", type=_NON_NEGATIVE, default=0)
     g.add_argument("--fp8-interval", type=_POSITIVE, default=1)

@@ -1,6 +1,7 @@
 import pytest
 
 from megafp8 import CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision
+from megafp8.fp8 import BlockwiseScaling, RowwiseScaling
 
 
 def test_defaults_match_the_design():
@@ -57,3 +58,18 @@ def test_delayed_scaling_errors_name_the_field_and_the_allowed_values(kwargs, fi
 def test_current_scaling_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"CurrentScaling.{field}"):
         CurrentScaling(**kwargs)
+
+
+@pytest.mark.parametrize("recipe", [RowwiseScaling, BlockwiseScaling])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(margin=-1), "margin"),
+        (dict(fp8_format=Format.E5M2), "fp8_format"),
+        (dict(override_linear_precision=(True, False)), "override_linear_precision"),
+        (dict(power_of_two_scales="yes"), "power_of_two_scales"),
+    ],
+)
+def test_fine_grained_scaling_errors_name_the_field(recipe, kwargs, field):
+    with pytest.raises(ValueError, match=f"{recipe.__name__}.{field}"):
+        recipe(**kwargs)

@@ -70,8 +70,8 @@ LAYOUTS = {
     "pp4": (4, 1, 4, 1),
     "dp4": (4, 1, 1, 1),
 }
-PRECISIONS = ("bf16", "delayed", "current")  # checked by default; rowwise when asked for
-PRECISION_CHOICES = (*PRECISIONS, "rowwise")
+PRECISIONS = ("bf16", "delayed", "current")  # checked by default; the others when asked for
+PRECISION_CHOICES = (*PRECISIONS, "rowwise", "blockwise")
 EXIT_WITHIN_S = 30.0
 TRACK_TOLERANCE = 0.01
 RESUME_TOLERANCE = 1e-3
@@ -728,7 +728,7 @@ def main(argv=None) -> int:
         nargs="+",
         choices=PRECISION_CHOICES,
         default=list(PRECISIONS),
-        help="default: bf16, FP8 delayed and current (rowwise: FP8 rowwise scaling)",
+        help="default: bf16, FP8 delayed and current (rowwise, blockwise: FP8 fine-grained scaling)",
     )
     parser.add_argument(
         "--kinds",

@@ -11,6 +11,7 @@ from megafp8.models.config import gpt_config, llama_config
 from megafp8.models.transformer import TransformerLayer, TransformerLM
 
 from megafp8.fp8 import (
+    BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
     Fp8Linear,
@@ -37,6 +38,7 @@ RECIPES = {
     "delayed": DelayedScaling,
     "current": CurrentScaling,
     "rowwise": RowwiseScaling,
+    "blockwise": BlockwiseScaling,
 }
 GPT = gpt_config(2, 256, 4, vocab_size=1000, max_position_embeddings=128)
 LLAMA = llama_config(2, 256, 4, 2, 512, vocab_size=1000, max_position_embeddings=128)
@@ -82,7 +84,7 @@ def saved_bytes(model, recipe, inputs, labels, tp_group=None):
 
 
 @pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("recipe", [None, "delayed", "current", "rowwise"])
+@pytest.mark.parametrize("recipe", [None, "delayed", "current", "rowwise", "blockwise"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activations_within_one_percent(config, recipe, recompute):
     seq, batch = 64, 2

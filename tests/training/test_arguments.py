@@ -849,17 +849,20 @@ def test_every_flag_dest_is_its_name_with_underscores():
                 assert action.dest == flag[2:].replace("-", "_"), flag
 
 
-def test_rowwise_scaling_from_the_flags():
-    """--fp8-recipe rowwise is RowwiseScaling, --no-fp8-wgrad keeps its weight gradient in high
-    precision; delayed scaling's knobs are refused, and so are FP8 primary weights."""
-    from megafp8.fp8 import RowwiseScaling
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_fine_grained_scaling_from_the_flags(name):
+    """--fp8-recipe rowwise / blockwise is RowwiseScaling / BlockwiseScaling, --no-fp8-wgrad
+    keeps its weight gradient in high precision; delayed scaling's knobs are refused, and so are
+    FP8 primary weights."""
+    from megafp8.fp8 import BlockwiseScaling, RowwiseScaling
 
-    base = "--fp8-format e4m3 --fp8-recipe rowwise"
+    recipe = {"rowwise": RowwiseScaling, "blockwise": BlockwiseScaling}[name]
+    base = f"--fp8-format e4m3 --fp8-recipe {name}"
     args = parse(base)
-    assert fp8_recipe(args) == RowwiseScaling(fp8_format="e4m3")
+    assert fp8_recipe(args) == recipe(fp8_format="e4m3")
     assert args.fp8_primary_weights is False
     assert fp8_recipe(parse(base + " --no-fp8-wgrad")).override_linear_precision.wgrad
     with pytest.raises(ArgumentsError, match="only to --fp8-recipe delayed"):
         parse(base + " --fp8-amax-history-len 16")
-    with pytest.raises(ArgumentsError, match="--fp8-recipe rowwise"):
+    with pytest.raises(ArgumentsError, match=f"--fp8-recipe {name}"):
         parse(base + " --fp8-primary-weights")

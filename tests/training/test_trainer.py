@@ -44,6 +44,10 @@ TINY = [
     "--mock-data",
 ]
 
+# gpt-tiny widened so that every GEMM of a layer splits into blocks of 128 at tp 1 and 2, with
+# 128 tokens a micro-batch
+BLOCKWISE_SHAPE = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--seq-length", "64"]
+
 
 def losses_of(rank, world_size, argv):
     trainer = pretrain(argv)
@@ -294,6 +298,7 @@ def resume_body(rank, world_size, argv, save):
         ["--fp8-format", "hybrid"],
         ["--fp8-format", "hybrid", "--fp8-recipe", "current"],
         ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+        ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", *BLOCKWISE_SHAPE],
     ],
 )
 def test_resume_is_bitwise_exact(tmp_path, extra):
@@ -1377,11 +1382,14 @@ def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(
     assert "iteration" not in out  # no step ran
 
 
-def test_rowwise_scaling_trains_under_tensor_parallelism_as_on_one_rank():
-    """--fp8-recipe rowwise with tp 2 and sequence parallelism tracks one rank: the shards'
-    rows take their own scales (a row-parallel weight's rows are half as long), so the losses
-    agree to FP8's rounding, not bit for bit."""
-    argv = TINY + ["--train-iters", "4", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
+@pytest.mark.parametrize(
+    "recipe", [["rowwise"], ["blockwise", *BLOCKWISE_SHAPE]], ids=["rowwise", "blockwise"]
+)
+def test_fine_grained_scaling_trains_under_tensor_parallelism_as_on_one_rank(recipe):
+    """--fp8-recipe rowwise / blockwise with tp 2 and sequence parallelism tracks one rank: the
+    shards' rows take their own scales (a row-parallel weight's rows are half as long), so the
+    losses agree to FP8's rounding, not bit for bit."""
+    argv = TINY + ["--train-iters", "4", "--fp8-format", "e4m3", "--fp8-recipe", *recipe]
     one = run_on_ranks(losses_of, 1, argv)[0]
     tp2 = run_on_ranks(
         losses_of, 2, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]

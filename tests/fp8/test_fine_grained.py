@@ -1,5 +1,6 @@
-"""Rowwise scaling (RowwiseScaling, megafp8.fp8.rowwise): casts with a scale per row, the
-rowwise GEMM, and an Fp8Linear's three GEMMs under it, against fp64 on fresh random data."""
+"""Fine-grained scaling (megafp8.fp8.fine_grained): rowwise (RowwiseScaling) and blockwise
+(BlockwiseScaling) casts, their GEMMs, and an Fp8Linear's three GEMMs under each, against fp64
+on fresh random data."""
 
 from __future__ import annotations
 
@@ -9,8 +10,21 @@ import torch.distributed as dist
 from megafp8.parallel.data_parallel import GradientBuffer
 
 from megafp8 import fp8_max
-from megafp8.fp8 import CurrentScaling, Fp8Linear, RowwiseScaling, fp8_autocast, fp8_health
-from megafp8.fp8.rowwise import quantize_rows, rowwise_gemm
+from megafp8.fp8 import (
+    BlockwiseScaling,
+    CurrentScaling,
+    Fp8Linear,
+    RowwiseScaling,
+    fp8_autocast,
+    fp8_health,
+)
+from megafp8.fp8.fine_grained import (
+    blockwise_gemm,
+    dequantize,
+    quantize_blocks,
+    quantize_rows,
+    rowwise_gemm,
+)
 
 from ..multiprocess import run_on_ranks
 from .helpers import UNIT_ROUNDOFF, gemm_error_bound, rel_err
@@ -98,14 +112,43 @@ def reference(layer, x, dy):
     return y.detach(), x64.grad, w64.grad, b64.grad
 
 
+RECIPES = {"rowwise": RowwiseScaling, "blockwise": BlockwiseScaling}
+
+
+def test_blocks_are_scaled_to_their_own_amaxes():
+    """1 x 128 and 128 x 128 blocks: each block's peak lands on fp8_max, every element comes
+    back within the format's rounding, and the inverse scales are laid out by block."""
+    x = fresh(256, 384, seed=19) * fresh(1, 384, seed=20).abs()  # magnitudes along both axes
+    for block, grid in (((1, 128), (256, 3)), ((128, 128), (2, 3))):
+        q = quantize_blocks(x, E4M3, block)
+        assert q.scale_inv.shape == grid and q.data.is_contiguous()
+        tiles = q.data.float().abs().view(grid[0], -1, grid[1], 128).amax(dim=(1, 3))
+        assert torch.equal(tiles, torch.full_like(tiles, fp8_max(E4M3)))
+        values = dequantize(q)
+        block_peak = x.abs().view(grid[0], -1, grid[1], 128).amax(dim=(1, 3), keepdim=True)
+        normal = (x.abs().view(grid[0], -1, grid[1], 128) >= block_peak * 2.0**-8).view_as(x)
+        error = (values - x).abs() / x.abs()
+        assert error[normal].max() <= UNIT_ROUNDOFF[E4M3]
+    with pytest.raises(ValueError, match="does not split into blocks of 1 x 128"):
+        quantize_blocks(fresh(8, 96), E4M3, (1, 128))
+
+
+def test_the_blockwise_gemm_is_the_product_of_the_dequantized_operands():
+    a = quantize_blocks(fresh(128, 256, seed=21), E4M3, (1, 128))
+    b = quantize_blocks(fresh(256, 256, seed=22), E4M3, (128, 128))
+    want = dequantize(a).double() @ dequantize(b).double().t()
+    assert rel_err(blockwise_gemm(a, b, torch.float32), want) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("wgrad_hp", [False, True], ids=["fp8-wgrad", "hp-wgrad"])
-def test_the_three_gemms_against_fp64(fmt, wgrad_hp):
+def test_the_three_gemms_against_fp64(name, fmt, wgrad_hp):
     torch.manual_seed(4)
-    layer = Fp8Linear(128, 96, dtype=torch.float32)
-    x = fresh(64, 128, seed=5).requires_grad_()
-    dy = fresh(64, 96, seed=6)
-    recipe = RowwiseScaling(fp8_format=fmt, override_linear_precision=(False, False, wgrad_hp))
+    layer = Fp8Linear(256, 128, dtype=torch.float32)
+    x = fresh(128, 256, seed=5).requires_grad_()
+    dy = fresh(128, 128, seed=6)
+    recipe = RECIPES[name](fp8_format=fmt, override_linear_precision=(False, False, wgrad_hp))
     with fp8_autocast(recipe=recipe, collect_saturation=True):
         y = layer(x)
     y.backward(dy)
@@ -150,24 +193,24 @@ def test_micro_batches_accumulate_into_main_grad_and_the_weight_cast_follows_the
     assert layer._weight_fp8[1] is not casts[0]
 
 
-def tensor_parallel_body(rank, world_size):
+def tensor_parallel_body(rank, world_size, name):
     """Column-parallel with the input gathered over the ranks, then row-parallel with the output
     reduce-scattered (sequence parallelism's two linears), against the same layers whole."""
     group = dist.group.WORLD
     torch.manual_seed(12)
-    fc1, fc2 = Fp8Linear(64, 128, dtype=torch.float32), Fp8Linear(128, 64, dtype=torch.float32)
-    x = fresh(64, 64, seed=13).requires_grad_()
-    dy = fresh(64, 64, seed=14)
+    fc1, fc2 = Fp8Linear(128, 256, dtype=torch.float32), Fp8Linear(256, 128, dtype=torch.float32)
+    x = fresh(128, 128, seed=13).requires_grad_()
+    dy = fresh(128, 128, seed=14)
     # this rank's shards: rows of x, fc1's output rows, fc2's input columns
-    rows, hidden = slice(32 * rank, 32 * rank + 32), slice(64 * rank, 64 * rank + 64)
-    part1 = Fp8Linear(64, 64, dtype=torch.float32)
-    part2 = Fp8Linear(64, 64, bias=False, dtype=torch.float32)
+    rows, hidden = slice(64 * rank, 64 * rank + 64), slice(128 * rank, 128 * rank + 128)
+    part1 = Fp8Linear(128, 128, dtype=torch.float32)
+    part2 = Fp8Linear(128, 128, bias=False, dtype=torch.float32)
     with torch.no_grad():
         part1.weight.copy_(fc1.weight[hidden])
         part1.bias.copy_(fc1.bias[hidden])
         part2.weight.copy_(fc2.weight[:, hidden])
     shard = x.detach()[rows].requires_grad_()
-    with fp8_autocast(recipe=RowwiseScaling()) as _, torch.enable_grad():
+    with fp8_autocast(recipe=RECIPES[name]()), torch.enable_grad():
         context = part1.fp8_context(shard, gathered_ranks=2)
         h = part1.fp8_linear(shard, part1.bias, context, gather_group=group)
         y = part2.fp8_linear(h, None, part2.fp8_context(h), scatter_group=group) + fc2.bias
@@ -183,14 +226,35 @@ def tensor_parallel_body(rank, world_size):
     )
 
 
-def test_sequence_parallel_linears_match_the_whole_layers():
-    assert all(all(checks) for checks in run_on_ranks(tensor_parallel_body, 2))
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_sequence_parallel_linears_match_the_whole_layers(name):
+    assert all(all(checks) for checks in run_on_ranks(tensor_parallel_body, 2, name))
+
+
+def test_a_weights_square_blocks_serve_both_of_its_gemms():
+    """Blockwise: the dgrad operand is the fprop cast transposed, bytes and scales."""
+    layer = Fp8Linear(256, 128, dtype=torch.float32)
+    with fp8_autocast(recipe=BlockwiseScaling()):
+        layer(fresh(128, 256, seed=23))
+    rows, columns = layer._weight_fp8[1]
+    assert torch.equal(columns.data.view(torch.uint8), rows.data.t().view(torch.uint8))
+    assert torch.equal(columns.scale_inv, rows.scale_inv.t())
+
+
+def test_a_linear_blocks_do_not_divide_runs_in_high_precision_and_says_so():
+    layer = Fp8Linear(192, 128, dtype=torch.float32)
+    x = fresh(128, 192, seed=24)
+    with pytest.warns(UserWarning, match="divisible by 128 \\(in_features=192\\)"):
+        with fp8_autocast(recipe=BlockwiseScaling()):
+            y = layer(x)
+    ref = x.double() @ layer.weight.double().t() + layer.bias.double()
+    assert rel_err(y, ref) < 1e-5
 
 
 def test_fp8_primary_weights_and_rowwise_scaling_do_not_mix():
     layer = Fp8Linear(64, 48, dtype=torch.float32)
     layer.make_weight_fp8()
-    with pytest.raises(ValueError, match="rowwise scaling cannot use"):
+    with pytest.raises(ValueError, match="RowwiseScaling cannot use"):
         with fp8_autocast(recipe=RowwiseScaling()):
             layer(torch.randn(16, 64))
 
