@@ -13,6 +13,9 @@
 #   arguments name (default: every group's), with their settings, and trains nothing. lean: GPT-125M
 #   in FP8 delayed with each lossy lean optimizer state (bf16 moments, an FP8 first moment, bf16
 #   gradients; docs/training.md) on the gpt group's batches, reported beside its FP8 delayed run.
+#   recipes: each model with the candidate recipes (FP8 delayed with an amax history of 1, rowwise
+#   and blockwise scaling) on the gpt and llama groups' batches, reported beside their bf16 and
+#   FP8 delayed runs; recipes2x: the same for Llama-120M at 2x the peak LR, beside lr2x's.
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -33,7 +36,7 @@ for group in "$@"; do
 done
 if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
     GROUPS_TO_RUN=(gpt llama lr2x lr4x)
-    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean)
+    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x)
 fi
 if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
                 "${MINUTES:-100000}" 2> /dev/null); then
@@ -114,9 +117,12 @@ train() {
     local precision_args=(--bf16)
     case $precision in
         bf16) ;;
+        fp8_delayed_h1) precision_args+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1
+                                         --fp8-amax-compute-algo max) ;;
         fp8_delayed*) precision_args+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
                                        --fp8-amax-compute-algo max) ;;
         fp8_current) precision_args+=(--fp8-format hybrid --fp8-recipe current) ;;
+        fp8_rowwise|fp8_blockwise) precision_args+=(--fp8-format e4m3 --fp8-recipe "${precision#fp8_}") ;;
     esac
     case $precision in  # the lean group's optimizer states
         *_bf16_moments) precision_args+=(--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16) ;;
@@ -208,12 +214,25 @@ runs_of() {  # the runs of a group, or the one run GROUP/RUN: NAME MODEL PRECISI
             for states in bf16_moments fp8_exp_avg bf16_grads; do
                 echo "lean/fp8_delayed_$states gpt-125m fp8_delayed_$states $LR $ITERS $SEED $SEED"
             done ;;
+        recipes)  # the candidate recipes on each model's batches at the study's rate
+            local model
+            for model in gpt llama; do
+                local preset=gpt-125m; [ $model = llama ] && preset=llama-120m
+                for precision in $CANDIDATE_RECIPES; do
+                    echo "recipes/${model}_$precision $preset $precision $LR $ITERS $SEED $SEED"
+                done
+            done ;;
+        recipes2x)  # the same at 2x the peak rate, beside lr2x's bf16 and FP8 delayed runs
+            for precision in $CANDIDATE_RECIPES; do
+                echo "recipes2x/$precision llama-120m $precision $double $SENS_ITERS $SEED $SEED"
+            done ;;
         data|report) ;;
-        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, data or report)" >&2
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, recipes, recipes2x, data or report)" >&2
            return 2 ;;
     esac
 }
 
+CANDIDATE_RECIPES="fp8_delayed_h1 fp8_rowwise fp8_blockwise"
 declare -A TITLES=([gpt]="GPT-125M" [llama]="Llama-120M" [lr2x]="Llama-120M, 2x peak LR"
                    [lr4x]="Llama-120M, 4x peak LR")
 for group in "${GROUPS_TO_RUN[@]}"; do runs_of "$group" > /dev/null || exit 2; done
@@ -245,6 +264,17 @@ for model in gpt llama; do
     report "seed_$model" "${TITLES[$model]}, bf16 from two seeds" "$model/bf16:seed $SEED" \
         "seed/${model}_bf16:seed $((SEED + 1))" "seed/${model}_bf16_init:seed $((SEED + 1)), same data"
 done
+for model in gpt llama; do
+    compgen -G "$WORKDIR/runs/recipes/${model}_*/metrics.jsonl" > /dev/null || continue
+    # shellcheck disable=SC2046  # one word per run
+    report "recipes_$model" "${TITLES[$model]}, FP8 recipes" "$model/bf16" "$model/fp8_delayed" \
+        $(for p in $CANDIDATE_RECIPES; do echo "recipes/${model}_$p:${p#fp8_}"; done)
+done
+if compgen -G "$WORKDIR/runs/recipes2x/*/metrics.jsonl" > /dev/null; then
+    # shellcheck disable=SC2046  # one word per run
+    report recipes2x "${TITLES[lr2x]}, FP8 recipes" lr2x/bf16 lr2x/fp8_delayed \
+        $(for p in $CANDIDATE_RECIPES; do echo "recipes2x/$p:${p#fp8_}"; done)
+fi
 if compgen -G "$WORKDIR/runs/lean/*/metrics.jsonl" > /dev/null; then
     mapfile -t names < <(runs_of lean | cut -d' ' -f1)
     report lean "GPT-125M, FP8 delayed with lean optimizer states" gpt/fp8_delayed:default "${names[@]}"

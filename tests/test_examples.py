@@ -67,6 +67,10 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
     assert not (tmp_path / "run").exists()  # before preparing any data
 
 
+# the study's recipes group
+CANDIDATE_RECIPES = ("fp8_delayed_h1", "fp8_rowwise", "fp8_blockwise")
+
+
 def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     """examples/convergence_study.sh shrunk for a CPU: every group's runs listed with their settings;
     a corpus of this repository's packages and scripts, its tokenizer, the GPT group (bf16, FP8
@@ -139,18 +143,34 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         f"lean/fp8_delayed_{states} (gpt-125m, fp8_delayed_{states}, peak LR 6e-4, 4 iterations, "
         "seed 1234, data seed 1234)"
         for states in ("bf16_moments", "fp8_exp_avg", "bf16_grads")
+    ] + [
+        f"recipes/{model}_{recipe} ({preset}, {recipe}, peak LR 6e-4, 4 iterations, seed 1234, "
+        "data seed 1234)"
+        for model, preset in (("gpt", "gpt-125m"), ("llama", "llama-120m"))
+        for recipe in CANDIDATE_RECIPES
+    ] + [
+        f"recipes2x/{recipe} (llama-120m, {recipe}, peak LR 0.0012, 2 iterations, seed 1234, "
+        "data seed 1234)"
+        for recipe in CANDIDATE_RECIPES
     ]
     assert not (tmp_path / "listed").exists()  # listing creates nothing
 
     # The seed group's runs in the same invocation: they run after the gpt group, whose bf16 run
     # their report sets beside its own.
-    trained = ("gpt", "lr2x/fp8_delayed", "seed/gpt_bf16", "seed/gpt_bf16_init")
+    trained = (
+        "gpt",
+        "lr2x/fp8_delayed",
+        "seed/gpt_bf16",
+        "seed/gpt_bf16_init",
+        "recipes/gpt_fp8_rowwise",
+    )
     done = study(*trained)
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
         "lr2x/fp8_delayed": 2,
         "seed/gpt_bf16": 4,
         "seed/gpt_bf16_init": 4,
+        "recipes/gpt_fp8_rowwise": 4,
     }
     for name, iterations in runs.items():
         records = [
@@ -180,6 +200,8 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # the one run trained
     assert [row.split(" | ")[0] for row in table[2:]] == ["| fp8_delayed"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
+    table = (tmp_path / "report" / "recipes_gpt.md").read_text().splitlines()  # beside gpt's
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| rowwise"]
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study(*trained)
