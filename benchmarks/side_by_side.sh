@@ -15,8 +15,8 @@
 # output in $RESULTS/<shape>_<run>.log; the table of tokens/s and ratios is printed and saved as
 # $RESULTS/<shape>.md. EXTRA="...": more trainer flags, and NAME their runs' name in the table
 # (a second call into the same RESULTS adds them beside the first call's runs); PRECISIONS: megafp8's runs (default
-# "bf16 delayed current"); PEER_VARIANTS: the peer's variants (default "bf16_compile
-# float8_tensorwise"; "" for none); RUN_TIMEOUT: seconds per run (default 600).
+# "bf16 delayed current"; also rowwise, blockwise); PEER_VARIANTS: the peer's variants (default
+# "bf16_compile float8_tensorwise"; float8_rowwise beside rowwise; "" for none); RUN_TIMEOUT: seconds per run (default 600).
 # No internet needed: the peer uses whatever torchao imports (pip install 'megafp8[peer]', or its
 # wheel); a run that fails shows as "not run" in the table, and the script then exits 1.
 set -euo pipefail

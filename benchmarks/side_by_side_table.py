@@ -17,6 +17,8 @@ MEGAFP8_RUNS = {
     "bf16": "megafp8 bf16",
     "delayed": "megafp8 FP8 delayed",
     "current": "megafp8 FP8 current",
+    "rowwise": "megafp8 FP8 rowwise",
+    "blockwise": "megafp8 FP8 blockwise",
 }
 PEER_RUNS = {
     "bf16": "peer bf16 eager",
@@ -26,7 +28,10 @@ PEER_RUNS = {
 }
 RUNS = tuple(MEGAFP8_RUNS.values()) + tuple(PEER_RUNS.values())
 # What side_by_side.sh runs: shown as "not run" when missing; the other peer variants only when run.
-EXPECTED = set(MEGAFP8_RUNS.values()) | {PEER_RUNS["bf16_compile"], PEER_RUNS["float8_tensorwise"]}
+EXPECTED = {MEGAFP8_RUNS[p] for p in ("bf16", "delayed", "current")} | {
+    PEER_RUNS["bf16_compile"],
+    PEER_RUNS["float8_tensorwise"],
+}
 # (numerator, denominator): megafp8 against the peer at each precision, then FP8's gain on each side.
 RATIOS = (
     ("megafp8 FP8 delayed", "peer torchao float8 tensorwise"),
@@ -35,6 +40,12 @@ RATIOS = (
     ("megafp8 FP8 delayed", "megafp8 bf16"),
     ("megafp8 FP8 current", "megafp8 bf16"),
     ("peer torchao float8 tensorwise", "peer bf16 + compile"),
+)
+# The fine-grained recipes, where they ran: against torchao's rowwise, our bf16 and FP8 delayed.
+FINE_GRAINED_RATIOS = tuple(
+    (MEGAFP8_RUNS[recipe], other)
+    for recipe in ("rowwise", "blockwise")
+    for other in (PEER_RUNS["float8_rowwise"], MEGAFP8_RUNS["bf16"], MEGAFP8_RUNS["delayed"])
 )
 
 
@@ -53,8 +64,9 @@ def named_runs(runs: dict[str, dict]) -> list[str]:
 
 
 def all_ratios(runs: dict[str, dict]) -> tuple:
-    """RATIOS, then each named run against its plain namesake and, under FP8, against torchao."""
-    extra = []
+    """RATIOS, the fine-grained recipes' where they ran, then each named run against its plain
+    namesake and, under FP8, against torchao."""
+    extra = [(top, bottom) for top, bottom in FINE_GRAINED_RATIOS if top in runs]
     for name in named_runs(runs):
         plain = name.rpartition(" (")[0]
         extra.append((name, plain))

@@ -249,3 +249,29 @@ def test_side_by_side_stops_at_once_without_a_gpu(tmp_path):
     )
     assert done.returncode != 0 and "needs an NVIDIA GPU" in done.stderr
     assert not (tmp_path / "results").exists()  # stopped before any run
+
+
+def test_fine_grained_runs_are_set_beside_torchaos_rowwise_where_they_ran(tmp_path):
+    """A rowwise run is divided by torchao's rowwise peer, our bf16 and our FP8 delayed; a
+    recipe that did not run adds neither a row nor a ratio."""
+    records = [
+        {"precision": p, "label": "7b", "tokens_per_sec_per_gpu": tps, "device": "H200"}
+        for p, tps in (("bf16", 40000.0), ("delayed", 60000.0), ("rowwise", 50000.0))
+    ] + [
+        {
+            "benchmark": "peer_gpt",
+            "variant": "float8_rowwise",
+            "tokens_per_sec": 45000.0,
+            "device": "H200",
+            "torch": "2.11",
+            "torchao": "0.18.0",
+        }
+    ]
+    printed = print_table(tmp_path / "7b.jsonl", records)
+    for bottom, ratio in (
+        ("peer torchao float8 rowwise", "1.111"),
+        ("megafp8 bf16", "1.250"),
+        ("megafp8 FP8 delayed", "0.833"),
+    ):
+        assert f"| megafp8 FP8 rowwise / {bottom} | **{ratio}x** |" in printed
+    assert "blockwise" not in printed
