@@ -14,8 +14,8 @@ For `y = x W^T` (x [M, K] tokens by input channels, W [N, K]):
     dgrad   dx = dy W       dy per token (over N),          W per input channel (over N)
     wgrad   dW = dy^T x     dy per output channel (over M), x per input channel (over M)
 
-so x and dy are each cast twice, once for each GEMM they enter; so is the weight by rows, while
-its 128 x 128 blocks serve both GEMMs transposed. The casts run in torch ops (fused kernels are
+so x and dy are each cast twice, once for each GEMM they enter; so is the weight under rowwise
+scaling, while its 128 x 128 blocks serve both of its GEMMs, transposed for dgrad. The casts run in torch ops (fused kernels are
 the next step).
 """
 
@@ -33,9 +33,8 @@ from .autocast import Fp8Context
 from .formats import fp8_max
 from .tensor import saturates, scale_from_amax, underflows
 
-BLOCK = (
-    128  # the blockwise recipe's block: 1 x 128 for activations and gradients, 128 x 128 weights
-)
+# The blockwise recipe's block: 1 x 128 for activations and gradients, 128 x 128 for weights
+BLOCK = 128
 
 
 class ScaledFp8(NamedTuple):
