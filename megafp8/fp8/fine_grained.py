@@ -187,13 +187,15 @@ def cast_weight(module, context: Fp8Context) -> WeightCasts:
         columns = ScaledFp8(rows.data.t().contiguous(), rows.scale_inv.t().contiguous())
     else:
         columns = _cast(weight.t(), dtype, recipe, counts, scheme.weight_block)
-    _note_scale(module, "weight", rows)
+    _note_scale(module, "weight", rows, context)
     return WeightCasts(rows, columns)
 
 
-def _note_scale(module, role: str, q: ScaledFp8) -> None:
-    # What the health metrics read of a role's scale: the smallest of its blocks' (the tightest).
-    module.fp8_scaling[role].scale.copy_(q.scale_inv.max().reciprocal())
+def _note_scale(module, role: str, q: ScaledFp8, context: Fp8Context) -> None:
+    # What the health metrics read of a role's scale: the smallest of its blocks' (the tightest),
+    # noted where they are collected, as the saturation counts are.
+    if context.collect_saturation:
+        module.fp8_scaling[role].scale.copy_(q.scale_inv.max().reciprocal())
 
 
 class _FineGrainedLinear(torch.autograd.Function):
@@ -213,7 +215,7 @@ class _FineGrainedLinear(torch.autograd.Function):
             y = F.linear(x2, weight.to(x2.dtype))
         else:
             qx = _cast(x2, forward_dtype, recipe, _counts(module, "input", context))
-            _note_scale(module, "input", qx)
+            _note_scale(module, "input", qx, context)
             y = gemm(qx, cast.rows, x2.dtype)
         if scatter is not None:
             y = collectives.reduce_scatter(y, scatter)
@@ -256,7 +258,7 @@ class _FineGrainedLinear(torch.autograd.Function):
         if need_dx:
             if dgrad_fp8:
                 qdy = _cast(dy2, backward_dtype, context.recipe, counts)
-                _note_scale(module, "grad_output", qdy)
+                _note_scale(module, "grad_output", qdy, context)
                 dx = gemm(qdy, w_saved, dy.dtype)
             else:
                 dx = dy2 @ w_saved.to(dy.dtype)

@@ -455,11 +455,7 @@ class Fp8Linear(nn.Linear):
         # A cast the optimizer made counted no saturation: a forward that counts makes its own.
         uncounted = context.collect_saturation and self._weight_cast_by_optimizer
         if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
-            if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
-                    "call refresh_weight_cast before capturing"
-                )
+            self._refuse_recast_in_capture()
             # The weight's accumulator holds the amax of its current cast, kept across passes.
             state.amax.zero_()
             q = cast(
@@ -479,17 +475,22 @@ class Fp8Linear(nn.Linear):
         record_reuse(state, fp8_dtype, context)
         return self._weight_fp8[1]
 
+    def _refuse_recast_in_capture(self) -> None:
+        """A graphed forward reads the weight cast it was captured with: one cast afresh inside
+        the capture would be baked into the graph (refresh_weight_cast makes it before)."""
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
+                "call refresh_weight_cast before capturing"
+            )
+
     def fine_grained_weight_cast(self, context: Fp8Context) -> fine_grained.WeightCasts:
         """The weight cast for both of its GEMMs under a rowwise or blockwise `context`
         (megafp8.fp8.fine_grained), made once per optimizer step as the tensorwise cast is."""
         key = self._weight_cast_key(context.recipe.fp8_format.forward_dtype, context.recipe)
         uncounted = context.collect_saturation and not self._weight_cast_counted
         if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
-            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{self}: a CUDA graph capture met a stale FP8 weight cast; "
-                    "call refresh_weight_cast before capturing"
-                )
+            self._refuse_recast_in_capture()
             self._weight_fp8 = (key, fine_grained.cast_weight(self, context))
             self._weight_cast_counted = context.collect_saturation
         return self._weight_fp8[1]

@@ -76,7 +76,7 @@ def test_power_of_two_scales_keep_each_row_within_a_factor_two_of_the_range():
     error = ((q.data.float() * q.scale_inv) - x).abs() / x.abs()
     assert error[normal].max() <= UNIT_ROUNDOFF[E4M3]
     layer = Fp8Linear(96, 32, dtype=torch.float32)
-    with fp8_autocast(recipe=RowwiseScaling()):
+    with fp8_autocast(recipe=RowwiseScaling(), collect_saturation=True):
         layer(x)
     scale = layer.fp8_scaling["input"].scale
     assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))

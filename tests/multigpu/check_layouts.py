@@ -156,10 +156,12 @@ def overlap_flags(layout: str, tp_comm_overlap: bool, distributed_optimizer: boo
 
 
 def fp8_param_gather_flags(run: Run, distributed_optimizer: bool, fp8_param_gather: bool) -> list:
-    """--fp8-param-gather for `run` when asked for and it applies: FP8 delayed with the
-    distributed optimizer (dp > 1)."""
-    gpus, tp, pp, _ = LAYOUTS[run.layout]
-    applies = run.precision == "delayed" and distributed_optimizer and gpus // (tp * pp) > 1
+    """--fp8-param-gather for `run` when asked for and it applies: FP8 delayed where the recipe
+    runs the distributed optimizer (`overlap_flags`)."""
+    distributed = "--use-distributed-optimizer" in overlap_flags(
+        run.layout, False, distributed_optimizer
+    )
+    applies = run.precision == "delayed" and distributed
     return ["--fp8-param-gather"] if fp8_param_gather and applies else []
 
 
