@@ -3,10 +3,11 @@ at the cast to its own block of an operand (no history, no collective), along th
 GEMM sums over:
 
 - rowwise (RowwiseScaling, torchao's rowwise): a scale per row of each operand, through
-  `torch._scaled_mm`'s rowwise mode (Hopper GPUs through cuBLAS, and the CPU);
+  `torch._scaled_mm`'s rowwise mode on the GPU (cuBLAS), emulated on the CPU;
 - blockwise (BlockwiseScaling, DeepSeek-V3's recipe): activations and gradients a scale per
-  1 x 128 block, weights per 128 x 128 block; the GEMM emulated from the dequantized operands
-  (fp32 products and sums), the reference that cuBLAS's blockwise mode is to be checked against.
+  1 x 128 block, weights per 128 x 128 block, through cuBLAS's blockwise scaling on Hopper GPUs;
+  elsewhere the GEMM is emulated from the dequantized operands (fp32 products and sums), the
+  reference the cuBLAS path is checked against.
 
 For `y = x W^T` (x [M, K] tokens by input channels, W [N, K]):
 
@@ -14,13 +15,14 @@ For `y = x W^T` (x [M, K] tokens by input channels, W [N, K]):
     dgrad   dx = dy W       dy per token (over N),          W per input channel (over N)
     wgrad   dW = dy^T x     dy per output channel (over M), x per input channel (over M)
 
-so x and dy are each cast twice, once for each GEMM they enter; so is the weight under rowwise
-scaling, while its 128 x 128 blocks serve both of its GEMMs, transposed for dgrad. The casts run in torch ops (fused kernels are
-the next step).
+so x and dy are each cast twice, once for each GEMM they enter, both casts from one read on CUDA
+(megafp8.fp8.fine_grained_kernels); so is the weight under rowwise scaling, while its 128 x 128
+blocks serve both of its GEMMs, transposed for dgrad.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -29,21 +31,13 @@ import torch.nn.functional as F
 from megafp8 import collectives
 from megafp8.main_grad import accumulate_into_main_grad
 
+from . import fine_grained_kernels
 from .autocast import Fp8Context
 from .formats import fp8_max
-from .tensor import saturates, scale_from_amax, underflows
+from .tensor import ScaledFp8, power_of_two_below, saturates, scale_from_amax, underflows
 
 # The blockwise recipe's block: 1 x 128 for activations and gradients, 128 x 128 for weights
 BLOCK = 128
-
-
-class ScaledFp8(NamedTuple):
-    """A 2-D tensor in FP8 with a scale per block: `data` [rows, cols]; `scale_inv` fp32
-    [rows / block rows, cols / block cols] ([rows, 1] for a scale per row); the value of an
-    element is its byte times its block's `scale_inv`."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
 
 
 class WeightCasts(NamedTuple):
@@ -81,8 +75,8 @@ def quantize_blocks(
         x.contiguous().float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
     )
     scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_dtype, margin)
-    if power_of_two:  # dequantizing is then exact in any precision
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if power_of_two:
+        scale = power_of_two_below(scale)
     scaled = (tiles * scale[:, None, :, None]).view(rows, cols)
     if saturation_out is not None:
         saturation_out[0] += saturates(scaled, fp8_dtype).sum()
@@ -111,40 +105,112 @@ def dequantize(q: ScaledFp8) -> torch.Tensor:
     return (tiles * q.scale_inv[:, None, :, None]).view(rows, cols)
 
 
-def rowwise_gemm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] and `b` [N, K], each scaled per row,
-    through `torch._scaled_mm`: [M, N] in `out_dtype`. The GEMM writes bf16 (what cuBLAS's
-    rowwise scaling writes on Hopper), converted after."""
-    y = torch._scaled_mm(
-        a.data,
-        b.data.t(),
-        scale_a=a.scale_inv,
-        scale_b=b.scale_inv.reshape(1, -1),
-        out_dtype=torch.bfloat16,
-    )
+def rowwise_gemm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype, fast_accum: bool = False):
+    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] and `b` [N, K], each scaled per row:
+    [M, N] in `out_dtype`, through bf16, which cuBLAS's rowwise scaling writes. On CUDA through
+    `torch._scaled_mm` (`fast_accum`: Hopper's faster, less precise FP8 accumulation, for the
+    forward GEMM, as torchao's rowwise recipe runs it); elsewhere from the dequantized operands in
+    fp32 (CPU `_scaled_mm` takes per-row scales from torch 2.13 on only)."""
+    if a.data.is_cuda:
+        y = torch._scaled_mm(
+            a.data,
+            b.data.t(),
+            scale_a=a.scale_inv,
+            scale_b=b.scale_inv.reshape(1, -1),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
+    else:
+        with torch.autocast(a.data.device.type, enabled=False):
+            y = (dequantize(a) @ dequantize(b).t()).to(torch.bfloat16)
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
 
 
-def blockwise_gemm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] and `b` [N, K] scaled by blocks, from
-    the dequantized operands: fp32 products and sums, then `out_dtype`."""
+def blockwise_gemm(
+    a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
+    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] scaled by 1 x 128 blocks and `b` [N, K]
+    by 1 x 128 or 128 x 128 blocks: [M, N] in `out_dtype`. On a Hopper GPU through cuBLAS's
+    blockwise scaling (`torch.nn.functional.scaled_mm`; bf16 or fp32 written), whose kernels sum
+    each 128-deep block apart and add the blocks in fp32 (`fast_accum` is taken for the rowwise
+    GEMM's signature and changes nothing); elsewhere emulated from the dequantized operands
+    (fp32 products and sums), the reference the cuBLAS path is checked against."""
+    if a.data.is_cuda and _cublas_blockwise(a.data.device):
+        sa, recipe_a = _cublas_block_scales(a)
+        sb, recipe_b = _cublas_block_scales(b)
+        direct = out_dtype in (torch.bfloat16, torch.float32)
+        y = F.scaled_mm(
+            a.data,
+            b.data.t(),
+            sa,
+            recipe_a,
+            sb,
+            recipe_b,
+            output_dtype=out_dtype if direct else torch.bfloat16,
+        )
+        return y if direct else y.to(out_dtype)
     with torch.autocast(a.data.device.type, enabled=False):
         return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
 
 
+_cublas_blockwise_devices: dict = {}
+
+
+def _cublas_blockwise(device: torch.device) -> bool:
+    """Whether cuBLAS runs blockwise-scaled GEMMs on `device`: an SM 9.0 GPU (the only one
+    cuBLAS has the kernels for), CUDA 12.9 or newer, and a torch whose `_scaled_mm` takes
+    blockwise scales (one with `F.scaled_mm`). Elsewhere the GEMMs are emulated, which is slower
+    than bf16: said once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cublas_blockwise_devices:
+        cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        usable = (
+            hasattr(F, "scaled_mm")
+            and torch.cuda.get_device_capability(index) == (9, 0)
+            and cuda >= (12, 9)
+        )
+        _cublas_blockwise_devices[index] = usable
+        if not usable:
+            warnings.warn(
+                f"blockwise FP8 GEMMs run emulated in fp32 on {torch.cuda.get_device_name(index)} "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}): cuBLAS's blockwise "
+                "scaling needs an SM 9.0 GPU (H100, H200), CUDA 12.9 and torch 2.10; use "
+                "--fp8-recipe rowwise or delayed for speed",
+                stacklevel=3,
+            )
+    return _cublas_blockwise_devices[index]
+
+
+def _cublas_block_scales(q: ScaledFp8):
+    """`q`'s inverse scales as cuBLAS takes them, with their scaling type: 1 x 128 scales
+    [rows, cols / 128] outer-dim-major; 128 x 128 scales transposed, [cols / 128 rounded up
+    to 4, rows / 128] with unit stride along the first axis. The fused casts write them so
+    (megafp8.fp8.fine_grained_kernels); other layouts are copied into it here."""
+    s = q.scale_inv
+    if s.shape[0] == q.data.shape[0]:
+        if s.stride(0) != 1:
+            s = s.t().contiguous().t()
+        return s, F.ScalingType.BlockWise1x128
+    grid_rows, grid_cols = s.shape
+    padded = -(-grid_cols // 4) * 4
+    if s.stride() == (padded, 1):  # padded in place (fine_grained_kernels.padded_square_scales)
+        s = s.as_strided((grid_rows, padded), (padded, 1))
+    else:
+        s = F.pad(s, (0, padded - grid_cols), value=1.0)
+    return s.t(), F.ScalingType.BlockWise128x128
+
+
 class _Scheme(NamedTuple):
-    """How a granularity casts an operand along its rows (`block`: rows, columns of a scale's
-    block), casts a weight for both GEMMs, and multiplies."""
+    """How a granularity casts an activation or gradient along its rows (`block`: rows, columns
+    of a scale's block; None columns: whole rows) and multiplies."""
 
     block: tuple
-    weight_block: tuple
     gemm: object
-    transposed_weight: bool  # the weight's blocks serve dgrad transposed (square blocks)
 
 
 SCHEMES = {
-    "row": _Scheme((1, None), (1, None), rowwise_gemm, False),
-    "block": _Scheme((1, BLOCK), (BLOCK, BLOCK), blockwise_gemm, True),
+    "row": _Scheme((1, None), rowwise_gemm),
+    "block": _Scheme((1, BLOCK), blockwise_gemm),
 }
 
 
@@ -165,10 +231,43 @@ def fine_grained_linear(
     )
 
 
-def _cast(x: torch.Tensor, fp8_dtype, recipe, counts, block=None) -> ScaledFp8:
-    scheme = SCHEMES[recipe.granularity]
-    return quantize_blocks(
-        x, fp8_dtype, block or scheme.block, recipe.margin, counts, recipe.power_of_two_scales
+def quantize_pair(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    recipe,
+    saturation_out=None,
+    rows: bool = True,
+    columns: bool = True,
+) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
+    """The 2-D `x` [M, K] cast for the GEMMs it enters under the fine-grained `recipe`: along
+    its rows ([M, K], scales over K) and, transposed, along its columns ([K, M], scales over M),
+    each when asked. On CUDA one fused read (megafp8.fp8.fine_grained_kernels); else torch."""
+    if not (rows or columns):
+        return None, None
+    blockwise = recipe.granularity == "block"
+    if fine_grained_kernels.runs_on(x):
+        return fine_grained_kernels.quantize_pair(
+            x,
+            fp8_dtype,
+            blockwise,
+            recipe.margin,
+            recipe.power_of_two_scales,
+            rows,
+            columns,
+            saturation_out,
+        )
+    block, margin, power_of_two = (
+        SCHEMES[recipe.granularity].block,
+        recipe.margin,
+        recipe.power_of_two_scales,
+    )
+    return (
+        quantize_blocks(x, fp8_dtype, block, margin, saturation_out, power_of_two)
+        if rows
+        else None,
+        quantize_blocks(x.t(), fp8_dtype, block, margin, saturation_out, power_of_two)
+        if columns
+        else None,
     )
 
 
@@ -176,17 +275,34 @@ def _counts(module, role: str, context: Fp8Context):
     return module.fp8_scaling[role].cast_counts if context.collect_saturation else None
 
 
-def cast_weight(module, context: Fp8Context) -> WeightCasts:
-    """`module`'s weight cast for both of its GEMMs, its scales noted for the health metrics."""
+def cast_weight(module, context: Fp8Context, out: WeightCasts | None = None) -> WeightCasts:
+    """`module`'s weight cast for both of its GEMMs, its scales noted for the health metrics.
+    `out`: the layer's earlier cast under the same recipe, written again in place (a CUDA graph
+    captured its addresses)."""
     recipe = context.recipe
-    scheme = SCHEMES[recipe.granularity]
     weight, dtype = module.weight.detach(), recipe.fp8_format.forward_dtype
     counts = _counts(module, "weight", context)
-    rows = _cast(weight, dtype, recipe, counts, scheme.weight_block)
-    if scheme.transposed_weight:
-        columns = ScaledFp8(rows.data.t().contiguous(), rows.scale_inv.t().contiguous())
+    fused = fine_grained_kernels.runs_on(weight)
+    if recipe.granularity == "row" and fused:
+        rows, columns = fine_grained_kernels.quantize_pair(
+            weight, dtype, False, recipe.margin, recipe.power_of_two_scales, True, True, counts, out
+        )
+    elif fused:
+        rows, columns = fine_grained_kernels.quantize_squares(
+            weight, dtype, recipe.margin, recipe.power_of_two_scales, counts, out
+        )
     else:
-        columns = _cast(weight.t(), dtype, recipe, counts, scheme.weight_block)
+        if recipe.granularity == "row":
+            rows, columns = quantize_pair(weight, dtype, recipe, counts)
+        else:  # the square blocks serve dgrad transposed
+            rows = quantize_blocks(
+                weight, dtype, (BLOCK, BLOCK), recipe.margin, counts, recipe.power_of_two_scales
+            )
+            columns = ScaledFp8(rows.data.t().contiguous(), rows.scale_inv.t().contiguous())
+        if out is not None:
+            for kept, new in zip((*out.rows, *out.columns), (*rows, *columns)):
+                kept.copy_(new)
+            rows, columns = out
     _note_scale(module, "weight", rows, context)
     return WeightCasts(rows, columns)
 
@@ -211,22 +327,25 @@ class _FineGrainedLinear(torch.autograd.Function):
         wgrad_fp8 = weight.requires_grad and not wgrad_hp
         dgrad_fp8 = x.requires_grad and not dgrad_hp
         cast = module.fine_grained_weight_cast(context) if not fprop_hp or dgrad_fp8 else None
+        qx, x_columns = quantize_pair(
+            x2,
+            forward_dtype,
+            recipe,
+            _counts(module, "input", context),
+            rows=not fprop_hp,
+            columns=wgrad_fp8,
+        )
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype))
         else:
-            qx = _cast(x2, forward_dtype, recipe, _counts(module, "input", context))
             _note_scale(module, "input", qx, context)
-            y = gemm(qx, cast.rows, x2.dtype)
+            y = gemm(qx, cast.rows, x2.dtype, fast_accum=True)  # the forward, as tensorwise
         if scatter is not None:
             y = collectives.reduce_scatter(y, scatter)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # For backward: the input per input channel (transposed), the weight per input channel.
-        x_saved = (
-            _cast(x2.t(), forward_dtype, recipe, _counts(module, "input", context))
-            if wgrad_fp8
-            else x2
-        )
+        x_saved = x_columns if wgrad_fp8 else x2
         w_saved = cast.columns if dgrad_fp8 else None
         ctx.save_for_backward(
             *(x_saved if wgrad_fp8 else (x_saved,)),
@@ -253,11 +372,17 @@ class _FineGrainedLinear(torch.autograd.Function):
             db = dy2.sum(0, dtype=torch.float32)
         if ctx.scatter is not None:
             dy2 = collectives.all_gather(dy2.contiguous(), ctx.scatter)
-        counts = _counts(module, "grad_output", context)
+        qdy, dy_columns = quantize_pair(
+            dy2,
+            backward_dtype,
+            context.recipe,
+            _counts(module, "grad_output", context),
+            rows=need_dx and dgrad_fp8,
+            columns=need_dw and wgrad_fp8,
+        )
         dx = dw = None
         if need_dx:
             if dgrad_fp8:
-                qdy = _cast(dy2, backward_dtype, context.recipe, counts)
                 _note_scale(module, "grad_output", qdy, context)
                 dx = gemm(qdy, w_saved, dy.dtype)
             else:
@@ -267,7 +392,7 @@ class _FineGrainedLinear(torch.autograd.Function):
             dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         if need_dw:
             if wgrad_fp8:
-                dw = gemm(_cast(dy2.t(), backward_dtype, context.recipe, counts), x_saved, dy.dtype)
+                dw = gemm(dy_columns, x_saved, dy.dtype)
             else:
                 dw = dy2.t() @ x_saved.to(dy.dtype)
             dw = _into_main_grad(module, module.weight, dw, ctx.weight_dtype)

@@ -491,7 +491,16 @@ class Fp8Linear(nn.Linear):
         uncounted = context.collect_saturation and not self._weight_cast_counted
         if self._weight_fp8 is None or self._weight_fp8[0] != key or uncounted:
             self._refuse_recast_in_capture()
-            self._weight_fp8 = (key, fine_grained.cast_weight(self, context))
+            cached = self._weight_fp8
+            # a graphed layer's graphs read the cast where they were captured: cast into it again
+            reusable = (
+                cached[1]
+                if self.keep_weight_cast_addresses
+                and cached is not None
+                and cached[0][-1] == context.recipe
+                else None
+            )
+            self._weight_fp8 = (key, fine_grained.cast_weight(self, context, reusable))
             self._weight_cast_counted = context.collect_saturation
         return self._weight_fp8[1]
 

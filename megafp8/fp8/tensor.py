@@ -26,6 +26,16 @@ class Fp8Tensor(NamedTuple):
     col_sum: torch.Tensor | None = None
 
 
+class ScaledFp8(NamedTuple):
+    """A 2-D tensor in FP8 with a scale per block (fine-grained scaling, megafp8.fp8.fine_grained):
+    `data` [rows, cols]; `scale_inv` fp32 [rows / block rows, cols / block cols] ([rows, 1] for a
+    scale per row), of any strides; the value of an element is its byte times its block's
+    `scale_inv`."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
 class WeightCast(NamedTuple):
     """Where an optimizer's pass writes the FP8 cast of a 2-D weight [rows, cols] that it has
     just updated (Fp8Linear.weight_cast_target, megafp8.training.optimizer.adamw_kernel): `data`
@@ -49,6 +59,13 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0)
     candidate = (torch.full_like(amax, fp8_max(fp8_dtype)) / amax) / (2.0**margin)
     usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(candidate)
     return torch.where(usable, candidate, torch.ones_like(candidate))
+
+
+def power_of_two_below(scale: torch.Tensor) -> torch.Tensor:
+    """The power of two at or below each positive normal `scale`, exactly (its exponent alone);
+    a scale so rounded makes dequantizing exact in any precision."""
+    _, exponent = torch.frexp(scale)
+    return torch.ldexp(torch.ones_like(scale), exponent - 1)
 
 
 def absmax(x: torch.Tensor) -> torch.Tensor:

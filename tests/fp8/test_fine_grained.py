@@ -15,6 +15,7 @@ from megafp8.fp8 import (
     CurrentScaling,
     Fp8Linear,
     RowwiseScaling,
+    fine_grained_kernels,
     fp8_autocast,
     fp8_health,
 )
@@ -26,10 +27,18 @@ from megafp8.fp8.fine_grained import (
     rowwise_gemm,
 )
 
+from ..interpreter import run_interpreted_checks
 from ..multiprocess import run_on_ranks
-from .helpers import UNIT_ROUNDOFF, gemm_error_bound, rel_err
+from .helpers import (
+    UNIT_ROUNDOFF,
+    assert_same_bits,
+    gemm_error_bound,
+    launch_with_offsets,
+    rel_err,
+)
 
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 
 
 def fresh(*shape, seed=0):
@@ -193,6 +202,31 @@ def test_micro_batches_accumulate_into_main_grad_and_the_weight_cast_follows_the
     assert layer._weight_fp8[1] is not casts[0]
 
 
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_a_graphed_layer_recasts_its_weight_where_its_graphs_read_it(name):
+    """A CUDA-graphed layer (`keep_weight_cast_addresses`) casts its weight after each optimizer
+    step into the buffers its graphs captured, as a fresh cast would; an eager layer takes new
+    ones (a backward still to run keeps the old)."""
+    layer = Fp8Linear(256, 128, dtype=torch.float32)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = fresh(128, 256, seed=27)
+    for graphed in (True, False):
+        layer.keep_weight_cast_addresses = graphed
+        with fp8_autocast(recipe=RECIPES[name]()):
+            layer(x).sum().backward()
+        before = layer._weight_fp8[1]
+        addresses = [t.data_ptr() for t in (*before.rows, *before.columns)]
+        optimizer.step()
+        with fp8_autocast(recipe=RECIPES[name]()):
+            layer(x)
+        after = layer._weight_fp8[1]
+        assert ([t.data_ptr() for t in (*after.rows, *after.columns)] == addresses) == graphed
+        layer._weight_fp8 = None  # a fresh cast of the stepped weight: the same bytes and scales
+        with fp8_autocast(recipe=RECIPES[name]()):
+            layer(x)
+        assert_same_bits(tuple(after), tuple(layer._weight_fp8[1]), (name, graphed))
+
+
 def tensor_parallel_body(rank, world_size, name):
     """Column-parallel with the input gathered over the ranks, then row-parallel with the output
     reduce-scattered (sequence parallelism's two linears), against the same layers whole."""
@@ -272,16 +306,170 @@ def test_a_layer_goes_from_rowwise_to_tensorwise_scaling_and_back():
     assert all(rel_err(out, ref) < gemm_error_bound(E4M3, E4M3) for out in outputs)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
+needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="needs a GPU with FP8 tensor cores",
 )
-def test_cublas_rowwise_gemm_equals_the_cpu_one():
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_cublas_rowwise_gemm_equals_the_cpu_one(fast_accum):
     a, b = (
         quantize_rows(fresh(256, 512, seed=16), E4M3),
         quantize_rows(fresh(384, 512, seed=17), E4M3),
     )
     cpu = rowwise_gemm(a, b, torch.bfloat16).float()
-    cuda = rowwise_gemm(*(type(t)(*(f.cuda() for f in t)) for t in (a, b)), torch.bfloat16)
+    cuda = rowwise_gemm(
+        *(type(t)(*(f.cuda() for f in t)) for t in (a, b)), torch.bfloat16, fast_accum
+    )
     assert rel_err(cuda.float().cpu(), cpu) < 2.0**-7  # each rounded to bf16 once
+
+
+def awkward(rows, cols, seed, dtype=torch.bfloat16):
+    """`fresh` rows with magnitudes along the columns too, a block of zeros, an inf, a NaN and
+    elements small enough to flush: each path of a cast."""
+    x = fresh(rows, cols, seed=seed) * fresh(1, cols, seed=seed + 1).abs()
+    x[:3, :5] = 0.0
+    x[4, 6] = float("inf")
+    x[-1, -2] = float("nan")
+    x[5, :] *= 1e-6
+    return x.to(dtype)
+
+
+def reference_pair(x, fp8_dtype, blockwise, margin, power_of_two):
+    """The torch casts of `x` along its rows and columns, and their summed counts."""
+    counts = torch.zeros(3, dtype=torch.int64)
+    block = (1, 128) if blockwise else (1, None)
+    pair = tuple(
+        quantize_blocks(t, fp8_dtype, block, margin, counts, power_of_two) for t in (x, x.t())
+    )
+    return pair, counts
+
+
+def assert_same_fp8(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    """Alike bit for bit, but for the sign and payload of a NaN (its byte is the cast's to pick)."""
+    nan = a.float().isnan()
+    assert torch.equal(nan, b.float().isnan()), what
+    assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan]), what
+
+
+def check_fused_casts(device):
+    """quantize_pair and quantize_squares give the torch casts' bytes, scales and counts, bit for
+    bit: both granularities, both formats, margins, power-of-two scales, partial tiles (rowwise)."""
+    cases = [
+        (True, (256, 384), E4M3, 0, False),
+        (True, (128, 256), E5M2, 1, True),
+        (False, (200, 136), E4M3, 0, True),
+        (False, (144, 272), E5M2, 2, False),
+    ]
+    for seed, (blockwise, shape, fp8_dtype, margin, power_of_two) in enumerate(cases):
+        x = awkward(*shape, seed=seed)
+        want, want_counts = reference_pair(x, fp8_dtype, blockwise, margin, power_of_two)
+        counts = torch.zeros(3, dtype=torch.int64, device=device)
+        got = fine_grained_kernels.quantize_pair(
+            x.to(device), fp8_dtype, blockwise, margin, power_of_two, saturation_out=counts
+        )
+        what = (blockwise, shape, fp8_dtype)
+        for g, w in zip(got, want):
+            assert_same_fp8(g.data.cpu(), w.data, what)
+            assert_same_bits(g.scale_inv.cpu().contiguous(), w.scale_inv.contiguous(), what)
+        assert torch.equal(counts.cpu(), want_counts), (what, counts, want_counts)
+        assert want_counts[0] > 0 and want_counts[2] > 0, what  # saturated, flushed: both seen
+        rows_only = fine_grained_kernels.quantize_pair(
+            x.to(device), fp8_dtype, blockwise, margin, power_of_two, columns=False
+        )
+        assert rows_only[1] is None
+        assert_same_fp8(rows_only[0].data.cpu(), want[0].data, what)
+    w = awkward(256, 384, seed=9)
+    quantize_squares = fine_grained_kernels.quantize_squares
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    rows, columns = quantize_squares(w.to(device), E4M3, 1, False, counts)
+    want_counts = torch.zeros(3, dtype=torch.int64)
+    want = quantize_blocks(w, E4M3, (128, 128), 1, want_counts)
+    assert_same_fp8(rows.data.cpu(), want.data, "squares")
+    assert_same_fp8(columns.data.cpu(), want.data.t().contiguous(), "squares, transposed")
+    assert torch.equal(rows.scale_inv.cpu(), want.scale_inv)
+    assert torch.equal(columns.scale_inv.cpu(), want.scale_inv.t())
+    assert rows.scale_inv.stride() == (4, 1) and columns.scale_inv.stride() == (4, 1)
+    assert torch.equal(counts.cpu(), want_counts)
+    # written again in place (a CUDA-graphed layer's weight), as a fresh cast
+    for blockwise, cast in ((True, quantize_squares), (False, None)):
+        w2 = (w * 3).to(device)
+        if blockwise:
+            first = cast(w.to(device), E4M3)
+            again, fresh_cast = cast(w2, E4M3, out=first), cast(w2, E4M3)
+        else:
+            first = fine_grained_kernels.quantize_pair(w.to(device), E4M3, False)
+            again = fine_grained_kernels.quantize_pair(w2, E4M3, False, out=first)
+            fresh_cast = fine_grained_kernels.quantize_pair(w2, E4M3, False)
+        assert [t.data_ptr() for t in (*again[0], *again[1])] == [
+            t.data_ptr() for t in (*first[0], *first[1])
+        ]
+        assert_same_bits(again, fresh_cast, blockwise)
+
+
+def check_wide_offsets():
+    x = awkward(256, 256, seed=11)
+    for blockwise in (True, False):
+
+        def cast():
+            counts = torch.zeros(3, dtype=torch.int64)
+            return fine_grained_kernels.quantize_pair(
+                x, E4M3, blockwise, saturation_out=counts
+            ), counts
+
+        narrow, wide = (
+            launch_with_offsets(w, fine_grained_kernels, "_pair_kernel", cast)
+            for w in (False, True)
+        )
+        assert_same_bits(narrow, wide, blockwise)
+
+
+def interpreted_checks():
+    check_fused_casts("cpu")
+    check_wide_offsets()
+
+
+@pytest.mark.skipif(not fine_grained_kernels.triton, reason="needs triton")
+def test_fused_casts_in_the_triton_interpreter():
+    run_interpreted_checks(__name__, "-W", "ignore::RuntimeWarning")
+
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (cuBLAS's blockwise scaling)",
+)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_fused_casts_equal_the_torch_ones():
+    check_fused_casts("cuda")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cublas_blockwise_gemms_equal_the_emulated_ones(out_dtype):
+    """fprop/dgrad's 1 x 128 by 128 x 128 and wgrad's 1 x 128 by 1 x 128, scales as the fused
+    casts lay them out and as the torch casts do (copied into cuBLAS's layout)."""
+    a = quantize_blocks(fresh(512, 768, seed=23), E4M3, (1, 128))
+    squares = quantize_blocks(fresh(640, 768, seed=24), E4M3, (128, 128))  # 6 K blocks: padded
+    rows = quantize_blocks(fresh(384, 768, seed=25), E4M3, (1, 128))
+    for b in (squares, rows):
+        emulated = blockwise_gemm(a, b, torch.float32)
+        cuda = blockwise_gemm(*(type(t)(*(f.cuda() for f in t)) for t in (a, b)), out_dtype)
+        assert cuda.dtype == out_dtype
+        # bf16: one rounding of the output. fp32: Hopper's FP8 tensor cores sum a block's 128
+        # products in fewer bits than fp32 (about 2^-13 of relative error here).
+        bound = 2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10
+        assert rel_err(cuda.float().cpu(), emulated) < bound
+    x = fresh(512, 768, seed=26).cuda()
+    fused, _ = fine_grained_kernels.quantize_pair(x, E4M3, True, columns=False)
+    w_rows, _ = fine_grained_kernels.quantize_squares(fresh(640, 768, seed=24).cuda(), E4M3)
+    emulated = blockwise_gemm(
+        *(type(t)(*(f.cpu() for f in t)) for t in (fused, w_rows)), torch.float32
+    )
+    assert rel_err(blockwise_gemm(fused, w_rows, torch.float32).cpu(), emulated) < 2.0**-10

@@ -1,5 +1,5 @@
 """--enable-cuda-graph on the GPU: a run whose layers replay CUDA graphs equals the eager run bit
-for bit (losses and every parameter), with FP8 delayed and current scaling, gradient
+for bit (losses and every parameter), with FP8 delayed, current, rowwise and blockwise scaling, gradient
 accumulation, the per-step weight cast, recomputation and dropout, on one GPU and under tensor
 (with sequence), data and pipeline parallelism (1F1B, interleaved) on two. (Start-up refusals
 are in test_arguments.py.)"""
@@ -58,6 +58,17 @@ def run(argv):
         ["--fp8-format", "hybrid", "--fp8-recipe", "current", "--recompute-granularity", "full"],
         ["--fp8-format", "hybrid", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
         ["--fp8-format", "e4m3", "--fp8-interval", "2", "--fp8-amax-compute-algo", "most_recent"],
+        ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+        [
+            "--fp8-format",
+            "e4m3",
+            "--fp8-recipe",
+            "blockwise",
+            "--hidden-size",
+            "256",
+            "--ffn-hidden-size",
+            "1024",
+        ],
         [],  # bf16
     ],
     ids=[
@@ -67,6 +78,8 @@ def run(argv):
         "current-full",
         "delayed-dropout",
         "e4m3-interval",
+        "rowwise",
+        "blockwise",
         "bf16",
     ],
 )
