@@ -55,13 +55,15 @@ def quantize_blocks(
     margin: int = 0,
     saturation_out=None,
     power_of_two: bool = False,
+    amax_group=None,
 ) -> ScaledFp8:
     """Cast the 2-D `x` to `fp8_dtype` with a scale per `block` (rows, columns; None columns: a
     whole row), each fitted to its block's amax (`fp8_max / amax / 2**margin`, 1 for a block of
     zeros or one holding inf/NaN; with `power_of_two`, the power of two at or below it),
     saturating. `saturation_out`, an int64 triple, takes (elements saturated, elements cast,
-    nonzero elements flushed to zero) as megafp8.fp8.quantize counts them. The bytes are
-    row-major (a transposed `x` is laid out first, in its own dtype)."""
+    nonzero elements flushed to zero) as megafp8.fp8.quantize counts them. `amax_group`: the
+    blocks' amaxes are maxed over that group first (each rank holding a part of every row). The
+    bytes are row-major (a transposed `x` is laid out first, in its own dtype)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
@@ -74,7 +76,10 @@ def quantize_blocks(
     tiles = (
         x.contiguous().float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
     )
-    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_dtype, margin)
+    amax = tiles.abs().amax(dim=(1, 3))
+    if amax_group is not None:
+        amax = collectives.max_over(amax, amax_group)
+    scale = scale_from_amax(amax, fp8_dtype, margin)
     if power_of_two:
         scale = power_of_two_below(scale)
     scaled = (tiles * scale[:, None, :, None]).view(rows, cols)
@@ -238,10 +243,13 @@ def quantize_pair(
     saturation_out=None,
     rows: bool = True,
     columns: bool = True,
+    column_group=None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast for the GEMMs it enters under the fine-grained `recipe`: along
     its rows ([M, K], scales over K) and, transposed, along its columns ([K, M], scales over M),
-    each when asked. On CUDA one fused read (megafp8.fp8.fine_grained_kernels); else torch."""
+    each when asked. On CUDA one fused read (megafp8.fp8.fine_grained_kernels); else torch.
+    `column_group`: `x` is this rank's rows of a tensor split over that group, and a column's
+    scale (rowwise: the whole column's) is fitted to the amax over every rank's rows."""
     if not (rows or columns):
         return None, None
     blockwise = recipe.granularity == "block"
@@ -255,6 +263,7 @@ def quantize_pair(
             rows,
             columns,
             saturation_out,
+            column_group=column_group,
         )
     block, margin, power_of_two = (
         SCHEMES[recipe.granularity].block,
@@ -265,7 +274,15 @@ def quantize_pair(
         quantize_blocks(x, fp8_dtype, block, margin, saturation_out, power_of_two)
         if rows
         else None,
-        quantize_blocks(x.t(), fp8_dtype, block, margin, saturation_out, power_of_two)
+        quantize_blocks(
+            x.t(),
+            fp8_dtype,
+            block,
+            margin,
+            saturation_out,
+            power_of_two,
+            None if blockwise else column_group,  # a 128-token block is one rank's own
+        )
         if columns
         else None,
     )
@@ -314,6 +331,30 @@ def _note_scale(module, role: str, q: ScaledFp8, context: Fp8Context) -> None:
         module.fp8_scaling[role].scale.copy_(q.scale_inv.max().reciprocal())
 
 
+def _casts_locally(recipe, rows: int) -> bool:
+    """Whether a rank's `rows` of a tensor split over ranks cast as the whole tensor's rows would:
+    a row's scale (rowwise) needs no other rank's data, nor does a 1 x 128 block's; the transposed
+    cast's 128-token blocks must not straddle two ranks."""
+    return recipe.granularity == "row" or rows % BLOCK == 0
+
+
+def _gather_rows(q: ScaledFp8, group) -> ScaledFp8:
+    """Every rank's row cast, concatenated along the rows: bytes and inverse scales (these kept
+    outer-dim-major, gathered as the columns of their transpose)."""
+    return ScaledFp8(
+        collectives.all_gather(q.data, group),
+        collectives.all_gather_columns(q.scale_inv.t(), group).t(),
+    )
+
+
+def _gather_columns(q: ScaledFp8, group, whole_rows: bool) -> ScaledFp8:
+    """Every rank's transposed cast [K, rows of the rank], concatenated along the columns: the
+    bytes, and the 128-token blocks' inverse scales; a whole row's scale (rowwise, fitted over
+    every rank's columns) is each rank's already."""
+    scale_inv = q.scale_inv if whole_rows else collectives.all_gather(q.scale_inv.t(), group).t()
+    return ScaledFp8(collectives.all_gather_columns(q.data, group), scale_inv)
+
+
 class _FineGrainedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, context: Fp8Context, gather, scatter):
@@ -322,10 +363,18 @@ class _FineGrainedLinear(torch.autograd.Function):
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         forward_dtype = recipe.fp8_format.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
-        if gather is not None:
-            x2 = collectives.all_gather(x2, gather)
         wgrad_fp8 = weight.requires_grad and not wgrad_hp
         dgrad_fp8 = x.requires_grad and not dgrad_hp
+        # Gathered in FP8 where only FP8 GEMMs take the input: each rank casts its own rows, and
+        # the wgrad's transposed cast is gathered again in the backward (as tensorwise's).
+        fp8_gather = (
+            gather is not None
+            and not fprop_hp
+            and (wgrad_fp8 or not weight.requires_grad)
+            and _casts_locally(recipe, x2.shape[0])
+        )
+        if gather is not None and not fp8_gather:
+            x2 = collectives.all_gather(x2, gather)
         cast = module.fine_grained_weight_cast(context) if not fprop_hp or dgrad_fp8 else None
         qx, x_columns = quantize_pair(
             x2,
@@ -334,7 +383,10 @@ class _FineGrainedLinear(torch.autograd.Function):
             _counts(module, "input", context),
             rows=not fprop_hp,
             columns=wgrad_fp8,
+            column_group=gather if fp8_gather else None,
         )
+        if fp8_gather:
+            qx = _gather_rows(qx, gather)
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype))
         else:
@@ -353,6 +405,7 @@ class _FineGrainedLinear(torch.autograd.Function):
         )
         ctx.fp8, ctx.module, ctx.context = (dgrad_fp8, wgrad_fp8), module, context
         ctx.gather, ctx.scatter, ctx.has_bias = gather, scatter, bias is not None
+        ctx.fp8_gather = fp8_gather
         ctx.input_shape, ctx.weight_dtype = x.shape, weight.dtype
         return y.view(-1, *x.shape[1:-1], y.shape[-1])
 
@@ -370,16 +423,33 @@ class _FineGrainedLinear(torch.autograd.Function):
         db = None
         if need_db and ctx.has_bias:  # the bias joined this rank's rows after the scatter
             db = dy2.sum(0, dtype=torch.float32)
-        if ctx.scatter is not None:
+        rows_fp8, columns_fp8 = need_dx and dgrad_fp8, need_dw and wgrad_fp8
+        # the output's gradient gathered in FP8 where only FP8 GEMMs take it, as the input
+        fp8_gather = (
+            ctx.scatter is not None
+            and (rows_fp8 or not need_dx)
+            and (columns_fp8 or not need_dw)
+            and _casts_locally(context.recipe, dy2.shape[0])
+        )
+        if ctx.scatter is not None and not fp8_gather:
             dy2 = collectives.all_gather(dy2.contiguous(), ctx.scatter)
         qdy, dy_columns = quantize_pair(
             dy2,
             backward_dtype,
             context.recipe,
             _counts(module, "grad_output", context),
-            rows=need_dx and dgrad_fp8,
-            columns=need_dw and wgrad_fp8,
+            rows=rows_fp8,
+            columns=columns_fp8,
+            column_group=ctx.scatter if fp8_gather else None,
         )
+        whole_rows = context.recipe.granularity == "row"
+        if fp8_gather:
+            qdy = _gather_rows(qdy, ctx.scatter) if rows_fp8 else None
+            dy_columns = (
+                _gather_columns(dy_columns, ctx.scatter, whole_rows) if columns_fp8 else None
+            )
+        if ctx.fp8_gather and need_dw:
+            x_saved = _gather_columns(x_saved, ctx.gather, whole_rows)
         dx = dw = None
         if need_dx:
             if dgrad_fp8:

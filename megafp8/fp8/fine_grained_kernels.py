@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megafp8 import collectives
 from megafp8.triton_support import INTERPRETING, wide_offsets
 
 from .formats import fp8_max
@@ -266,11 +267,14 @@ def quantize_pair(
     columns: bool = True,
     saturation_out: torch.Tensor | None = None,
     out: tuple[ScaledFp8, ScaledFp8] | None = None,
+    column_group=None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast along its rows ([M, K], scales over K) and, transposed, along its
     columns ([K, M], scales over M), each when asked: by 1 x 128 blocks (`blockwise`; M and K
     multiples of 128) or by whole rows. `saturation_out` as fine_grained.quantize_blocks'.
-    `out`: an earlier pair cast of a tensor like `x`, both casts, written again in place."""
+    `out`: an earlier pair cast of a tensor like `x`, both casts, written again in place.
+    `column_group` (rowwise): the columns' amaxes maxed over that group before the cast (`x`
+    is this rank's rows of a tensor split over it)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -292,6 +296,8 @@ def quantize_pair(
     amax = torch.zeros(M + K, device=device, dtype=torch.float32)
     row_amax, col_amax = amax[:M], amax[M:]
     _launch(x, None, None, None, None, row_amax, col_amax, None, 1, fp8_dtype, margin, False)
+    if column_group is not None:
+        col_amax = collectives.max_over(col_amax, column_group)
     if out is None:
         s = torch.empty((M, 1), device=device, dtype=torch.float32) if rows else None
         st = torch.empty((K, 1), device=device, dtype=torch.float32) if columns else None

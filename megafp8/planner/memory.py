@@ -25,8 +25,9 @@ Under delayed scaling with neighbour fusion the norms and the activation are fus
 casts, so no high-precision norm output or activation output is kept. Selective recomputation
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
-QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (rowwise
-and blockwise scaling: the gathered input's, with an fp32 scale a column or a block).
+QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (with
+an fp32 scale a column, rowwise, or a block, blockwise; blockwise keeps the gathered input's copy
+where a shard's tokens do not split into 128s).
 A stage that ends inside a layer holds its attention or its MLP: each counts its own norm,
 linears, parameters and activations.
 """
@@ -286,11 +287,14 @@ def layer_activation_roles(
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
-    # (gathered again in backward), in bf16 the gathered input; fine-grained scaling gathers in
-    # bf16 and keeps the gathered input's FP8 copy, with an fp32 scale for each of its columns
-    # (rowwise) or each 128 tokens of one (blockwise).
-    gathered = local / tokens if fp8 in ("delayed", "current") else 1.0
-    column_scales = {"rowwise": 4, "blockwise": 4 * tokens / 128}.get(fp8, 0)
+    # (gathered again in backward), in bf16 the gathered input. Fine-grained scaling keeps an fp32
+    # scale for each column (rowwise) or each 128 tokens of one (blockwise); blockwise gathers in
+    # bf16, keeping the gathered input's FP8 copy, where a shard's tokens do not split into 128s.
+    fp8_gather = fp8 in ("delayed", "current", "rowwise") or (
+        fp8 == "blockwise" and local % 128 == 0
+    )
+    gathered = local / tokens if fp8_gather else 1.0
+    column_scales = {"rowwise": 4, "blockwise": 4 * tokens * gathered / 128}.get(fp8, 0)
     norm = _norm_bytes(config, layout, fused) * local
     each = {
         "attention": {

@@ -174,6 +174,12 @@ def _check_sequence_parallel(args) -> None:
             "--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: give "
             "--sequence-parallel too (with --tensor-model-parallel-size > 1)"
         )
+    if args.tp_comm_overlap and args.fp8_format and args.fp8_recipe in FINE_GRAINED:
+        warnings.warn(
+            f"--tp-comm-overlap: --fp8-recipe {args.fp8_recipe} runs its FP8 linears' "
+            "sequence-parallel collectives before and after their GEMMs, not beside them",
+            stacklevel=4,
+        )
     if args.tp_comm_overlap_transport != "auto" and not args.tp_comm_overlap:
         raise ArgumentsError(
             f"--tp-comm-overlap-transport {args.tp_comm_overlap_transport} chooses how "

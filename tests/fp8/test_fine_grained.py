@@ -260,6 +260,72 @@ def tensor_parallel_body(rank, world_size, name):
     )
 
 
+def fp8_gather_body(rank, world_size, name, tokens):
+    """Sequence parallelism's two linears on this rank's weights, against the same weights applied
+    to the whole input in this one process: the output of the first, the input gradient of the
+    second, both weight gradients, bit for bit, and the dtypes the ranks gathered."""
+    from megafp8 import collectives
+
+    group, recipe = dist.group.WORLD, RECIPES[name]()
+    gathered, originals = [], (collectives.all_gather, collectives.all_gather_columns)
+
+    def recording(gather):
+        def gather_and_record(t, *args, **kwargs):
+            gathered.append(t.dtype)
+            return gather(t, *args, **kwargs)
+
+        return gather_and_record
+
+    collectives.all_gather, collectives.all_gather_columns = map(recording, originals)
+    torch.manual_seed(30 + rank)  # this rank's shards of the two weights
+    part1, part2 = Fp8Linear(128, 128, dtype=torch.float32), Fp8Linear(128, 128, bias=False)
+    twin1, twin2 = Fp8Linear(128, 128, dtype=torch.float32), Fp8Linear(128, 128, bias=False)
+    twin1.load_state_dict(part1.state_dict())
+    twin2.load_state_dict(part2.state_dict())
+    x, dy = fresh(tokens, 128, seed=31), fresh(tokens, 128, seed=32)
+    rows = slice(tokens // 2 * rank, tokens // 2 * (rank + 1))
+    with fp8_autocast(recipe=recipe):
+        shard = x[rows].clone().requires_grad_()
+        h = part1.fp8_linear(shard, part1.bias, part1.fp8_context(shard, 2), gather_group=group)
+        h.retain_grad()
+        y = part2.fp8_linear(h, None, part2.fp8_context(h), scatter_group=group)
+    y.backward(dy[rows])
+    collectives.all_gather, collectives.all_gather_columns = originals
+    with fp8_autocast(recipe=recipe):
+        h_whole = twin1(x)
+        h_whole.retain_grad()
+        twin2(h_whole).backward(dy)
+    same = [
+        torch.equal(a, b)
+        for a, b in (
+            (h, h_whole),
+            (h.grad, h_whole.grad),
+            (part1.weight.grad, twin1.weight.grad),
+            (part1.bias.grad, twin1.bias.grad),
+            (part2.weight.grad, twin2.weight.grad),
+        )
+    ]
+    return same, sorted({str(dtype) for dtype in gathered})
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_sequence_parallel_inputs_and_gradients_are_gathered_in_fp8(name):
+    """The input before the column-parallel linear and the output gradient of the row-parallel
+    one are cast by each rank and gathered in FP8, bytes and scales: what the GEMMs get is the cast
+    of the whole tensor, bit for bit (a rowwise column's scale from the amax over every rank)."""
+    for same, dtypes in run_on_ranks(fp8_gather_body, 2, name, 256):
+        assert all(same), same
+        assert dtypes == ["torch.float32", "torch.float8_e4m3fn"]  # FP8 bytes, fp32 scales
+
+
+def test_blocks_that_would_straddle_two_ranks_are_gathered_in_high_precision():
+    """Blockwise, 64 tokens a rank: a 128-token block of the transposed cast would hold two
+    ranks' tokens, so the input is gathered as it is and cast whole; the same results."""
+    for same, dtypes in run_on_ranks(fp8_gather_body, 2, "blockwise", 128):
+        assert all(same), same
+        assert dtypes == ["torch.float32"]
+
+
 @pytest.mark.parametrize("name", ["rowwise", "blockwise"])
 def test_sequence_parallel_linears_match_the_whole_layers(name):
     assert all(all(checks) for checks in run_on_ranks(tensor_parallel_body, 2, name))
@@ -430,6 +496,9 @@ def check_wide_offsets():
 def interpreted_checks():
     check_fused_casts("cpu")
     check_wide_offsets()
+    for name in RECIPES:  # the fused casts' column amaxes maxed over the ranks (rowwise)
+        for same, _ in run_on_ranks(fp8_gather_body, 2, name, 256):
+            assert all(same), (name, same)
 
 
 @pytest.mark.skipif(not fine_grained_kernels.triton, reason="needs triton")

@@ -467,7 +467,9 @@ def tp2_activations_body(rank, world_size):
 
     out = {}
     for name, config in (("gpt", GPT), ("llama", LLAMA)):
-        for recipe in (None, "delayed", "current"):
+        # blockwise with 4 sequences: each rank's 128 tokens cast and gathered in FP8; with 2,
+        # 64 tokens a rank, gathered in bf16
+        for recipe, batch in TP2_RECIPES:
             for sp in (False, True):
                 torch.manual_seed(0)
                 model = TransformerLM(
@@ -477,19 +479,29 @@ def tp2_activations_body(rank, world_size):
                     dtype=torch.bfloat16,
                     device="cpu",
                 )
-                tokens = torch.randint(0, config.vocab_size, (2, 64))
-                out[(name, recipe, sp)] = saved_bytes(
+                tokens = torch.randint(0, config.vocab_size, (batch, 64))
+                out[(name, recipe, batch, sp)] = saved_bytes(
                     model, recipe, tokens, tokens, tp_group=dist.group.WORLD
                 )
     return out
 
 
+TP2_RECIPES = [
+    (None, 2),
+    ("delayed", 2),
+    ("current", 2),
+    ("rowwise", 2),
+    ("blockwise", 2),
+    ("blockwise", 4),
+]
+
+
 def test_tensor_parallel_activations_within_one_percent():
     measured = run_on_ranks(tp2_activations_body, 2)[0]
-    for (name, recipe, sp), value in measured.items():
+    for (name, recipe, batch, sp), value in measured.items():
         layout = MemoryLayout(
             seq_length=64,
-            micro_batch_size=2,
+            micro_batch_size=batch,
             tp=2,
             sequence_parallel=sp,
             fp8=recipe,

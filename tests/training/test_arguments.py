@@ -506,6 +506,8 @@ def test_sequence_parallel():
     assert parse(overlap + " --tp-comm-overlap-transport nccl").tp_comm_overlap_transport == "nccl"
     assert parse(overlap).tp_comm_sm_carveout == 2
     assert parse(overlap + " --tp-comm-sm-carveout 0").tp_comm_sm_carveout == 0
+    with pytest.warns(UserWarning, match="blockwise runs its FP8 linears' sequence-parallel"):
+        assert parse(overlap + " --fp8-format e4m3 --fp8-recipe blockwise").tp_comm_overlap
     fails(
         overlap + " --tp-comm-sm-carveout -1", "--tp-comm-sm-carveout", "expected an integer >= 0"
     )
