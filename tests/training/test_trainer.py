@@ -848,6 +848,22 @@ PIPELINE = TINY + ["--num-layers", "4", "--train-iters", "3", "--global-batch-si
 # name: (ranks, flags)
 PIPELINE_LAYOUTS = {
     "pp2-fp8": (2, ["--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid"]),
+    "pp2-rowwise": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    ),
+    "pp2-blockwise": (
+        2,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--fp8-format",
+            "e4m3",
+            "--fp8-recipe",
+            "blockwise",
+            *BLOCKWISE_SHAPE,
+        ],
+    ),
     "pp2-vpp": (
         2,
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
@@ -887,12 +903,13 @@ PIPELINE_LAYOUTS = {
 }
 
 
+SHARED_FLAGS = ("--fp8-format", "--fp8-recipe", "--num-layers", *BLOCKWISE_SHAPE[::2])
+
+
 def one_process_share(extra):
     """What the one process runs too of a layout's flags: the model and its precision."""
     return [
-        x
-        for i, x in enumerate(extra)
-        if x in ("--fp8-format", "hybrid", "--num-layers") or i and extra[i - 1] == "--num-layers"
+        x for i, x in enumerate(extra) if x in SHARED_FLAGS or i and extra[i - 1] in SHARED_FLAGS
     ]
 
 
