@@ -244,16 +244,16 @@ def quantize_pair(
     rows: bool = True,
     columns: bool = True,
     column_group=None,
+    col_sum_out: torch.Tensor | None = None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast for the GEMMs it enters under the fine-grained `recipe`: along
     its rows ([M, K], scales over K) and, transposed, along its columns ([K, M], scales over M),
     each when asked. On CUDA one fused read (megafp8.fp8.fine_grained_kernels); else torch.
     `column_group`: `x` is this rank's rows of a tensor split over that group, and a column's
-    scale (rowwise: the whole column's) is fitted to the amax over every rank's rows."""
-    if not (rows or columns):
-        return None, None
+    scale (rowwise: the whole column's) is fitted to the amax over every rank's rows.
+    `col_sum_out` (fp32 [K]) takes the sums of x's columns (a linear layer's bias gradient)."""
     blockwise = recipe.granularity == "block"
-    if fine_grained_kernels.runs_on(x):
+    if fine_grained_kernels.runs_on(x) and (rows or columns):
         return fine_grained_kernels.quantize_pair(
             x,
             fp8_dtype,
@@ -264,7 +264,10 @@ def quantize_pair(
             columns,
             saturation_out,
             column_group=column_group,
+            col_sum_out=col_sum_out,
         )
+    if col_sum_out is not None:
+        torch.sum(x, dim=0, dtype=torch.float32, out=col_sum_out)
     block, margin, power_of_two = (
         SCHEMES[recipe.granularity].block,
         recipe.margin,
@@ -420,9 +423,9 @@ class _FineGrainedLinear(torch.autograd.Function):
         backward_dtype = context.recipe.fp8_format.backward_dtype
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        db = None
-        if need_db and ctx.has_bias:  # the bias joined this rank's rows after the scatter
-            db = dy2.sum(0, dtype=torch.float32)
+        # the bias joined this rank's rows after the scatter: its gradient sums those rows, in
+        # the pair cast's read of them where that cast is of this rank's rows
+        db = dy2.new_empty(dy2.shape[-1], dtype=torch.float32) if need_db and ctx.has_bias else None
         rows_fp8, columns_fp8 = need_dx and dgrad_fp8, need_dw and wgrad_fp8
         # the output's gradient gathered in FP8 where only FP8 GEMMs take it, as the input
         fp8_gather = (
@@ -432,6 +435,8 @@ class _FineGrainedLinear(torch.autograd.Function):
             and _casts_locally(context.recipe, dy2.shape[0])
         )
         if ctx.scatter is not None and not fp8_gather:
+            if db is not None:
+                torch.sum(dy2, dim=0, dtype=torch.float32, out=db)
             dy2 = collectives.all_gather(dy2.contiguous(), ctx.scatter)
         qdy, dy_columns = quantize_pair(
             dy2,
@@ -441,6 +446,7 @@ class _FineGrainedLinear(torch.autograd.Function):
             rows=rows_fp8,
             columns=columns_fp8,
             column_group=ctx.scatter if fp8_gather else None,
+            col_sum_out=db if ctx.scatter is None or fp8_gather else None,
         )
         whole_rows = context.recipe.granularity == "row"
         if fp8_gather:

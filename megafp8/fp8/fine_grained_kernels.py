@@ -105,6 +105,7 @@ if triton is not None:
         row_ptr,  # rowwise: each row's amax, maxed into (mode 1), then read (mode 2)
         col_ptr,  # the same of the columns
         counts_ptr,
+        col_sum_ptr,  # each tile row's column sums, [tiles along M, K]
         M,
         K,
         stride_x,
@@ -121,6 +122,7 @@ if triton is not None:
         COLUMNS: tl.constexpr,
         POWER_OF_TWO: tl.constexpr,
         COUNT: tl.constexpr,
+        COL_SUM: tl.constexpr,
         INCLUSIVE: tl.constexpr,
         WIDE: tl.constexpr,
         T: tl.constexpr,
@@ -135,6 +137,8 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
+        if COL_SUM:  # partial sums, reduced by the caller: deterministic, unlike atomics
+            tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x, axis=0), mask=cols < K)
         # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
         magnitude = tl.where(x == x, tl.abs(x), float("inf"))
         if MODE == 1:  # order-free: the maxima of nonnegative floats
@@ -223,7 +227,23 @@ def padded_square_scales(grid_rows: int, grid_cols: int, device) -> torch.Tensor
     return torch.ones((grid_rows, padded), device=device, dtype=torch.float32)[:, :grid_cols]
 
 
-def _launch(x, q, s, qt, st, per_row, per_col, counts, mode, fp8_dtype, margin, power_of_two):
+def _launch(
+    x,
+    mode: int,
+    fp8_dtype,
+    margin: int,
+    power_of_two: bool,
+    *,
+    q=None,
+    s=None,
+    qt=None,
+    st=None,
+    per_row=None,
+    per_col=None,
+    counts=None,
+    col_sums=None,
+):
+    """`_pair_kernel` over `x` in `mode`, writing what is given (None: not written)."""
     M, K = x.shape
     bound, inclusive = saturation_bound(fp8_dtype)
     placeholder = x  # pointer arguments a mode does not touch
@@ -236,6 +256,7 @@ def _launch(x, q, s, qt, st, per_row, per_col, counts, mode, fp8_dtype, margin, 
         per_row if per_row is not None else placeholder,
         per_col if per_col is not None else placeholder,
         counts if counts is not None else placeholder,
+        col_sums if col_sums is not None else placeholder,
         M,
         K,
         x.stride(0),
@@ -250,6 +271,7 @@ def _launch(x, q, s, qt, st, per_row, per_col, counts, mode, fp8_dtype, margin, 
         COLUMNS=qt is not None,
         POWER_OF_TWO=power_of_two,
         COUNT=counts is not None,
+        COL_SUM=col_sums is not None,
         INCLUSIVE=inclusive,
         WIDE=wide_offsets(x, q, qt),
         T=TILE,
@@ -268,17 +290,24 @@ def quantize_pair(
     saturation_out: torch.Tensor | None = None,
     out: tuple[ScaledFp8, ScaledFp8] | None = None,
     column_group=None,
+    col_sum_out: torch.Tensor | None = None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast along its rows ([M, K], scales over K) and, transposed, along its
     columns ([K, M], scales over M), each when asked: by 1 x 128 blocks (`blockwise`; M and K
     multiples of 128) or by whole rows. `saturation_out` as fine_grained.quantize_blocks'.
     `out`: an earlier pair cast of a tensor like `x`, both casts, written again in place.
     `column_group` (rowwise): the columns' amaxes maxed over that group before the cast (`x`
-    is this rank's rows of a tensor split over it)."""
+    is this rank's rows of a tensor split over it). `col_sum_out` (fp32 [K]) takes the sums of
+    x's columns, from the same read (a linear layer's bias gradient)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
     device = x.device
+    partial_sums = (
+        torch.empty((triton.cdiv(M, TILE), K), device=device, dtype=torch.float32)
+        if col_sum_out is not None
+        else None
+    )
     if out is not None:
         (q, s), (qt, st) = out
     else:
@@ -290,18 +319,53 @@ def quantize_pair(
         if out is None:
             s = _outer_dim_major(M, K // TILE, device) if rows else None
             st = _outer_dim_major(K, M // TILE, device) if columns else None
-        _launch(x, q, s, qt, st, None, None, saturation_out, 0, fp8_dtype, margin, power_of_two)
-        return (ScaledFp8(q, s) if rows else None), (ScaledFp8(qt, st) if columns else None)
-    # rowwise: every row's and column's amax first, then the cast
-    amax = torch.zeros(M + K, device=device, dtype=torch.float32)
-    row_amax, col_amax = amax[:M], amax[M:]
-    _launch(x, None, None, None, None, row_amax, col_amax, None, 1, fp8_dtype, margin, False)
-    if column_group is not None:
-        col_amax = collectives.max_over(col_amax, column_group)
-    if out is None:
-        s = torch.empty((M, 1), device=device, dtype=torch.float32) if rows else None
-        st = torch.empty((K, 1), device=device, dtype=torch.float32) if columns else None
-    _launch(x, q, s, qt, st, row_amax, col_amax, saturation_out, 2, fp8_dtype, margin, power_of_two)
+        _launch(
+            x,
+            0,
+            fp8_dtype,
+            margin,
+            power_of_two,
+            q=q,
+            s=s,
+            qt=qt,
+            st=st,
+            counts=saturation_out,
+            col_sums=partial_sums,
+        )
+    else:  # rowwise: every row's and column's amax first, then the cast
+        amax = torch.zeros(M + K, device=device, dtype=torch.float32)
+        row_amax, col_amax = amax[:M], amax[M:]
+        _launch(
+            x,
+            1,
+            fp8_dtype,
+            margin,
+            False,
+            per_row=row_amax,
+            per_col=col_amax,
+            col_sums=partial_sums,
+        )
+        if column_group is not None:
+            col_amax = collectives.max_over(col_amax, column_group)
+        if out is None:
+            s = torch.empty((M, 1), device=device, dtype=torch.float32) if rows else None
+            st = torch.empty((K, 1), device=device, dtype=torch.float32) if columns else None
+        _launch(
+            x,
+            2,
+            fp8_dtype,
+            margin,
+            power_of_two,
+            q=q,
+            s=s,
+            qt=qt,
+            st=st,
+            per_row=row_amax,
+            per_col=col_amax,
+            counts=saturation_out,
+        )
+    if col_sum_out is not None:
+        torch.sum(partial_sums, dim=0, out=col_sum_out)
     return (ScaledFp8(q, s) if rows else None), (ScaledFp8(qt, st) if columns else None)
 
 
@@ -330,5 +394,5 @@ def quantize_squares(
         qt = torch.empty((K, N), device=device, dtype=fp8_dtype)
         s = padded_square_scales(N // TILE, K // TILE, device)
         st = padded_square_scales(K // TILE, N // TILE, device)
-    _launch(w, q, s, qt, st, None, None, saturation_out, 3, fp8_dtype, margin, power_of_two)
+    _launch(w, 3, fp8_dtype, margin, power_of_two, q=q, s=s, qt=qt, st=st, counts=saturation_out)
     return ScaledFp8(q, s), ScaledFp8(qt, st)

@@ -434,8 +434,19 @@ def check_fused_casts(device):
         x = awkward(*shape, seed=seed)
         want, want_counts = reference_pair(x, fp8_dtype, blockwise, margin, power_of_two)
         counts = torch.zeros(3, dtype=torch.int64, device=device)
+        col_sums = torch.empty(shape[1], device=device)
         got = fine_grained_kernels.quantize_pair(
-            x.to(device), fp8_dtype, blockwise, margin, power_of_two, saturation_out=counts
+            x.to(device),
+            fp8_dtype,
+            blockwise,
+            margin,
+            power_of_two,
+            saturation_out=counts,
+            col_sum_out=col_sums,
+        )
+        # the column sums of the same read (a bias gradient), in another order than torch's
+        torch.testing.assert_close(
+            col_sums.cpu(), x.float().sum(0), rtol=1e-5, atol=1e-5, equal_nan=True
         )
         what = (blockwise, shape, fp8_dtype)
         for g, w in zip(got, want):
