@@ -36,8 +36,8 @@ try:
 
     from megafp8.triton_support import round_to as _round_to
 
+    from .triton_kernels import cast_outcomes, transpose_stored_tile
     from .triton_kernels import to_fp8 as _to_fp8
-    from .triton_kernels import transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -198,19 +198,14 @@ if triton is not None:
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
         if SATURATION:
-            scaled = tl.abs(y * scale)
-            hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
-            flushed = (scaled != 0.0) & (scaled <= flush_bound)
-            tl.atomic_add(
-                saturation_ptr, tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0).to(tl.int64)
+            hits, flushed = cast_outcomes(
+                tl.abs(y * scale), saturation_bound, flush_bound, BOUND_INCLUSIVE
             )
+            tl.atomic_add(saturation_ptr, tl.sum(tl.sum(hits, axis=1), axis=0).to(tl.int64))
             tl.atomic_add(
                 saturation_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
             )
-            tl.atomic_add(
-                saturation_ptr + 2,
-                tl.sum(tl.sum(flushed.to(tl.int32), axis=1), axis=0).to(tl.int64),
-            )
+            tl.atomic_add(saturation_ptr + 2, tl.sum(tl.sum(flushed, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def _cast_gradient_tile(

@@ -34,7 +34,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_kernels import to_fp8
+    from .triton_kernels import cast_outcomes, to_fp8
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -84,16 +84,12 @@ if triton is not None:
     @triton.jit
     def _count(scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE: tl.constexpr):
         # (saturated, cast, nonzero flushed to zero) of a cast, as tensor.saturates/underflows
-        magnitude = tl.abs(scaled)
-        hits = magnitude >= saturation_bound if INCLUSIVE else magnitude > saturation_bound
-        flushed = (magnitude != 0.0) & (magnitude <= flush_bound)
-        tl.atomic_add(counts_ptr, tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0).to(tl.int64))
+        hits, flushed = cast_outcomes(tl.abs(scaled), saturation_bound, flush_bound, INCLUSIVE)
+        tl.atomic_add(counts_ptr, tl.sum(tl.sum(hits, axis=1), axis=0).to(tl.int64))
         tl.atomic_add(
             counts_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
         )
-        tl.atomic_add(
-            counts_ptr + 2, tl.sum(tl.sum(flushed.to(tl.int32), axis=1), axis=0).to(tl.int64)
-        )
+        tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(flushed, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def _pair_kernel(

@@ -30,7 +30,7 @@ try:
 
     from megafp8.triton_support import round_to
 
-    from .triton_kernels import to_fp8, transpose_stored_tile
+    from .triton_kernels import cast_outcomes, to_fp8, transpose_stored_tile
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -209,12 +209,11 @@ if triton is not None:
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
         amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
         if SATURATION:
-            scaled = tl.abs(y * scale)
-            hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
-            saturated += tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
-            flushed += tl.sum(
-                tl.sum(((scaled != 0.0) & (scaled <= flush_bound)).to(tl.int32), axis=1), axis=0
+            hits, small = cast_outcomes(
+                tl.abs(y * scale), saturation_bound, flush_bound, BOUND_INCLUSIVE
             )
+            saturated += tl.sum(tl.sum(hits, axis=1), axis=0)
+            flushed += tl.sum(tl.sum(small, axis=1), axis=0)
         return amax, saturated, flushed
 
     @triton.jit

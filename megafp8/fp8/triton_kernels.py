@@ -64,6 +64,15 @@ if triton is not None:
             return tl.where(v == v, r.to(dtype), nan)
 
     @triton.jit
+    def cast_outcomes(magnitude, saturation_bound, flush_bound, INCLUSIVE: tl.constexpr):
+        # Of each |x * scale| an FP8 cast takes: whether the cast saturates it and whether it
+        # flushes a nonzero to zero, as int32 (megafp8.fp8.tensor's saturates and underflows;
+        # the bounds are theirs). Every fused cast counts through this one predicate.
+        hits = magnitude >= saturation_bound if INCLUSIVE else magnitude > saturation_bound
+        flushed = (magnitude != 0.0) & (magnitude <= flush_bound)
+        return hits.to(tl.int32), flushed.to(tl.int32)
+
+    @triton.jit
     def _load_input(
         x_ptr,
         k_ptr,
@@ -183,12 +192,12 @@ if triton is not None:
             # The opt-in counts of quantize.saturates and quantize.underflows, on the very product
             # the cast takes (padding is 0, never counted), and of the elements cast: no extra
             # launch on the host.
-            scaled = tl.abs(x * scale)
-            hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
-            flushed = (scaled != 0.0) & (scaled <= flush_bound)
-            tl.atomic_add(saturation_ptr, tl.sum(hits.to(tl.int32)).to(tl.int64))
+            hits, flushed = cast_outcomes(
+                tl.abs(x * scale), saturation_bound, flush_bound, BOUND_INCLUSIVE
+            )
+            tl.atomic_add(saturation_ptr, tl.sum(hits).to(tl.int64))
             tl.atomic_add(saturation_ptr + 1, tl.sum(mask.to(tl.int32)).to(tl.int64))
-            tl.atomic_add(saturation_ptr + 2, tl.sum(flushed.to(tl.int32)).to(tl.int64))
+            tl.atomic_add(saturation_ptr + 2, tl.sum(flushed).to(tl.int64))
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
         if ROWWISE:

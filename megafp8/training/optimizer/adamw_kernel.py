@@ -60,7 +60,7 @@ try:
 except ImportError:  # CPU-only installs: MixedPrecisionAdamW steps with torch.optim.AdamW.
     triton = None
 else:
-    from megafp8.fp8.triton_kernels import to_fp8, transpose_stored_tile
+    from megafp8.fp8.triton_kernels import cast_outcomes, to_fp8, transpose_stored_tile
 
 CHUNK = 16 * 1024  # elements per program
 # Elements per loop iteration of a program; Triton's interpreter, whose cost is per operation
@@ -316,13 +316,14 @@ if triton is not None:
                 )
                 amax = tl.maximum(amax, tl.max(magnitude, axis=0))
                 if COUNT:
-                    scaled = tl.where(mask, tl.abs(weight * scale), 0.0)
-                    hits = (
-                        scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
+                    hits, small = cast_outcomes(
+                        tl.where(mask, tl.abs(weight * scale), 0.0),
+                        saturation_bound,
+                        flush_bound,
+                        BOUND_INCLUSIVE,
                     )
-                    saturated += tl.sum(hits.to(tl.int32), axis=0)
-                    small = (scaled != 0.0) & (scaled <= flush_bound)
-                    flushed += tl.sum(small.to(tl.int32), axis=0)
+                    saturated += tl.sum(hits, axis=0)
+                    flushed += tl.sum(small, axis=0)
                 tl.store(out + offsets, to_fp8(weight * scale, OUT_DTYPE), mask=mask)
         if FP8_OUT:
             tl.atomic_max(tl.load(tensors + 10 * count + t).to(tl.pointer_type(tl.float32)), amax)
@@ -427,12 +428,15 @@ if triton is not None:
             )
             amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
             if COUNT:
-                scaled = tl.where(mask, tl.abs(weight * scale), 0.0)
-                hits = scaled >= saturation_bound if BOUND_INCLUSIVE else scaled > saturation_bound
-                saturated += tl.sum(tl.sum(hits.to(tl.int32), axis=1), axis=0)
+                hits, small = cast_outcomes(
+                    tl.where(mask, tl.abs(weight * scale), 0.0),
+                    saturation_bound,
+                    flush_bound,
+                    BOUND_INCLUSIVE,
+                )
+                saturated += tl.sum(tl.sum(hits, axis=1), axis=0)
                 cast += tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0)
-                small = (scaled != 0.0) & (scaled <= flush_bound)
-                flushed += tl.sum(tl.sum(small.to(tl.int32), axis=1), axis=0)
+                flushed += tl.sum(tl.sum(small, axis=1), axis=0)
             tl.store(data + offsets, to_fp8(weight * scale, FP8_DTYPE), mask=mask)
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
             transpose_stored_tile(data, data_t, rows[None, :], cols[:, None], mask_t, M, N)
