@@ -57,7 +57,8 @@ from megafp8.models.config import PRESETS, preset
 from megafp8.planner import layer_map
 
 GPT3_HIDDEN_SIZES = (768, 1024, 1536, 2048, 2560, 4096, 5120, 12288)  # 125M ... 175B
-RECIPES = ("bf16", "delayed", "current")
+RECIPES = ("bf16", "delayed", "current")  # the default columns; --recipes adds the others
+FINE_GRAINED = ("rowwise", "blockwise")  # E4M3; blockwise: every dimension a multiple of 128
 # layers in the stack whose eager host time splits into per-layer and per-pass shares
 HOST_STACK = 4
 BANDS = (
@@ -111,9 +112,15 @@ def layer_flops(config, tokens: int, seq_length: int) -> float:
 
 def scaling(name: str):
     """The FP8 recipe a grid column names (None: bf16)."""
-    from megafp8.fp8 import CurrentScaling, DelayedScaling
+    from megafp8.fp8 import BlockwiseScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 
-    return {"bf16": None, "delayed": DelayedScaling(), "current": CurrentScaling()}[name]
+    return {
+        "bf16": None,
+        "delayed": DelayedScaling(),
+        "current": CurrentScaling(),
+        "rowwise": RowwiseScaling(),
+        "blockwise": BlockwiseScaling(),
+    }[name]
 
 
 @contextmanager
@@ -406,7 +413,7 @@ def run_grid(args) -> dict:
                     config,
                     seq,
                     micro_batch,
-                    RECIPES,
+                    args.recipes,
                     tp_group,
                     planner=args.model is not None,
                     overlap=args.tp_comm_overlap,
@@ -423,9 +430,10 @@ def run_grid(args) -> dict:
                     model=args.model,
                     flops=layer_flops(config, seq * micro_batch, seq) / tp,
                 )
-                for name in ("delayed", "current"):
+                fp8_recipes = [name for name in args.recipes if name != "bf16"]
+                for name in fp8_recipes:
                     point[f"speedup_{name}"] = (
-                        times["bf16"] / times[name] if times["bf16"] and times[name] else None
+                        times["bf16"] / times[name] if times.get("bf16") and times[name] else None
                     )
                 points.append(point)
                 if rank == 0:
@@ -434,11 +442,12 @@ def run_grid(args) -> dict:
                     print(
                         f"{arch:5} h={hidden:5} s={seq:5} b={micro_batch} tp={tp}: "
                         + "  ".join(
-                            f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit" for n in RECIPES
+                            f"{n} {times[n]:.3f} ms" if times[n] else f"{n} no fit"
+                            for n in args.recipes
                         )
                         + "".join(
                             f"  {n} {point[f'speedup_{n}']:.2f}x"
-                            for n in ("delayed", "current")
+                            for n in fp8_recipes
                             if point[f"speedup_{n}"]
                         ),
                         flush=True,
@@ -467,24 +476,29 @@ def read_points(paths) -> list[dict]:
 def raw_table(points: list[dict]) -> str:
     """Every point as a Markdown table row (ms of forward + backward, speed-ups, FP8 delayed's
     TFLOP/s) and the GPU that measured it, by architecture, tensor-parallel size, width, sequence
-    and micro-batch."""
+    and micro-batch; rowwise and blockwise columns where a point has them."""
 
     def number(value, spec):
         return "–" if value is None else format(value, spec)
 
+    recipes = [*RECIPES] + [r for r in FINE_GRAINED if any(p.get(f"{r}_ms") for p in points)]
+    fp8 = recipes[1:]
     lines = [
-        "| layer | tp | hidden | sequence | micro-batch | bf16 ms | delayed ms | current ms | delayed / bf16 "
-        "| current / bf16 | delayed TFLOP/s | GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | tp | hidden | sequence | micro-batch | "
+        + " | ".join(f"{r} ms" for r in recipes)
+        + " | "
+        + " | ".join(f"{r} / bf16" for r in fp8)
+        + " | delayed TFLOP/s | GPU |",
+        "|---|---|---|---|---|" + "---|" * (len(recipes) + len(fp8)) + "---|---|",
     ]
     for p in sorted(
         points, key=lambda p: (p["arch"], p["tp"], p["hidden"], p["seq"], p["micro_batch"])
     ):
         lines.append(
             f"| {p.get('model', p['arch'])} | {p['tp']} | {p['hidden']} | {p['seq']} | {p['micro_batch']} | "
-            + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in RECIPES)
+            + " | ".join(number(p.get(f"{r}_ms"), ".3f") for r in recipes)
             + " | "
-            + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in ("delayed", "current"))
+            + " | ".join(number(p.get(f"speedup_{r}"), ".2f") for r in fp8)
             + " | "
             + f"{number(p.get('delayed_tflops'), '.0f')} | {p.get('device', '?')} |"
         )
@@ -583,6 +597,14 @@ def main(argv=None):
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=list(GPT3_HIDDEN_SIZES))
     parser.add_argument("--seq-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=list(RECIPES),
+        choices=[*RECIPES, *FINE_GRAINED],
+        help="what each point is timed in (default: bf16 delayed current; rowwise and blockwise "
+        "in E4M3, blockwise where every dimension splits into 128s); bf16 gives the speed-ups",
+    )
     parser.add_argument(
         "--tp-comm-overlap",
         action=argparse.BooleanOptionalAction,

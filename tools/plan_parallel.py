@@ -1,7 +1,7 @@
 r"""Which parallel layouts of a model fit a cluster, and how much memory each needs per GPU.
 
     python tools/plan_parallel.py --model llama2-7b --gpus 64 --gpu-memory 80 --seq-length 4096 \
-        --global-batch-size 1024 [--fp8 delayed|current] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4] \
+        --global-batch-size 1024 [--fp8 delayed|current|rowwise|blockwise] [--gpus-per-node 8] [--micro-batch-sizes 1 2 4] \
         [--memory-margin 0.1] [--top 20] [--json plan.json] \
         [--layer-maps llama2-7b_tp1.json llama2-7b_tp2.json --collectives collectives.json] [--eager-pipelines]
 
@@ -110,8 +110,9 @@ def trainer_flags(args, layout: dict) -> list[str]:
         flags += ["--recompute-granularity", layout["recompute"]]
     if layout["distributed_optimizer"]:  # as the recipes run it
         flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
-    if args.fp8:
-        flags += ["--fp8-format", "hybrid", "--fp8-recipe", args.fp8]
+    if args.fp8:  # the fine-grained recipes' format is E4M3 (docs/fp8.md)
+        fmt = "e4m3" if args.fp8 in ("rowwise", "blockwise") else "hybrid"
+        flags += ["--fp8-format", fmt, "--fp8-recipe", args.fp8]
     if args.lean_optimizer_states:
         flags += list(LEAN_OPTIMIZER_STATES)
     return flags
@@ -267,7 +268,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, required=True)
     parser.add_argument("--global-batch-size", type=int, required=True)
     parser.add_argument(
-        "--fp8", choices=("delayed", "current"), help="FP8 HYBRID with this scaling (absent: bf16)"
+        "--fp8",
+        choices=("delayed", "current", "rowwise", "blockwise"),
+        help="FP8 with this scaling, HYBRID (rowwise and blockwise: E4M3; absent: bf16); the "
+        "throughput model needs a layer map measured in it (bench_layer_grid.py --recipes)",
     )
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="tensor parallelism stays within a node"

@@ -63,23 +63,22 @@ PARAMETER_WRITE_BYTES = 2  # the bf16 parameter the pass writes, part of the 30
 # path's modelled cast (2) and the slice's (-1) counted (benchmarks/RESULTS.md, Memory).
 FP8_SLICE_WRITE_BYTES = 1
 GATHERED_FP8_WEIGHT_BYTES = 22
-# With lean states the forward casts the new weight instead: the bf16 weight read, both layouts
-# written.
+# With lean states, or a recipe other than delayed scaling (whose scale the pass knows ahead),
+# the forward casts the new weight instead: the bf16 weight read, both layouts written.
 FORWARD_CAST_BYTES_PER_FP8_WEIGHT = 4
 
 
 def weight_cast_bytes(layout: MemoryLayout) -> int:
-    """Bytes a step spends per FP8 weight element on its new cast: written by the optimizer pass,
-    or with lean states by the forward (megafp8.training.optimizer); an FP8 primary weight's cast
-    is the weight, written by the pass in place of the bf16 weight that
-    `optimizer_bytes_per_parameter` counts."""
+    """Bytes a step spends per FP8 weight element on its new cast: written by the optimizer pass
+    under delayed scaling, else (lean states; current, rowwise or blockwise scaling) by the
+    forward (megafp8.training.optimizer); an FP8 primary weight's cast is the weight, written by
+    the pass in place of the bf16 weight that `optimizer_bytes_per_parameter` counts."""
     if layout.fp8_primary_weights and layout.distributed_optimizer:
         return FP8_SLICE_WRITE_BYTES - PARAMETER_WRITE_BYTES
     if layout.fp8_primary_weights:
         return OPTIMIZER_BYTES_PER_FP8_WEIGHT - PARAMETER_WRITE_BYTES
-    return (
-        FORWARD_CAST_BYTES_PER_FP8_WEIGHT if layout.lean_states else OPTIMIZER_BYTES_PER_FP8_WEIGHT
-    )
+    forward_casts = layout.lean_states or layout.fp8 not in (None, "delayed")
+    return FORWARD_CAST_BYTES_PER_FP8_WEIGHT if forward_casts else OPTIMIZER_BYTES_PER_FP8_WEIGHT
 
 
 def optimizer_bytes_per_parameter(layout: MemoryLayout) -> float:
@@ -186,7 +185,9 @@ class Calibration:
                 f"no measured {recipe} layer of this model at sequence {seq}, tp {tp} "
                 f"(measure it: {'torchrun --nproc-per-node ' + str(tp) if tp > 1 else 'python'} "
                 f"benchmarks/bench_layer_grid.py --model {model} --seq-lengths {seq} "
-                f"--micro-batches {micro_batch})"
+                f"--micro-batches {micro_batch}"
+                + (f" --recipes bf16 {recipe}" if recipe in ("rowwise", "blockwise") else "")
+                + ")"
             )
         below = [p for p in points if p["micro_batch"] <= micro_batch]
         above = [p for p in points if p["micro_batch"] >= micro_batch]

@@ -72,6 +72,7 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
         "points": [point("llama", 2, 4096, 4096, 1, 1.1, 1.0)],
     }
     late = {"tp": 1, "device": "NVIDIA H200", "points": [point("gpt", 1, 12288, 2048, 1, 1.6, 1.5)]}
+    late["points"][0].update(rowwise_ms=1.0, speedup_rowwise=1.25)  # a grid run with --recipes
     two["points"][0].update(
         bf16_ms=2.2, delayed_ms=2.0, current_ms=2.2, delayed_tflops=812.4, model="llama2-7b"
     )
@@ -106,9 +107,12 @@ def test_heat_maps_from_grid_files(tmp_path, capsys, monkeypatch):
     assert "layer_grid_gpt_tp1.png" in capsys.readouterr().out
     rows = (tmp_path / "grid.md").read_text().splitlines()
     assert len(rows) == 2 + 13 + 1  # header, the 13 GPT points, the Llama one
+    # a rowwise column, since a point has one; no blockwise column
+    assert "| current ms | rowwise ms | delayed / bf16 |" in rows[0] and "blockwise" not in rows[0]
+    assert "| current / bf16 | rowwise / bf16 | delayed TFLOP/s |" in rows[0]
     assert (
         rows[-1]
-        == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | 1.10 | 1.00 | 812 | ? |"
+        == "| llama2-7b | 2 | 4096 | 4096 | 1 | 2.200 | 2.000 | 2.200 | – | 1.10 | 1.00 | – | 812 | ? |"
     )
     # times a test point lacks
     assert rows[2].startswith("| gpt | 1 | 768 | 1024 | 1 | – | – | – |")
@@ -157,6 +161,21 @@ def test_a_small_grid_on_a_gpu(tmp_path):
             0 < p[f"{name}_fwd_ms"] < p[f"{name}_ms"] for name in ("bf16", "delayed", "current")
         )
         assert p["speedup_delayed"] == p["bf16_ms"] / p["delayed_ms"]
+
+
+@pytest.mark.gpu
+def test_a_grid_of_the_fine_grained_recipes_on_a_gpu(tmp_path):
+    out = tmp_path / "grid.json"
+    grid.main(
+        [
+            *("--output", str(out), "--archs", "gpt", "--hidden-sizes", "256"),
+            *("--seq-lengths", "512", "--micro-batches", "1"),
+            *("--recipes", "bf16", "rowwise", "blockwise"),
+        ]
+    )
+    (p,) = json.loads(out.read_text())["points"]
+    assert all(p[f"{name}_ms"] > 0 for name in ("bf16", "rowwise", "blockwise"))
+    assert p["speedup_blockwise"] == p["bf16_ms"] / p["blockwise_ms"] and "delayed_ms" not in p
 
 
 @pytest.mark.gpu

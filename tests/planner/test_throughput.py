@@ -318,6 +318,9 @@ def test_what_was_not_measured_is_not_predicted():
         "--model gpt-1.3b",
     ):
         predict(GPT, layout, calibration([point()]), 32, model="gpt-1.3b")
+    # a fine-grained recipe: the grid command names it
+    with pytest.raises(NotPredicted, match=r"--micro-batches 4 --recipes bf16 blockwise\)"):
+        predict(GPT, dataclasses.replace(layout, fp8="blockwise"), calibration([point()]), 32)
     with pytest.raises(NotPredicted, match=r"micro-batch 8 is outside the measured ones \(4\)"):
         predict(
             GPT,
@@ -614,6 +617,9 @@ def interpreted_checks():
         assert per_parameter == (18 if states else OPTIMIZER_BYTES_PER_PARAMETER)
         casting = casts and not states  # with lean states the forward casts the weight
         assert weight_cast_bytes(MemoryLayout(seq_length=1, **states)) == (4 if states else 2)
+        # the recipes whose scale the pass cannot know ahead: the forward casts
+        for recipe in ("current", "rowwise", "blockwise"):
+            assert weight_cast_bytes(MemoryLayout(seq_length=1, fp8=recipe, **states)) == 4
         expected = per_parameter * elements + (
             OPTIMIZER_BYTES_PER_FP8_WEIGHT * weights if casting else 0
         )

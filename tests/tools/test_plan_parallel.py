@@ -143,6 +143,17 @@ def test_lean_optimizer_states_fit_more(tmp_path):
         assert lean_fits[layout]["memory_gib"] < entry["memory_gib"], layout
 
 
+def test_fine_grained_recipes_are_planned_in_e4m3(tmp_path):
+    """--fp8 rowwise / blockwise: the trainer accepts each layout with E4M3 (the recipes'
+    format), and the memory model plans it (the fine-grained casts keep no FP8 weight history)."""
+    for recipe in ("rowwise", "blockwise"):
+        out = tmp_path / f"{recipe}.json"
+        assert plan_parallel.main(LLAMA_7B + ["--fp8", recipe, "--json", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert plan["fits"], recipe
+        assert not any("--fp8-format" in r["reason"] for r in plan["rejected"]), recipe
+
+
 def test_nothing_fits_says_so(capsys):
     assert plan_parallel.main(LLAMA_7B[:5] + ["1"] + LLAMA_7B[6:]) == 1  # 1 GiB GPUs
     captured = capsys.readouterr()
