@@ -1,6 +1,5 @@
 """Fine-grained scaling: an Fp8Linear's GEMMs with scales finer than one per tensor, each fitted
-at the cast to its own block of an operand (no history, no collective), along the dimension the
-GEMM sums over:
+at the cast to its own block of an operand (no history), along the dimension the GEMM sums over:
 
 - rowwise (RowwiseScaling, torchao's rowwise): a scale per row of each operand, through
   `torch._scaled_mm`'s rowwise mode on the GPU (cuBLAS), emulated on the CPU;
@@ -17,7 +16,9 @@ For `y = x W^T` (x [M, K] tokens by input channels, W [N, K]):
 
 so x and dy are each cast twice, once for each GEMM they enter, both casts from one read on CUDA
 (megafp8.fp8.fine_grained_kernels); so is the weight under rowwise scaling, while its 128 x 128
-blocks serve both of its GEMMs, transposed for dgrad.
+blocks serve both of its GEMMs, transposed for dgrad. Under sequence parallelism each rank casts
+its own tokens and the FP8 casts are gathered; the one collective a cast needs is a rowwise
+column's amax, maxed over the ranks' tokens.
 """
 
 from __future__ import annotations
