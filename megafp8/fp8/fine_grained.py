@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8 import collectives
-from megafp8.main_grad import accumulate_into_main_grad
+from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
 from . import fine_grained_kernels
 from .autocast import Fp8Context
@@ -157,6 +157,61 @@ def blockwise_gemm(
         return y if direct else y.to(out_dtype)
     with torch.autocast(a.data.device.type, enabled=False):
         return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+
+
+def gemm_into(granularity: str, a: ScaledFp8, b: ScaledFp8, out: torch.Tensor) -> None:
+    """`dequantize(a) @ dequantize(b)^T` written into `out` (a weight's fp32 main_grad), with no
+    bf16 output in between: `torch._scaled_mm` into it on CUDA (where `writes_into` says it can),
+    emulated in fp32 elsewhere."""
+    if not a.data.is_cuda:
+        with torch.autocast(a.data.device.type, enabled=False):
+            out.copy_(dequantize(a) @ dequantize(b).t())
+        return
+    if granularity == "row":
+        scale_a, scale_b = a.scale_inv, b.scale_inv.reshape(1, -1)
+    else:
+        scale_a, scale_b = _cublas_block_scales(a)[0], _cublas_block_scales(b)[0]
+    torch._scaled_mm(
+        a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out.dtype, out=out
+    )
+
+
+_writes_into: dict = {}
+
+
+def writes_into(granularity: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `gemm_into` can write a `dtype` result on `device`: always off CUDA; on CUDA where
+    `torch._scaled_mm` takes this granularity's scales with that output (cuBLAS on Hopper:
+    rowwise and blockwise into fp32), found once per device by a small product checked against
+    the emulation. Not found during a CUDA graph capture (the eager steps before it find it)."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (granularity, dtype, index)
+    if key not in _writes_into:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _writes_into[key] = _check_gemm_into(granularity, dtype, torch.device("cuda", index))
+    return _writes_into[key]
+
+
+def _check_gemm_into(granularity: str, dtype: torch.dtype, device: torch.device) -> bool:
+    if granularity == "block" and not _cublas_blockwise(device):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    block = SCHEMES[granularity].block
+    a, b = (
+        quantize_blocks(torch.randn(128, 256, generator=generator), torch.float8_e4m3fn, block)
+        for _ in range(2)
+    )
+    want = (dequantize(a).double() @ dequantize(b).double().t()).to(dtype)
+    out = torch.empty(128, 128, dtype=dtype, device=device)
+    try:
+        gemm_into(granularity, *(ScaledFp8(*(t.to(device) for t in q)) for q in (a, b)), out)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    error = (out.cpu().double() - want.double()).norm() / want.double().norm()
+    return bool(error < 2.0**-7)
 
 
 _cublas_blockwise_devices: dict = {}
@@ -468,11 +523,26 @@ class _FineGrainedLinear(torch.autograd.Function):
                 dx = collectives.reduce_scatter(dx, ctx.gather)
             dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         if need_dw:
-            if wgrad_fp8:
-                dw = gemm(dy_columns, x_saved, dy.dtype)
+            granularity = context.recipe.granularity
+            main_grad = (
+                getattr(module.weight, "main_grad", None)
+                if module.fuse_wgrad_accumulation
+                else None
+            )
+            if (
+                wgrad_fp8
+                and main_grad is not None
+                and module.weight.main_grad_empty
+                and writes_into(granularity, main_grad.dtype, dy2.device)
+            ):
+                # the step's first gradient, written by the GEMM into main_grad
+                gemm_into(granularity, dy_columns, x_saved, claim_empty_main_grad(module.weight))
             else:
-                dw = dy2.t() @ x_saved.to(dy.dtype)
-            dw = _into_main_grad(module, module.weight, dw, ctx.weight_dtype)
+                if wgrad_fp8:
+                    dw = gemm(dy_columns, x_saved, dy.dtype)
+                else:
+                    dw = dy2.t() @ x_saved.to(dy.dtype)
+                dw = _into_main_grad(module, module.weight, dw, ctx.weight_dtype)
         if db is not None:
             db = _into_main_grad(module, module.bias, db, ctx.weight_dtype)
         return dx, dw, db, None, None, None, None

@@ -20,11 +20,14 @@ from megafp8.fp8 import (
     fp8_health,
 )
 from megafp8.fp8.fine_grained import (
+    ScaledFp8,
     blockwise_gemm,
     dequantize,
+    gemm_into,
     quantize_blocks,
     quantize_rows,
     rowwise_gemm,
+    writes_into,
 )
 
 from ..interpreter import run_interpreted_checks
@@ -553,3 +556,19 @@ def test_cublas_blockwise_gemms_equal_the_emulated_ones(out_dtype):
         *(type(t)(*(f.cpu() for f in t)) for t in (fused, w_rows)), torch.float32
     )
     assert rel_err(blockwise_gemm(fused, w_rows, torch.float32).cpu(), emulated) < 2.0**-10
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("granularity", ["row", "block"])
+def test_the_weight_gradient_is_written_into_main_grad_on_hopper(granularity):
+    """cuBLAS writes the wgrad GEMM's fp32 product straight into a weight's main_grad (no bf16
+    product, no copy): the product of the dequantized operands within Hopper's accumulation."""
+    block = (1, 128) if granularity == "block" else (1, None)
+    a = quantize_blocks(fresh(384, 512, seed=33), E4M3, block)
+    b = quantize_blocks(fresh(256, 512, seed=34), E4M3, block)
+    assert writes_into(granularity, torch.float32, torch.device("cuda"))
+    out = torch.full((384, 256), float("nan"), device="cuda")
+    gemm_into(granularity, *(ScaledFp8(*(f.cuda() for f in q)) for q in (a, b)), out)
+    want = dequantize(a).double() @ dequantize(b).double().t()
+    assert rel_err(out.cpu(), want) < 2.0**-10
