@@ -111,40 +111,52 @@ def dequantize(q: ScaledFp8) -> torch.Tensor:
     return (tiles * q.scale_inv[:, None, :, None]).view(rows, cols)
 
 
-def rowwise_gemm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype, fast_accum: bool = False):
-    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] and `b` [N, K], each scaled per row:
-    [M, N] in `out_dtype`, through bf16, which cuBLAS's rowwise scaling writes. On CUDA through
-    `torch._scaled_mm` (`fast_accum`: Hopper's faster, less precise FP8 accumulation, for the
-    forward GEMM, as torchao's rowwise recipe runs it); elsewhere from the dequantized operands in
-    fp32 (CPU `_scaled_mm` takes per-row scales from torch 2.13 on only)."""
+def rowwise_gemm(
+    a: ScaledFp8,
+    b: ScaledFp8,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+    bias: torch.Tensor | None = None,
+):
+    """`dequantize(a) @ dequantize(b)^T (+ bias)` for `a` [M, K] and `b` [N, K], each scaled per
+    row: [M, N] in `out_dtype`, through bf16, which cuBLAS's rowwise scaling writes. On CUDA
+    through `torch._scaled_mm` (`fast_accum`: Hopper's faster, less precise FP8 accumulation, for
+    the forward GEMM, as torchao's rowwise recipe runs it; `bias` added by the GEMM, where
+    `takes_bias` says it can); elsewhere from the dequantized operands in fp32 (CPU `_scaled_mm`
+    takes per-row scales from torch 2.13 on only)."""
     if a.data.is_cuda:
         y = torch._scaled_mm(
             a.data,
             b.data.t(),
             scale_a=a.scale_inv,
             scale_b=b.scale_inv.reshape(1, -1),
+            bias=None if bias is None else bias.to(torch.bfloat16),
             out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
         )
     else:
-        with torch.autocast(a.data.device.type, enabled=False):
-            y = (dequantize(a) @ dequantize(b).t()).to(torch.bfloat16)
+        y = _emulated(a, b, bias).to(torch.bfloat16)
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
 
 
 def blockwise_gemm(
-    a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype, fast_accum: bool = False
+    a: ScaledFp8,
+    b: ScaledFp8,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] scaled by 1 x 128 blocks and `b` [N, K]
     by 1 x 128 or 128 x 128 blocks: [M, N] in `out_dtype`. On a Hopper GPU through cuBLAS's
     blockwise scaling (`torch.nn.functional.scaled_mm`; bf16 or fp32 written), whose kernels sum
     each 128-deep block apart and add the blocks in fp32 (`fast_accum` is taken for the rowwise
-    GEMM's signature and changes nothing); elsewhere emulated from the dequantized operands
-    (fp32 products and sums), the reference the cuBLAS path is checked against."""
+    GEMM's signature and changes nothing; `bias`, added by the GEMM where `takes_bias` says it
+    can); elsewhere emulated from the dequantized operands (fp32 products and sums), the reference
+    the cuBLAS path is checked against."""
     if a.data.is_cuda and _cublas_blockwise(a.data.device):
         sa, recipe_a = _cublas_block_scales(a)
         sb, recipe_b = _cublas_block_scales(b)
-        direct = out_dtype in (torch.bfloat16, torch.float32)
+        output_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
         y = F.scaled_mm(
             a.data,
             b.data.t(),
@@ -152,11 +164,18 @@ def blockwise_gemm(
             recipe_a,
             sb,
             recipe_b,
-            output_dtype=out_dtype if direct else torch.bfloat16,
+            bias=None if bias is None else bias.to(output_dtype),
+            output_dtype=output_dtype,
         )
-        return y if direct else y.to(out_dtype)
+        return y if output_dtype == out_dtype else y.to(out_dtype)
+    return _emulated(a, b, bias).to(out_dtype)
+
+
+def _emulated(a: ScaledFp8, b: ScaledFp8, bias=None) -> torch.Tensor:
+    """The fp32 product of the dequantized operands (+ bias)."""
     with torch.autocast(a.data.device.type, enabled=False):
-        return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+        y = dequantize(a) @ dequantize(b).t()
+        return y if bias is None else y + bias.float()
 
 
 def gemm_into(granularity: str, a: ScaledFp8, b: ScaledFp8, out: torch.Tensor) -> None:
@@ -164,8 +183,7 @@ def gemm_into(granularity: str, a: ScaledFp8, b: ScaledFp8, out: torch.Tensor) -
     bf16 output in between: `torch._scaled_mm` into it on CUDA (where `writes_into` says it can),
     emulated in fp32 elsewhere."""
     if not a.data.is_cuda:
-        with torch.autocast(a.data.device.type, enabled=False):
-            out.copy_(dequantize(a) @ dequantize(b).t())
+        out.copy_(_emulated(a, b))
         return
     if granularity == "row":
         scale_a, scale_b = a.scale_inv, b.scale_inv.reshape(1, -1)
@@ -176,26 +194,38 @@ def gemm_into(granularity: str, a: ScaledFp8, b: ScaledFp8, out: torch.Tensor) -
     )
 
 
-_writes_into: dict = {}
-
-
 def writes_into(granularity: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `gemm_into` can write a `dtype` result on `device`: always off CUDA; on CUDA where
-    `torch._scaled_mm` takes this granularity's scales with that output (cuBLAS on Hopper:
-    rowwise and blockwise into fp32), found once per device by a small product checked against
-    the emulation. Not found during a CUDA graph capture (the eager steps before it find it)."""
+    `torch._scaled_mm` takes this granularity's scales with that output (`_found`)."""
+    return _found(("into", granularity, dtype), device)
+
+
+def takes_bias(granularity: str, device: torch.device) -> bool:
+    """Whether this granularity's forward GEMM adds a bias itself on `device` (cuBLAS's or
+    CUTLASS's epilogue; always in the CPU emulation): `_found`."""
+    return _found(("bias", granularity, None), device)
+
+
+_found_on: dict = {}
+
+
+def _found(feature: tuple, device: torch.device) -> bool:
+    """Whether the GEMMs take `feature` (what, granularity, dtype) on `device`: always off CUDA;
+    on CUDA found once per device by a small product through it, checked against the emulation
+    (a kernel that refuses it, or computes something else, says no). Not found during a CUDA
+    graph capture (the eager steps before it find it)."""
     if device.type != "cuda":
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (granularity, dtype, index)
-    if key not in _writes_into:
+    key = (*feature, index)
+    if key not in _found_on:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _writes_into[key] = _check_gemm_into(granularity, dtype, torch.device("cuda", index))
-    return _writes_into[key]
+        _found_on[key] = _check(*feature, torch.device("cuda", index))
+    return _found_on[key]
 
 
-def _check_gemm_into(granularity: str, dtype: torch.dtype, device: torch.device) -> bool:
+def _check(what: str, granularity: str, dtype, device: torch.device) -> bool:
     if granularity == "block" and not _cublas_blockwise(device):
         return False
     generator = torch.Generator().manual_seed(0)
@@ -204,14 +234,18 @@ def _check_gemm_into(granularity: str, dtype: torch.dtype, device: torch.device)
         quantize_blocks(torch.randn(128, 256, generator=generator), torch.float8_e4m3fn, block)
         for _ in range(2)
     )
-    want = (dequantize(a).double() @ dequantize(b).double().t()).to(dtype)
-    out = torch.empty(128, 128, dtype=dtype, device=device)
+    bias = torch.randn(128, generator=generator).to(torch.bfloat16) if what == "bias" else None
+    want = _emulated(a, b, bias).double()
+    on_device = [ScaledFp8(*(t.to(device) for t in q)) for q in (a, b)]
     try:
-        gemm_into(granularity, *(ScaledFp8(*(t.to(device) for t in q)) for q in (a, b)), out)
+        if what == "into":
+            got = torch.empty(128, 128, dtype=dtype, device=device)
+            gemm_into(granularity, *on_device, got)
+        else:
+            got = SCHEMES[granularity].gemm(*on_device, torch.bfloat16, bias=bias.to(device))
     except (RuntimeError, NotImplementedError, ValueError):
         return False
-    error = (out.cpu().double() - want.double()).norm() / want.double().norm()
-    return bool(error < 2.0**-7)
+    return bool((got.cpu().double() - want).norm() / want.norm() < 2.0**-7)
 
 
 _cublas_blockwise_devices: dict = {}
@@ -446,14 +480,22 @@ class _FineGrainedLinear(torch.autograd.Function):
         )
         if fp8_gather:
             qx = _gather_rows(qx, gather)
+        # the GEMM adds the bias where it can, unless the output is summed over ranks first
+        fuse_bias = (
+            bias is not None
+            and scatter is None
+            and not fprop_hp
+            and takes_bias(recipe.granularity, x2.device)
+        )
         if fprop_hp:
             y = F.linear(x2, weight.to(x2.dtype))
         else:
             _note_scale(module, "input", qx, context)
-            y = gemm(qx, cast.rows, x2.dtype, fast_accum=True)  # the forward, as tensorwise
+            # the forward with fast accumulation, as tensorwise's
+            y = gemm(qx, cast.rows, x2.dtype, fast_accum=True, bias=bias if fuse_bias else None)
         if scatter is not None:
             y = collectives.reduce_scatter(y, scatter)
-        if bias is not None:
+        if bias is not None and not fuse_bias:
             y = y + bias.to(y.dtype)
         # For backward: the input per input channel (transposed), the weight per input channel.
         x_saved = x_columns if wgrad_fp8 else x2

@@ -27,6 +27,7 @@ from megafp8.fp8.fine_grained import (
     quantize_blocks,
     quantize_rows,
     rowwise_gemm,
+    takes_bias,
     writes_into,
 )
 
@@ -572,3 +573,26 @@ def test_the_weight_gradient_is_written_into_main_grad_on_hopper(granularity):
     gemm_into(granularity, *(ScaledFp8(*(f.cuda() for f in q)) for q in (a, b)), out)
     want = dequantize(a).double() @ dequantize(b).double().t()
     assert rel_err(out.cpu(), want) < 2.0**-10
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("granularity", ["row", "block"])
+def test_the_forward_gemm_adds_the_bias_where_it_says_it_can(granularity):
+    """Where `takes_bias` says so, the GEMM adds the bias in its epilogue: the emulated product
+    plus the bias, rounded to bf16 once; where it says not, the GEMM refuses a bias."""
+    block = (1, 128) if granularity == "block" else (1, None)
+    a = quantize_blocks(fresh(256, 384, seed=35), E4M3, block)
+    b = quantize_blocks(
+        fresh(384, 384, seed=36), E4M3, (128, 128) if granularity == "block" else block
+    )
+    bias = torch.randn(384).to(torch.bfloat16)
+    gemm = blockwise_gemm if granularity == "block" else rowwise_gemm
+    on_gpu = [ScaledFp8(*(f.cuda() for f in q)) for q in (a, b)]
+    if takes_bias(granularity, torch.device("cuda")):
+        got = gemm(*on_gpu, torch.bfloat16, bias=bias.cuda())
+        want = dequantize(a).double() @ dequantize(b).double().t() + bias.double()
+        assert rel_err(got.float().cpu(), want) < 2.0**-7
+    else:
+        with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
+            gemm(*on_gpu, torch.bfloat16, bias=bias.cuda())
