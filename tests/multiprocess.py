@@ -57,6 +57,10 @@ def _worker(rank, world_size, store_path, results, fn, args, backend):
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # Every rank connected before any body runs: a rank whose body needs no peer could
+        # otherwise end, closing its sockets, while another is still in gloo's connectFullMesh,
+        # which then fails ("Connection closed by peer"; seen on a loaded machine).
+        dist.barrier()
         try:
             # As bytes: a tensor put on the queue as it is travels through shared memory that
             # disappears when this process exits, possibly before the parent reads it.
