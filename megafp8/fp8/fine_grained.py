@@ -146,13 +146,13 @@ def blockwise_gemm(
     fast_accum: bool = False,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`dequantize(a) @ dequantize(b)^T` for `a` [M, K] scaled by 1 x 128 blocks and `b` [N, K]
-    by 1 x 128 or 128 x 128 blocks: [M, N] in `out_dtype`. On a Hopper GPU through cuBLAS's
-    blockwise scaling (`torch.nn.functional.scaled_mm`; bf16 or fp32 written), whose kernels sum
-    each 128-deep block apart and add the blocks in fp32 (`fast_accum` is taken for the rowwise
-    GEMM's signature and changes nothing; `bias`, added by the GEMM where `takes_bias` says it
-    can); elsewhere emulated from the dequantized operands (fp32 products and sums), the reference
-    the cuBLAS path is checked against."""
+    """`dequantize(a) @ dequantize(b)^T (+ bias)` for `a` [M, K] scaled by 1 x 128 blocks and
+    `b` [N, K] by 1 x 128 or 128 x 128 blocks: [M, N] in `out_dtype`. On a Hopper GPU through
+    cuBLAS's blockwise scaling (`torch.nn.functional.scaled_mm`; bf16 or fp32 written), whose
+    kernels sum each 128-deep block apart and add the blocks in fp32; `bias` added by the GEMM,
+    where `takes_bias` says it can; `fast_accum` is taken for the rowwise GEMM's signature and
+    changes nothing. Elsewhere emulated from the dequantized operands (fp32 products and sums),
+    the reference the cuBLAS path is checked against."""
     if a.data.is_cuda and _cublas_blockwise(a.data.device):
         sa, recipe_a = _cublas_block_scales(a)
         sb, recipe_b = _cublas_block_scales(b)
@@ -201,8 +201,8 @@ def writes_into(granularity: str, dtype: torch.dtype, device: torch.device) -> b
 
 
 def takes_bias(granularity: str, device: torch.device) -> bool:
-    """Whether this granularity's forward GEMM adds a bias itself on `device` (cuBLAS's or
-    CUTLASS's epilogue; always in the CPU emulation): `_found`."""
+    """Whether this granularity's forward GEMM adds a bias itself on `device` (in the GEMM
+    library's epilogue; always in the CPU emulation): `_found`."""
     return _found(("bias", granularity, None), device)
 
 
@@ -228,11 +228,14 @@ def _found(feature: tuple, device: torch.device) -> bool:
 def _check(what: str, granularity: str, dtype, device: torch.device) -> bool:
     if granularity == "block" and not _cublas_blockwise(device):
         return False
+    # the operands' blocks as the GEMM that takes the feature has them: the forward's weight
+    # in 128 x 128 blocks (blockwise), wgrad's operands both along their rows
     generator = torch.Generator().manual_seed(0)
     block = SCHEMES[granularity].block
+    b_block = (BLOCK, BLOCK) if what == "bias" and granularity == "block" else block
     a, b = (
-        quantize_blocks(torch.randn(128, 256, generator=generator), torch.float8_e4m3fn, block)
-        for _ in range(2)
+        quantize_blocks(torch.randn(128, 256, generator=generator), torch.float8_e4m3fn, blocks)
+        for blocks in (block, b_block)
     )
     bias = torch.randn(128, generator=generator).to(torch.bfloat16) if what == "bias" else None
     want = _emulated(a, b, bias).double()
