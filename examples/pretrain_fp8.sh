@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The body of the pretraining recipes (pretrain_gpt_1b_fp8.sh, pretrain_llama2_7b_fp8.sh): one
 # node, FP8 HYBRID (delayed scaling with Transformer Engine's history of 1024 and max, or current
-# scaling) or the bf16 baseline. The recipe sets MODEL (a preset), MODEL_ARGS (its extra flags),
+# scaling), FP8 E4M3 with rowwise or blockwise scaling (FP8_RECIPE; FP8_FORMAT overrides the
+# format), or the bf16 baseline. The recipe sets MODEL (a preset), MODEL_ARGS (its extra flags),
 # SAMPLE_VOCAB (the tokenizer size for the sample corpus) and its size defaults; everything below
 # can be overridden from the environment. A run resumes from its own checkpoints (--save and --load
 # are the same folder). Without a GPU it stops at once, unless CPU=1 (with a shrunk model). The
@@ -35,6 +36,10 @@ MBS=${MBS:-4}; GBS=${GBS:-$((MBS * DP * 8))}
 SEQ=${SEQ:-2048}; ITERS=${ITERS:-500}
 LR=${LR:-2e-4}; MIN_LR=${MIN_LR:-2e-5}; WARMUP=${WARMUP:-$((ITERS / 10))}
 PRECISION=${PRECISION:-fp8}; FP8_RECIPE=${FP8_RECIPE:-delayed}
+case $FP8_RECIPE in  # the fine-grained recipes' own format is E4M3 (docs/fp8.md)
+    rowwise | blockwise) FP8_FORMAT=${FP8_FORMAT:-e4m3} ;;
+    *) FP8_FORMAT=${FP8_FORMAT:-hybrid} ;;
+esac
 SAVE=${SAVE-$WORKDIR/checkpoints}  # SAVE= (empty): no checkpoints, for benchmarks
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EXTRA_ARGS=${EXTRA_ARGS:-}
@@ -72,7 +77,7 @@ fi
 
 PRECISION_ARGS=(--bf16)
 if [ "$PRECISION" = fp8 ]; then
-    PRECISION_ARGS+=(--fp8-format hybrid --fp8-recipe "$FP8_RECIPE")
+    PRECISION_ARGS+=(--fp8-format "$FP8_FORMAT" --fp8-recipe "$FP8_RECIPE")
     if [ "$FP8_RECIPE" = delayed ]; then
         PRECISION_ARGS+=(--fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
     fi

@@ -270,6 +270,12 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             "megafp8-train: error: --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 4 = 4 does not divide "
             "the world size 6; choose sizes whose product divides the number of GPUs\n",
         ),
+        # the fine-grained recipes in E4M3, the format FP8_FORMAT overrides
+        (
+            "pretrain_gpt_1b_fp8.sh",
+            dict(FP8_RECIPE="blockwise", FP8_FORMAT="e5m2"),
+            "megafp8-train: error: argument --fp8-format: invalid choice: 'e5m2'",
+        ),
         (
             "quickstart.sh",
             dict(NPROC="3"),

@@ -277,8 +277,9 @@ def failing_command(run: Run, work: Path, cpu: bool, flags=()) -> list[str]:
         "--save",
         str(work / "runs" / run.name),
     ]
-    if run.precision != "bf16":
-        command += ["--fp8-format", "hybrid", "--fp8-recipe", run.precision]
+    if run.precision != "bf16":  # the format the recipe gives it
+        fmt = "e4m3" if run.precision in ("rowwise", "blockwise") else "hybrid"
+        command += ["--fp8-format", fmt, "--fp8-recipe", run.precision]
     if tp > 1:
         command.append("--sequence-parallel")
     command += flags
