@@ -36,7 +36,7 @@ try:
 
     from megafp8.triton_support import round_to as _round_to
 
-    from .triton_kernels import cast_outcomes, transpose_stored_tile
+    from .triton_kernels import count_cast, transpose_stored_tile
     from .triton_kernels import to_fp8 as _to_fp8
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
@@ -198,14 +198,9 @@ if triton is not None:
         magnitude = tl.where(y == y, tl.abs(y), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
         if SATURATION:
-            hits, flushed = cast_outcomes(
-                tl.abs(y * scale), saturation_bound, flush_bound, BOUND_INCLUSIVE
+            count_cast(
+                y * scale, mask, saturation_ptr, saturation_bound, flush_bound, BOUND_INCLUSIVE
             )
-            tl.atomic_add(saturation_ptr, tl.sum(tl.sum(hits, axis=1), axis=0).to(tl.int64))
-            tl.atomic_add(
-                saturation_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
-            )
-            tl.atomic_add(saturation_ptr + 2, tl.sum(tl.sum(flushed, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def _cast_gradient_tile(

@@ -34,7 +34,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_kernels import cast_outcomes, to_fp8
+    from .triton_kernels import count_cast, to_fp8
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -80,16 +80,6 @@ if triton is not None:
                 peaks = tl.load(amax_ptr + index, mask=index < count, other=0.0)
             scale = _fitted_scale(peaks, fp8_max, margin_factor, POWER_OF_TWO)
         return scale
-
-    @triton.jit
-    def _count(scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE: tl.constexpr):
-        # (saturated, cast, nonzero flushed to zero) of a cast, as tensor.saturates/underflows
-        hits, flushed = cast_outcomes(tl.abs(scaled), saturation_bound, flush_bound, INCLUSIVE)
-        tl.atomic_add(counts_ptr, tl.sum(tl.sum(hits, axis=1), axis=0).to(tl.int64))
-        tl.atomic_add(
-            counts_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
-        )
-        tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(flushed, axis=1), axis=0).to(tl.int64))
 
     @triton.jit
     def _pair_kernel(
@@ -164,7 +154,7 @@ if triton is not None:
                     mask=mask,
                 )
                 if COUNT:
-                    _count(scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE)
+                    count_cast(scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE)
                 if (MODE == 0) | ((MODE == 2) & (pid_k == 0)):
                     tl.store(
                         s_ptr + rows * stride_s0 + pid_k * stride_s1,
@@ -202,7 +192,9 @@ if triton is not None:
                     mask=mask_t,
                 )
                 if COUNT and MODE != 3:  # a square block's transpose is the same cast
-                    _count(scaled_t, mask_t, counts_ptr, saturation_bound, flush_bound, INCLUSIVE)
+                    count_cast(
+                        scaled_t, mask_t, counts_ptr, saturation_bound, flush_bound, INCLUSIVE
+                    )
                 if (MODE == 0) | ((MODE == 2) & (pid_m == 0)):
                     tl.store(
                         st_ptr + cols * stride_st0 + pid_m * stride_st1,

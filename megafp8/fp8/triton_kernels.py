@@ -73,6 +73,20 @@ if triton is not None:
         return hits.to(tl.int32), flushed.to(tl.int32)
 
     @triton.jit
+    def count_cast(
+        scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE: tl.constexpr
+    ):
+        # A 2-D tile's (saturated, cast, nonzero flushed to zero) added into the int64 triple at
+        # counts_ptr: `scaled` is x * scale as the cast takes it (0 in the padding, never
+        # counted), `mask` the tile's elements.
+        hits, flushed = cast_outcomes(tl.abs(scaled), saturation_bound, flush_bound, INCLUSIVE)
+        tl.atomic_add(counts_ptr, tl.sum(tl.sum(hits, axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(
+            counts_ptr + 1, tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0).to(tl.int64)
+        )
+        tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(flushed, axis=1), axis=0).to(tl.int64))
+
+    @triton.jit
     def _load_input(
         x_ptr,
         k_ptr,
@@ -192,12 +206,9 @@ if triton is not None:
             # The opt-in counts of quantize.saturates and quantize.underflows, on the very product
             # the cast takes (padding is 0, never counted), and of the elements cast: no extra
             # launch on the host.
-            hits, flushed = cast_outcomes(
-                tl.abs(x * scale), saturation_bound, flush_bound, BOUND_INCLUSIVE
+            count_cast(
+                x * scale, mask, saturation_ptr, saturation_bound, flush_bound, BOUND_INCLUSIVE
             )
-            tl.atomic_add(saturation_ptr, tl.sum(hits).to(tl.int64))
-            tl.atomic_add(saturation_ptr + 1, tl.sum(mask.to(tl.int32)).to(tl.int64))
-            tl.atomic_add(saturation_ptr + 2, tl.sum(flushed).to(tl.int64))
         # No clamp: the FP8 conversion (cvt.rn.satfinite on sm_89+) saturates out-of-range
         # values and inf to ±fp8_max and keeps NaN, exactly the torch path's clamp-then-cast.
         if ROWWISE:
