@@ -186,11 +186,30 @@ def gemm_into(granularity: str, a: ScaledFp8, b: ScaledFp8, out: torch.Tensor) -
         out.copy_(_emulated(a, b))
         return
     if granularity == "row":
-        scale_a, scale_b = a.scale_inv, b.scale_inv.reshape(1, -1)
-    else:
-        scale_a, scale_b = _cublas_block_scales(a)[0], _cublas_block_scales(b)[0]
-    torch._scaled_mm(
-        a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out.dtype, out=out
+        torch._scaled_mm(
+            a.data,
+            b.data.t(),
+            scale_a=a.scale_inv,
+            scale_b=b.scale_inv.reshape(1, -1),
+            out_dtype=out.dtype,
+            out=out,
+        )
+        return
+    # blockwise scales go with their scaling types to the scaled-mm op F.scaled_mm calls, whose
+    # `out` variant F.scaled_mm does not expose
+    (sa, recipe_a), (sb, recipe_b) = _cublas_block_scales(a), _cublas_block_scales(b)
+    torch.ops.aten._scaled_mm_v2.out(
+        a.data,
+        b.data.t(),
+        [sa],
+        [recipe_a.value],
+        [],
+        [sb],
+        [recipe_b.value],
+        [],
+        None,
+        out.dtype,
+        out=out,
     )
 
 
