@@ -123,7 +123,10 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        if COL_SUM:  # partial sums, reduced by the caller: deterministic, unlike atomics
+        # The tile's column sums (partial: the caller adds the tiles', deterministic unlike
+        # atomics), from the transposed read where there is one: a sum along the tile's second
+        # axis, as its amaxes are taken, not a third reduction pattern
+        if COL_SUM and not COLUMNS:
             tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x, axis=0), mask=cols < K)
         # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
         magnitude = tl.where(x == x, tl.abs(x), float("inf"))
@@ -174,6 +177,8 @@ if triton is not None:
                     x_ptr + rows[None, :] * stride_x + cols[:, None], mask=mask_t, other=0.0
                 )
                 x_t = x_t.to(tl.float32)
+                if COL_SUM:
+                    tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x_t, axis=1), mask=cols < K)
                 col_scale = _line_scales(
                     tl.max(tl.where(x_t == x_t, tl.abs(x_t), float("inf")), axis=1),
                     col_ptr,
@@ -331,7 +336,6 @@ def quantize_pair(
             False,
             per_row=row_amax,
             per_col=col_amax,
-            col_sums=partial_sums,
         )
         if column_group is not None:
             col_amax = collectives.max_over(col_amax, column_group)
@@ -351,6 +355,7 @@ def quantize_pair(
             per_row=row_amax,
             per_col=col_amax,
             counts=saturation_out,
+            col_sums=partial_sums,
         )
     if col_sum_out is not None:
         torch.sum(partial_sums, dim=0, out=col_sum_out)
