@@ -6,7 +6,8 @@ casts cost (eager torch against the fused kernels), and an Fp8Linear step under 
 - gemms: each linear's three GEMMs (fprop, dgrad, wgrad) in bf16, tensorwise FP8 (fast
   accumulation in fprop, as the delayed recipe runs them), rowwise and blockwise scaling;
 - casts: an activation cast for both of its GEMMs (rows and transposed columns), torch against
-  megafp8.fp8.fine_grained_kernels, and the weight's cast;
+  megafp8.fp8.fine_grained_kernels; the output gradient's, plain, summing its columns (the bias
+  gradient, beside torch's sum) and counting saturation; and the weight's cast;
 - layers: one linear's forward + backward, captured in a CUDA graph, in bf16 and under the
   delayed, rowwise and blockwise recipes (the speed-up over bf16 each).
 Times are medians of CUDA-event timings (triton.testing.do_bench).
@@ -83,6 +84,21 @@ def cast_times(tokens, k, n):
             lambda: (quantize_blocks(x, E4M3, block), quantize_blocks(x.t(), E4M3, block))
         )
         row[f"{name}_fused"] = ms(lambda: fine_grained_kernels.quantize_pair(x, E4M3, blockwise))
+    # the output gradient's pair cast as backward runs it: plain, summing its columns (the bias
+    # gradient; torch's separate sum beside), and counting saturation (a log step)
+    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+    sums = torch.empty(n, device="cuda")
+    counts = torch.zeros(3, device="cuda", dtype=torch.int64)
+    row["bias_sum_torch"] = ms(lambda: torch.sum(dy, dim=0, dtype=torch.float32, out=sums))
+    for name, blockwise in (("rowwise", False), ("blockwise", True)):
+        for extra, kwargs in (
+            ("", {}),
+            ("_col_sums", {"col_sum_out": sums}),
+            ("_counts", {"saturation_out": counts}),
+        ):
+            row[f"grad_{name}{extra}"] = ms(
+                lambda: fine_grained_kernels.quantize_pair(dy, E4M3, blockwise, **kwargs)
+            )
     row["weight_squares_torch"] = ms(lambda: quantize_blocks(w, E4M3, (128, 128)))
     row["weight_squares_fused"] = ms(lambda: fine_grained_kernels.quantize_squares(w, E4M3))
     row["bytes_pair"] = x.numel() * (2 + 2)  # read bf16 once, write two FP8 copies
@@ -124,6 +140,7 @@ def main(argv=None):
     print(
         "ms           | GEMMs: bf16  tensor  row   block | casts: row torch/fused  block torch/fused"
         " | layer graphed: bf16 delayed row block (x bf16)"
+        " | output gradient's block cast: plain +sums +counts, torch sum"
     )
     for k, n in MODELS[args.model]:
         gemms, casts, layers = (f(args.tokens, k, n) for f in (gemm_times, cast_times, layer_times))
@@ -140,6 +157,16 @@ def main(argv=None):
                 f"{layers[name]:6.3f}"
                 + ("" if name == "bf16" else f" ({layers['bf16'] / layers[name]:.2f}x)")
                 for name in ("bf16", *RECIPES)
+            )
+            + " | "
+            + " ".join(
+                f"{casts[key]:6.3f}"
+                for key in (
+                    "grad_blockwise",
+                    "grad_blockwise_col_sums",
+                    "grad_blockwise_counts",
+                    "bias_sum_torch",
+                )
             )
         )
     if args.json:

@@ -41,3 +41,7 @@ def test_every_granularity_is_timed(tmp_path):
         assert all(len(t) == 3 and min(t) > 0 for t in linear["gemms"].values())
         assert set(linear["layers"]) == {"bf16", "delayed", "rowwise", "blockwise"}
         assert min(linear["layers"].values()) > 0
+        casts = linear["casts"]
+        for name in ("rowwise", "blockwise"):
+            assert all(casts[f"grad_{name}{extra}"] > 0 for extra in ("", "_col_sums", "_counts"))
+        assert casts["bias_sum_torch"] > 0
