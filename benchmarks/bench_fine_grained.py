@@ -8,6 +8,8 @@ casts cost (eager torch against the fused kernels), and an Fp8Linear step under 
 - casts: an activation cast for both of its GEMMs (rows and transposed columns), torch against
   megafp8.fp8.fine_grained_kernels; the output gradient's, plain, summing its columns (the bias
   gradient, beside torch's sum) and counting saturation; and the weight's cast;
+- activations: the MLP's activation and the pair cast of its output, and of its gradient, in
+  the cast's read (neighbour fusion) against the torch op followed by the cast;
 - layers: one linear's forward + backward, captured in a CUDA graph, in bf16 and under the
   delayed, rowwise and blockwise recipes (the speed-up over bf16 each).
 Times are medians of CUDA-event timings (triton.testing.do_bench).
@@ -23,7 +25,7 @@ import torch
 from bench_fp8_linear import graphed, layer_step, ms
 
 from megafp8 import BlockwiseScaling, DelayedScaling, Fp8Linear, RowwiseScaling
-from megafp8.fp8 import fine_grained_kernels
+from megafp8.fp8 import activation_kernels, fine_grained_kernels
 from megafp8.fp8.fine_grained import blockwise_gemm, quantize_blocks, rowwise_gemm
 from megafp8.fp8.gemm import fp8_gemm
 from megafp8.fp8.quantize import quantize
@@ -106,6 +108,39 @@ def cast_times(tokens, k, n):
     return row
 
 
+def activation_times(tokens, ffn):
+    """The MLP's activation and the pair cast of its output (forward) or of its gradient
+    (backward), computed in the cast's read (fused) against the torch op and then the cast."""
+    pair = fine_grained_kernels.quantize_pair
+    row = {}
+    for kind in ("gelu", "swiglu"):
+        width = 2 * ffn if kind == "swiglu" else ffn
+        h = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
+        sums = torch.empty(width, device="cuda")
+        for name, blockwise in (("rowwise", False), ("blockwise", True)):
+            row[f"{kind}_{name}_forward_unfused"] = ms(
+                lambda: pair(activation_kernels.activation_torch(h, kind), E4M3, blockwise)
+            )
+            row[f"{kind}_{name}_forward_fused"] = ms(
+                lambda: pair(h, E4M3, blockwise, activation=kind)
+            )
+            row[f"{kind}_{name}_backward_unfused"] = ms(
+                lambda: pair(
+                    activation_kernels.activation_backward_torch(dout, h, kind),
+                    E4M3,
+                    blockwise,
+                    col_sum_out=sums,
+                )
+            )
+            row[f"{kind}_{name}_backward_fused"] = ms(
+                lambda: pair(
+                    dout, E4M3, blockwise, col_sum_out=sums, activation=kind, activation_input=h
+                )
+            )
+    return row
+
+
 def layer_times(tokens, k, n):
     torch.manual_seed(0)
     base = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -169,6 +204,19 @@ def main(argv=None):
                 )
             )
         )
+    ffn = MODELS[args.model][-1][0]
+    results["activations"] = activation_times(args.tokens, ffn)
+    print(f"the MLP's activation and its pair cast, [{args.tokens}, {ffn}], ms unfused / fused:")
+    for kind in ("gelu", "swiglu"):
+        for name in ("rowwise", "blockwise"):
+            print(
+                f"  {kind:6} {name:9} "
+                + "  ".join(
+                    f"{way} {results['activations'][f'{kind}_{name}_{way}_unfused']:6.3f} / "
+                    f"{results['activations'][f'{kind}_{name}_{way}_fused']:6.3f}"
+                    for way in ("forward", "backward")
+                )
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -144,7 +144,7 @@ if triton is not None:
         return dy * (s + 2.0 * x * s * (1.0 - s) * inner_derivative)
 
     @triton.jit
-    def _activation(h_ptr, r, c, mask, F, K, KIND: tl.constexpr):
+    def activation_tile(h_ptr, r, c, mask, F, K, KIND: tl.constexpr):
         # KIND of h at rows r, output columns c (index tensors that broadcast to the tile, either
         # way round; int64 when the kernel runs WIDE, and so the offsets), rounded to h's dtype as
         # the unfused op stores it; 0 in the padding.
@@ -159,27 +159,44 @@ if triton is not None:
         return _round_to(y, dtype)
 
     @triton.jit
-    def _gelu_grad_tile(dout_ptr, h_ptr, r, c, mask, K, TANH: tl.constexpr):
-        # dh at rows r, columns c as in `_activation`, rounded to h's dtype.
+    def gelu_grad_tile(dout_ptr, h_ptr, r, c, mask, K, TANH: tl.constexpr):
+        # dh at rows r, columns c as in `activation_tile`, rounded to h's dtype.
         dy = tl.load(dout_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(h_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
         return _round_to(_gelu_grad(dy, x, TANH), h_ptr.dtype.element_ty)
 
     @triton.jit
-    def _swiglu_grad_tiles(dout_ptr, h_ptr, r, c, mask, F, K):
-        # (d gate, d up) at rows r, columns c of dout, as in `_activation`. Autograd of
-        # silu(gate) * up: MulBackward stores d up = dout * silu(gate) and d silu = dout * up, then
-        # aten's silu_backward(d silu, gate); the recomputed silu and the sigmoid share one expf.
-        dtype: tl.constexpr = h_ptr.dtype.element_ty
-        dy = tl.load(dout_ptr + r * F + c, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(h_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + r * K + F + c, mask=mask, other=0.0).to(tl.float32)
+    def _swiglu_grads(dy, gate, up, dtype: tl.constexpr):
+        # (d gate, d up) of silu(gate) * up. Autograd's: MulBackward stores d up = dout *
+        # silu(gate) and d silu = dout * up, then aten's silu_backward(d silu, gate); the
+        # recomputed silu and the sigmoid share one expf.
         e = _exp(-gate)
         d_up = _round_to(dy * _round_to(tl.div_rn(gate, 1.0 + e), dtype), dtype)
         d_silu = _round_to(dy * up, dtype)
         sigmoid = tl.div_rn(1.0, 1.0 + e)
         d_gate = _round_to(d_silu * sigmoid * (1.0 + gate * (1.0 - sigmoid)), dtype)
         return d_gate, d_up
+
+    @triton.jit
+    def _swiglu_grad_tiles(dout_ptr, h_ptr, r, c, mask, F, K):
+        # (d gate, d up) at rows r, columns c of dout, as in `activation_tile`.
+        dy = tl.load(dout_ptr + r * F + c, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + r * K + F + c, mask=mask, other=0.0).to(tl.float32)
+        return _swiglu_grads(dy, gate, up, h_ptr.dtype.element_ty)
+
+    @triton.jit
+    def swiglu_grad_tile(dout_ptr, h_ptr, r, c, mask, F, K, UP: tl.constexpr):
+        # One half of dh at rows r, columns c of dout: d up (UP; it needs no `up`) or d gate,
+        # the same values as `_swiglu_grad_tiles`'.
+        dy = tl.load(dout_ptr + r * F + c, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + r * K + c, mask=mask, other=0.0).to(tl.float32)
+        if UP:
+            unused, g = _swiglu_grads(dy, gate, 0.0, h_ptr.dtype.element_ty)
+        else:
+            up = tl.load(h_ptr + r * K + F + c, mask=mask, other=0.0).to(tl.float32)
+            g, unused = _swiglu_grads(dy, gate, up, h_ptr.dtype.element_ty)
+        return g
 
     @triton.jit
     def _observe(
@@ -270,7 +287,7 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROWWISE:
             mask = (rows[:, None] < M) & (cols[None, :] < F)
-            y = _activation(h_ptr, rows[:, None], cols[None, :], mask, F, K, KIND)
+            y = activation_tile(h_ptr, rows[:, None], cols[None, :], mask, F, K, KIND)
             _observe(
                 y,
                 mask,
@@ -292,7 +309,7 @@ if triton is not None:
             if ROWWISE:
                 transpose_stored_tile(q_ptr, qt_ptr, rows[None, :], cols[:, None], mask_t, M, F)
             else:
-                y_t = _activation(h_ptr, rows[None, :], cols[:, None], mask_t, F, K, KIND)
+                y_t = activation_tile(h_ptr, rows[None, :], cols[:, None], mask_t, F, K, KIND)
                 _observe(
                     y_t,
                     mask_t,
@@ -361,7 +378,7 @@ if triton is not None:
                     dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, F, K
                 )
             else:
-                g = _gelu_grad_tile(
+                g = gelu_grad_tile(
                     dout_ptr, h_ptr, rows[:, None], cols[None, :], mask, K, KIND == "gelu_tanh"
                 )
             offsets = rows[:, None] * K + cols[None, :]
@@ -412,7 +429,7 @@ if triton is not None:
                         dout_ptr, h_ptr, rows[None, :], cols[:, None], mask_t, F, K
                     )
                 else:
-                    g = _gelu_grad_tile(
+                    g = gelu_grad_tile(
                         dout_ptr,
                         h_ptr,
                         rows[None, :],

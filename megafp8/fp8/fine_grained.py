@@ -18,7 +18,8 @@ so x and dy are each cast twice, once for each GEMM they enter, both casts from 
 (megafp8.fp8.fine_grained_kernels); so is the weight under rowwise scaling, while its 128 x 128
 blocks serve both of its GEMMs, transposed for dgrad. Under sequence parallelism each rank casts
 its own tokens and the FP8 casts are gathered; the one collective a cast needs is a rowwise
-column's amax, maxed over the ranks' tokens.
+column's amax, maxed over the ranks' tokens. With neighbour fusion (megafp8.fp8.linear.Fusion)
+the MLP's activation, and in backward its gradient, are computed in those reads.
 """
 
 from __future__ import annotations
@@ -32,13 +33,24 @@ import torch.nn.functional as F
 from megafp8 import collectives
 from megafp8.main_grad import accumulate_into_main_grad, claim_empty_main_grad
 
-from . import fine_grained_kernels
+from . import activation_kernels, fine_grained_kernels
 from .autocast import Fp8Context
 from .formats import fp8_max
+from .fused import ActivationGradSource
 from .tensor import ScaledFp8, power_of_two_below, saturates, scale_from_amax, underflows
 
 # The blockwise recipe's block: 1 x 128 for activations and gradients, 128 x 128 for weights
 BLOCK = 128
+
+
+class OutputGradient(NamedTuple):
+    """A linear's output gradient cast for its fine-grained backward by what follows the linear
+    (megafp8.fp8.fused.GradHandoff): the row cast for dgrad, the transposed one for wgrad (None:
+    the weight takes no gradient), the column sums for the bias (None: it takes none)."""
+
+    rows: ScaledFp8
+    columns: ScaledFp8 | None
+    col_sum: torch.Tensor | None
 
 
 class WeightCasts(NamedTuple):
@@ -332,19 +344,29 @@ SCHEMES = {
 
 
 def fine_grained_linear(
-    module, x: torch.Tensor, bias, context: Fp8Context, gather_group=None, scatter_group=None
+    module,
+    x: torch.Tensor,
+    bias,
+    context: Fp8Context,
+    gather_group=None,
+    scatter_group=None,
+    fusion=None,
 ) -> torch.Tensor:
     """`x W^T + bias` for Fp8Linear `module` under a rowwise or blockwise `context`. With
-    `gather_group`, `x` is this rank's dim-0 shard, all-gathered (in high precision: each
-    rank's rows are cast after the gather) before the GEMM; with `scatter_group`, the output is
-    summed over the group and this rank keeps its dim-0 shard."""
+    `gather_group`, `x` is this rank's dim-0 shard, all-gathered (in FP8 where the casts allow)
+    before the GEMM; with `scatter_group`, the output is summed over the group and this rank
+    keeps its dim-0 shard. `fusion` (megafp8.fp8.linear.Fusion; its norm is not taken): with an
+    activation, `x` is the activation's input and the cast computes it; `grad_from`, the output
+    gradient comes cast already (an OutputGradient)."""
     if module.fp8_primary_weight:
         raise ValueError(
             f"{module}: its weight is held in FP8 with a delayed scale (FP8 primary weights), "
             f"which {type(context.recipe).__name__} cannot use: keep high-precision weights"
         )
+    if fusion is not None and fusion.norm is not None:
+        raise ValueError("the fine-grained casts do not compute a norm: apply it first")
     return _FineGrainedLinear.apply(
-        x, module.weight, bias, module, context, gather_group, scatter_group
+        x, module.weight, bias, module, context, gather_group, scatter_group, fusion
     )
 
 
@@ -357,15 +379,30 @@ def quantize_pair(
     columns: bool = True,
     column_group=None,
     col_sum_out: torch.Tensor | None = None,
+    activation: str | None = None,
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast for the GEMMs it enters under the fine-grained `recipe`: along
     its rows ([M, K], scales over K) and, transposed, along its columns ([K, M], scales over M),
     each when asked. On CUDA one fused read (megafp8.fp8.fine_grained_kernels); else torch.
     `column_group`: `x` is this rank's rows of a tensor split over that group, and a column's
     scale (rowwise: the whole column's) is fitted to the amax over every rank's rows.
-    `col_sum_out` (fp32 [K]) takes the sums of x's columns (a linear layer's bias gradient)."""
+    `col_sum_out` (fp32 [K]) takes the sums of the cast tensor's columns (a linear layer's
+    bias gradient). `activation`, `activation_input`: the cast is of an activation of `x`, or of
+    its gradient at `activation_input` (`x` the gradient of its output), which the fused read
+    computes and nothing stores (elsewhere the torch ops run first)."""
     blockwise = recipe.granularity == "block"
-    if fine_grained_kernels.runs_on(x) and (rows or columns):
+    fused = fine_grained_kernels.runs_on(x) and (rows or columns)
+    if activation is not None and not (
+        fused and fine_grained_kernels.fuses(activation, x, activation_input)
+    ):
+        x = (
+            activation_kernels.activation_torch(x, activation)
+            if activation_input is None
+            else activation_kernels.activation_backward_torch(x, activation_input, activation)
+        )
+        activation = activation_input = None
+    if fused:
         return fine_grained_kernels.quantize_pair(
             x,
             fp8_dtype,
@@ -377,6 +414,8 @@ def quantize_pair(
             saturation_out,
             column_group=column_group,
             col_sum_out=col_sum_out,
+            activation=activation,
+            activation_input=activation_input,
         )
     if col_sum_out is not None:
         torch.sum(x, dim=0, dtype=torch.float32, out=col_sum_out)
@@ -401,6 +440,33 @@ def quantize_pair(
         if columns
         else None,
     )
+
+
+def cast_output_gradient(source, producer, context: Fp8Context) -> OutputGradient:
+    """`source` (megafp8.fp8.fused: the 2-D output gradient of Fp8Linear `producer`, not computed
+    yet) cast for `producer`'s backward under `context`, a fine-grained fp8_autocast: an
+    activation's gradient computed in the cast's read, another source materialized first."""
+    weight, bias = producer.weight, producer.bias
+    if isinstance(source, ActivationGradSource):
+        x, activation, activation_input = source.dout, source.kind, source.h
+    else:
+        x, activation, activation_input = source.materialize(), None, None
+    col_sum = (
+        x.new_empty(weight.shape[0], dtype=torch.float32)
+        if bias is not None and bias.requires_grad
+        else None
+    )
+    rows, columns = quantize_pair(
+        x,
+        context.recipe.fp8_format.backward_dtype,
+        context.recipe,
+        _counts(producer, "grad_output", context),
+        columns=weight.requires_grad,
+        col_sum_out=col_sum,
+        activation=activation,
+        activation_input=activation_input,
+    )
+    return OutputGradient(rows, columns, col_sum)
 
 
 def _counts(module, role: str, context: Fp8Context):
@@ -472,12 +538,14 @@ def _gather_columns(q: ScaledFp8, group, whole_rows: bool) -> ScaledFp8:
 
 class _FineGrainedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, context: Fp8Context, gather, scatter):
+    def forward(ctx, x, weight, bias, module, context: Fp8Context, gather, scatter, fusion):
         recipe = context.recipe
+        activation = fusion.activation if fusion is not None else None
         gemm = SCHEMES[recipe.granularity].gemm
         fprop_hp, dgrad_hp, wgrad_hp = recipe.override_linear_precision
         forward_dtype = recipe.fp8_format.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
+        h = x2 if activation is not None else None  # this rank's, for the activation's backward
         wgrad_fp8 = weight.requires_grad and not wgrad_hp
         dgrad_fp8 = x.requires_grad and not dgrad_hp
         # Gathered in FP8 where only FP8 GEMMs take the input: each rank casts its own rows, and
@@ -499,6 +567,7 @@ class _FineGrainedLinear(torch.autograd.Function):
             rows=not fprop_hp,
             columns=wgrad_fp8,
             column_group=gather if fp8_gather else None,
+            activation=activation,
         )
         if fp8_gather:
             qx = _gather_rows(qx, gather)
@@ -525,8 +594,10 @@ class _FineGrainedLinear(torch.autograd.Function):
         ctx.save_for_backward(
             *(x_saved if wgrad_fp8 else (x_saved,)),
             *(w_saved if dgrad_fp8 else (weight,)),
+            *((h,) if activation is not None else ()),
         )
         ctx.fp8, ctx.module, ctx.context = (dgrad_fp8, wgrad_fp8), module, context
+        ctx.fusion = fusion
         ctx.gather, ctx.scatter, ctx.has_bias = gather, scatter, bias is not None
         ctx.fp8_gather = fp8_gather
         ctx.input_shape, ctx.weight_dtype = x.shape, weight.dtype
@@ -538,7 +609,8 @@ class _FineGrainedLinear(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x_saved = ScaledFp8(saved.pop(0), saved.pop(0)) if wgrad_fp8 else saved.pop(0)
         w_saved = ScaledFp8(saved.pop(0), saved.pop(0)) if dgrad_fp8 else saved.pop(0)
-        module, context = ctx.module, ctx.context
+        h = saved.pop(0) if saved else None  # the fused activation's input
+        module, context, fusion = ctx.module, ctx.context, ctx.fusion
         gemm = SCHEMES[context.recipe.granularity].gemm
         backward_dtype = context.recipe.fp8_format.backward_dtype
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -547,6 +619,12 @@ class _FineGrainedLinear(torch.autograd.Function):
         # the pair cast's read of them where that cast is of this rank's rows
         db = dy2.new_empty(dy2.shape[-1], dtype=torch.float32) if need_db and ctx.has_bias else None
         rows_fp8, columns_fp8 = need_dx and dgrad_fp8, need_dw and wgrad_fp8
+        # the output gradient cast by what follows this layer (its activation's backward)
+        handed = (
+            fusion.grad_from.take(dy)
+            if fusion is not None and fusion.grad_from is not None
+            else None
+        )
         # the output's gradient gathered in FP8 where only FP8 GEMMs take it, as the input
         fp8_gather = (
             ctx.scatter is not None
@@ -554,20 +632,29 @@ class _FineGrainedLinear(torch.autograd.Function):
             and (columns_fp8 or not need_dw)
             and _casts_locally(context.recipe, dy2.shape[0])
         )
-        if ctx.scatter is not None and not fp8_gather:
-            if db is not None:
-                torch.sum(dy2, dim=0, dtype=torch.float32, out=db)
-            dy2 = collectives.all_gather(dy2.contiguous(), ctx.scatter)
-        qdy, dy_columns = quantize_pair(
-            dy2,
-            backward_dtype,
-            context.recipe,
-            _counts(module, "grad_output", context),
-            rows=rows_fp8,
-            columns=columns_fp8,
-            column_group=ctx.scatter if fp8_gather else None,
-            col_sum_out=db if ctx.scatter is None or fp8_gather else None,
-        )
+        if handed is not None:
+            if ctx.scatter is not None:
+                raise RuntimeError(
+                    "a linear whose output is reduce-scattered cannot take its output gradient "
+                    "cast by the layer after it (grad_from)"
+                )
+            qdy, dy_columns = handed.rows, handed.columns
+            db = handed.col_sum if db is not None else None
+        else:
+            if ctx.scatter is not None and not fp8_gather:
+                if db is not None:
+                    torch.sum(dy2, dim=0, dtype=torch.float32, out=db)
+                dy2 = collectives.all_gather(dy2.contiguous(), ctx.scatter)
+            qdy, dy_columns = quantize_pair(
+                dy2,
+                backward_dtype,
+                context.recipe,
+                _counts(module, "grad_output", context),
+                rows=rows_fp8,
+                columns=columns_fp8,
+                column_group=ctx.scatter if fp8_gather else None,
+                col_sum_out=db if ctx.scatter is None or fp8_gather else None,
+            )
         whole_rows = context.recipe.granularity == "row"
         if fp8_gather:
             qdy = _gather_rows(qdy, ctx.scatter) if rows_fp8 else None
@@ -585,6 +672,8 @@ class _FineGrainedLinear(torch.autograd.Function):
                 dx = dy2 @ w_saved.to(dy.dtype)
             if ctx.gather is not None:
                 dx = collectives.reduce_scatter(dx, ctx.gather)
+            if h is not None:
+                dx = fusion.activation_backward(dx, h)
             dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         if need_dw:
             granularity = context.recipe.granularity
@@ -609,7 +698,7 @@ class _FineGrainedLinear(torch.autograd.Function):
                 dw = _into_main_grad(module, module.weight, dw, ctx.weight_dtype)
         if db is not None:
             db = _into_main_grad(module, module.bias, db, ctx.weight_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _into_main_grad(module, param, grad: torch.Tensor, dtype: torch.dtype):

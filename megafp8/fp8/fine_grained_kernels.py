@@ -22,6 +22,8 @@ power of two when asked, a saturating cast; the bytes and scales are the referen
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megafp8 import collectives
@@ -34,6 +36,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .activation_kernels import activation_tile, gelu_grad_tile, swiglu_grad_tile
     from .triton_kernels import count_cast, to_fp8
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
@@ -82,8 +85,43 @@ if triton is not None:
         return scale
 
     @triton.jit
+    def _read(
+        x_ptr,
+        h_ptr,
+        r,
+        c,
+        mask,
+        stride_x,
+        F,
+        KH,
+        first_col,
+        READ: tl.constexpr,
+        KIND: tl.constexpr,
+    ):
+        # What the cast reads at rows r, columns c (index tensors that broadcast to the tile,
+        # either way round), in fp32, 0 in the padding: x itself (READ 0); the activation KIND of
+        # the activation input at x_ptr [M, KH] (1: F output columns, KH = 2F for SwiGLU); its
+        # gradient (2), x_ptr the gradient of its output [M, F], h_ptr its input [M, KH], the
+        # tile at column `first_col` of [d gate | d up] (SwiGLU: tiles hold one half's columns).
+        # The activation's values are those of megafp8.fp8.activation_kernels, bit for bit.
+        if READ == 1:
+            v = activation_tile(x_ptr, r, c, mask, F, KH, KIND)
+        elif READ == 2:
+            if KIND == "swiglu":
+                if first_col < F:
+                    v = swiglu_grad_tile(x_ptr, h_ptr, r, c, mask, F, KH, False)
+                else:
+                    v = swiglu_grad_tile(x_ptr, h_ptr, r, c - F, mask, F, KH, True)
+            else:
+                v = gelu_grad_tile(x_ptr, h_ptr, r, c, mask, KH, KIND == "gelu_tanh")
+        else:
+            v = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        return v
+
+    @triton.jit
     def _pair_kernel(
         x_ptr,
+        h_ptr,  # the activation's input, for its gradient (READ 2)
         q_ptr,
         s_ptr,
         qt_ptr,
@@ -95,6 +133,8 @@ if triton is not None:
         M,
         K,
         stride_x,
+        F,
+        KH,
         stride_s0,
         stride_s1,
         stride_st0,
@@ -110,6 +150,8 @@ if triton is not None:
         COUNT: tl.constexpr,
         COL_SUM: tl.constexpr,
         INCLUSIVE: tl.constexpr,
+        READ: tl.constexpr,  # what the tiles are: x, an activation of it, an activation's gradient
+        KIND: tl.constexpr,  # the activation
         WIDE: tl.constexpr,
         T: tl.constexpr,
     ):
@@ -121,8 +163,10 @@ if triton is not None:
         rows = pid_m * T + tl.arange(0, T)
         cols = pid_k * T + tl.arange(0, T)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        first_col = pid_k * T
+        x = _read(
+            x_ptr, h_ptr, rows[:, None], cols[None, :], mask, stride_x, F, KH, first_col, READ, KIND
+        )
         # The tile's column sums (partial: the caller adds the tiles', deterministic unlike
         # atomics), from the transposed read where there is one: a sum along the tile's second
         # axis, as its amaxes are taken, not a third reduction pattern
@@ -170,13 +214,23 @@ if triton is not None:
                         st_ptr + pid_k * stride_st0 + pid_m * stride_st1, tl.div_rn(1.0, scale)
                     )
             if COLUMNS:
-                # The tile read again, transposed (from L2), not tl.trans'ed: FP8 stores of a
+                # The tile read again (an activation computed again), transposed, from L2; not
+                # tl.trans'ed: FP8 stores of a
                 # tl.trans'ed tile scrambled bytes (megafp8.fp8.triton_kernels._quantize_kernel).
                 mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-                x_t = tl.load(
-                    x_ptr + rows[None, :] * stride_x + cols[:, None], mask=mask_t, other=0.0
+                x_t = _read(
+                    x_ptr,
+                    h_ptr,
+                    rows[None, :],
+                    cols[:, None],
+                    mask_t,
+                    stride_x,
+                    F,
+                    KH,
+                    first_col,
+                    READ,
+                    KIND,
                 )
-                x_t = x_t.to(tl.float32)
                 if COL_SUM:
                     tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x_t, axis=1), mask=cols < K)
                 col_scale = _line_scales(
@@ -220,6 +274,40 @@ def padded_square_scales(grid_rows: int, grid_cols: int, device) -> torch.Tensor
     return torch.ones((grid_rows, padded), device=device, dtype=torch.float32)[:, :grid_cols]
 
 
+class _Read(NamedTuple):
+    """What `_pair_kernel` reads (its READ, KIND, h_ptr, F, KH) and the cast's shape [M, K]."""
+
+    read: int
+    kind: str | None
+    h: torch.Tensor | None
+    F: int
+    KH: int
+    shape: tuple
+
+
+def _what_is_read(x, activation, activation_input) -> _Read:
+    if activation is None:
+        return _Read(0, None, None, 0, 0, tuple(x.shape))
+    M, width = x.shape
+    gated = activation == "swiglu"
+    if activation_input is None:  # act(x): x is [M, KH], the cast [M, F]
+        F = width // 2 if gated else width
+        return _Read(1, activation, None, F, width, (M, F))
+    h = activation_input.contiguous()
+    if h.shape[0] != M or h.shape[1] != (2 * width if gated else width):
+        raise ValueError(
+            f"the gradient of {activation}'s output {tuple(x.shape)} does not fit its input "
+            f"{tuple(h.shape)}"
+        )
+    return _Read(2, activation, h, width, h.shape[1], tuple(h.shape))
+
+
+def fuses(activation: str | None, x: torch.Tensor, activation_input=None) -> bool:
+    """Whether `quantize_pair` computes `activation` (or, with `activation_input`, its gradient)
+    of `x` itself: always, but for SwiGLU's gradient whose halves do not split into whole tiles."""
+    return not (activation == "swiglu" and activation_input is not None and x.shape[1] % TILE)
+
+
 def _launch(
     x,
     mode: int,
@@ -227,6 +315,7 @@ def _launch(
     margin: int,
     power_of_two: bool,
     *,
+    reads: _Read,
     q=None,
     s=None,
     qt=None,
@@ -236,12 +325,14 @@ def _launch(
     counts=None,
     col_sums=None,
 ):
-    """`_pair_kernel` over `x` in `mode`, writing what is given (None: not written)."""
-    M, K = x.shape
+    """`_pair_kernel` over what `x` and `reads` give, in `mode`, writing what is given (None:
+    not written)."""
+    M, K = reads.shape
     bound, inclusive = saturation_bound(fp8_dtype)
     placeholder = x  # pointer arguments a mode does not touch
     _pair_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
         x,
+        reads.h if reads.h is not None else placeholder,
         q if q is not None else placeholder,
         s if s is not None else placeholder,
         qt if qt is not None else placeholder,
@@ -253,6 +344,8 @@ def _launch(
         M,
         K,
         x.stride(0),
+        reads.F,
+        reads.KH,
         *(s.stride() if s is not None else (0, 0)),
         *(st.stride() if st is not None else (0, 0)),
         fp8_max(fp8_dtype),
@@ -266,7 +359,9 @@ def _launch(
         COUNT=counts is not None,
         COL_SUM=col_sums is not None,
         INCLUSIVE=inclusive,
-        WIDE=wide_offsets(x, q, qt),
+        READ=reads.read,
+        KIND=reads.kind,
+        WIDE=wide_offsets(x, reads.h, q, qt),
         T=TILE,
         num_warps=NUM_WARPS,
     )
@@ -284,6 +379,8 @@ def quantize_pair(
     out: tuple[ScaledFp8, ScaledFp8] | None = None,
     column_group=None,
     col_sum_out: torch.Tensor | None = None,
+    activation: str | None = None,
+    activation_input: torch.Tensor | None = None,
 ) -> tuple[ScaledFp8 | None, ScaledFp8 | None]:
     """The 2-D `x` [M, K] cast along its rows ([M, K], scales over K) and, transposed, along its
     columns ([K, M], scales over M), each when asked: by 1 x 128 blocks (`blockwise`; M and K
@@ -291,10 +388,16 @@ def quantize_pair(
     `out`: an earlier pair cast of a tensor like `x`, both casts, written again in place.
     `column_group` (rowwise): the columns' amaxes maxed over that group before the cast (`x`
     is this rank's rows of a tensor split over it). `col_sum_out` (fp32 [K]) takes the sums of
-    x's columns, from the same read (a linear layer's bias gradient)."""
-    if x.stride(1) != 1:
+    the cast tensor's columns, from the same read (a linear layer's bias gradient).
+    `activation` (activation_kernels.KINDS): the cast is of that activation of `x`, computed
+    as it is read and never stored; with `activation_input` h, of the activation's gradient at
+    h, `x` being the gradient of its output (`fuses` says where it can)."""
+    if activation is not None and not fuses(activation, x, activation_input):
+        raise ValueError(f"the pair cast does not compute {activation}'s gradient of {x.shape}")
+    if x.stride(1) != 1 or activation is not None:
         x = x.contiguous()
-    M, K = x.shape
+    reads = _what_is_read(x, activation, activation_input)
+    M, K = reads.shape
     device = x.device
     partial_sums = (
         torch.empty((triton.cdiv(M, TILE), K), device=device, dtype=torch.float32)
@@ -318,6 +421,7 @@ def quantize_pair(
             fp8_dtype,
             margin,
             power_of_two,
+            reads=reads,
             q=q,
             s=s,
             qt=qt,
@@ -334,6 +438,7 @@ def quantize_pair(
             fp8_dtype,
             margin,
             False,
+            reads=reads,
             per_row=row_amax,
             per_col=col_amax,
         )
@@ -348,6 +453,7 @@ def quantize_pair(
             fp8_dtype,
             margin,
             power_of_two,
+            reads=reads,
             q=q,
             s=s,
             qt=qt,
@@ -387,5 +493,17 @@ def quantize_squares(
         qt = torch.empty((K, N), device=device, dtype=fp8_dtype)
         s = padded_square_scales(N // TILE, K // TILE, device)
         st = padded_square_scales(K // TILE, N // TILE, device)
-    _launch(w, 3, fp8_dtype, margin, power_of_two, q=q, s=s, qt=qt, st=st, counts=saturation_out)
+    _launch(
+        w,
+        3,
+        fp8_dtype,
+        margin,
+        power_of_two,
+        reads=_what_is_read(w, None, None),
+        q=q,
+        s=s,
+        qt=qt,
+        st=st,
+        counts=saturation_out,
+    )
     return ScaledFp8(q, s), ScaledFp8(qt, st)

@@ -7,8 +7,10 @@ output gradient without being concatenated first.
 Each is a *source*: a tensor not computed yet, which `scaling.cast` either quantizes in the
 producer's own kernel (delayed scaling, whose scale is known before the cast) or materializes in
 high precision and casts as usual (current scaling and the first cast of a history, which need
-the tensor's amax before its scale). On CUDA the kernels are Triton (norm_kernels,
-activation_kernels); elsewhere their torch references run, so the CPU tests cover the same path.
+the tensor's amax before its scale). Under fine-grained scaling an activation and its gradient
+are computed in the pair cast's read instead (megafp8.fp8.fine_grained). On CUDA the kernels
+are Triton (norm_kernels, activation_kernels, fine_grained_kernels); elsewhere their torch
+references run, so the CPU tests cover the same path.
 """
 
 from __future__ import annotations
@@ -247,7 +249,9 @@ class GradHandoff:
     instead of casting its incoming gradient, which carries no values (`placeholder`)."""
 
     context: object = None  # the fp8_autocast context of the taking linear's forward (set there)
-    gradient: Fp8Tensor | None = None
+    gradient: object = (
+        None  # an Fp8Tensor; under fine-grained scaling a fine_grained.OutputGradient
+    )
     placeholder: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -255,14 +259,14 @@ class GradHandoff:
         """Whether the linear that takes it runs in FP8 with fusion (its forward set `context`)."""
         return self.context is not None
 
-    def hand_over(self, gradient: Fp8Tensor, like: torch.Tensor) -> torch.Tensor:
+    def hand_over(self, gradient, like: torch.Tensor) -> torch.Tensor:
         """Keep `gradient`; return the stand-in that autograd passes along in its place (the
         shape of `like`, no memory)."""
         self.gradient = gradient
         self.placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
         return self.placeholder
 
-    def take(self, incoming: torch.Tensor) -> Fp8Tensor | None:
+    def take(self, incoming: torch.Tensor):
         """The handed-over gradient (`incoming` is its stand-in), or None if none was."""
         placeholder, gradient = self.placeholder, self.gradient
         self.gradient = self.placeholder = None

@@ -70,6 +70,16 @@ class Fusion:
     grad_to: tuple | None = None
     grad_from: GradHandoff | None = None
 
+    def activation_backward(self, dout: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The gradient of the fused activation at `h`, given `dout`: cast in FP8 for the linear
+        that produced `h` and handed over to it (autograd then carries a stand-in), or in high
+        precision."""
+        source = ActivationGradSource(dout, h, self.activation)
+        producer, handoff = self.grad_to if self.grad_to is not None else (None, None)
+        if handoff is None or not handoff.ready:
+            return source.materialize()
+        return hand_over_gradient(source, producer, handoff, like=h)
+
 
 NO_FUSION = Fusion()
 
@@ -93,9 +103,10 @@ class Fp8Linear(nn.Linear):
     Neighbour fusion (Transformer Engine's LayerNormLinear / LayerNormMLP, on unless
     `fuse_neighbours` is False): `forward(x, norm=...)` normalizes `x` and `forward(h,
     activation=...)` applies the activation inside the input's FP8 cast, and an activation's
-    backward writes the FP8 gradient of the linear before it (see `Fusion`). Only under delayed
-    scaling with every GEMM in FP8, where the cast's scale is known before the tensor; otherwise
-    the neighbour runs on its own first, with the same result.
+    backward writes the FP8 gradient of the linear before it (see `Fusion`). With every GEMM in
+    FP8, under delayed scaling (the cast's scale is known before the tensor) and, the activation
+    only, under rowwise and blockwise scaling (whose casts read the tensor in tiles that hold its
+    blocks); otherwise the neighbour runs on its own first, with the same result.
 
     Gradient-accumulation fusion (Megatron's, on unless `fuse_wgrad_accumulation` is False): when
     the weight carries a `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
@@ -303,14 +314,21 @@ class Fp8Linear(nn.Linear):
     ) -> tuple[Fusion, torch.Tensor]:
         """(the Fusion of these neighbours this layer runs under `context`, its input): the
         neighbours it cannot fuse are applied to `x` here, unfused."""
+        # A delayed scale is known before the tensor, and a fine-grained cast's blocks lie in
+        # its own tiles (rowwise: its amax pass reads them too): both casts can compute what
+        # they read. Current scaling needs the tensor's amax first.
+        fine_grained_context = context is not None and context.recipe.granularity != "tensor"
         fusable = (
             context is not None
             and self.fuse_neighbours
-            and context.recipe.delayed
+            and (context.recipe.delayed or fine_grained_context)
             and not any(context.recipe.override_linear_precision)
             and not torch.is_autocast_enabled(x.device.type)
         )
-        fused_norm = Norm.of(norm) if fusable and norm is not None else None
+        # the fine-grained casts read 128 x 128 tiles, not the whole rows a norm needs
+        fused_norm = (
+            Norm.of(norm) if fusable and not fine_grained_context and norm is not None else None
+        )
         if norm is not None and fused_norm is None:
             x = norm(x)
         if activation is not None and not fusable:
@@ -402,9 +420,9 @@ class Fp8Linear(nn.Linear):
                 return self.fp8_linear(
                     x, bias, context, gather_group, fusion, scatter_group, overlap
                 )
-        if context.recipe.granularity != "tensor":  # no neighbour fusion (delayed only) here
+        if context.recipe.granularity != "tensor":
             return fine_grained.fine_grained_linear(
-                self, x, bias, context, gather_group, scatter_group
+                self, x, bias, context, gather_group, scatter_group, fusion
             )
         return _Fp8LinearFunction.apply(
             x, self.weight, bias, *norm_params, self, context, comm, fusion
@@ -848,19 +866,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     need_bias_grad=ctx.needs_input_grad[4],
                 )
             elif fusion.activation is not None:
-                dx = _activation_backward(dx, neighbour[0], fusion, context)
+                dx = fusion.activation_backward(dx, neighbour[0])
             dx = dx.view(ctx.input_shape[:-1] + dx.shape[-1:])
         return dx, dw, db, dnorm_weight, dnorm_bias, None, None, None, None
-
-
-def _activation_backward(dout, h, fusion: Fusion, context: Fp8Context) -> torch.Tensor:
-    """The gradient of the fused activation at `h`: cast in FP8 for the linear that produced `h`
-    and handed over to it (autograd then carries a stand-in), or in high precision."""
-    source = ActivationGradSource(dout, h, fusion.activation)
-    producer, handoff = fusion.grad_to if fusion.grad_to is not None else (None, None)
-    if handoff is None or not handoff.ready:
-        return source.materialize()
-    return hand_over_gradient(source, producer, handoff, like=h)
 
 
 def hand_over_gradient(
@@ -869,8 +877,12 @@ def hand_over_gradient(
     """Cast `source` (megafp8.fp8.fused: the output gradient of `producer`, not computed yet) in
     FP8 for `producer`'s backward, under the fp8_autocast of its forward, in the kernel that
     computes it, and hand it over (`handoff.ready`: `producer` takes it). Returns the stand-in
-    that autograd carries to `producer` in its place (the shape of `like`)."""
+    that autograd carries to `producer` in its place (the shape of `like`). Under fine-grained
+    scaling, both of its casts and its column sums (fine_grained.OutputGradient)."""
     context = handoff.context
+    if context.recipe.granularity != "tensor":
+        gradient = fine_grained.cast_output_gradient(source, producer, context)
+        return handoff.hand_over(gradient, like=like)
     weight, bias = producer.weight, producer.bias
     q = cast(
         source,

@@ -22,7 +22,8 @@ under FP8 only the transposed FP8 copy for the weight gradient (1 a column); att
 packed q, k, v (2(q + 2kv)), RoPE's rotated q and k (2(q + kv)), its output (2q) and log-sum-exp
 (4 per head); the MLP keeps its activation's input (2Gf) and, unfused, SwiGLU's silu(gate) (2f).
 Under delayed scaling with neighbour fusion the norms and the activation are fused into the FP8
-casts, so no high-precision norm output or activation output is kept. Selective recomputation
+casts, under rowwise and blockwise scaling the activation, so no high-precision norm output or
+activation output is kept. Selective recomputation
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
 QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (with
@@ -284,7 +285,9 @@ def layer_activation_roles(
     gated = config.activation == "swiglu"
     if layout.recompute == "full":
         return {"layer_input": 2 * local * h}  # everything else is recomputed in backward
+    # The norms fuse into delayed scaling's casts, the activation into fine-grained ones' too.
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
+    fused_activation = fp8 in ("delayed", "rowwise", "blockwise") and layout.fp8_neighbour_fusion
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
     # (gathered again in backward), in bf16 the gathered input. Fine-grained scaling keeps an fp32
@@ -318,7 +321,7 @@ def layer_activation_roles(
             + column_scales * (h + ffn),
             "activation_input": 2 * (2 if gated else 1) * ffn * tokens,
             # silu(gate), kept by the unfused SwiGLU for its product's backward.
-            "silu_gate": 2 * ffn * tokens if gated and not fused else 0,
+            "silu_gate": 2 * ffn * tokens if gated and not fused_activation else 0,
         },
     }
     roles = {}

@@ -45,3 +45,5 @@ def test_every_granularity_is_timed(tmp_path):
         for name in ("rowwise", "blockwise"):
             assert all(casts[f"grad_{name}{extra}"] > 0 for extra in ("", "_col_sums", "_counts"))
         assert casts["bias_sum_torch"] > 0
+    activations = json.loads(out.read_text())["activations"]
+    assert len(activations) == 16 and min(activations.values()) > 0

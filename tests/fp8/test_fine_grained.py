@@ -335,6 +335,67 @@ def test_sequence_parallel_linears_match_the_whole_layers(name):
     assert all(all(checks) for checks in run_on_ranks(tensor_parallel_body, 2, name))
 
 
+def mlp_with_and_without_fusion(device, name, kind, tokens=256, hidden=128, ffn=384):
+    """An MLP's fc1 -> activation -> fc2 under recipe `name`, with neighbour fusion (the cast of
+    fc2's input computes the activation; its backward casts fc1's output gradient) and without:
+    for each, the output, every gradient, and how many output gradients were handed over."""
+    from megafp8.fp8 import fine_grained
+    from megafp8.fp8.fused import GradHandoff
+
+    torch.manual_seed(60)
+    width = 2 * ffn if kind == "swiglu" else ffn
+    fc1 = Fp8Linear(hidden, width, device=device, dtype=torch.bfloat16)
+    fc2 = Fp8Linear(ffn, hidden, device=device, dtype=torch.bfloat16)
+    x = fresh(tokens, hidden, seed=61).to(device, torch.bfloat16)
+    dy = fresh(tokens, hidden, seed=62).to(device, torch.bfloat16)
+    results, cast = [], fine_grained.cast_output_gradient
+    for fuse in (True, False):
+        handed = []
+        fine_grained.cast_output_gradient = lambda *args: handed.append(1) or cast(*args)
+        try:
+            for layer in (fc1, fc2):
+                layer.fuse_neighbours = fuse
+                layer.zero_grad(set_to_none=True)
+            x_in = x.clone().requires_grad_()
+            handoff = GradHandoff()
+            with fp8_autocast(recipe=RECIPES[name]()):
+                y = fc2(fc1(x_in, grad_from=handoff), activation=kind, grad_to=(fc1, handoff))
+            y.backward(dy)
+        finally:
+            fine_grained.cast_output_gradient = cast
+        grads = [t.grad for t in (x_in, fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+        results.append((y.detach(), grads, len(handed)))
+    return results
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_on_the_cpu_the_fused_activation_is_the_unfused_path_bit_for_bit(name, kind):
+    """Off CUDA the fused path runs the torch activation ops before the casts: the same numbers,
+    through the handover of fc1's output gradient."""
+    (y, grads, handed), (ref_y, ref_grads, unfused_handed) = mlp_with_and_without_fusion(
+        "cpu", name, kind
+    )
+    assert handed == 1 and unfused_handed == 0
+    assert torch.equal(y, ref_y)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+def check_fused_mlp(device):
+    """With the kernels computing the activation and its gradient: where a value rounds the
+    other way (`check_fused_activations`) an FP8 byte moves by a step, which the layers carry
+    on: within an FP8 GEMM's error bound of the unfused layers."""
+    for name in RECIPES:
+        for kind in ("gelu", "swiglu"):
+            (y, grads, handed), (ref_y, ref_grads, _) = mlp_with_and_without_fusion(
+                device, name, kind
+            )
+            assert handed == 1, (name, kind)
+            assert rel_err(y, ref_y) < gemm_error_bound(E4M3, E4M3), (name, kind)
+            for g, r in zip(grads, ref_grads):
+                assert rel_err(g, r) < gemm_error_bound(E4M3, E4M3), (name, kind)
+
+
 def test_a_weights_square_blocks_serve_both_of_its_gemms():
     """Blockwise: the dgrad operand is the fprop cast transposed, bytes and scales."""
     layer = Fp8Linear(256, 128, dtype=torch.float32)
@@ -506,6 +567,46 @@ def check_fused_casts(device):
         assert_same_bits(again, fresh_cast, blockwise)
 
 
+def check_fused_activations(device):
+    """The pair cast of an activation (forward) and of its gradient (backward), computed as the
+    cast reads, against the same cast of the torch activation's output. The kernels' values are
+    aten's but where a transcendental function differs in its last bit (CUDA's math library
+    against libdevice, the interpreter's stand-ins against torch's CPU ones; GELU's tanh form's
+    gradient by its formula, megafp8.fp8.activation_kernels): such a value may round the other
+    way, moving a byte by one FP8 step, or a block's scale by one rounding."""
+    from megafp8.fp8 import activation_kernels
+
+    M, F = 256, 384  # SwiGLU's halves, 3 tiles each; rowwise and blockwise both
+    for seed, (kind, blockwise) in enumerate(
+        [("gelu", True), ("gelu_tanh", False), ("swiglu", True), ("swiglu", False)]
+    ):
+        width = 2 * F if kind == "swiglu" else F
+        h = fresh(M, width, seed=40 + seed).to(torch.bfloat16)
+        dout = fresh(M, F, seed=50 + seed).to(torch.bfloat16)
+        for what, (x, activation_input, want_x) in {
+            "forward": (h, None, activation_kernels.activation_torch(h, kind)),
+            "backward": (dout, h, activation_kernels.activation_backward_torch(dout, h, kind)),
+        }.items():
+            cast = (kind, blockwise, what)
+            want = fine_grained_kernels.quantize_pair(want_x.to(device), E4M3, blockwise)
+            sums = torch.empty(want_x.shape[1], device=device)
+            got = fine_grained_kernels.quantize_pair(
+                x.to(device),
+                E4M3,
+                blockwise,
+                col_sum_out=sums,
+                activation=kind,
+                activation_input=None if activation_input is None else activation_input.to(device),
+            )
+            for g, w in zip(got, want):
+                assert g.data.shape == w.data.shape and g.scale_inv.shape == w.scale_inv.shape
+                differ = g.data.view(torch.uint8) != w.data.view(torch.uint8)
+                differ &= (g.data.float() != 0) | (w.data.float() != 0)  # a signed zero
+                assert differ.float().mean() < 0.05, (cast, differ.float().mean())
+                assert rel_err(dequantize(g).cpu(), dequantize(w).cpu()) < 2.0**-6, cast
+            assert rel_err(sums.cpu(), want_x.double().sum(0)) < 2.0**-8, cast
+
+
 def check_wide_offsets():
     x = awkward(256, 256, seed=11)
     for blockwise in (True, False):
@@ -525,6 +626,8 @@ def check_wide_offsets():
 
 def interpreted_checks():
     check_fused_casts("cpu")
+    check_fused_activations("cpu")
+    check_fused_mlp("cpu")
     check_wide_offsets()
     for name in RECIPES:  # the fused casts' column amaxes maxed over the ranks (rowwise)
         for same, _ in run_on_ranks(fp8_gather_body, 2, name, 256):
@@ -546,6 +649,8 @@ needs_hopper = pytest.mark.skipif(
 @needs_fp8_gpu
 def test_gpu_fused_casts_equal_the_torch_ones():
     check_fused_casts("cuda")
+    check_fused_activations("cuda")
+    check_fused_mlp("cuda")
 
 
 @pytest.mark.gpu
