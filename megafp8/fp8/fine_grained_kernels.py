@@ -37,7 +37,7 @@ try:
     import triton.language as tl
 
     from .activation_kernels import activation_tile, gelu_grad_tile, swiglu_grad_tile
-    from .triton_kernels import count_cast, to_fp8
+    from .triton_kernels import cast_outcomes, to_fp8
 except ImportError:  # CPU-only installs: the torch reference runs instead.
     triton = None
 
@@ -61,6 +61,14 @@ if triton is not None:
         if POWER_OF_TWO:  # the exponent alone: the power of two at or below a positive normal
             scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         return scale
+
+    @triton.jit
+    def _tile_outcomes(scaled, saturation_bound, flush_bound, INCLUSIVE: tl.constexpr):
+        # A tile's (saturated, nonzero flushed to zero) counts in one reduction, packed as
+        # saturated + 2^16 flushed (each at most 128 x 128), unpacked here
+        hits, flushed = cast_outcomes(tl.abs(scaled), saturation_bound, flush_bound, INCLUSIVE)
+        packed = tl.sum(tl.sum(hits + flushed * 65536, axis=1), axis=0)
+        return packed & 0xFFFF, packed >> 16
 
     @triton.jit
     def _line_scales(
@@ -128,7 +136,7 @@ if triton is not None:
         st_ptr,
         row_ptr,  # rowwise: each row's amax, maxed into (mode 1), then read (mode 2)
         col_ptr,  # the same of the columns
-        counts_ptr,
+        counts_ptr,  # each tile's (saturated, flushed) casts, [tiles, 2]: no atomics
         col_sum_ptr,  # each tile row's column sums, [tiles along M, K]
         M,
         K,
@@ -201,7 +209,7 @@ if triton is not None:
                     mask=mask,
                 )
                 if COUNT:
-                    count_cast(scaled, mask, counts_ptr, saturation_bound, flush_bound, INCLUSIVE)
+                    hits, flushed = _tile_outcomes(scaled, saturation_bound, flush_bound, INCLUSIVE)
                 if (MODE == 0) | ((MODE == 2) & (pid_k == 0)):
                     tl.store(
                         s_ptr + rows * stride_s0 + pid_k * stride_s1,
@@ -215,8 +223,8 @@ if triton is not None:
                     )
             if COLUMNS:
                 # The tile read again (an activation computed again), transposed, from L2; not
-                # tl.trans'ed: FP8 stores of a
-                # tl.trans'ed tile scrambled bytes (megafp8.fp8.triton_kernels._quantize_kernel).
+                # tl.trans'ed: FP8 stores of a tl.trans'ed tile scrambled bytes
+                # (megafp8.fp8.triton_kernels._quantize_kernel).
                 mask_t = (cols[:, None] < K) & (rows[None, :] < M)
                 x_t = _read(
                     x_ptr,
@@ -251,15 +259,24 @@ if triton is not None:
                     mask=mask_t,
                 )
                 if COUNT and MODE != 3:  # a square block's transpose is the same cast
-                    count_cast(
-                        scaled_t, mask_t, counts_ptr, saturation_bound, flush_bound, INCLUSIVE
+                    hits_t, flushed_t = _tile_outcomes(
+                        scaled_t, saturation_bound, flush_bound, INCLUSIVE
                     )
+                    if ROWS:
+                        hits += hits_t
+                        flushed += flushed_t
+                    else:
+                        hits, flushed = hits_t, flushed_t
                 if (MODE == 0) | ((MODE == 2) & (pid_m == 0)):
                     tl.store(
                         st_ptr + cols * stride_st0 + pid_m * stride_st1,
                         tl.div_rn(1.0, col_scale),
                         mask=cols < K,
                     )
+            if COUNT:
+                tile = (pid_m * tl.num_programs(1) + pid_k) * 2
+                tl.store(counts_ptr + tile, hits)
+                tl.store(counts_ptr + tile + 1, flushed)
 
 
 def _outer_dim_major(rows: int, blocks: int, device) -> torch.Tensor:
@@ -326,11 +343,17 @@ def _launch(
     col_sums=None,
 ):
     """`_pair_kernel` over what `x` and `reads` give, in `mode`, writing what is given (None:
-    not written)."""
+    not written); `counts`, the (saturated, cast, flushed) triple, takes the casts' counts."""
     M, K = reads.shape
     bound, inclusive = saturation_bound(fp8_dtype)
     placeholder = x  # pointer arguments a mode does not touch
-    _pair_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
+    grid = (triton.cdiv(M, TILE), triton.cdiv(K, TILE))
+    per_tile = (
+        torch.empty((grid[0] * grid[1], 2), device=x.device, dtype=torch.int32)
+        if counts is not None
+        else None
+    )
+    _pair_kernel[grid](
         x,
         reads.h if reads.h is not None else placeholder,
         q if q is not None else placeholder,
@@ -339,7 +362,7 @@ def _launch(
         st if st is not None else placeholder,
         per_row if per_row is not None else placeholder,
         per_col if per_col is not None else placeholder,
-        counts if counts is not None else placeholder,
+        per_tile if per_tile is not None else placeholder,
         col_sums if col_sums is not None else placeholder,
         M,
         K,
@@ -365,6 +388,10 @@ def _launch(
         T=TILE,
         num_warps=NUM_WARPS,
     )
+    if counts is not None:
+        counts[0::2] += per_tile.sum(0)
+        casts = 1 if mode == 3 else (q is not None) + (qt is not None)  # a square cast once
+        counts[1] += casts * M * K
 
 
 def quantize_pair(
