@@ -4,7 +4,8 @@ gradient cast triton_kernels.quantize_heads) against the unfused ops they replac
     python benchmarks/bench_fused.py            # fused vs unfused at the GPT-1.3B, 7B and Llama-7B shapes
     python benchmarks/bench_fused.py --sweep    # the kernels' tiles and warps, best per kernel last
 
-Unfused means what the layers ran before: the norm module then `quantize` (both FP8 layouts), the
+"counting": with the saturation counts a log step collects (`saturation_out`). Unfused means
+what the layers ran before: the norm module then `quantize` (both FP8 layouts), the
 activation then `quantize`, autograd's activation backward then `quantize` with the bias sums,
 the q, k, v gradients concatenated then `quantize` with the bias sums.
 """
@@ -70,7 +71,17 @@ def compare():
                 else F.layer_norm(x, (hidden,), weight, bias, 1e-5)
             )
 
+        y = norm()
+        counts = torch.zeros(3, device="cuda", dtype=torch.int64)
         rows = [
+            # what counting saturation (the trainer's log steps) adds to a cast
+            ("cast", lambda: quantize(y, E4M3, scale, rowwise=True, columnwise=True)),
+            (
+                "cast, counting",
+                lambda: quantize(
+                    y, E4M3, scale, rowwise=True, columnwise=True, saturation_out=counts
+                ),
+            ),
             (
                 "norm + cast, unfused",
                 lambda: quantize(norm(), E4M3, scale, rowwise=True, columnwise=True),
@@ -92,6 +103,12 @@ def compare():
             (
                 f"{kind} + cast, fused",
                 lambda: activation_kernels.activation_quantize(h, kind, E4M3, scale),
+            ),
+            (
+                f"{kind} + cast, fused, counting",
+                lambda: activation_kernels.activation_quantize(
+                    h, kind, E4M3, scale, saturation_out=counts
+                ),
             ),
             (
                 f"{kind} backward + cast, unfused",
