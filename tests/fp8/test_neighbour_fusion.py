@@ -123,6 +123,31 @@ def test_on_the_cpu_rmsnorm_and_swiglu_fused_are_the_unfused_path_bit_for_bit():
             ), key
 
 
+@pytest.mark.parametrize("name", ["gpt-tiny:gelu", "llama-tiny"])
+def test_on_the_cpu_fine_grained_fusion_is_the_unfused_path_bit_for_bit(name, monkeypatch):
+    """Under rowwise scaling the activation, its gradient and QKV's q, k, v gradients are handed
+    over as fine-grained casts (megafp8.fp8.fine_grained.OutputGradient): on the CPU the same
+    numbers as the unfused layers."""
+    from megafp8 import RowwiseScaling
+    from megafp8.fp8 import fine_grained
+
+    handed, cast = [], fine_grained.cast_output_gradient
+    monkeypatch.setattr(
+        fine_grained,
+        "cast_output_gradient",
+        lambda source, *args: handed.append(type(source).__name__) or cast(source, *args),
+    )
+    (fused_model, plain_model), tokens = model_pair(name, "cpu")
+    fused = train(fused_model, tokens, True, RowwiseScaling())
+    assert set(handed) == {"ActivationGradSource", "HeadGradsSource"}
+    handed.clear()
+    plain = train(plain_model, tokens, False, RowwiseScaling())
+    assert not handed
+    for (loss, grads, _), (ref_loss, ref_grads, _) in zip(fused, plain):
+        assert loss == ref_loss
+        assert all(torch.equal(grad, ref_grads[key]) for key, grad in grads.items())
+
+
 @pytest.mark.parametrize("recipe", ["current", "override"])
 def test_fusion_stands_aside_where_the_scale_needs_the_tensor_first(recipe):
     from megafp8 import CurrentScaling
