@@ -615,9 +615,6 @@ class _FineGrainedLinear(torch.autograd.Function):
         backward_dtype = context.recipe.fp8_format.backward_dtype
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        # the bias joined this rank's rows after the scatter: its gradient sums those rows, in
-        # the pair cast's read of them where that cast is of this rank's rows
-        db = dy2.new_empty(dy2.shape[-1], dtype=torch.float32) if need_db and ctx.has_bias else None
         rows_fp8, columns_fp8 = need_dx and dgrad_fp8, need_dw and wgrad_fp8
         # the output gradient cast by what follows this layer (its activation's backward)
         handed = (
@@ -639,8 +636,15 @@ class _FineGrainedLinear(torch.autograd.Function):
                     "cast by the layer after it (grad_from)"
                 )
             qdy, dy_columns = handed.rows, handed.columns
-            db = handed.col_sum if db is not None else None
+            db = handed.col_sum if need_db and ctx.has_bias else None
         else:
+            # the bias joined this rank's rows after the scatter: its gradient sums those rows,
+            # in the pair cast's read of them where that cast is of this rank's rows
+            db = (
+                dy2.new_empty(dy2.shape[-1], dtype=torch.float32)
+                if need_db and ctx.has_bias
+                else None
+            )
             if ctx.scatter is not None and not fp8_gather:
                 if db is not None:
                     torch.sum(dy2, dim=0, dtype=torch.float32, out=db)

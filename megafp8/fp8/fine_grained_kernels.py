@@ -436,60 +436,38 @@ def quantize_pair(
     else:
         q = torch.empty((M, K), device=device, dtype=fp8_dtype) if rows else None
         qt = torch.empty((K, M), device=device, dtype=fp8_dtype) if columns else None
-    if blockwise:
+    if blockwise:  # each tile holds whole blocks: one launch fits the scales and casts
         if M % TILE or K % TILE:
             raise ValueError(f"a tensor of shape {(M, K)} does not split into 1 x {TILE} blocks")
         if out is None:
             s = _outer_dim_major(M, K // TILE, device) if rows else None
             st = _outer_dim_major(K, M // TILE, device) if columns else None
-        _launch(
-            x,
-            0,
-            fp8_dtype,
-            margin,
-            power_of_two,
-            reads=reads,
-            q=q,
-            s=s,
-            qt=qt,
-            st=st,
-            counts=saturation_out,
-            col_sums=partial_sums,
-        )
+        mode, amaxes = 0, {}
     else:  # rowwise: every row's and column's amax first, then the cast
         amax = torch.zeros(M + K, device=device, dtype=torch.float32)
         row_amax, col_amax = amax[:M], amax[M:]
-        _launch(
-            x,
-            1,
-            fp8_dtype,
-            margin,
-            False,
-            reads=reads,
-            per_row=row_amax,
-            per_col=col_amax,
-        )
+        _launch(x, 1, fp8_dtype, margin, False, reads=reads, per_row=row_amax, per_col=col_amax)
         if column_group is not None:
             col_amax = collectives.max_over(col_amax, column_group)
         if out is None:
             s = torch.empty((M, 1), device=device, dtype=torch.float32) if rows else None
             st = torch.empty((K, 1), device=device, dtype=torch.float32) if columns else None
-        _launch(
-            x,
-            2,
-            fp8_dtype,
-            margin,
-            power_of_two,
-            reads=reads,
-            q=q,
-            s=s,
-            qt=qt,
-            st=st,
-            per_row=row_amax,
-            per_col=col_amax,
-            counts=saturation_out,
-            col_sums=partial_sums,
-        )
+        mode, amaxes = 2, {"per_row": row_amax, "per_col": col_amax}
+    _launch(
+        x,
+        mode,
+        fp8_dtype,
+        margin,
+        power_of_two,
+        reads=reads,
+        q=q,
+        s=s,
+        qt=qt,
+        st=st,
+        counts=saturation_out,
+        col_sums=partial_sums,
+        **amaxes,
+    )
     if col_sum_out is not None:
         torch.sum(partial_sums, dim=0, out=col_sum_out)
     return (ScaledFp8(q, s) if rows else None), (ScaledFp8(qt, st) if columns else None)

@@ -249,9 +249,8 @@ class GradHandoff:
     instead of casting its incoming gradient, which carries no values (`placeholder`)."""
 
     context: object = None  # the fp8_autocast context of the taking linear's forward (set there)
-    gradient: object = (
-        None  # an Fp8Tensor; under fine-grained scaling a fine_grained.OutputGradient
-    )
+    # an Fp8Tensor; under fine-grained scaling a fine_grained.OutputGradient
+    gradient: object = None
     placeholder: torch.Tensor | None = field(default=None, repr=False)
 
     @property
