@@ -41,6 +41,7 @@ RECIPES = {
     "rowwise": RowwiseScaling(),
     "blockwise": BlockwiseScaling(),
 }
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")  # the GPT presets' GELU is the tanh form
 
 
 def gemm_times(tokens, k, n):
@@ -113,7 +114,7 @@ def activation_times(tokens, ffn):
     (backward), computed in the cast's read (fused) against the torch op and then the cast."""
     pair = fine_grained_kernels.quantize_pair
     row = {}
-    for kind in ("gelu", "swiglu"):
+    for kind in ACTIVATIONS:
         width = 2 * ffn if kind == "swiglu" else ffn
         h = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn(tokens, ffn, device="cuda", dtype=torch.bfloat16)
@@ -207,10 +208,10 @@ def main(argv=None):
     ffn = MODELS[args.model][-1][0]
     results["activations"] = activation_times(args.tokens, ffn)
     print(f"the MLP's activation and its pair cast, [{args.tokens}, {ffn}], ms unfused / fused:")
-    for kind in ("gelu", "swiglu"):
+    for kind in ACTIVATIONS:
         for name in ("rowwise", "blockwise"):
             print(
-                f"  {kind:6} {name:9} "
+                f"  {kind:9} {name:9} "
                 + "  ".join(
                     f"{way} {results['activations'][f'{kind}_{name}_{way}_unfused']:6.3f} / "
                     f"{results['activations'][f'{kind}_{name}_{way}_fused']:6.3f}"

@@ -316,12 +316,14 @@ class Fp8Linear(nn.Linear):
         neighbours it cannot fuse are applied to `x` here, unfused."""
         # A delayed scale is known before the tensor, and a fine-grained cast's blocks lie in
         # its own tiles (rowwise: its amax pass reads them too): both casts can compute what
-        # they read. Current scaling needs the tensor's amax first.
+        # they read. Current scaling needs the tensor's amax first. An activation only where
+        # the recipe says computing it in the cast pays.
         fine_grained_context = context is not None and context.recipe.granularity != "tensor"
         fusable = (
             context is not None
             and self.fuse_neighbours
             and (context.recipe.delayed or fine_grained_context)
+            and (activation is None or activation in context.recipe.fused_activations)
             and not any(context.recipe.override_linear_precision)
             and not torch.is_autocast_enabled(x.device.type)
         )

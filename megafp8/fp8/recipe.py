@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from megafp8.messages import check_integer
 
+from .activation_kernels import KINDS as ACTIVATIONS
 from .formats import Format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -47,12 +48,17 @@ class Recipe:
     - `granularity`: what a scale covers: "tensor", or (megafp8.fp8.fine_grained) "row", a row
       of a GEMM operand along the dimension the GEMM sums over, or "block", a block of one.
     - `override_linear_precision`: which GEMMs (fprop, dgrad, wgrad) stay in high precision.
+    - `fused_activations`: the MLP activations (megafp8.fp8.activation_kernels.KINDS) whose
+      output and gradient the recipe's casts compute as they read, never stored in high
+      precision, where the layers fuse neighbours (megafp8.fp8.fused). None under current
+      scaling, whose scale needs the whole tensor first.
     """
 
     delayed = False
     reduce_amax = False
     granularity = "tensor"
     override_linear_precision = OverrideLinearPrecision()
+    fused_activations: tuple[str, ...] = ()
 
 
 def _checked_override(owner: str, override) -> OverrideLinearPrecision:
@@ -89,6 +95,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
 
     delayed = True
+    fused_activations = ACTIVATIONS  # the scale is known before the tensor: one read computes it
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -134,12 +141,14 @@ class FineGrainedScaling(Recipe):
     scale to each of its rows or blocks (no history); `power_of_two_scales` rounds each down to a
     power of two (dequantizing is then exact in any precision);
     `override_linear_precision=(False, False, True)` keeps the weight gradient in high precision.
+    `fused_activations`: each recipe's default is where the fusion was measured to pay (below).
     """
 
     fp8_format: Format = Format.E4M3
     margin: int = 0
     override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
     power_of_two_scales: bool = False
+    fused_activations: tuple[str, ...] = ()
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -154,6 +163,13 @@ class FineGrainedScaling(Recipe):
             raise ValueError(
                 f"{owner}.power_of_two_scales must be True or False, got {self.power_of_two_scales!r}"
             )
+        fused = self.fused_activations
+        if isinstance(fused, str) or not all(kind in ACTIVATIONS for kind in fused):
+            raise ValueError(
+                f"{owner}.fused_activations must be a tuple of activations from {ACTIVATIONS}, "
+                f"got {fused!r}"
+            )
+        object.__setattr__(self, "fused_activations", tuple(fused))
 
 
 @dataclass(frozen=True)
@@ -169,6 +185,10 @@ class RowwiseScaling(FineGrainedScaling):
     """
 
     power_of_two_scales: bool = True
+    # No activation: a rowwise cast reads each tile three times (the amax pass, the cast, its
+    # transpose), and computing an activation three times costs more than the stores and reads
+    # it saves (benchmarks/RESULTS.md, "Fine-grained scaling")
+    fused_activations: tuple[str, ...] = ()
 
     granularity = "row"
 
@@ -178,10 +198,24 @@ class BlockwiseScaling(FineGrainedScaling):
     """Scale activations and gradients per 1 x 128 block and weights per 128 x 128 block, along
     the dimension each GEMM sums over (DeepSeek-V3's fine-grained recipe): an outlier costs only
     its own block's precision. The weight's square blocks serve both of its GEMMs, transposed
-    for dgrad. E4M3 for every operand and fp32 scales by default, as DeepSeek-V3 trains. The
-    GEMM is emulated from the dequantized operands (fp32 products and sums) for now; every
-    dimension a linear multiplies over must be a multiple of 128, else it runs in high
-    precision (Fp8Linear warns).
+    for dgrad. E4M3 for every operand and fp32 scales by default, as DeepSeek-V3 trains. On
+    Hopper the GEMMs are cuBLAS's blockwise-scaled ones, elsewhere an emulation from the
+    dequantized operands (fp32 products and sums); every dimension a linear multiplies over must
+    be a multiple of 128, else it runs in high precision (Fp8Linear warns).
     """
 
+    # SwiGLU: a blockwise cast reads each tile twice (it and its transpose), and SwiGLU's one
+    # exponential twice costs less than storing its output and reading it back; GELU's erf or
+    # tanh does not (benchmarks/RESULTS.md, "Fine-grained scaling")
+    fused_activations: tuple[str, ...] = ("swiglu",)
+
     granularity = "block"
+
+
+# --fp8-recipe's names, each recipe with its defaults
+RECIPES_BY_NAME = {
+    "delayed": DelayedScaling,
+    "current": CurrentScaling,
+    "rowwise": RowwiseScaling,
+    "blockwise": BlockwiseScaling,
+}

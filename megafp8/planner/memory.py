@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megafp8.fp8.recipe import RECIPES_BY_NAME
 from megafp8.models.config import TransformerConfig
 from megafp8.parallel.stages import LAYER_PARTS, layer_parts, stage_layers
 
@@ -285,9 +286,13 @@ def layer_activation_roles(
     gated = config.activation == "swiglu"
     if layout.recompute == "full":
         return {"layer_input": 2 * local * h}  # everything else is recomputed in backward
-    # The norms fuse into delayed scaling's casts, the activation into fine-grained ones' too.
+    # The norms fuse into delayed scaling's casts, the activation where the recipe says.
     fused = fp8 == "delayed" and layout.fp8_neighbour_fusion
-    fused_activation = fp8 in ("delayed", "rowwise", "blockwise") and layout.fp8_neighbour_fusion
+    fused_activation = (
+        fp8 is not None
+        and layout.fp8_neighbour_fusion
+        and config.activation in RECIPES_BY_NAME[fp8].fused_activations
+    )
     linear_input = 1 if fp8 else 2  # bytes a column: the FP8 transposed copy, or the bf16 input
     # Under FP8 with sequence parallelism QKV and fc1 keep the FP8 copy of their own token shard
     # (gathered again in backward), in bf16 the gathered input. Fine-grained scaling keeps an fp32

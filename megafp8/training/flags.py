@@ -334,9 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8-neighbour-fusion",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="under delayed FP8 scaling, fuse the norms before the QKV and fc1 GEMMs and the MLP "
-        "activation into those GEMMs' FP8 input casts, and the activation's backward into fc1's "
-        "gradient cast (Transformer Engine's LayerNormLinear / LayerNormMLP)",
+        help="compute neighbours in the FP8 casts: under delayed scaling the norms before the QKV "
+        "and fc1 GEMMs and the MLP activation in those GEMMs' input casts, the activation's "
+        "backward in fc1's gradient cast (Transformer Engine's LayerNormLinear / LayerNormMLP); "
+        "under fine-grained scaling the activations the recipe fuses (blockwise: SwiGLU) and "
+        "QKV's gradient cast reading q, k and v's gradients in place",
     )
     g.add_argument(
         "--fp8-primary-weights",

@@ -335,10 +335,11 @@ def test_sequence_parallel_linears_match_the_whole_layers(name):
     assert all(all(checks) for checks in run_on_ranks(tensor_parallel_body, 2, name))
 
 
-def mlp_with_and_without_fusion(device, name, kind, tokens=256, hidden=128, ffn=384):
-    """An MLP's fc1 -> activation -> fc2 under recipe `name`, with neighbour fusion (the cast of
-    fc2's input computes the activation; its backward casts fc1's output gradient) and without:
-    for each, the output, every gradient, and how many output gradients were handed over."""
+def mlp_with_and_without_fusion(device, name, kind, tokens=256, hidden=128, ffn=384, recipe=None):
+    """An MLP's fc1 -> activation -> fc2 under recipe `name` (by default with the activation
+    among its fused ones; else `recipe`), with neighbour fusion (the cast of fc2's input computes
+    the activation; its backward casts fc1's output gradient) and without: for each, the output,
+    every gradient, and how many output gradients were handed over."""
     from megafp8.fp8 import fine_grained
     from megafp8.fp8.fused import GradHandoff
 
@@ -358,7 +359,7 @@ def mlp_with_and_without_fusion(device, name, kind, tokens=256, hidden=128, ffn=
                 layer.zero_grad(set_to_none=True)
             x_in = x.clone().requires_grad_()
             handoff = GradHandoff()
-            with fp8_autocast(recipe=RECIPES[name]()):
+            with fp8_autocast(recipe=recipe or RECIPES[name](fused_activations=(kind,))):
                 y = fc2(fc1(x_in, grad_from=handoff), activation=kind, grad_to=(fc1, handoff))
             y.backward(dy)
         finally:
@@ -377,6 +378,21 @@ def test_on_the_cpu_the_fused_activation_is_the_unfused_path_bit_for_bit(name, k
         "cpu", name, kind
     )
     assert handed == 1 and unfused_handed == 0
+    assert torch.equal(y, ref_y)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "swiglu"])
+def test_a_recipe_fuses_only_its_own_activations(name, kind):
+    """By default rowwise fuses no activation and blockwise SwiGLU alone: the rest compute the
+    activation apart, as without fusion, bit for bit."""
+    recipe = RECIPES[name]()
+    (y, grads, handed), (ref_y, ref_grads, _) = mlp_with_and_without_fusion(
+        "cpu", name, kind, recipe=recipe
+    )
+    fused = (name, kind) == ("blockwise", "swiglu")
+    assert handed == fused and (kind in recipe.fused_activations) == fused
     assert torch.equal(y, ref_y)
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
 

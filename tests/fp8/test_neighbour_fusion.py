@@ -125,11 +125,12 @@ def test_on_the_cpu_rmsnorm_and_swiglu_fused_are_the_unfused_path_bit_for_bit():
 
 @pytest.mark.parametrize("name", ["gpt-tiny:gelu", "llama-tiny"])
 def test_on_the_cpu_fine_grained_fusion_is_the_unfused_path_bit_for_bit(name, monkeypatch):
-    """Under rowwise scaling the activation, its gradient and QKV's q, k, v gradients are handed
-    over as fine-grained casts (megafp8.fp8.fine_grained.OutputGradient): on the CPU the same
-    numbers as the unfused layers."""
+    """Under rowwise scaling with the activation fused, the activation, its gradient and QKV's
+    q, k, v gradients are handed over as fine-grained casts
+    (megafp8.fp8.fine_grained.OutputGradient): on the CPU the same numbers as the unfused layers."""
     from megafp8 import RowwiseScaling
     from megafp8.fp8 import fine_grained
+    from megafp8.fp8.activation_kernels import KINDS
 
     handed, cast = [], fine_grained.cast_output_gradient
     monkeypatch.setattr(
@@ -138,10 +139,11 @@ def test_on_the_cpu_fine_grained_fusion_is_the_unfused_path_bit_for_bit(name, mo
         lambda source, *args: handed.append(type(source).__name__) or cast(source, *args),
     )
     (fused_model, plain_model), tokens = model_pair(name, "cpu")
-    fused = train(fused_model, tokens, True, RowwiseScaling())
+    recipe = RowwiseScaling(fused_activations=KINDS)
+    fused = train(fused_model, tokens, True, recipe)
     assert set(handed) == {"ActivationGradSource", "HeadGradsSource"}
     handed.clear()
-    plain = train(plain_model, tokens, False, RowwiseScaling())
+    plain = train(plain_model, tokens, False, recipe)
     assert not handed
     for (loss, grads, _), (ref_loss, ref_grads, _) in zip(fused, plain):
         assert loss == ref_loss

@@ -16,6 +16,11 @@ def test_defaults_match_the_design():
     assert r.override_linear_precision == OverrideLinearPrecision(False, False, False)
     assert r.reduce_amax is True
     assert CurrentScaling().fp8_format is Format.HYBRID
+    # the activations the casts compute as they read: where it was measured to pay
+    assert set(r.fused_activations) == {"gelu", "gelu_tanh", "swiglu"}
+    assert CurrentScaling().fused_activations == RowwiseScaling().fused_activations == ()
+    assert BlockwiseScaling().fused_activations == ("swiglu",)
+    assert BlockwiseScaling(fused_activations=["gelu"]).fused_activations == ("gelu",)
 
 
 def test_formats_accept_strings_and_coerce_overrides():
@@ -68,6 +73,8 @@ def test_current_scaling_errors_name_the_field(kwargs, field):
         (dict(fp8_format=Format.E5M2), "fp8_format"),
         (dict(override_linear_precision=(True, False)), "override_linear_precision"),
         (dict(power_of_two_scales="yes"), "power_of_two_scales"),
+        (dict(fused_activations=("relu",)), "fused_activations"),
+        (dict(fused_activations="swiglu"), "fused_activations"),
     ],
 )
 def test_fine_grained_scaling_errors_name_the_field(recipe, kwargs, field):
