@@ -104,9 +104,10 @@ class Fp8Linear(nn.Linear):
     `fuse_neighbours` is False): `forward(x, norm=...)` normalizes `x` and `forward(h,
     activation=...)` applies the activation inside the input's FP8 cast, and an activation's
     backward writes the FP8 gradient of the linear before it (see `Fusion`). With every GEMM in
-    FP8, under delayed scaling (the cast's scale is known before the tensor) and, the activation
-    only, under rowwise and blockwise scaling (whose casts read the tensor in tiles that hold its
-    blocks); otherwise the neighbour runs on its own first, with the same result.
+    FP8, under delayed scaling (the cast's scale is known before the tensor) and, the activations
+    the recipe lists in `fused_activations` only, under rowwise and blockwise scaling (whose
+    casts read the tensor in tiles that hold its blocks); otherwise the neighbour runs on its own
+    first, with the same result.
 
     Gradient-accumulation fusion (Megatron's, on unless `fuse_wgrad_accumulation` is False): when
     the weight carries a `main_grad` (megafp8.parallel.data_parallel.GradientBuffer), the
