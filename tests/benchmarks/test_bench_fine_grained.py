@@ -47,3 +47,22 @@ def test_every_granularity_is_timed(tmp_path):
         assert casts["bias_sum_torch"] > 0
     activations = json.loads(out.read_text())["activations"]
     assert len(activations) == 16 and min(activations.values()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 tensor cores",
+)
+def test_every_slice_count_is_timed(tmp_path):
+    out = tmp_path / "parts.json"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "1b", "--tokens", "1024", "--sweep-parts"]
+        + ["--json", str(out)],
+        cwd=REPO / "benchmarks",
+        check=True,
+        timeout=600,
+    )
+    parts = json.loads(out.read_text())["parts"]
+    assert set(parts) == {"1", "2", "4", "8", "16"}
+    assert all(t > 0 for casts in parts.values() for t in casts.values())
