@@ -132,6 +132,33 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _read_rows(
+        x_ptr,
+        h_ptr,
+        rows,
+        cols,
+        M,
+        K,
+        stride_x,
+        F,
+        KH,
+        first_col,
+        READ: tl.constexpr,
+        KIND: tl.constexpr,
+    ):
+        # `_read` of the tile's `rows` across its columns `cols` (index vectors), and its mask
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = _read(
+            x_ptr, h_ptr, rows[:, None], cols[None, :], mask, stride_x, F, KH, first_col, READ, KIND
+        )
+        return x, mask
+
+    @triton.jit
+    def _magnitude(x):
+        # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
+        return tl.where(x == x, tl.abs(x), float("inf"))
+
+    @triton.jit
     def _pair_kernel(
         x_ptr,
         h_ptr,  # the activation's input, for its gradient (READ 2)
@@ -186,21 +213,10 @@ if triton is not None:
             tile_amax = 0.0
             for part in tl.static_range(PARTS):
                 part_rows = pid_m * T + part * S + tl.arange(0, S)
-                mask = (part_rows[:, None] < M) & (cols[None, :] < K)
-                x = _read(
-                    x_ptr,
-                    h_ptr,
-                    part_rows[:, None],
-                    cols[None, :],
-                    mask,
-                    stride_x,
-                    F,
-                    KH,
-                    first_col,
-                    READ,
-                    KIND,
+                x, mask = _read_rows(
+                    x_ptr, h_ptr, part_rows, cols, M, K, stride_x, F, KH, first_col, READ, KIND
                 )
-                magnitude = tl.where(x == x, tl.abs(x), float("inf"))
+                magnitude = _magnitude(x)
                 tile_amax = tl.maximum(tile_amax, tl.max(tl.max(magnitude, axis=1), axis=0))
             scale = _fitted_scale(tile_amax, fp8_max, margin_factor, POWER_OF_TWO)
             tl.store(s_ptr + pid_m * stride_s0 + pid_k * stride_s1, tl.div_rn(1.0, scale))
@@ -215,24 +231,12 @@ if triton is not None:
             col_sums = tl.zeros([T], dtype=tl.float32)
             for part in tl.static_range(PARTS):
                 part_rows = pid_m * T + part * S + tl.arange(0, S)
-                mask = (part_rows[:, None] < M) & (cols[None, :] < K)
-                x = _read(
-                    x_ptr,
-                    h_ptr,
-                    part_rows[:, None],
-                    cols[None, :],
-                    mask,
-                    stride_x,
-                    F,
-                    KH,
-                    first_col,
-                    READ,
-                    KIND,
+                x, mask = _read_rows(
+                    x_ptr, h_ptr, part_rows, cols, M, K, stride_x, F, KH, first_col, READ, KIND
                 )
                 if sums_from_rows:
                     col_sums += tl.sum(x, axis=0)
-                # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
-                magnitude = tl.where(x == x, tl.abs(x), float("inf"))
+                magnitude = _magnitude(x)
                 if MODE == 1:  # order-free: the maxima of nonnegative floats
                     tl.atomic_max(
                         row_ptr + part_rows, tl.max(magnitude, axis=1), mask=part_rows < M
@@ -298,7 +302,7 @@ if triton is not None:
                         col_sum_ptr + pid_m * K + part_cols, tl.sum(x_t, axis=1), mask=part_cols < K
                     )
                 col_scale = _line_scales(
-                    tl.max(tl.where(x_t == x_t, tl.abs(x_t), float("inf")), axis=1),
+                    tl.max(_magnitude(x_t), axis=1),
                     col_ptr,
                     part_cols,
                     K,

@@ -22,8 +22,8 @@ under FP8 only the transposed FP8 copy for the weight gradient (1 a column); att
 packed q, k, v (2(q + 2kv)), RoPE's rotated q and k (2(q + kv)), its output (2q) and log-sum-exp
 (4 per head); the MLP keeps its activation's input (2Gf) and, unfused, SwiGLU's silu(gate) (2f).
 Under delayed scaling with neighbour fusion the norms and the activation are fused into the FP8
-casts, under rowwise and blockwise scaling the activation, so no high-precision norm output or
-activation output is kept. Selective recomputation
+casts, under rowwise and blockwise scaling the activations the recipe lists (`fused_activations`),
+so no high-precision norm output or activation output is kept there. Selective recomputation
 keeps q, k, v and recomputes the attention core; full recomputation keeps a layer's input only.
 With sequence parallelism the norms work on a tp-th of the tokens, the linears on all of them;
 QKV and fc1 keep their gathered input in bf16, but under FP8 only their shard's FP8 copy (with
