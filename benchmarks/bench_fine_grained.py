@@ -2,7 +2,6 @@
 casts cost (eager torch against the fused kernels), and an Fp8Linear step under each recipe.
 
     python benchmarks/bench_fine_grained.py [--model 7b|1b] [--tokens 8192] [--json out.json]
-    python benchmarks/bench_fine_grained.py --sweep-parts   # the pair cast's slices per tile
 
 - gemms: each linear's three GEMMs (fprop, dgrad, wgrad) in bf16, tensorwise FP8 (fast
   accumulation in fprop, as the delayed recipe runs them), rowwise and blockwise scaling;
@@ -12,9 +11,7 @@ casts cost (eager torch against the fused kernels), and an Fp8Linear step under 
 - activations: the MLP's activation and the pair cast of its output, and of its gradient, in
   the cast's read (neighbour fusion) against the torch op followed by the cast;
 - layers: one linear's forward + backward, captured in a CUDA graph, in bf16 and under the
-  delayed, rowwise and blockwise recipes (the speed-up over bf16 each);
-- with --sweep-parts, instead: the fused casts at each count of slices a tile is cast in
-  (fine_grained_kernels.PARTS; 1 holds the whole 128 x 128 tile at once).
+  delayed, rowwise and blockwise recipes (the speed-up over bf16 each).
 Times are medians of CUDA-event timings (triton.testing.do_bench).
 """
 
@@ -145,40 +142,6 @@ def activation_times(tokens, ffn):
     return row
 
 
-SWEPT_PARTS = (1, 2, 4, 8, 16)
-
-
-def parts_times(tokens, hidden, ffn):
-    """The fused casts of the model's widest and narrowest activations, its output gradient's
-    (with the column sums) and its fc2 weight's, and the MLP's fused activations, at each
-    count of slices per tile: {parts: {cast: ms}}."""
-    pair, squares = fine_grained_kernels.quantize_pair, fine_grained_kernels.quantize_squares
-    x, h = (torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) for n in (hidden, ffn))
-    gated = torch.randn(tokens, 2 * ffn, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(hidden, ffn, device="cuda", dtype=torch.bfloat16)
-    sums, gated_sums = (torch.empty(n, device="cuda") for n in (ffn, 2 * ffn))
-    casts = {
-        f"blockwise [{tokens}, {hidden}]": lambda: pair(x, E4M3, True),
-        f"blockwise [{tokens}, {ffn}]": lambda: pair(h, E4M3, True),
-        f"rowwise [{tokens}, {ffn}]": lambda: pair(h, E4M3, False),
-        "blockwise, column sums": lambda: pair(h, E4M3, True, col_sum_out=sums),
-        f"weight squares [{hidden}, {ffn}]": lambda: squares(w, E4M3),
-        "blockwise, gelu_tanh": lambda: pair(h, E4M3, True, activation="gelu_tanh"),
-        "blockwise, swiglu": lambda: pair(gated, E4M3, True, activation="swiglu"),
-        "blockwise, swiglu gradient": lambda: pair(
-            h, E4M3, True, col_sum_out=gated_sums, activation="swiglu", activation_input=gated
-        ),
-    }
-    default, times = fine_grained_kernels.PARTS, {}
-    try:
-        for parts in SWEPT_PARTS:
-            fine_grained_kernels.PARTS = parts
-            times[parts] = {name: ms(cast) for name, cast in casts.items()}
-    finally:
-        fine_grained_kernels.PARTS = default
-    return times
-
-
 def layer_times(tokens, k, n):
     torch.manual_seed(0)
     base = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -199,9 +162,6 @@ def main(argv=None):
     parser.add_argument("--model", choices=sorted(MODELS), default="7b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--json", help="write all figures here")
-    parser.add_argument(
-        "--sweep-parts", action="store_true", help="time the fused casts at each PARTS instead"
-    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fine_grained needs a CUDA GPU")
@@ -213,18 +173,6 @@ def main(argv=None):
         "linears": [],
     }
     print(f"{results['device']}, torch {results['torch']}, {args.tokens} tokens, {args.model}")
-    if args.sweep_parts:
-        ffn, hidden = MODELS[args.model][-1]  # fc2: ffn -> hidden
-        results["parts"] = parts_times(args.tokens, hidden, ffn)
-        names = list(results["parts"][SWEPT_PARTS[0]])
-        print(f"ms, at PARTS = {SWEPT_PARTS} (default {fine_grained_kernels.PARTS}):")
-        for name in names:
-            row = "  ".join(f"{results['parts'][p][name]:6.3f}" for p in SWEPT_PARTS)
-            print(f"  {name:32} {row}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        return
     print(
         "ms           | GEMMs: bf16  tensor  row   block | casts: row torch/fused  block torch/fused"
         " | layer graphed: bf16 delayed row block (x bf16)"

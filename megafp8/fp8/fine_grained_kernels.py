@@ -43,11 +43,6 @@ except ImportError:  # CPU-only installs: the torch reference runs instead.
 
 TILE = 128  # a tile holds whole 1 x 128 and 128 x 128 blocks, along both of its axes
 NUM_WARPS = 8
-# Slices a tile is cast in, one after another, each of whole blocks. 1 holds the whole tile and
-# its transpose at once, which spills registers on sm_90 (ptxas: 480-1840 bytes a thread); 4
-# spill none, but keep a quarter of the bytes in flight: benchmarks/bench_fine_grained.py
-# --sweep-parts measures which is faster.
-PARTS = 1
 
 
 def runs_on(x: torch.Tensor) -> bool:
@@ -132,33 +127,6 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _read_rows(
-        x_ptr,
-        h_ptr,
-        rows,
-        cols,
-        M,
-        K,
-        stride_x,
-        F,
-        KH,
-        first_col,
-        READ: tl.constexpr,
-        KIND: tl.constexpr,
-    ):
-        # `_read` of the tile's `rows` across its columns `cols` (index vectors), and its mask
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = _read(
-            x_ptr, h_ptr, rows[:, None], cols[None, :], mask, stride_x, F, KH, first_col, READ, KIND
-        )
-        return x, mask
-
-    @triton.jit
-    def _magnitude(x):
-        # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
-        return tl.where(x == x, tl.abs(x), float("inf"))
-
-    @triton.jit
     def _pair_kernel(
         x_ptr,
         h_ptr,  # the activation's input, for its gradient (READ 2)
@@ -194,101 +162,75 @@ if triton is not None:
         KIND: tl.constexpr,  # the activation
         WIDE: tl.constexpr,
         T: tl.constexpr,
-        PARTS: tl.constexpr,  # slices of the tile cast one after another
     ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         if WIDE:  # int64 indices, and so int64 offsets (megafp8.triton_support.wide_offsets)
             pid_m = pid_m.to(tl.int64)
             pid_k = pid_k.to(tl.int64)
-        # The tile is cast in PARTS slices, each holding whole blocks: rows of it for the row
-        # cast, columns for the transposed one. A whole 128 x 128 tile, and its transpose, held
-        # at once took more than the 255 registers a thread has and spilled.
-        S: tl.constexpr = T // PARTS
         rows = pid_m * T + tl.arange(0, T)
         cols = pid_k * T + tl.arange(0, T)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
         first_col = pid_k * T
-        scale = 1.0  # one 128 x 128 block's (mode 3): its amax read first, the casts from L2
-        if MODE == 3:
-            tile_amax = 0.0
-            for part in tl.static_range(PARTS):
-                part_rows = pid_m * T + part * S + tl.arange(0, S)
-                x, mask = _read_rows(
-                    x_ptr, h_ptr, part_rows, cols, M, K, stride_x, F, KH, first_col, READ, KIND
+        x = _read(
+            x_ptr, h_ptr, rows[:, None], cols[None, :], mask, stride_x, F, KH, first_col, READ, KIND
+        )
+        # The tile's column sums (partial: the caller adds the tiles', deterministic unlike
+        # atomics), from the transposed read where there is one: a sum along the tile's second
+        # axis, as its amaxes are taken, not a third reduction pattern
+        if COL_SUM and not COLUMNS:
+            tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x, axis=0), mask=cols < K)
+        # a NaN counts as +inf: its block takes scale 1, as the reference's NaN amax gives
+        magnitude = tl.where(x == x, tl.abs(x), float("inf"))
+        if MODE == 1:  # order-free: the maxima of nonnegative floats
+            tl.atomic_max(row_ptr + rows, tl.max(magnitude, axis=1), mask=rows < M)
+            tl.atomic_max(col_ptr + cols, tl.max(magnitude, axis=0), mask=cols < K)
+        else:
+            scale = 1.0  # one 128 x 128 block's (mode 3)
+            if MODE == 3:
+                tile_amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+                scale = _fitted_scale(tile_amax, fp8_max, margin_factor, POWER_OF_TWO)
+            row_scale = _line_scales(
+                tl.max(magnitude, axis=1),
+                row_ptr,
+                rows,
+                M,
+                scale,
+                fp8_max,
+                margin_factor,
+                MODE,
+                POWER_OF_TWO,
+            )
+            if ROWS:
+                scaled = x * row_scale[:, None]
+                tl.store(
+                    q_ptr + rows[:, None] * K + cols[None, :],
+                    to_fp8(scaled, q_ptr.dtype.element_ty),
+                    mask=mask,
                 )
-                magnitude = _magnitude(x)
-                tile_amax = tl.maximum(tile_amax, tl.max(tl.max(magnitude, axis=1), axis=0))
-            scale = _fitted_scale(tile_amax, fp8_max, margin_factor, POWER_OF_TWO)
-            tl.store(s_ptr + pid_m * stride_s0 + pid_k * stride_s1, tl.div_rn(1.0, scale))
-            tl.store(st_ptr + pid_k * stride_st0 + pid_m * stride_st1, tl.div_rn(1.0, scale))
-        hits = 0
-        flushed = 0
-        # The row slices: mode 1's amaxes, the row cast, or the column sums where no transposed
-        # read gives them
-        sums_from_rows: tl.constexpr = COL_SUM and not COLUMNS
-        if (MODE == 1) or ROWS or sums_from_rows:
-            col_peaks = tl.zeros([T], dtype=tl.float32)
-            col_sums = tl.zeros([T], dtype=tl.float32)
-            for part in tl.static_range(PARTS):
-                part_rows = pid_m * T + part * S + tl.arange(0, S)
-                x, mask = _read_rows(
-                    x_ptr, h_ptr, part_rows, cols, M, K, stride_x, F, KH, first_col, READ, KIND
-                )
-                if sums_from_rows:
-                    col_sums += tl.sum(x, axis=0)
-                magnitude = _magnitude(x)
-                if MODE == 1:  # order-free: the maxima of nonnegative floats
-                    tl.atomic_max(
-                        row_ptr + part_rows, tl.max(magnitude, axis=1), mask=part_rows < M
-                    )
-                    col_peaks = tl.maximum(col_peaks, tl.max(magnitude, axis=0))
-                elif ROWS:
-                    row_scale = _line_scales(
-                        tl.max(magnitude, axis=1),
-                        row_ptr,
-                        part_rows,
-                        M,
-                        scale,
-                        fp8_max,
-                        margin_factor,
-                        MODE,
-                        POWER_OF_TWO,
-                    )
-                    scaled = x * row_scale[:, None]
+                if COUNT:
+                    hits, flushed = _tile_outcomes(scaled, saturation_bound, flush_bound, INCLUSIVE)
+                if (MODE == 0) | ((MODE == 2) & (pid_k == 0)):
                     tl.store(
-                        q_ptr + part_rows[:, None] * K + cols[None, :],
-                        to_fp8(scaled, q_ptr.dtype.element_ty),
-                        mask=mask,
+                        s_ptr + rows * stride_s0 + pid_k * stride_s1,
+                        tl.div_rn(1.0, row_scale),
+                        mask=rows < M,
                     )
-                    if COUNT:
-                        part_hits, part_flushed = _tile_outcomes(
-                            scaled, saturation_bound, flush_bound, INCLUSIVE
-                        )
-                        hits += part_hits
-                        flushed += part_flushed
-                    if (MODE == 0) | ((MODE == 2) & (pid_k == 0)):
-                        tl.store(
-                            s_ptr + part_rows * stride_s0 + pid_k * stride_s1,
-                            tl.div_rn(1.0, row_scale),
-                            mask=part_rows < M,
-                        )
-            if MODE == 1:
-                tl.atomic_max(col_ptr + cols, col_peaks, mask=cols < K)
-            if sums_from_rows:
-                tl.store(col_sum_ptr + pid_m * K + cols, col_sums, mask=cols < K)
-        if COLUMNS and (MODE != 1):
-            # The tile read again (an activation computed again), transposed, from L2; not
-            # tl.trans'ed: FP8 stores of a tl.trans'ed tile scrambled bytes
-            # (megafp8.fp8.triton_kernels._quantize_kernel). The column sums from this read: a
-            # sum along the slice's second axis, as its amaxes are taken.
-            for part in tl.static_range(PARTS):
-                part_cols = pid_k * T + part * S + tl.arange(0, S)
-                mask_t = (part_cols[:, None] < K) & (rows[None, :] < M)
+                if MODE == 3:
+                    tl.store(s_ptr + pid_m * stride_s0 + pid_k * stride_s1, tl.div_rn(1.0, scale))
+                    tl.store(
+                        st_ptr + pid_k * stride_st0 + pid_m * stride_st1, tl.div_rn(1.0, scale)
+                    )
+            if COLUMNS:
+                # The tile read again (an activation computed again), transposed, from L2; not
+                # tl.trans'ed: FP8 stores of a tl.trans'ed tile scrambled bytes
+                # (megafp8.fp8.triton_kernels._quantize_kernel).
+                mask_t = (cols[:, None] < K) & (rows[None, :] < M)
                 x_t = _read(
                     x_ptr,
                     h_ptr,
                     rows[None, :],
-                    part_cols[:, None],
+                    cols[:, None],
                     mask_t,
                     stride_x,
                     F,
@@ -298,13 +240,11 @@ if triton is not None:
                     KIND,
                 )
                 if COL_SUM:
-                    tl.store(
-                        col_sum_ptr + pid_m * K + part_cols, tl.sum(x_t, axis=1), mask=part_cols < K
-                    )
+                    tl.store(col_sum_ptr + pid_m * K + cols, tl.sum(x_t, axis=1), mask=cols < K)
                 col_scale = _line_scales(
-                    tl.max(_magnitude(x_t), axis=1),
+                    tl.max(tl.where(x_t == x_t, tl.abs(x_t), float("inf")), axis=1),
                     col_ptr,
-                    part_cols,
+                    cols,
                     K,
                     scale,
                     fp8_max,
@@ -314,26 +254,29 @@ if triton is not None:
                 )
                 scaled_t = x_t * col_scale[:, None]
                 tl.store(
-                    qt_ptr + part_cols[:, None] * M + rows[None, :],
+                    qt_ptr + cols[:, None] * M + rows[None, :],
                     to_fp8(scaled_t, qt_ptr.dtype.element_ty),
                     mask=mask_t,
                 )
                 if COUNT and MODE != 3:  # a square block's transpose is the same cast
-                    part_hits, part_flushed = _tile_outcomes(
+                    hits_t, flushed_t = _tile_outcomes(
                         scaled_t, saturation_bound, flush_bound, INCLUSIVE
                     )
-                    hits += part_hits
-                    flushed += part_flushed
+                    if ROWS:
+                        hits += hits_t
+                        flushed += flushed_t
+                    else:
+                        hits, flushed = hits_t, flushed_t
                 if (MODE == 0) | ((MODE == 2) & (pid_m == 0)):
                     tl.store(
-                        st_ptr + part_cols * stride_st0 + pid_m * stride_st1,
+                        st_ptr + cols * stride_st0 + pid_m * stride_st1,
                         tl.div_rn(1.0, col_scale),
-                        mask=part_cols < K,
+                        mask=cols < K,
                     )
-        if COUNT and (MODE != 1):
-            tile = (pid_m * tl.num_programs(1) + pid_k) * 2
-            tl.store(counts_ptr + tile, hits)
-            tl.store(counts_ptr + tile + 1, flushed)
+            if COUNT:
+                tile = (pid_m * tl.num_programs(1) + pid_k) * 2
+                tl.store(counts_ptr + tile, hits)
+                tl.store(counts_ptr + tile + 1, flushed)
 
 
 def _outer_dim_major(rows: int, blocks: int, device) -> torch.Tensor:
@@ -443,7 +386,6 @@ def _launch(
         KIND=reads.kind,
         WIDE=wide_offsets(x, reads.h, q, qt),
         T=TILE,
-        PARTS=PARTS,
         num_warps=NUM_WARPS,
     )
     if counts is not None:
