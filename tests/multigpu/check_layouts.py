@@ -10,6 +10,7 @@ and with an error on its last rank.
     python -m tests.multigpu.check_layouts --cpu --layouts dp2 --precisions delayed   # gloo, CPU
     python -m tests.multigpu.check_layouts --layouts tp2 tp2dp2 --without-tp-comm-overlap
     python -m tests.multigpu.check_layouts --share 6 --time-limit 540   # within a 600 s call
+    python -m tests.multigpu.check_layouts --layouts tp2 --precisions delayed --repeat 8 --share 8
 
 The recipe's own overlaps are on, as it ships them: --tp-comm-overlap where tp > 1, the
 distributed optimizer with --overlap-param-gather where dp > 1 (`--without-...` turns them off).
@@ -33,7 +34,9 @@ Runs go side by side, `--share` of them on each GPU (most of a run is starting u
 references first, then the largest and of those the longest (`start_order`). A table closes the
 output and the exit status is 1 if any run failed; `--output` keeps every log and a JSON record.
 `--time-limit SECONDS` (a device call's limit) starts no run after it and stops those going: what
-finished is judged, the rest named as not run (exit status 2 if nothing failed).
+finished is judged, the rest named as not run (exit status 2 if nothing failed). `--repeat N`
+makes every run but the one-GPU references N times (`-r2` and on in their names), each judged on
+its own, for what fails only now and then (a hang seen once in three checks).
 """
 
 from __future__ import annotations
@@ -114,34 +117,43 @@ class Run:
     precision: str
     graphs: bool
     kind: str = "straight"  # resumed: from the straight run's checkpoint at RESUME_AT
+    repeat: int = 1  # the how-manieth of its kind (--repeat)
 
     @property
     def name(self) -> str:
-        return f"{self.layout}-{self.precision}-{'graphs' if self.graphs else 'eager'}" + (
-            "" if self.kind == "straight" else f"-{self.kind}"
+        return (
+            f"{self.layout}-{self.precision}-{'graphs' if self.graphs else 'eager'}"
+            + ("" if self.kind == "straight" else f"-{self.kind}")
+            + ("" if self.repeat == 1 else f"-r{self.repeat}")
         )
 
     @property
     def straight(self) -> Run:
-        return Run(self.layout, self.precision, self.graphs)
+        return Run(self.layout, self.precision, self.graphs, repeat=self.repeat)
+
+    @property
+    def eager(self) -> Run:
+        """The eager twin of a straight run, of the same repeat."""
+        return Run(self.layout, self.precision, False, repeat=self.repeat)
 
     @property
     def gpus(self) -> int:
         return LAYOUTS[self.layout][0]
 
 
-def plan(layouts, precisions, graphs: bool, kinds=KINDS) -> list[Run]:
+def plan(layouts, precisions, graphs: bool, kinds=KINDS, repeat: int = 1) -> list[Run]:
     """The runs checking `layouts`: each precision as shipped (graphed on GPUs), FP8 delayed eager,
-    FP8 delayed resumed, signalled and failing; one GPU of each precision as the reference.
-    Without graphs (the CPU) every run is eager."""
+    FP8 delayed resumed, signalled and failing, each `repeat` times; one GPU of each precision
+    once, as the reference. Without graphs (the CPU) every run is eager."""
     delayed = "delayed" if "delayed" in precisions else precisions[0]
     runs = [Run("1gpu", p, graphs) for p in precisions] if "straight" in kinds else []
-    for layout in layouts:
-        if "straight" in kinds:  # resumed runs need them (main() refuses resumed alone)
-            runs += [Run(layout, p, graphs) for p in precisions]
-            if graphs:
-                runs.append(Run(layout, delayed, False))
-        runs += [Run(layout, delayed, graphs, kind) for kind in KINDS[1:] if kind in kinds]
+    for r in range(1, repeat + 1):
+        for layout in layouts:
+            if "straight" in kinds:  # resumed runs need them (main() refuses resumed alone)
+                runs += [Run(layout, p, graphs, repeat=r) for p in precisions]
+                if graphs:
+                    runs.append(Run(layout, delayed, False, repeat=r))
+            runs += [Run(layout, delayed, graphs, kind, r) for kind in KINDS[1:] if kind in kinds]
     return runs
 
 
@@ -517,7 +529,7 @@ def judge(outcomes: dict, iterations: int, work: Path) -> None:
                 problems.append(
                     f"losses {_gap(worst)} off one GPU's (tolerance {TRACK_TOLERANCE:.0%})"
                 )
-            eager = outcomes.get(Run(run.layout, run.precision, False))
+            eager = outcomes.get(run.eager)
             if run.graphs and eager is not None:
                 worst = _worst(losses, eager.losses, range(1, iterations + 1))
                 if worst is None or worst > RESUME_TOLERANCE:
@@ -743,6 +755,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--share", type=int, default=2, help="runs per GPU at once (default 2)")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="make every run but the one-GPU references N times, each judged on its own (for "
+        "what fails only now and then; default 1)",
+    )
+    parser.add_argument(
         "--time-limit",
         type=float,
         metavar="SECONDS",
@@ -793,12 +813,14 @@ def main(argv=None) -> int:
         parser.error(
             f"{', '.join(too_big)} need{'s' if len(too_big) == 1 else ''} more than {gpus} GPUs"
         )
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more (runs of each kind)")
     work = args.output.resolve()
     if "resumed" in args.kinds and "straight" not in args.kinds:
         parser.error(
             "--kinds resumed needs straight (a resumed run loads the straight run's checkpoint)"
         )
-    runs = plan(layouts, args.precisions, graphs=not args.cpu, kinds=args.kinds)
+    runs = plan(layouts, args.precisions, graphs=not args.cpu, kinds=args.kinds, repeat=args.repeat)
     print(
         f"check_layouts: {len(runs)} runs of the shrunk GPT recipe on {gpus or 'the CPU, no'} GPUs, logs in "
         f"{work / 'logs'}",

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.multigpu import check_layouts
 
 
@@ -114,6 +116,44 @@ def test_a_time_limit_stops_the_check_and_names_what_did_not_run(tmp_path, capsy
     assert "incomplete: 2 of 2 runs did not finish within --time-limit 1 s: " in out
     assert "1gpu-bf16-eager" in out and "dp2-bf16-eager" in out
     assert time.time() - start < 60  # the running reference was stopped, not waited for
+
+
+def test_a_repeated_run_is_judged_against_its_own_straight_and_eager_twins(tmp_path, capsys):
+    runs = check_layouts.plan(["tp2"], ["delayed"], graphs=True, repeat=2)
+    names = sorted(run.name for run in runs)
+    assert names == sorted(
+        ["1gpu-delayed-graphs"]
+        + [
+            f"tp2-delayed-{kind}{suffix}"
+            for suffix in ("", "-r2")
+            for kind in ("graphs", "eager", "graphs-resumed", "graphs-sigterm", "graphs-fail")
+        ]
+    )
+    assert len(set(runs)) == len(runs)
+    resumed = check_layouts.Run("tp2", "delayed", True, "resumed", 2)
+    assert resumed.straight.name == "tp2-delayed-graphs-r2"
+    env = check_layouts.environment(resumed, tmp_path, False, [0, 1])
+    assert f"runs/tp2-delayed-graphs-r2/iter_{check_layouts.RESUME_AT:07d}" in env["EXTRA_ARGS"]
+    assert env["SAVE"].endswith("tp2-delayed-graphs-resumed-r2")
+    # the second graphed run is held to the second eager run, not the first
+    losses = {i: 10.0 - i for i in range(1, 7)}
+    outcomes = {}
+    for run, run_losses in (
+        (check_layouts.Run("1gpu", "delayed", True), losses),
+        (check_layouts.Run("tp2", "delayed", False), losses),
+        (check_layouts.Run("tp2", "delayed", False, repeat=2), {**losses, 6: 4.02}),
+        (check_layouts.Run("tp2", "delayed", True, repeat=2), losses),
+    ):
+        outcomes[run] = check_layouts.Outcome(
+            run.name, run.layout, "delayed", run.graphs, "straight", 0, 1.0, None, 9.0, run_losses
+        )
+    check_layouts.judge(outcomes, 6, tmp_path)
+    graphed = outcomes[check_layouts.Run("tp2", "delayed", True, repeat=2)]
+    assert graphed.problems == ["losses 0.50% off the eager run's (tolerance 0.1%)"]
+    with pytest.raises(SystemExit) as stop:
+        check_layouts.main(["--cpu", "--repeat", "0", "--output", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "--repeat 0: give 1 or more" in capsys.readouterr().err
 
 
 def test_overlaps_reach_only_the_layouts_that_take_them(tmp_path):
