@@ -16,6 +16,9 @@
 #   recipes: each model with the candidate recipes (FP8 delayed with an amax history of 1, rowwise
 #   and blockwise scaling) on the gpt and llama groups' batches, reported beside their bf16 and
 #   FP8 delayed runs; recipes2x: the same for Llama-120M at 2x the peak LR, beside lr2x's.
+#   defaults: the evidence for the recipes' default scaling, two initialisations of each candidate
+#   (FP8 delayed with an amax history of 1024 or 1, FP8 current) on the same batches, at the
+#   study's rate and at 2x, for both models: the runs the other groups lack, reported beside theirs.
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -36,7 +39,7 @@ for group in "$@"; do
 done
 if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
     GROUPS_TO_RUN=(gpt llama lr2x lr4x)
-    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x)
+    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x defaults)
 fi
 if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
                 "${MINUTES:-100000}" 2> /dev/null); then
@@ -226,13 +229,31 @@ runs_of() {  # the runs of a group, or the one run GROUP/RUN: NAME MODEL PRECISI
             for precision in $CANDIDATE_RECIPES; do
                 echo "recipes2x/$precision llama-120m $precision $double $SENS_ITERS $SEED $SEED"
             done ;;
+        defaults)  # from the next seed on the same batches: the candidates' second initialisation
+            local model next=$((SEED + 1))
+            for model in gpt llama; do
+                local preset=gpt-125m; [ $model = llama ] && preset=llama-120m
+                for precision in $CANDIDATE_DEFAULTS; do
+                    echo "defaults/${model}_${precision}_init$next $preset $precision $LR $ITERS $next $SEED"
+                done
+            done
+            # at 2x: GPT-125M whole (no other group runs it there); Llama-120M what lr2x and
+            # recipes2x lack
+            for precision in bf16 $CANDIDATE_DEFAULTS; do
+                echo "defaults/gpt2x_$precision gpt-125m $precision $double $SENS_ITERS $SEED $SEED"
+                echo "defaults/gpt2x_${precision}_init$next gpt-125m $precision $double $SENS_ITERS $next $SEED"
+            done
+            echo "defaults/llama2x_fp8_delayed_h1_init$next llama-120m fp8_delayed_h1 $double $SENS_ITERS $next $SEED"
+            echo "defaults/llama2x_fp8_current llama-120m fp8_current $double $SENS_ITERS $SEED $SEED"
+            echo "defaults/llama2x_fp8_current_init$next llama-120m fp8_current $double $SENS_ITERS $next $SEED" ;;
         data|report) ;;
-        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, recipes, recipes2x, data or report)" >&2
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, recipes, recipes2x, defaults, data or report)" >&2
            return 2 ;;
     esac
 }
 
 CANDIDATE_RECIPES="fp8_delayed_h1 fp8_rowwise fp8_blockwise"
+CANDIDATE_DEFAULTS="fp8_delayed fp8_delayed_h1 fp8_current"
 declare -A TITLES=([gpt]="GPT-125M" [llama]="Llama-120M" [lr2x]="Llama-120M, 2x peak LR"
                    [lr4x]="Llama-120M, 4x peak LR")
 for group in "${GROUPS_TO_RUN[@]}"; do runs_of "$group" > /dev/null || exit 2; done
@@ -274,6 +295,31 @@ if compgen -G "$WORKDIR/runs/recipes2x/*/metrics.jsonl" > /dev/null; then
     # shellcheck disable=SC2046  # one word per run
     report recipes2x "${TITLES[lr2x]}, FP8 recipes" lr2x/bf16 lr2x/fp8_delayed \
         $(for p in $CANDIDATE_RECIPES; do echo "recipes2x/$p:${p#fp8_}"; done)
+fi
+if compgen -G "$WORKDIR/runs/defaults/*/metrics.jsonl" > /dev/null; then
+    next=$((SEED + 1))
+    declare -A LABELS=([bf16]="bf16" [fp8_delayed]="delayed h1024" [fp8_delayed_h1]="delayed h1"
+                       [fp8_current]="current")
+    pair() {  # RUN RUN_FROM_THE_NEXT_SEED PRECISION: both into PAIRS, labelled
+        PAIRS+=("$1:${LABELS[$3]}" "$2:${LABELS[$3]}, seed $next")
+    }
+    for model in gpt llama; do  # each candidate from two initialisations, beside bf16's two
+        PAIRS=()
+        pair "$model/bf16" "seed/${model}_bf16_init" bf16
+        pair "$model/fp8_delayed" "defaults/${model}_fp8_delayed_init$next" fp8_delayed
+        pair "recipes/${model}_fp8_delayed_h1" "defaults/${model}_fp8_delayed_h1_init$next" fp8_delayed_h1
+        pair "$model/fp8_current" "defaults/${model}_fp8_current_init$next" fp8_current
+        report "defaults_$model" "${TITLES[$model]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+    done
+    PAIRS=()
+    for p in bf16 $CANDIDATE_DEFAULTS; do pair "defaults/gpt2x_$p" "defaults/gpt2x_${p}_init$next" "$p"; done
+    report defaults2x_gpt "GPT-125M, 2x peak LR, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+    PAIRS=()
+    pair lr2x/bf16 "lr2x/bf16_init$next" bf16
+    pair lr2x/fp8_delayed "lr2x/fp8_delayed_init$next" fp8_delayed
+    pair recipes2x/fp8_delayed_h1 "defaults/llama2x_fp8_delayed_h1_init$next" fp8_delayed_h1
+    pair defaults/llama2x_fp8_current "defaults/llama2x_fp8_current_init$next" fp8_current
+    report defaults2x_llama "${TITLES[lr2x]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
 fi
 if compgen -G "$WORKDIR/runs/lean/*/metrics.jsonl" > /dev/null; then
     mapfile -t names < <(runs_of lean | cut -d' ' -f1)

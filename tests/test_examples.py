@@ -69,6 +69,7 @@ def test_a_gpu_recipe_without_a_gpu_stops_at_once_and_says_what_to_do(tmp_path, 
 
 # the study's recipes group
 CANDIDATE_RECIPES = ("fp8_delayed_h1", "fp8_rowwise", "fp8_blockwise")
+CANDIDATE_DEFAULTS = ("fp8_delayed", "fp8_delayed_h1", "fp8_current")
 
 
 def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
@@ -152,6 +153,24 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         f"recipes2x/{recipe} (llama-120m, {recipe}, peak LR 0.0012, 2 iterations, seed 1234, "
         "data seed 1234)"
         for recipe in CANDIDATE_RECIPES
+    ] + [
+        f"defaults/{model}_{p}_init1235 ({preset}, {p}, peak LR 6e-4, 4 iterations, seed 1235, "
+        "data seed 1234)"
+        for model, preset in (("gpt", "gpt-125m"), ("llama", "llama-120m"))
+        for p in CANDIDATE_DEFAULTS
+    ] + [
+        f"defaults/gpt2x_{p}{init} (gpt-125m, {p}, peak LR 0.0012, 2 iterations, seed {seed}, "
+        "data seed 1234)"
+        for p in ("bf16", *CANDIDATE_DEFAULTS)
+        for init, seed in (("", 1234), ("_init1235", 1235))
+    ] + [
+        f"defaults/llama2x_{run} (llama-120m, {p}, peak LR 0.0012, 2 iterations, seed {seed}, "
+        "data seed 1234)"
+        for run, p, seed in (
+            ("fp8_delayed_h1_init1235", "fp8_delayed_h1", 1235),
+            ("fp8_current", "fp8_current", 1234),
+            ("fp8_current_init1235", "fp8_current", 1235),
+        )
     ]
     assert not (tmp_path / "listed").exists()  # listing creates nothing
 
@@ -163,6 +182,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16",
         "seed/gpt_bf16_init",
         "recipes/gpt_fp8_rowwise",
+        "defaults/gpt_fp8_current_init1235",
     )
     done = study(*trained)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -171,6 +191,7 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16": 4,
         "seed/gpt_bf16_init": 4,
         "recipes/gpt_fp8_rowwise": 4,
+        "defaults/gpt_fp8_current_init1235": 4,
     }
     for name, iterations in runs.items():
         records = [
@@ -202,6 +223,15 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
     table = (tmp_path / "report" / "recipes_gpt.md").read_text().splitlines()  # beside gpt's
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| rowwise"]
+    # the candidate defaults from two initialisations, each labelled by its scaling and seed
+    table = (tmp_path / "report" / "defaults_gpt.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| bf16",
+        "| bf16, seed 1235",
+        "| delayed h1024",
+        "| current",
+        "| current, seed 1235",
+    ]
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study(*trained)
