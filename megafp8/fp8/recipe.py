@@ -50,7 +50,7 @@ class Recipe:
     - `override_linear_precision`: which GEMMs (fprop, dgrad, wgrad) stay in high precision.
     - `fused_activations`: the MLP activations (megafp8.fp8.activation_kernels.KINDS) whose
       output and gradient the recipe's casts compute as they read, never stored in high
-      precision, where the layers fuse neighbours (megafp8.fp8.fused). None under current
+      precision, where the layers fuse neighbours (megafp8.fp8.fused). Empty under current
       scaling, whose scale needs the whole tensor first.
     """
 
