@@ -932,9 +932,21 @@ class Trainer:
         return self.iteration
 
 
+def prefer_gemms_without_workspace() -> None:
+    """cuBLASLt without a workspace (CUBLASLT_WORKSPACE_SIZE=0) unless the user chose a size.
+
+    With one, cuBLASLt runs nearly every FP8 GEMM of these shapes as a kernel whose workspace it
+    zeroes first: a memset before each GEMM, ~3 us more of the GPU between kernels inside a
+    CUDA graph. Without one it picks the same tiles (their variants that need no workspace) as fast
+    (benchmarks/RESULTS.md, "cuBLASLt's workspace"). torch reads the variable at its first
+    cuBLASLt GEMM in the process: before that, or it has no effect."""
+    os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
+
+
 def pretrain(argv=None):
     """Parse, set up and train; returns the Trainer. Joins the running process group if there
     is one (tests), else initialises one from torchrun's environment (or a one-process group)."""
+    prefer_gemms_without_workspace()
     own_group = not dist.is_initialized()
     torchrun = "WORLD_SIZE" in os.environ
     with warnings.catch_warnings():

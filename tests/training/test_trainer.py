@@ -353,6 +353,16 @@ def test_lean_optimizer_states_are_refused_without_the_fused_pass(monkeypatch):
         )
 
 
+@pytest.mark.parametrize("chosen", [None, "4096"])
+def test_runs_use_cublaslt_without_workspace_unless_the_user_chose_one(monkeypatch, chosen):
+    if chosen is None:
+        monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", chosen)
+    pretrain(TINY + ["--train-iters", "3"])
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == (chosen or "0")
+
+
 def test_a_run_resumes_from_its_checkpoint_without_shape_flags(tmp_path):
     """The checkpoint records the model: --load of it needs no --model and no shape flags."""
     shape = [
