@@ -373,14 +373,8 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def _fused_step(self):
-        casts = [self._pass_cast(i) for i in range(len(self.shards))]
-        addresses = [
-            None if cast is None else [t.data_ptr() for t in cast if t is not None]
-            for cast in casts
-        ]
-        # a layer's cast came or went
-        if self._fused_pass is None or addresses != self._fused_casts:
-            self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
+        # The norm first: the GPU may have run out of work (a pipeline's last stage waits for its
+        # peer), and would otherwise idle while the host gathers the casts below.
         squared = self._squared_grad_norm()
         norm = squared.sqrt()
         # The unfused path's factor, in its fp64 arithmetic (not `clip / tensor`, a reciprocal
@@ -397,6 +391,14 @@ class MixedPrecisionAdamW:
         ready = torch.cuda.Event() if squared.is_cuda else None
         if ready is not None:
             ready.record()
+        casts = [self._pass_cast(i) for i in range(len(self.shards))]
+        addresses = [
+            None if cast is None else [t.data_ptr() for t in cast if t is not None]
+            for cast in casts
+        ]
+        # a layer's cast came or went
+        if self._fused_pass is None or addresses != self._fused_casts:
+            self._fused_pass, self._fused_casts = self._build_fused_pass(casts), addresses
         if self._fp8_buckets:  # a rank may own no slice of a weight: its amax starts at 0 here
             self._zero_weight_amaxes()
         self._fused_pass.step(self.lr, control)
