@@ -109,6 +109,7 @@ def run_one(trainer_args: list[str], precision: str, device: torch.device) -> di
         # what the planner's model reads besides the layout (validate_planner.py)
         "first_stage_layers": a.decoder_first_pipeline_num_layers,
         "last_stage_layers": a.decoder_last_pipeline_num_layers,
+        "stage_layout": a.pipeline_stage_layers,
         "distributed_optimizer": bool(a.use_distributed_optimizer),
         "overlap_param_gather": bool(a.overlap_param_gather),
         "recompute": a.recompute_granularity or "none",

@@ -41,6 +41,7 @@ def stage_layers(
     vpp: int = 1,
     first_stage_layers: float | None = None,
     last_stage_layers: float | None = None,
+    layout: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """The layers of each model chunk of pipeline rank `pp_rank`: a list of `vpp` (first, last)
     ranges (last exclusive), one per chunk, for `TransformerLM(layers=...)`.
@@ -48,21 +49,23 @@ def stage_layers(
     There are pp * vpp virtual stages; chunk c of rank r is virtual stage c * pp + r. Layers
     are split evenly over them, unless `first_stage_layers` / `last_stage_layers` give the first
     / last virtual stage (which also carry the embedding / the output layer and loss) their
-    own, usually smaller, count; the other stages split the rest evenly. Counts may end in a half
-    (`layer_parts`: a stage then ends after a layer's attention, the next starts at its MLP).
-    Every stage holds at least half a layer.
+    own, usually smaller, count; the other stages split the rest evenly. Or `layout` gives every
+    virtual stage's count, in order. Counts may end in a half (`layer_parts`: a stage then ends
+    after a layer's attention, the next starts at its MLP). Every stage holds at least half a
+    layer.
 
         stage_layers(8, 2, 0)                        # [(0, 4)]
         stage_layers(8, 2, 1, vpp=2)                 # [(2, 4), (6, 8)]
         stage_layers(10, 4, 0, first_stage_layers=1, last_stage_layers=3)   # [(0, 1)]; then 3, 3, 3
         stage_layers(24, 2, 0, 2, first_stage_layers=6.5, last_stage_layers=5.5)  # [(0, 6.5), (12.5, 18.5)]
+        stage_layers(24, 2, 0, 2, layout=[6, 6.5, 6.5, 5])  # [(0, 6), (12.5, 19)]
     """
     for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
         check_integer(name, value)
     check_integer("pp_rank", pp_rank, minimum=0)
     if pp_rank >= pp:
         raise ValueError(f"pp_rank must be an int in 0..{pp - 1}, got {pp_rank!r}")
-    halves = _stage_halves(num_layers, pp, vpp, first_stage_layers, last_stage_layers)
+    halves = _stage_halves(num_layers, pp, vpp, first_stage_layers, last_stage_layers, layout)
     starts = [sum(halves[:stage]) for stage in range(pp * vpp + 1)]
     return [
         (_layers(starts[c * pp + pp_rank]), _layers(starts[c * pp + pp_rank + 1]))
@@ -117,11 +120,16 @@ def _stage_halves(
     vpp: int,
     first_stage_layers: float | None,
     last_stage_layers: float | None,
+    layout: Sequence[float] | None = None,
 ) -> list[int]:
     """The half layers of each of the pp * vpp virtual stages, by `stage_layers`' rule; a
     ValueError saying why where the rule cannot split them."""
     stages = pp * vpp
     what = f"pp={pp} x vpp={vpp} = {stages}" if vpp > 1 else f"pp={pp}"
+    if layout is not None:
+        return _layout_halves(
+            num_layers, stages, what, layout, first_stage_layers, last_stage_layers
+        )
     fixed = {}  # virtual stage -> its given count, in half layers
     for name, value, stage in (
         ("first_stage_layers", first_stage_layers, 0),
@@ -171,6 +179,27 @@ def _stage_halves(
     else:
         per_stage = rest // others
     return [fixed.get(stage, per_stage) for stage in range(stages)]
+
+
+def _layout_halves(num_layers, stages, what, layout, first_stage_layers, last_stage_layers):
+    """`layout`, every virtual stage's layers, in half layers; a ValueError saying what is wrong."""
+    if first_stage_layers is not None or last_stage_layers is not None:
+        raise ValueError(
+            "layout gives every stage's layers, the first and last included: give it or "
+            "first_stage_layers / last_stage_layers, not both"
+        )
+    if len(layout) != stages:
+        raise ValueError(
+            f"layout has {len(layout)} stages' layers ({', '.join(map(str, layout))}), but there "
+            f"are {stages} pipeline stages ({what}): give one count per virtual stage, in order"
+        )
+    halves = [_halves(f"layout[{stage}]", value) for stage, value in enumerate(layout)]
+    if sum(halves) != 2 * num_layers:
+        raise ValueError(
+            f"layout adds up to {_layers(sum(halves))} layers ({' + '.join(map(str, layout))}), "
+            f"but the model has num_layers={num_layers}"
+        )
+    return halves
 
 
 def balanced_stage_split(

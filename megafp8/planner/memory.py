@@ -62,6 +62,8 @@ class MemoryLayout:
     # the first / last virtual stage's own layer count (stage_layers; may end in .5)
     first_stage_layers: float | None = None
     last_stage_layers: float | None = None
+    # or every virtual stage's layer count, in order (stage_layers' layout)
+    stage_layout: tuple[float, ...] | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # no memory of its own: the throughput model's
@@ -137,6 +139,7 @@ class MemoryLayout:
             vpp=args.virtual_pipeline_model_parallel_size or 1,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
+            stage_layout=tuple(args.pipeline_stage_layers) if args.pipeline_stage_layers else None,
             sequence_parallel=args.sequence_parallel,
             distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
@@ -167,6 +170,7 @@ def stage_layer_parts(
         layout.vpp,
         layout.first_stage_layers,
         layout.last_stage_layers,
+        layout.stage_layout,
     )
     edge = layout.first_last_layers_bf16
     return [

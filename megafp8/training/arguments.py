@@ -87,6 +87,7 @@ def _apply(stray) -> str:
 def _check_pipeline(args) -> None:
     pp, vpp_layers = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    layout = args.pipeline_stage_layers
     stages = args.num_virtual_stages_per_pipeline_rank
     uneven = first is not None or last is not None
     if stages is not None and vpp_layers is not None:
@@ -94,42 +95,45 @@ def _check_pipeline(args) -> None:
             "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
             "say the same thing; give one"
         )
-    if args.balance_pipeline_split and uneven:
+    given = [
+        flag
+        for flag, on in (
+            ("--pipeline-stage-layers", layout is not None),
+            ("--decoder-first/last-pipeline-num-layers", uneven),
+            ("--balance-pipeline-split", args.balance_pipeline_split),
+        )
+        if on
+    ]
+    if len(given) > 1:
         raise ArgumentsError(
-            "--balance-pipeline-split chooses the first and last stages' layers itself; give it or "
-            "--decoder-first/last-pipeline-num-layers, not both"
+            f"{' and '.join(given)} each choose the stages' layers: give one of them"
         )
     if pp == 1:
         for flag, value in (
             (f"--num-virtual-stages-per-pipeline-rank {stages}", (stages or 1) > 1),
             (f"--num-layers-per-virtual-pipeline-stage {vpp_layers}", vpp_layers is not None),
-            ("--decoder-first/last-pipeline-num-layers", uneven),
-            ("--balance-pipeline-split", args.balance_pipeline_split),
+            *((flag, True) for flag in given),
         ):
             if value:
                 raise ArgumentsError(f"{flag} needs --pipeline-model-parallel-size > 1")
     args.virtual_pipeline_model_parallel_size = None
-    if uneven or args.balance_pipeline_split:
+    if given:
         if vpp_layers is not None:
             raise ArgumentsError(
-                "with stages of their own sizes (--decoder-first/last-pipeline-num-layers, "
-                "--balance-pipeline-split) virtual stages differ in layers: give their number per "
-                "rank, --num-virtual-stages-per-pipeline-rank, not "
+                f"with stages of their own sizes ({given[0]}) virtual stages differ in layers: "
+                "give their number per rank, --num-virtual-stages-per-pipeline-rank, not "
                 "--num-layers-per-virtual-pipeline-stage"
             )
         vpp = stages or 1
         from megafp8.parallel.stages import balanced_stage_split, stage_layers
 
         try:  # the split the trainer will make (or, balanced, that one exists), before any process starts
-            if uneven:
-                stage_layers(args.num_layers, pp, 0, vpp, first, last)
-            else:
+            if args.balance_pipeline_split:
                 balanced_stage_split(args.num_layers, pp, vpp)
+            else:
+                stage_layers(args.num_layers, pp, 0, vpp, first, last, layout)
         except ValueError as error:
-            flags = (
-                "--decoder-first/last-pipeline-num-layers" if uneven else "--balance-pipeline-split"
-            )
-            raise ArgumentsError(f"{flags}: {error}") from None
+            raise ArgumentsError(f"{given[0]}: {error}") from None
         if vpp > 1:
             args.virtual_pipeline_model_parallel_size = vpp
         return _check_sequence_parallel(args)

@@ -162,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(interleaved: of the last virtual stage, the last rank's last chunk)",
     )
     g.add_argument(
+        "--pipeline-stage-layers",
+        type=_layer_count,
+        nargs="+",
+        metavar="LAYERS",
+        help="every virtual pipeline stage's layers, in order: pipeline size x virtual stages per "
+        "rank counts adding up to --num-layers (interleaved: virtual stage c x pp + r is rank r's "
+        "chunk c); a count ending in .5 ends its stage after a layer's attention",
+    )
+    g.add_argument(
         "--balance-pipeline-split",
         action="store_true",
         help="give the first and last virtual pipeline stages their own layer counts so that every "

@@ -234,6 +234,7 @@ class Trainer:
                 vpp,
                 a.decoder_first_pipeline_num_layers,
                 a.decoder_last_pipeline_num_layers,
+                a.pipeline_stage_layers,
             )
         ]
         if a.torch_compile:
@@ -342,6 +343,7 @@ class Trainer:
                     vpp,
                     a.decoder_first_pipeline_num_layers,
                     a.decoder_last_pipeline_num_layers,
+                    a.pipeline_stage_layers,
                 )
             )
             print(

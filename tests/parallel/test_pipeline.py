@@ -291,10 +291,12 @@ PP2 = [
 
 
 # Stages that end after a layer's attention: 1.5, 1, 1 and 0.5 layers on 2 x 2 virtual stages
-# (every stage holds a half), 1.5 and 2.5 on two.
+# (every stage holds a half), 1.5 and 2.5 on two; and a layout of every stage's layers, 1, 1.5, 1
+# and 0.5, where rank 0's second chunk starts at a layer's MLP and ends after the next one's attention.
 HALVES = {
     ("gpt-tiny", 1, 2, 2, False, True): (1.5, 0.5),
     ("llama-tiny", 1, 2, 1, False, False): (1.5, None),
+    ("gpt-tiny", 1, 2, 2, False, False): (None, None, (1, 1.5, 1, 0.5)),
 }
 
 
@@ -609,6 +611,13 @@ def test_stage_layers():
         stage_layers(24, 2, r, 2, first_stage_layers=6.5, last_stage_layers=5.5) for r in (0, 1)
     ]
     assert spans == [[(0, 6.5), (12.5, 18.5)], [(6.5, 12.5), (18.5, 24)]]
+    # Every stage's layers given: a middle stage may start at a layer's MLP.
+    layout = (3, 3.5, 3.5, 3, 3, 3, 3, 2)
+    spans = [stage_layers(24, 2, r, 4, layout=layout) for r in (0, 1)]
+    assert spans == [
+        [(0, 3), (6.5, 10), (13, 16), (19, 22)],
+        [(3, 6.5), (10, 13), (16, 19), (22, 24)],
+    ]
     assert layer_parts(6.5, 9) == [(6, ("mlp",)), (7, LAYER_PARTS), (8, LAYER_PARTS)]
     assert layer_parts(0, 1.5) == [(0, LAYER_PARTS), (1, ("attention",))]
     assert layer_parts(2.5, 3) == [(2, ("mlp",))]
@@ -638,6 +647,13 @@ def test_stage_layers():
         ),
         ((4, 2, 2), r"pp_rank must be an int in 0..1"),
         ((4, 2, 0, 1, 1, 1), r"add up to 2 layers, but the model has num_layers=4"),
+        (
+            (4, 2, 0, 2, None, None, (1, 1, 2)),
+            r"layout has 3 stages' layers \(1, 1, 2\), but there are 4",
+        ),
+        ((4, 2, 0, 1, None, None, (1.5, 3)), r"layout adds up to 4.5 layers \(1.5 \+ 3\)"),
+        ((4, 2, 0, 1, None, None, (4, 0)), r"layout\[1\] must be a positive int or half-int"),
+        ((4, 2, 0, 1, 2, None, (2, 2)), r"give it or first_stage_layers / last_stage_layers"),
     ],
 )
 def test_stage_layers_errors(args, message):

@@ -420,7 +420,34 @@ def test_stages_of_their_own_sizes():
     fails(
         "--num-layers 8 --pipeline-model-parallel-size 2 --balance-pipeline-split "
         "--decoder-last-pipeline-num-layers 3",
-        "not both",
+        "--decoder-first/last-pipeline-num-layers and --balance-pipeline-split each choose",
+        "give one of them",
+    )
+    # every virtual stage's layers, a middle one starting at a layer's MLP
+    layout = parse(
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--pipeline-stage-layers 2 2.5 2.5 1"
+    )
+    assert layout.pipeline_stage_layers == [2, 2.5, 2.5, 1]
+    assert layout.virtual_pipeline_model_parallel_size == 2
+    fails(
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--pipeline-stage-layers 4 4",
+        "--pipeline-stage-layers: layout has 2 stages' layers (4, 4), but there are 4 pipeline stages",
+    )
+    fails(
+        "--num-layers 8 --pipeline-model-parallel-size 2 --pipeline-stage-layers 4 3.5",
+        "--pipeline-stage-layers: layout adds up to 7.5 layers",
+        "num_layers=8",
+    )
+    fails(
+        "--num-layers 8 --pipeline-model-parallel-size 2 --pipeline-stage-layers 4 4 "
+        "--balance-pipeline-split",
+        "--pipeline-stage-layers and --balance-pipeline-split each choose",
+    )
+    fails(
+        "--pipeline-stage-layers 4",
+        "--pipeline-stage-layers needs --pipeline-model-parallel-size > 1",
     )
     fails(
         "--balance-pipeline-split",

@@ -900,6 +900,23 @@ PIPELINE_LAYOUTS = {
             "6",
         ],
     ),
+    # every virtual stage's layers given: rank 0's second chunk runs layer 2's MLP to layer 4's attention
+    "pp2-vpp2-layout": (
+        2,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            "--pipeline-stage-layers",
+            "1",
+            "1.5",
+            "2",
+            "1.5",
+            "--num-layers",
+            "6",
+        ],
+    ),
     "tp2xpp2xdp2": (
         8,
         [
