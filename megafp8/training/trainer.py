@@ -100,7 +100,9 @@ class _ExitSignal:
         if dist.get_world_size() == 1:  # no collective, so no wait on the GPU either
             return mine
         previous, self._vote = self._vote, None
-        flag = torch.tensor([float(mine)], device=device)
+        # Filled on the device: torch.tensor([...], device=...) copies from pageable memory and
+        # waits for the stream, that is for the whole step queued before it.
+        flag = torch.full((1,), float(mine), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.is_cuda:
             copied = torch.cuda.Event()

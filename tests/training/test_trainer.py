@@ -598,6 +598,28 @@ def test_every_rank_stops_after_the_same_step():
     assert run_on_ranks(stop_votes, 2) == [[[False, False, True]] * 2] * 2
 
 
+@pytest.mark.gpu
+def test_the_stop_vote_never_waits_for_the_gpu(monkeypatch):
+    """Each step's vote is posted while the step's update still runs: making it, reducing it and
+    answering the previous one must not synchronize with the GPU (torch raises where it would)."""
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(trainer.dist, "all_reduce", lambda tensor, op=None, group=None: None)
+    votes = trainer._ExitSignal()
+    busy = torch.randn(4096, 4096, device="cuda")
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        answers = []
+        for _ in range(3):
+            for _ in range(20):  # the step's work, still queued when the vote is posted
+                busy = busy @ busy / 4096
+            answers.append(votes.any_rank(torch.device("cuda")))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        votes.restore()
+    assert answers == [False, False, False]
+
+
 def test_a_run_rolled_back_to_an_older_checkpoint_keeps_what_it_saves(tmp_path, capfd):
     save = ["--save", str(tmp_path), "--save-interval", "5"]
     pretrain(TINY + save + ["--train-iters", "10"])
