@@ -67,8 +67,6 @@ def layout_of(record: dict) -> tuple:
     """(model config, MemoryLayout) of a bench_layouts.py record."""
     name, flags = MODELS[record["label"].split("_")[0]]
     flags = flags | {key: record[key] for key in RECORDED_FLAGS if key in record}
-    if flags.get("stage_layout") is not None:  # a JSON list
-        flags["stage_layout"] = tuple(flags["stage_layout"])
     config = preset(name, vocab_size=VOCAB)
     dp = record["dp"]
     return config, MemoryLayout(

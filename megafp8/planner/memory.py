@@ -84,6 +84,8 @@ class MemoryLayout:
     norm_on_cuda: bool = True  # RMSNorm: CUDA's fused kernel, else torch's fp32 composite (CPU)
 
     def __post_init__(self):
+        if self.stage_layout is not None:  # a list from the flags or a JSON record: kept frozen
+            object.__setattr__(self, "stage_layout", tuple(self.stage_layout))
         for name in (
             "seq_length",
             "micro_batch_size",
@@ -139,7 +141,7 @@ class MemoryLayout:
             vpp=args.virtual_pipeline_model_parallel_size or 1,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
-            stage_layout=tuple(args.pipeline_stage_layers) if args.pipeline_stage_layers else None,
+            stage_layout=args.pipeline_stage_layers,
             sequence_parallel=args.sequence_parallel,
             distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,

@@ -210,9 +210,8 @@ class Trainer:
     def _build_chunks(self) -> list:
         """This rank's model chunks: one per virtual pipeline stage, with its layers."""
         a, groups = self.args, self.groups
-        vpp = a.virtual_pipeline_model_parallel_size or 1
         if a.balance_pipeline_split:
-            self._balance_pipeline_split(vpp)
+            self._balance_pipeline_split()
         chunks = [
             TransformerLM(
                 self.config,
@@ -229,15 +228,7 @@ class Trainer:
                 dtype=self.dtype,
                 device=self.device,
             )
-            for span in stage_layers(
-                self.config.num_layers,
-                groups.pp_size,
-                groups.pp_rank,
-                vpp,
-                a.decoder_first_pipeline_num_layers,
-                a.decoder_last_pipeline_num_layers,
-                a.pipeline_stage_layers,
-            )
+            for span in self._stage_spans(groups.pp_rank)
         ]
         if a.torch_compile:
             for chunk in chunks:
@@ -329,24 +320,28 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
 
-    def _balance_pipeline_split(self, vpp: int) -> None:
+    def _stage_spans(self, pp_rank: int) -> list[tuple[float, float]]:
+        """The layers of each model chunk of pipeline rank `pp_rank`, as the flags split them."""
+        a = self.args
+        return stage_layers(
+            self.config.num_layers,
+            a.pipeline_model_parallel_size,
+            pp_rank,
+            a.virtual_pipeline_model_parallel_size or 1,
+            a.decoder_first_pipeline_num_layers,
+            a.decoder_last_pipeline_num_layers,
+            a.pipeline_stage_layers,
+        )
+
+    def _balance_pipeline_split(self) -> None:
         """--balance-pipeline-split: choose the first and last virtual stages' layers, and say so."""
         a = self.args
         cost = arguments.balance_pipeline_split(a, self.config)
         if self.is_logger:
-            pp = a.pipeline_model_parallel_size
             spans = sorted(
                 span
-                for rank in range(pp)
-                for span in stage_layers(
-                    self.config.num_layers,
-                    pp,
-                    rank,
-                    vpp,
-                    a.decoder_first_pipeline_num_layers,
-                    a.decoder_last_pipeline_num_layers,
-                    a.pipeline_stage_layers,
-                )
+                for rank in range(a.pipeline_model_parallel_size)
+                for span in self._stage_spans(rank)
             )
             print(
                 f"pipeline split: virtual stages of {', '.join(f'{end - start:g}' for start, end in spans)} layers "
@@ -942,7 +937,7 @@ def prefer_gemms_without_workspace() -> None:
     With one, cuBLASLt runs nearly every FP8 GEMM of these shapes as a kernel whose workspace it
     zeroes first: a memset before each GEMM, ~3 us more of the GPU between kernels inside a
     CUDA graph. Without one it picks the same tiles (their variants that need no workspace) as fast
-    (benchmarks/RESULTS.md, "cuBLASLt's workspace"). torch reads the variable at its first
+    (benchmarks/RESULTS.md, "What each switch buys"). torch reads the variable at its first
     cuBLASLt GEMM in the process: before that, or it has no effect."""
     os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
 
