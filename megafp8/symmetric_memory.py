@@ -37,6 +37,9 @@ import torch.distributed as dist
 from .collectives import group_size, rank_in, side_by_side
 
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
+_used = (
+    False  # some group moved its blocks on copy engines in this process (see used_in_this_process)
+)
 
 # A peer that never arrives at a barrier: the waiting kernel traps after this long (the trainer
 # passes --distributed-timeout-minutes; torch's default for collectives).
@@ -85,7 +88,9 @@ def use_copy_engines(
             f"an SM carveout of {sm_carveout} leaves the GEMMs no SMs: this GPU has {sms}; "
             f"give fewer (0: GEMMs on every SM)"
         )
+    global _used
     _workspaces.setdefault(group, _Workspace(group, timeout_s))
+    _used = True
     if sm_carveout and not hasattr(torch._C, "_set_sm_carveout_experimental"):
         warnings.warn(
             f"torch {torch.__version__} cannot leave SMs free in cuBLAS GEMMs: they keep every SM",
@@ -102,6 +107,12 @@ def stop_using_copy_engines() -> None:
     _workspaces.clear()
     if getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)() is not None:
         torch._C._set_sm_carveout_experimental(None)
+
+
+def used_in_this_process() -> bool:
+    """Whether this process has moved blocks on copy engines, stopped since or not: a CUDA error it
+    meets may then follow a barrier kernel that gave up on its peer and trapped."""
+    return _used
 
 
 def join_copy_streams() -> None:

@@ -1040,9 +1040,23 @@ def main():
         elif rank == 0:
             print(f"megafp8-train: error: {error}", file=sys.stderr)
         _exit_after_error(2)
-    except Exception:
+    except Exception as error:
         traceback.print_exc()
+        if "CUDA error" in str(error) and symmetric_memory.used_in_this_process():
+            print(_AFTER_A_COPY_ENGINE_BARRIER, file=sys.stderr)
         _exit_after_error(1)
+
+
+# A barrier kernel that gives up on its peer traps, and the next CUDA call of its process fails
+# with whatever error it meets (often a cuBLAS one), far from the cause.
+_AFTER_A_COPY_ENGINE_BARRIER = (
+    "megafp8-train: this run moved its tensor-parallel blocks on the GPUs' copy engines. Where "
+    "a line '[FATAL] CUDASymmetricMemory::barrier: rank R failed to receive signal from rank P' "
+    "comes before this error, rank P did not reach that barrier within "
+    "--distributed-timeout-minutes and the CUDA error follows from it (docs/parallel.md, "
+    "'Checking a multi-GPU machine'). Restart the run, or move the blocks through NCCL: "
+    "--tp-comm-overlap-transport nccl"
+)
 
 
 def _exit_after_error(code: int) -> None:

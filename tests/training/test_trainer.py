@@ -1449,6 +1449,35 @@ def test_data_past_the_tokenizers_vocabulary_fails_before_the_first_step(
 
 
 @pytest.mark.parametrize(
+    ("copy_engines", "message", "hinted"),
+    [
+        (True, "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling cublasLtMatmul", True),
+        (False, "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling cublasLtMatmul", False),
+        (True, "shapes cannot be multiplied", False),
+    ],
+)
+def test_a_cuda_error_after_copy_engine_transfers_points_to_their_barriers(
+    monkeypatch, capsys, copy_engines, message, hinted
+):
+    """A copy-engine barrier that gives up traps, and the process's next CUDA call fails with an
+    unrelated-looking error: the run says where to look, and only then."""
+    from megafp8 import symmetric_memory
+
+    def failing_run():
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(trainer, "pretrain", failing_run)
+    monkeypatch.setattr(symmetric_memory, "_used", copy_engines)
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1
+    assert message in err  # the traceback stays
+    assert ("CUDASymmetricMemory::barrier" in err) == hinted
+    assert ("--tp-comm-overlap-transport nccl" in err) == hinted
+
+
+@pytest.mark.parametrize(
     "recipe", [["rowwise"], ["blockwise", *BLOCKWISE_SHAPE]], ids=["rowwise", "blockwise"]
 )
 def test_fine_grained_scaling_trains_under_tensor_parallelism_as_on_one_rank(recipe):
