@@ -37,9 +37,8 @@ import torch.distributed as dist
 from .collectives import group_size, rank_in, side_by_side
 
 _workspaces: dict = {}  # process group -> _Workspace, for the groups given to use_copy_engines
-_used = (
-    False  # some group moved its blocks on copy engines in this process (see used_in_this_process)
-)
+# some group moved its blocks on copy engines in this process (see used_in_this_process)
+_used = False
 
 # A peer that never arrives at a barrier: the waiting kernel traps after this long (the trainer
 # passes --distributed-timeout-minutes; torch's default for collectives).
