@@ -25,10 +25,11 @@ import multiprocessing
 import re
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
-from itertools import islice
+from itertools import islice, takewhile
 from pathlib import Path
 
 import numpy as np
@@ -302,13 +303,19 @@ def main(argv=None):
         if not args.split_by_set:
             for key in args.json_keys:  # a dataset per key even if every document lacks it
                 outputs.builder(None, key)
-        with context.Pool(
+        pool = context.Pool(
             args.workers,
             _init_worker,
             (args.tokenizer_kwargs, tuple(args.json_keys), args.append_eod),
-        ) as pool:
+        )
+        # On a failure the batches run out and the workers finish the few already queued:
+        # Pool.terminate() (the with-block's exit) can kill a worker while it holds the result
+        # queue's lock, and then wait forever for the pool's thread that needs that lock.
+        stopped = threading.Event()
+        try:
             # chunksize 1: each task is already a batch of documents; imap keeps their order.
-            for results in pool.imap(_encode, _batches(documents), chunksize=1):
+            feed = takewhile(lambda _: not stopped.is_set(), _batches(documents))
+            for results in pool.imap(_encode, feed, chunksize=1):
                 for subset, tokens, nbytes in results:
                     counts = subsets.setdefault(
                         UNKNOWN_SET if subset is None else subset, {"documents": 0, "tokens": 0}
@@ -334,6 +341,12 @@ def main(argv=None):
                         f"{n_tokens / elapsed:.0f} tok/s, {n_bytes / elapsed / 1e6:.2f} MB/s",
                         refresh=False,
                     )
+        except BaseException:
+            stopped.set()
+            raise
+        finally:
+            pool.close()
+            pool.join()
         files = outputs.finalize()
     except BaseException as error:
         outputs.abort()
