@@ -196,8 +196,15 @@ class _Workspace:
             dtype=torch.uint8,
             device=torch.cuda.current_device(),
         )
-        # collective over the group
-        self.handle = symmetric.rendezvous(self.mine, self.group.group_name)
+        # torch up to 2.11 zeroes a new buffer's signal pads with a plain cudaMemset, on the
+        # legacy default stream: the trainer's compute stream, and late behind the step's queued
+        # work. A peer's barrier signals into this rank's pad as soon as the rendezvous returns;
+        # zeroed after that, the signal is lost and both ranks wait, at different barriers, until
+        # the timeout. So each rank's zeroing ends before the rendezvous, and the rendezvous's
+        # upload of the peers' addresses, which the barrier kernels read, ends after it.
+        torch.cuda.default_stream().synchronize()
+        self.handle = symmetric.rendezvous(self.mine, self.group.group_name)  # collective
+        torch.cuda.default_stream().synchronize()
         self.peers = [
             self.handle.get_buffer(rank, (self.mine.numel(),), torch.uint8)
             for rank in range(self.size)

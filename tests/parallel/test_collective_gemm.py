@@ -269,3 +269,51 @@ def test_a_copy_engine_barrier_without_its_peer_times_out(tmp_path):
     out = done.stdout + done.stderr
     assert "CUDASymmetricMemory::barrier: rank 0 failed" in out, out
     assert "rank 0 stopped:" in out and "no error" not in out, out
+
+
+# The workspace's second growth while rank 0's compute stream, the legacy default stream, still
+# runs a second of queued work: torch (<= 2.11) zeroes the new signal pads on that stream, behind
+# the work, while rank 1 signals into them as soon as the rendezvous returns. A zeroing after the
+# signal would erase it and stop both ranks at the barrier timeout (as tp 2 runs stopped in their
+# first step); both gathers must complete, right.
+_BUSY_GROWTH = """
+import os, torch, torch.distributed as dist
+from megafp8 import symmetric_memory
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl")
+group = dist.group.WORLD
+symmetric_memory.use_copy_engines(group, timeout_s=10)
+space = symmetric_memory.workspace(group)
+small = torch.full((4, 8), float(rank + 1), device="cuda")
+space.all_gather_into(small.new_empty(8, 8), small).wait()  # the first growth
+torch.cuda.synchronize()
+dist.barrier()
+local = torch.full((4096, 1024), float(rank + 1), device="cuda")
+out = local.new_empty(8192, 1024)
+if rank == 0:
+    torch.cuda._sleep(2 * 10**9)  # about a second
+try:
+    gathered = space.all_gather_into(out, local).wait()  # the second growth
+    torch.cuda.synchronize()
+    right = bool((gathered[:4096] == 1).all() and (gathered[4096:] == 2).all())
+    print(f"rank {rank}: gathered {right}", flush=True)
+except RuntimeError as error:
+    print(f"rank {rank} stopped: {error}", flush=True)
+os._exit(0)  # a rank whose GPU trapped cannot tear its process group down
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_workspace_growing_behind_queued_compute_loses_no_signal(tmp_path):
+    script = tmp_path / "busy_growth.py"
+    script.write_text(_BUSY_GROWTH)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = done.stdout + done.stderr
+    assert "rank 0: gathered True" in out and "rank 1: gathered True" in out, out
