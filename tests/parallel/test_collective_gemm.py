@@ -228,17 +228,39 @@ def test_copy_engine_transfers_equal_nccl_eager_and_in_cuda_graphs():
         assert result[3:] == [2, None], result
 
 
-# Rank 1 never joins the gather: rank 0's barrier must give up after its timeout, say so, and end
-# the process with a CUDA error instead of waiting forever.
-_ABSENT_PEER = """
+# Scripts of two GPU processes (torchrun), each with the group's copy-engine workspace as `space`
+# and a barrier timeout of `timeout_s`; a rank whose GPU trapped cannot tear its process group
+# down, so every rank leaves with os._exit.
+_COPY_ENGINE_SCRIPT = """
 import os, torch, torch.distributed as dist
 from megafp8 import symmetric_memory
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
 group = dist.group.WORLD
-symmetric_memory.use_copy_engines(group, timeout_s=2)
+symmetric_memory.use_copy_engines(group, timeout_s={timeout_s})
 space = symmetric_memory.workspace(group)
+{body}
+os._exit(0)
+"""
+
+
+def run_on_two_gpus(tmp_path, body: str, timeout_s: float) -> str:
+    """`body` run by both ranks after the script's set-up; their stdout and stderr."""
+    script = tmp_path / "copy_engines.py"
+    script.write_text(_COPY_ENGINE_SCRIPT.format(timeout_s=timeout_s, body=body.strip()))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return done.stdout + done.stderr
+
+
+# Rank 1 never joins the gather: rank 0's barrier must give up after its timeout, say so, and end
+# the process with a CUDA error instead of waiting forever.
+_ABSENT_PEER = """
 local = torch.ones(4, 8, device="cuda")
 out = local.new_empty(8, 8)
 space.all_gather_into(out, local).wait()  # both ranks: the workspace grows (collective), once
@@ -251,22 +273,13 @@ if rank == 0:
         print("no error", flush=True)
     except RuntimeError as error:
         print(f"rank 0 stopped: {error}", flush=True)
-os._exit(0)  # a rank whose GPU trapped cannot tear its process group down
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_copy_engine_barrier_without_its_peer_times_out(tmp_path):
-    script = tmp_path / "absent_peer.py"
-    script.write_text(_ABSENT_PEER)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = done.stdout + done.stderr
+    out = run_on_two_gpus(tmp_path, _ABSENT_PEER, timeout_s=2)
     assert "CUDASymmetricMemory::barrier: rank 0 failed" in out, out
     assert "rank 0 stopped:" in out and "no error" not in out, out
 
@@ -277,14 +290,6 @@ def test_a_copy_engine_barrier_without_its_peer_times_out(tmp_path):
 # signal would erase it and stop both ranks at the barrier timeout (as tp 2 runs stopped in their
 # first step); both gathers must complete, right.
 _BUSY_GROWTH = """
-import os, torch, torch.distributed as dist
-from megafp8 import symmetric_memory
-rank = int(os.environ["RANK"])
-torch.cuda.set_device(rank)
-dist.init_process_group("nccl")
-group = dist.group.WORLD
-symmetric_memory.use_copy_engines(group, timeout_s=10)
-space = symmetric_memory.workspace(group)
 small = torch.full((4, 8), float(rank + 1), device="cuda")
 space.all_gather_into(small.new_empty(8, 8), small).wait()  # the first growth
 torch.cuda.synchronize()
@@ -300,20 +305,11 @@ try:
     print(f"rank {rank}: gathered {right}", flush=True)
 except RuntimeError as error:
     print(f"rank {rank} stopped: {error}", flush=True)
-os._exit(0)  # a rank whose GPU trapped cannot tear its process group down
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_workspace_growing_behind_queued_compute_loses_no_signal(tmp_path):
-    script = tmp_path / "busy_growth.py"
-    script.write_text(_BUSY_GROWTH)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = done.stdout + done.stderr
+    out = run_on_two_gpus(tmp_path, _BUSY_GROWTH, timeout_s=10)
     assert "rank 0: gathered True" in out and "rank 1: gathered True" in out, out
