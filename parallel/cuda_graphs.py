@@ -52,7 +52,7 @@ from megafp8.fp8.autocast import (
     replay_backward_amaxes,
     replay_forward_amaxes,
 )
-from megafp8.main_grad import accumulate_into_main_grad
+from megafp8.main_grad import accumulate_into_main_grad, prepare_add_into
 
 # Only this thread may not make calls a capture forbids: the data loader's pin-memory thread keeps
 # allocating pinned memory while a step captures, which the default ("global") would fail on.
@@ -273,9 +273,10 @@ class LayerGraphs:
 
     def _warm_up(self, first_input, extras, context) -> None:
         """One forward and backward of every unit on the capture stream before capturing (cuBLAS
-        and the like set up per stream, which a capture must not do), leaving no trace: the
-        scaling state it touches and the CUDA generator are restored, no gradient is kept (the
-        linears do not write main_grad meanwhile)."""
+        and the like set up per stream, and a Triton kernel compiles and loads at its first
+        launch, which a capture must not do), leaving no trace: the scaling state it touches and
+        the CUDA generator are restored, no gradient is kept (the linears do not write main_grad
+        meanwhile; the kernel that adds into it is loaded on spare tensors)."""
         linears = [m for linears in self.linears for m in linears]
         states = [
             t
@@ -293,12 +294,15 @@ class LayerGraphs:
             inputs = first_input
             for function, params in zip(self.functions, self.params):
                 output = function(inputs, *extras)
-                torch.autograd.grad(
+                grads = torch.autograd.grad(
                     output,
                     (inputs, *params),
                     grad_outputs=torch.ones_like(output),
                     allow_unused=True,
                 )
+                for param, grad in zip(params, grads[1:]):
+                    if grad is not None and getattr(param, "main_grad", None) is not None:
+                        prepare_add_into(param.main_grad, grad)
                 inputs = output.detach().requires_grad_()
         torch.cuda.current_stream().wait_stream(self.stream)
         if states:  # units without FP8 linears have no scaling state
