@@ -221,6 +221,12 @@ class _Workspace:
         self.stream.wait_stream(torch.cuda.current_stream())
         return self.stream
 
+    def _order_after_copy_stream(self) -> None:
+        """The current stream waits for everything queued on the copy stream. In a capture that
+        has not forked it there is nothing to wait for: the graph before ended by joining it."""
+        if self.forked_in_capture or not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().wait_stream(self.stream)
+
     def _join(self) -> torch.cuda.Event:
         done = torch.cuda.Event()
         done.record(self.stream)
@@ -273,16 +279,21 @@ class _Workspace:
         return _Part(local, out, place)
 
     def _gather(self, parts: list[_Part]) -> list[_Pending]:
-        """The gathers' protocol on the copy stream: each part's `local` into this rank's gather
-        region, one barrier, then for each part in turn every rank's block placed (the peers'
-        bytes from their regions), one handle per part; a closing barrier."""
+        """The gathers' protocol: each part's `local` into this rank's gather region, then on the
+        copy stream one barrier, for each part in turn every rank's block placed (the peers'
+        bytes from their regions), one handle per part, and a closing barrier."""
         sizes = [part.local.numel() * part.local.element_size() for part in parts]
         starts = [sum(_aligned(size) for size in sizes[:i]) for i in range(len(parts))]
         self._reserve(gather_bytes=starts[-1] + sizes[-1])
+        # This rank's blocks go into its region on the compute stream, before the caller's GEMM
+        # starts: on the copy stream the copy ran beside that GEMM, on the few SMs it leaves
+        # free, up to twenty times slower, and every peer's read of the blocks waited for it.
+        # The region is written again once the peers have read it (the last closing barrier).
+        self._order_after_copy_stream()
+        for part, start, size in zip(parts, starts, sizes):
+            self.peers[self.rank][start : start + size].copy_(_bytes(part.local))
         pending = []
         with torch.cuda.stream(self._fork()):
-            for part, start, size in zip(parts, starts, sizes):
-                self.peers[self.rank][start : start + size].copy_(_bytes(part.local))
             self._barrier(0)  # every rank's blocks are in
             for part, start, size in zip(parts, starts, sizes):
                 for step in range(1, self.size):
