@@ -222,8 +222,10 @@ class _Workspace:
         return self.stream
 
     def _order_after_copy_stream(self) -> None:
-        """The current stream waits for everything queued on the copy stream. In a capture that
-        has not forked it there is nothing to wait for: the graph before ended by joining it."""
+        """The current stream waits for everything queued on the copy stream. A capture that has
+        not forked it has nothing to wait for (nor may it wait on work outside the capture): the
+        graph replayed before it ended by joining the copy stream, and a capture starts on a
+        synchronized device (torch.cuda.graph)."""
         if self.forked_in_capture or not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_stream(self.stream)
 
