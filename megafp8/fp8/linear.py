@@ -114,7 +114,8 @@ class Fp8Linear(nn.Linear):
     weight and bias gradients go there straight from the GEMM in its dtype (fp32, or bf16), with
     no bf16 gradient and no accumulation pass: the FP8 wgrad overwrites a `main_grad` that holds
     no gradient yet (`main_grad_empty`: a step's first micro-batch; `_scaled_mm` cannot add), and
-    on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output).
+    on a GPU the high-precision wgrad adds into it inside the GEMM (addmm with its output). The
+    bias gradient, a column sum in fp32, goes into its `main_grad` on every micro-batch.
     Autograd then gets no gradient for them, which the GradientBuffer's hook understands.
 
     FP8 primary weights (`make_weight_fp8`; Transformer Engine's fp8_model_init, Megatron's
@@ -843,14 +844,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 db = qdy.col_sum
             else:
                 db = dy2.sum(0, dtype=torch.float32)
-            main_grad = (
-                claim_empty_main_grad(ctx.module.bias) if ctx.fuse_wgrad_accumulation else None
-            )
-            if main_grad is None:
-                db = db.to(ctx.weight_dtype)
-            else:
-                main_grad.copy_(db)
+            if (
+                ctx.fuse_wgrad_accumulation
+                and getattr(ctx.module.bias, "main_grad", None) is not None
+            ):
+                # fp32 into main_grad on every micro-batch: never rounded to bf16, no cast kernel
+                accumulate_into_main_grad(ctx.module.bias, db)
                 db = None
+            else:
+                db = db.to(ctx.weight_dtype)
         if need_dx:
             if comm.gather is not None and comm.overlap:
                 dx = dx.wait()

@@ -75,6 +75,18 @@ def test_fp8_wgrad_goes_into_a_zero_main_grad_in_fp32_then_accumulates_as_before
     )
 
 
+def test_the_fp8_bias_gradient_accumulates_in_fp32_on_every_micro_batch():
+    """The column sums go into main_grad unrounded; the unfused path rounds each to bf16."""
+    (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16)
+    data = batches(torch.bfloat16)
+    got = accumulate(fused, fused_buffer, data, fp8=True)
+    want = accumulate(unfused, unfused_buffer, data, fp8=True)
+    for k, ((_, b), (_, b_ref)) in enumerate(zip(got, want)):
+        exact = sum(dy.double().sum(0) for _, dy in data[: k + 1])
+        assert rel_err(b, exact) < 1e-6  # fp32 sums of bf16 values
+        assert rel_err(b_ref, exact) > 1e-4  # each micro-batch's sum rounded to bf16
+
+
 def test_a_weight_used_twice_in_one_backward_counts_both_uses():
     (fused, fused_buffer), (unfused, unfused_buffer) = layer_pair(torch.bfloat16, out_features=64)
     data = batches(torch.bfloat16, out_features=64)
