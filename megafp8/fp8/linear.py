@@ -844,15 +844,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 db = qdy.col_sum
             else:
                 db = dy2.sum(0, dtype=torch.float32)
-            if (
-                ctx.fuse_wgrad_accumulation
-                and getattr(ctx.module.bias, "main_grad", None) is not None
-            ):
-                # fp32 into main_grad on every micro-batch: never rounded to bf16, no cast kernel
-                accumulate_into_main_grad(ctx.module.bias, db)
-                db = None
-            else:
-                db = db.to(ctx.weight_dtype)
+            db = _bias_grad(ctx.module.bias, db, ctx.fuse_wgrad_accumulation)
         if need_dx:
             if comm.gather is not None and comm.overlap:
                 dx = dx.wait()
@@ -983,12 +975,18 @@ def _weight_and_bias_grads(
         dw = dy2.t() @ x2
     if need_db:
         db = (dy2 if bias_rows is None else bias_rows).sum(0, dtype=torch.float32)
-        if into_main_grad and getattr(bias, "main_grad", None) is not None:
-            accumulate_into_main_grad(bias, db)
-            db = None
-        else:  # autograd's: the graphs' warm-up turns the fusion off and must leave main_grad alone
-            db = db.to(bias.dtype)
+        db = _bias_grad(bias, db, into_main_grad)
     return dw, db
+
+
+def _bias_grad(bias, db: torch.Tensor, into_main_grad: bool) -> torch.Tensor | None:
+    """A bias's gradient `db` (an fp32 column sum) added into its `main_grad` where it has one and
+    `into_main_grad` (on every micro-batch, never rounded to bf16), then None; else autograd's, in
+    the bias's dtype (the graphs' warm-up turns the fusion off and must leave main_grad alone)."""
+    if into_main_grad and getattr(bias, "main_grad", None) is not None:
+        accumulate_into_main_grad(bias, db)
+        return None
+    return db.to(bias.dtype)
 
 
 class _HighPrecisionLinearBesideCollective(torch.autograd.Function):
