@@ -176,6 +176,10 @@ report() {
     fi
     # Validation losses against the first run's, once it has evaluated.
     grep -q '"valid_loss"' "${runs[0]}/metrics.jsonl" && options+=(--relative)
+    # Training losses against the first run's from the end of the warm-up (a tenth of the run).
+    local iterations=$ITERS
+    case $group in lr2x|lr4x|recipes2x|defaults2x_*) iterations=$SENS_ITERS ;; esac
+    options+=(--train-from "$(python -c "print(max(1, round($iterations * $WARMUP_FRACTION)))")")
     python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }

@@ -217,6 +217,8 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "| fp8_delayed",
         "| fp8_current",
     ]
+    # the training losses along the run, from the end of the warm-up (a tenth of 4 iterations: 1)
+    assert table[0].endswith("| training loss vs bf16 from iteration 1 (mean, largest) |")
     assert (tmp_path / "report" / "lr2x.png").read_bytes().startswith(b"\x89PNG")
     table = (tmp_path / "report" / "lr2x.md").read_text().splitlines()  # the one run trained
     assert [row.split(" | ")[0] for row in table[2:]] == ["| fp8_delayed"]

@@ -21,6 +21,9 @@ once, the later one.
 first run (the baseline): the last validation loss, the training loss averaged over the last
 `--final-points` logged points, and the largest spike, the training loss's biggest rise above
 its lowest value so far (after the first tenth of the run, once warm-up noise is past).
+`--train-from N` adds a column for the training loss along the run: at each logged iteration
+from N on that both runs logged, the run's training loss (averaged over `--smooth` points)
+against the baseline's, as the mean of those differences and the largest one in size.
 
 matplotlib is an optional dependency (`pip install matplotlib`, or megafp8's `plot` extra);
 the figure is drawn off-screen (Agg) and written as PNG (or any format matplotlib infers from
@@ -143,8 +146,26 @@ def final_losses(run: dict, points: int) -> dict:
     }
 
 
-def table(runs: list, labels: list, points: int = 10) -> str:
-    """The final losses of the runs as Markdown, each against the first run's."""
+def training_gap(run: dict, base: dict, start: int, window: int = 1):
+    """The run's training loss against the baseline's at every iteration from `start` on that
+    both logged (each averaged over `window` logged points): (mean, largest in size) as
+    fractions, or None where they share no such iteration."""
+    smoothed = [dict(zip(r[TRAIN][0], moving_average(r[TRAIN][1], window))) for r in (run, base)]
+    gaps = [
+        loss / smoothed[1][iteration] - 1
+        for iteration, loss in smoothed[0].items()
+        if iteration >= start and iteration in smoothed[1]
+    ]
+    if not gaps:
+        return None
+    return sum(gaps) / len(gaps), max(gaps, key=abs)
+
+
+def table(
+    runs: list, labels: list, points: int = 10, train_from: int | None = None, window: int = 1
+) -> str:
+    """The final losses of the runs as Markdown, each against the first run's; with
+    `train_from`, also the training loss against the first run's along the run from there."""
     missing = [label for run, label in zip(runs, labels) if TRAIN not in run]
     if missing:
         raise PlotError(f'--table: {", ".join(missing)} logged no training loss ("loss")')
@@ -159,13 +180,24 @@ def table(runs: list, labels: list, points: int = 10) -> str:
     def number(value):
         return "–" if value is None else f"{value:.4f}"
 
+    along = (
+        f" training loss vs {labels[0]} from iteration {train_from} (mean, largest) |"
+        if train_from is not None
+        else ""
+    )
     lines = [
         "| run | iterations | final validation loss | vs "
         + labels[0]
-        + f" | final training loss (mean of last {points} logged) | vs {labels[0]} | largest spike |",
-        "|---|---|---|---|---|---|---|",
+        + f" | final training loss (mean of last {points} logged) | vs {labels[0]} | largest spike |"
+        + along,
+        "|---|---|---|---|---|---|---|" + ("---|" if along else ""),
     ]
-    for label, row in zip(labels, rows):
+
+    def gap_cell(run):
+        gap = training_gap(run, runs[0], train_from, window)
+        return " – |" if gap is None else f" {100 * gap[0]:+.2f}%, {100 * gap[1]:+.2f}% |"
+
+    for run, label, row in zip(runs, labels, rows):
         # no evaluation at the last iteration
         early = row["valid_iteration"] not in (
             None,
@@ -176,6 +208,7 @@ def table(runs: list, labels: list, points: int = 10) -> str:
             + (f" (at {row['valid_iteration']})" if early else "")
             + f" | {versus(row['valid'], base['valid'])} | {number(row['train'])}"
             + f" | {versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |"
+            + (gap_cell(run) if along else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -306,6 +339,13 @@ def parse_args(argv=None):
         default=10,
         help="the final training loss is the mean of this many last logged points",
     )
+    parser.add_argument(
+        "--train-from",
+        type=int,
+        metavar="ITERATION",
+        help="the table also compares the training loss (averaged over --smooth points) with the "
+        "first run's at every logged iteration from this one on: the mean and the largest",
+    )
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
@@ -313,6 +353,8 @@ def parse_args(argv=None):
         parser.error(f"--smooth {args.smooth}: give 1 (none) or more points")
     if args.final_points < 1:
         parser.error(f"--final-points {args.final_points}: give 1 or more points")
+    if args.train_from is not None and not args.table:
+        parser.error("--train-from adds a column to the table: give --table too")
     return args
 
 
@@ -334,7 +376,9 @@ def main(argv=None) -> int:
         )
         if args.table:
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.table).write_text(table(runs, labels, args.final_points))
+            Path(args.table).write_text(
+                table(runs, labels, args.final_points, args.train_from, args.smooth)
+            )
     except PlotError as error:
         print(f"plot_runs.py: error: {error}", file=sys.stderr)
         return 2

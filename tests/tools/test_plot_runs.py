@@ -154,6 +154,43 @@ def test_table_of_final_losses_against_the_first_run(tmp_path, capsys):
     )
 
 
+def test_the_table_compares_training_losses_along_the_run_from_an_iteration(tmp_path, capsys):
+    bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
+    records = training_records(0.0)
+    for record in records:  # 1% above bf16 from iteration 50 on, 3% at iteration 80
+        if "loss" in record and record["iteration"] >= 50:
+            record["loss"] *= 1.03 if record["iteration"] == 80 else 1.01
+    fp8 = write_run(tmp_path / "fp8", records)
+    table = tmp_path / "final.md"
+    args = [str(bf16), str(fp8), "--output", str(tmp_path / "c.png"), "--labels", "bf16", "FP8"]
+    assert plot_runs.main(args + ["--table", str(table), "--train-from", "50"]) == 0
+    header, _, base, other = table.read_text().splitlines()
+    assert header.endswith("| training loss vs bf16 from iteration 50 (mean, largest) |")
+    assert base.endswith("| +0.00%, +0.00% |")
+    # iterations 50-100: five at +1% and one at +3%
+    assert other.endswith(f"| {(5 * 1 + 3) / 6:+.2f}%, +3.00% |")
+    # averaged over 2 logged points: iteration 50's pair holds 40's unchanged loss, and the +3%
+    # at 80 shows in 80's and 90's pairs
+    assert (
+        plot_runs.main(args + ["--table", str(table), "--train-from", "50", "--smooth", "2"]) == 0
+    )
+    loss = {it: 8.0 - it / 50 for it in range(40, 110, 10)}
+    factor = {it: 1.03 if it == 80 else 1.01 if it >= 50 else 1.0 for it in loss}
+    gaps = [
+        (loss[it - 10] * factor[it - 10] + loss[it] * factor[it]) / (loss[it - 10] + loss[it]) - 1
+        for it in range(50, 110, 10)
+    ]
+    mean, largest = 100 * sum(gaps) / len(gaps), 100 * max(gaps)
+    assert table.read_text().splitlines()[-1].endswith(f"| {mean:+.2f}%, {largest:+.2f}% |")
+    # beyond the runs' last iteration there is nothing to compare
+    assert plot_runs.main(args + ["--table", str(table), "--train-from", "200"]) == 0
+    assert table.read_text().splitlines()[-1].endswith("| – |")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        plot_runs.main(args + ["--train-from", "50"])
+    assert "--train-from adds a column to the table" in capsys.readouterr().err
+
+
 def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
     bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
     only_valid = write_run(tmp_path / "v", [{"iteration": 100, "valid_loss": 6.0}])
