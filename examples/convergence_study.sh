@@ -19,6 +19,10 @@
 #   defaults: the evidence for the recipes' default scaling, two initialisations of each candidate
 #   (FP8 delayed with an amax history of 1024 or 1, FP8 current) on the same batches, at the
 #   study's rate and at 2x, for both models: the runs the other groups lack, reported beside theirs.
+#   recipe1b: the GPT-1.3B recipe as shipped (examples/pretrain_gpt_1b_fp8.sh: sequence 2048,
+#   micro-batches of 4, its learning rate and schedule) for RECIPE_ITERS (500) steps of RECIPE_GBS
+#   (32) sequences on the study's training data, validated on the recipe's held-out split of it,
+#   in bf16 and each candidate default; reported from a fifth of the run (step 100) on.
 # Resumable: MINUTES=N stops the runs after about N minutes (fractions too), each with a checkpoint; the same
 # command goes on where it stopped, and finished runs are kept. Data steps already done are kept.
 # Data: by default a corpus of the Python packages installed here, test suites included, and the
@@ -39,7 +43,7 @@ for group in "$@"; do
 done
 if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
     GROUPS_TO_RUN=(gpt llama lr2x lr4x)
-    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x defaults)
+    [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x defaults recipe1b)
 fi
 if ! STOP_AT=$(python -c "import sys, time; m = float(sys.argv[1]); assert m > 0; print(int(time.time() + 60 * m))" \
                 "${MINUTES:-100000}" 2> /dev/null); then
@@ -58,6 +62,7 @@ LR=${LR:-6e-4}; WARMUP_FRACTION=${WARMUP_FRACTION:-0.1}  # min LR: a tenth of th
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}; EVAL_ITERS=${EVAL_ITERS:-10}; LOG_INTERVAL=${LOG_INTERVAL:-10}
 SEED=${SEED:-1234}; VOCAB=${VOCAB:-32768}; CORPUS_MB=${CORPUS_MB:-1200}
 MODEL_ARGS=${MODEL_ARGS:-}
+RECIPE_ITERS=${RECIPE_ITERS:-500}; RECIPE_GBS=${RECIPE_GBS:-32}; RECIPE_LR=${RECIPE_LR:-2e-4}
 CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
 if [ "$LIST" != 1 ] && [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
@@ -117,6 +122,7 @@ train() {
     if finished "$dir" "$iters"; then kept "run $name (finished)"; return 0; fi
     local left=$(( STOP_AT - $(date +%s) ))
     if [ "$left" -lt 120 ]; then return 1; fi
+    if [[ $name == recipe1b/* ]]; then train_recipe "$@" "$left"; return; fi
     local precision_args=(--bf16)
     case $precision in
         bf16) ;;
@@ -159,6 +165,33 @@ train() {
     finished "$dir" "$iters" || return 1
 }
 
+# train_recipe NAME MODEL PRECISION PEAK_LR ITERATIONS SEED DATA_SEED SECONDS_LEFT: a run of the
+# shipped GPT-1.3B recipe itself, with its own flags (examples/pretrain_fp8.sh), on the study's
+# training data; RECIPE_SEQ and RECIPE_MBS, where set, replace its sequence and micro-batch.
+train_recipe() {
+    local name=$1 precision=$3 lr=$4 iters=$5 seed=$6 data_seed=$7 left=$8 dir=$WORKDIR/runs/$1
+    local settings=(PRECISION=fp8) extra=""
+    case $precision in
+        bf16) settings=(PRECISION=bf16) ;;
+        fp8_delayed) settings+=(FP8_RECIPE=delayed) ;;
+        fp8_delayed_h1) settings+=(FP8_RECIPE=delayed); extra="--fp8-amax-history-len 1" ;;
+        fp8_current) settings+=(FP8_RECIPE=current) ;;
+    esac
+    [ -n "${RECIPE_SEQ:-}" ] && settings+=(SEQ="$RECIPE_SEQ")
+    [ -n "${RECIPE_MBS:-}" ] && settings+=(MBS="$RECIPE_MBS")
+    echo "convergence_study: $(describe "${@:1:7}") in $dir, by examples/pretrain_gpt_1b_fp8.sh"
+    local status=0
+    env "${settings[@]}" GPUS="$GPUS" ITERS="$iters" GBS="$RECIPE_GBS" LR="$lr" \
+        MIN_LR="$(python -c "print($lr / 10)")" WORKDIR="$dir" SAVE="$dir" LOG_INTERVAL="$LOG_INTERVAL" \
+        DATA_PATH="$TRAIN_DATA" TOKENIZER_MODEL="$TOKENIZER_MODEL" \
+        EXTRA_ARGS="$MODEL_ARGS $extra --seed $seed --data-seed $data_seed --eval-interval $EVAL_INTERVAL
+                    --eval-iters $EVAL_ITERS --keep-last-checkpoints 1
+                    --exit-duration-in-mins $(python -c "print(($left - 60) / 60)")" \
+        bash examples/pretrain_gpt_1b_fp8.sh || status=$?
+    if [ "$status" != 0 ]; then echo "convergence_study: run $name failed (status $status)" >&2; exit "$status"; fi
+    finished "$dir" "$iters" || return 1
+}
+
 # report GROUP TITLE RUN[:LABEL]...: the group's curves and final losses, from what its runs logged
 # so far (each labelled by its name's last part unless given).
 report() {
@@ -177,9 +210,13 @@ report() {
     # Validation losses against the first run's, once it has evaluated.
     grep -q '"valid_loss"' "${runs[0]}/metrics.jsonl" && options+=(--relative)
     # Training losses against the first run's from the end of the warm-up (a tenth of the run).
-    local iterations=$ITERS
-    case $group in lr2x|lr4x|recipes2x|defaults2x_*) iterations=$SENS_ITERS ;; esac
-    options+=(--train-from "$(python -c "print(max(1, round($iterations * $WARMUP_FRACTION)))")")
+    local from
+    case $group in
+        lr2x|lr4x|recipes2x|defaults2x_*) from=$(python -c "print(max(1, round($SENS_ITERS * $WARMUP_FRACTION)))") ;;
+        recipe1b) from=$(python -c "print(max(1, round($RECIPE_ITERS / 5)))") ;;  # the recipe's warm-up is a tenth
+        *) from=$(python -c "print(max(1, round($ITERS * $WARMUP_FRACTION)))") ;;
+    esac
+    options+=(--train-from "$from")
     python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
@@ -250,8 +287,12 @@ runs_of() {  # the runs of a group, or the one run GROUP/RUN: NAME MODEL PRECISI
             echo "defaults/llama2x_fp8_delayed_h1_init$next llama-120m fp8_delayed_h1 $double $SENS_ITERS $next $SEED"
             echo "defaults/llama2x_fp8_current llama-120m fp8_current $double $SENS_ITERS $SEED $SEED"
             echo "defaults/llama2x_fp8_current_init$next llama-120m fp8_current $double $SENS_ITERS $next $SEED" ;;
+        recipe1b)  # the shipped GPT-1.3B recipe in bf16 and each candidate default
+            for precision in bf16 $CANDIDATE_DEFAULTS; do
+                echo "recipe1b/$precision gpt-1.3b $precision $RECIPE_LR $RECIPE_ITERS $SEED $SEED"
+            done ;;
         data|report) ;;
-        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, recipes, recipes2x, defaults, data or report)" >&2
+        *) echo "convergence_study.sh: unknown group '$1' (give gpt, llama, lr2x, lr4x, seed, lean, recipes, recipes2x, defaults, recipe1b, data or report)" >&2
            return 2 ;;
     esac
 }
@@ -324,6 +365,10 @@ if compgen -G "$WORKDIR/runs/defaults/*/metrics.jsonl" > /dev/null; then
     pair recipes2x/fp8_delayed_h1 "defaults/llama2x_fp8_delayed_h1_init$next" fp8_delayed_h1
     pair defaults/llama2x_fp8_current "defaults/llama2x_fp8_current_init$next" fp8_current
     report defaults2x_llama "${TITLES[lr2x]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+fi
+if compgen -G "$WORKDIR/runs/recipe1b/*/metrics.jsonl" > /dev/null; then
+    report recipe1b "GPT-1.3B recipe, candidate defaults" recipe1b/bf16 recipe1b/fp8_delayed:"delayed h1024" \
+        recipe1b/fp8_delayed_h1:"delayed h1" recipe1b/fp8_current:current
 fi
 if compgen -G "$WORKDIR/runs/lean/*/metrics.jsonl" > /dev/null; then
     mapfile -t names < <(runs_of lean | cut -d' ' -f1)

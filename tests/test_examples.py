@@ -90,6 +90,10 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         EVAL_ITERS="1",
         LOG_INTERVAL="1",
         VOCAB="512",
+        RECIPE_ITERS="2",
+        RECIPE_GBS="4",
+        RECIPE_SEQ="64",
+        RECIPE_MBS="2",
         CORPUS_ROOTS=f"{repo / 'megafp8'} {repo / 'tools'}",
         CORPUS_SOURCES=f"{repo / 'examples'} {tmp_path / 'absent'}",  # shell scripts; absent: skipped
         MODEL_ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
@@ -171,6 +175,9 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
             ("fp8_current", "fp8_current", 1234),
             ("fp8_current_init1235", "fp8_current", 1235),
         )
+    ] + [
+        f"recipe1b/{p} (gpt-1.3b, {p}, peak LR 2e-4, 2 iterations, seed 1234, data seed 1234)"
+        for p in ("bf16", *CANDIDATE_DEFAULTS)
     ]
     assert not (tmp_path / "listed").exists()  # listing creates nothing
 
@@ -183,6 +190,8 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16_init",
         "recipes/gpt_fp8_rowwise",
         "defaults/gpt_fp8_current_init1235",
+        "recipe1b/bf16",
+        "recipe1b/fp8_delayed_h1",
     )
     done = study(*trained)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -192,6 +201,8 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16_init": 4,
         "recipes/gpt_fp8_rowwise": 4,
         "defaults/gpt_fp8_current_init1235": 4,
+        "recipe1b/bf16": 2,
+        "recipe1b/fp8_delayed_h1": 2,
     }
     for name, iterations in runs.items():
         records = [
@@ -234,6 +245,18 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "| current",
         "| current, seed 1235",
     ]
+    # the shipped GPT-1.3B recipe (shrunk), its runs beside its bf16 one from a fifth of the run on
+    table = (tmp_path / "report" / "recipe1b.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| delayed h1"]
+    assert table[0].endswith("| training loss vs bf16 from iteration 1 (mean, largest) |")
+    assert "by examples/pretrain_gpt_1b_fp8.sh" in done.stdout
+    (saved,) = (tmp_path / "runs" / "recipe1b" / "fp8_delayed_h1").glob("iter_*/megafp8.json")
+    recipe_args = json.loads(saved.read_text())["args"]
+    assert {k: recipe_args[k] for k in ("fp8_amax_history_len", "global_batch_size", "lr")} == {
+        "fp8_amax_history_len": 1,  # the candidate's history, not the recipe's 1024
+        "global_batch_size": 4,
+        "lr": 2e-4,
+    }
     assert f"--sources {repo / 'examples'} from" in (tmp_path / "corpus" / "README.txt").read_text()
 
     again = study(*trained)
