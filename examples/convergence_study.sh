@@ -209,14 +209,14 @@ report() {
     fi
     # Validation losses against the first run's, once it has evaluated.
     grep -q '"valid_loss"' "${runs[0]}/metrics.jsonl" && options+=(--relative)
-    # Training losses against the first run's from the end of the warm-up (a tenth of the run).
-    local from
+    # Training losses against the first run's from the end of the warm-up (a tenth of the run);
+    # the recipe's from a fifth (step 100 of 500), twice its warm-up.
+    local iterations=$ITERS fraction=$WARMUP_FRACTION
     case $group in
-        lr2x|lr4x|recipes2x|defaults2x_*) from=$(python -c "print(max(1, round($SENS_ITERS * $WARMUP_FRACTION)))") ;;
-        recipe1b) from=$(python -c "print(max(1, round($RECIPE_ITERS / 5)))") ;;  # the recipe's warm-up is a tenth
-        *) from=$(python -c "print(max(1, round($ITERS * $WARMUP_FRACTION)))") ;;
+        lr2x|lr4x|recipes2x|defaults2x_*) iterations=$SENS_ITERS ;;
+        recipe1b) iterations=$RECIPE_ITERS fraction=0.2 ;;
     esac
-    options+=(--train-from "$from")
+    options+=(--train-from "$(python -c "print(max(1, round($iterations * $fraction)))")")
     python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
