@@ -1039,12 +1039,59 @@ def main():
             )
         elif rank == 0:
             print(f"megafp8-train: error: {error}", file=sys.stderr)
+            _tell_the_other_ranks_it_was_said()
+        elif world > 1:
+            _wait_until_rank_0_said_it()
         _exit_after_error(2)
     except Exception as error:
         traceback.print_exc()
         if "CUDA error" in str(error) and symmetric_memory.used_in_this_process():
             print(_AFTER_A_COPY_ENGINE_BARRIER, file=sys.stderr)
         _exit_after_error(1)
+
+
+# The launcher stops every rank as soon as one exits, so a rank other than 0 that met an error
+# rank 0 says (every rank meets it alike) waits until rank 0 has said it: else a rank 0 still
+# importing or parsing is stopped unheard. They meet at torchrun's own store, which lives as long
+# as the launcher and needs no process group (flags are refused before one exists). Bounded: a rank
+# 0 that never gets there (a different failure) costs its peers this long at most.
+_SAID_KEY = "megafp8/error_said_by_rank_0"
+_WAIT_FOR_RANK_0_S = 20
+
+
+def _launcher_store():
+    """torchrun's store (TORCHELASTIC_USE_AGENT_STORE), or None under other launchers."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=_WAIT_FOR_RANK_0_S),
+    )
+
+
+def _said_key() -> str:
+    # one key per attempt: a restarted group shares the store with the attempts before it
+    return f"{_SAID_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _tell_the_other_ranks_it_was_said() -> None:
+    try:
+        store = _launcher_store()
+        if store is not None:
+            store.set(_said_key(), "1")
+    except (RuntimeError, OSError, KeyError, ValueError):
+        pass  # the others' wait is bounded
+
+
+def _wait_until_rank_0_said_it() -> None:
+    try:
+        store = _launcher_store()
+        if store is not None:
+            store.wait([_said_key()])
+    except (RuntimeError, OSError, KeyError, ValueError):
+        pass  # rank 0 did not get there in time: exit anyway
 
 
 # A barrier kernel that gives up on its peer traps, and the next CUDA call of its process fails

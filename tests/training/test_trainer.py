@@ -742,7 +742,17 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
         )
 
 
-def test_under_torchrun_a_configuration_problem_is_said_once_as_a_message():
+def test_under_torchrun_a_configuration_problem_is_said_once_as_a_message(tmp_path):
+    # Rank 0 starts late, as it may on a busy host: rank 1 meets the error first, and the launcher
+    # stops every rank once one exits, so rank 1 has to wait until rank 0 has said it.
+    late_rank_0 = tmp_path / "late_rank_0.py"
+    late_rank_0.write_text(
+        "import os, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(3)\n"
+        "from megafp8.training.trainer import main\n"
+        "main()\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [
@@ -752,8 +762,7 @@ def test_under_torchrun_a_configuration_problem_is_said_once_as_a_message():
             "--standalone",
             "--nproc-per-node",
             "2",
-            "-m",
-            "megafp8.train",
+            str(late_rank_0),
             *TINY,
             "--train-iters",
             "3",
