@@ -34,6 +34,9 @@
 # Sizes (defaults: the study's): ITERS steps of GBS x SEQ tokens (1500 x 64 x 1024, 98M tokens),
 # SENS_ITERS for the learning-rate groups, validation every EVAL_INTERVAL steps over EVAL_ITERS
 # batches; MODEL_ARGS is added to every run's flags (e.g. a shrunk model for a CPU try, with CPU=1).
+# RUNS_AT_ONCE=N trains N runs at a time, the GPUS devices shared out among them: N <= GPUS gives
+# each run GPUS/N of them (data parallel), N > GPUS puts N/GPUS runs on each GPU (a 125M model
+# leaves an H200 room for more). Each line a run prints (out and error) starts with its name.
 set -euo pipefail
 WORKDIR=${1:?usage: bash examples/convergence_study.sh WORKDIR [gpt|llama|lr2x|lr4x|seed|lean|GROUP/RUN|data|report|list ...]}
 shift
@@ -72,6 +75,14 @@ if [ "$LIST" != 1 ] && [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
 fi
 GRAPH_ARGS=()
 [ "$CUDA_GPUS" -gt 0 ] && GRAPH_ARGS=(--enable-cuda-graph)
+RUNS_AT_ONCE=${RUNS_AT_ONCE:-1}
+if ! [[ $RUNS_AT_ONCE =~ ^[1-9][0-9]*$ ]] \
+    || { [ "$RUNS_AT_ONCE" -le "$GPUS" ] && [ $((GPUS % RUNS_AT_ONCE)) != 0 ]; } \
+    || { [ "$RUNS_AT_ONCE" -gt "$GPUS" ] && [ $((RUNS_AT_ONCE % GPUS)) != 0 ]; }; then
+    echo "convergence_study.sh: RUNS_AT_ONCE=$RUNS_AT_ONCE does not share $GPUS device(s) evenly; give a" \
+         "divisor or a multiple of $GPUS" >&2
+    exit 2
+fi
 
 kept() { echo "convergence_study: kept $1 from an earlier run (delete it to redo that step)"; }
 
@@ -314,13 +325,62 @@ fi
 
 prepare_data
 [ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }
+RUNS=()
+for group in "${GROUPS_TO_RUN[@]}"; do mapfile -t -O "${#RUNS[@]}" RUNS < <(runs_of "$group"); done
+
+# run_slot SLOT: trains the runs no other slot has taken, one at a time, on the slot's share of the
+# devices; returns 1 when the time is up, a failed run's status after it (and then no slot starts
+# another run).
+run_slot() {
+    local slot=$1 devices=() run name
+    if [ "$CUDA_GPUS" -gt 0 ]; then
+        local visible
+        IFS=, read -r -a visible <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((CUDA_GPUS - 1)))}"
+        if [ "$RUNS_AT_ONCE" -le "$GPUS" ]; then
+            local share=$((GPUS / RUNS_AT_ONCE))
+            devices=("${visible[@]:$((slot * share)):$share}")
+        else
+            devices=("${visible[$((slot % GPUS))]}")
+        fi
+        export CUDA_VISIBLE_DEVICES
+        CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${devices[*]}")
+    fi
+    GPUS=$(( RUNS_AT_ONCE <= GPUS ? GPUS / RUNS_AT_ONCE : 1 ))
+    for run in "${RUNS[@]}"; do
+        name=${run%% *}
+        [ -e "$TAKEN/failed" ] && return 0
+        mkdir "$TAKEN/${name//\//.}" 2> /dev/null || continue  # atomic: one slot takes each run
+        local status=0
+        # shellcheck disable=SC2086  # a run's settings are a word list
+        ( train $run ) > >(sed -u "s|^|[$name] |") 2> >(sed -u "s|^|[$name] |" >&2) \
+            || status=$?  # train's exit ends only ( )
+        if [ "$status" = 1 ]; then return 1; fi
+        if [ "$status" != 0 ]; then touch "$TAKEN/failed"; return "$status"; fi
+    done
+}
+
 time_up=0
-for group in "${GROUPS_TO_RUN[@]}"; do
-    while read -r name model precision lr iters seed data_seed; do
-        [ "$time_up" = 0 ] || break
-        train "$name" "$model" "$precision" "$lr" "$iters" "$seed" "$data_seed" || time_up=1
-    done < <(runs_of "$group")
-done
+if [ "$RUNS_AT_ONCE" = 1 ]; then
+    for run in "${RUNS[@]}"; do
+        # shellcheck disable=SC2086  # a run's settings are a word list
+        train $run || { time_up=1; break; }
+    done
+else
+    TAKEN=$(mktemp -d)
+    trap 'rm -rf "$TAKEN"' EXIT
+    slots=()
+    for slot in $(seq 0 $((RUNS_AT_ONCE - 1))); do
+        run_slot "$slot" &
+        slots+=($!)
+    done
+    failure=0
+    for pid in "${slots[@]}"; do
+        status=0
+        wait "$pid" || status=$?
+        if [ "$status" = 1 ]; then time_up=1; elif [ "$status" != 0 ]; then failure=$status; fi
+    done
+    [ "$failure" = 0 ] || exit "$failure"
+fi
 for group in gpt llama lr2x lr4x; do
     mapfile -t names < <(runs_of "$group" | cut -d' ' -f1)
     report "$group" "${TITLES[$group]}" "${names[@]}"

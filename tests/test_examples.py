@@ -193,8 +193,10 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "recipe1b/bf16",
         "recipe1b/fp8_delayed_h1",
     )
-    done = study(*trained)
+    # two at a time, each line a run prints prefixed with its name
+    done = study(*trained, RUNS_AT_ONCE="2")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "[lr2x/fp8_delayed] convergence_study: lr2x/fp8_delayed (llama-120m" in done.stdout
     runs = {f"gpt/{p}": 4 for p in ("bf16", "fp8_delayed", "fp8_current")} | {
         "lr2x/fp8_delayed": 2,
         "seed/gpt_bf16": 4,
@@ -295,6 +297,25 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     )
     assert short.returncode == 3 and "run the same command again to go on" in short.stdout
     assert not (elsewhere / "runs" / "lr4x").exists() and not (tmp_path / "runs" / "lr4x").exists()
+
+    # A failed run stops the study: the other slot finishes what it holds and starts nothing more.
+    failed = study(
+        "gpt",
+        workdir=elsewhere,
+        RUNS_AT_ONCE="2",
+        MODEL_ARGS="--num-layers 0",
+        TRAIN_DATA=str(data / "train_text_document"),
+        VALID_DATA=str(data / "validation_text_document"),
+        TOKENIZER_MODEL=str(tmp_path / "tokenizer"),
+    )
+    assert (
+        failed.returncode == 2
+        and "[gpt/bf16] megafp8-train: error: argument --num-layers" in failed.stderr
+    )
+    assert "gpt/fp8_current" not in failed.stdout + failed.stderr
+
+    uneven = study("list", RUNS_AT_ONCE="3", GPUS="2")
+    assert uneven.returncode == 2 and "RUNS_AT_ONCE=3 does not share 2 device(s)" in uneven.stderr
 
     unknown = study("gtp")
     assert unknown.returncode == 2 and "unknown group 'gtp'" in unknown.stderr
