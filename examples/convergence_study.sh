@@ -8,7 +8,8 @@
 #   GROUP: gpt, llama, lr2x, lr4x (default: these four, in that order), seed (gpt-125m and
 #   llama-120m in bf16 from SEED + 1, once with that seed's data order and once with --data-seed
 #   SEED, the gpt and llama groups' batches; its reports seed_gpt and seed_llama set them beside
-#   those groups' bf16 runs); data (prepare the data only) or report (curves only). A GROUP/RUN
+#   those groups' bf16 runs); data (prepare the data only) or report (curves and tables only, from
+#   the runs' metrics.jsonl in WORKDIR/runs, e.g. copied from another machine: no data, no GPU). A GROUP/RUN
 #   (e.g. lr2x/fp8_delayed) trains that one run of its group; list prints the runs the other
 #   arguments name (default: every group's), with their settings, and trains nothing. lean: GPT-125M
 #   in FP8 delayed with each lossy lean optimizer state (bf16 moments, an FP8 first moment, bf16
@@ -44,6 +45,8 @@ GROUPS_TO_RUN=() LIST=0
 for group in "$@"; do
     if [ "$group" = list ]; then LIST=1; else GROUPS_TO_RUN+=("$group"); fi
 done
+REPORT_ONLY=0  # curves and tables from the runs' metrics alone: no data, no GPU
+[ "${GROUPS_TO_RUN[*]}" = report ] && REPORT_ONLY=1
 if [ ${#GROUPS_TO_RUN[@]} -eq 0 ]; then
     GROUPS_TO_RUN=(gpt llama lr2x lr4x)
     [ "$LIST" = 1 ] && GROUPS_TO_RUN+=(seed lean recipes recipes2x defaults recipe1b)
@@ -68,7 +71,7 @@ MODEL_ARGS=${MODEL_ARGS:-}
 RECIPE_ITERS=${RECIPE_ITERS:-500}; RECIPE_GBS=${RECIPE_GBS:-32}; RECIPE_LR=${RECIPE_LR:-2e-4}
 CUDA_GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 GPUS=${GPUS:-$((CUDA_GPUS > 0 ? CUDA_GPUS : 1))}
-if [ "$LIST" != 1 ] && [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
+if [ "$LIST" != 1 ] && [ "$REPORT_ONLY" != 1 ] && [ "${CPU:-0}" != 1 ] && [ "$CUDA_GPUS" -eq 0 ]; then
     echo "convergence_study.sh: the study needs an NVIDIA GPU (torch sees none); for a tiny CPU try set" \
          "CPU=1 and shrink it (ITERS, GBS, SEQ, MODEL_ARGS: see tests/test_examples.py)" >&2
     exit 1
@@ -323,7 +326,7 @@ if [ "$LIST" = 1 ]; then
     exit 0
 fi
 
-prepare_data
+[ "$REPORT_ONLY" = 1 ] || prepare_data
 [ "${GROUPS_TO_RUN[*]}" = data ] && { echo "convergence_study: data ready"; exit 0; }
 RUNS=()
 for group in "${GROUPS_TO_RUN[@]}"; do mapfile -t -O "${#RUNS[@]}" RUNS < <(runs_of "$group"); done

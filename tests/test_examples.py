@@ -269,6 +269,12 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         and "tokenizer" in again.stdout
     )
 
+    # The report alone, from the runs' metrics (as copied from a GPU machine): no data step, no GPU
+    (tmp_path / "report" / "gpt.md").unlink()
+    redrawn = study("report", CPU="0")
+    assert redrawn.returncode == 0, redrawn.stderr
+    assert "kept" not in redrawn.stdout and (tmp_path / "report" / "gpt.md").exists()
+
     # The seed group: GPT's bf16 run again from the next seed, with its data order and with the
     # first run's (--data-seed), set beside the first (run above).
     table = (tmp_path / "report" / "seed_gpt.md").read_text().splitlines()
