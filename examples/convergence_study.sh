@@ -231,6 +231,9 @@ report() {
         recipe1b) iterations=$RECIPE_ITERS fraction=0.2 ;;
     esac
     options+=(--train-from "$(python -c "print(max(1, round($iterations * $fraction)))")")
+    # REPEATS: the runs come in settings of that many (initialisations); their means too, once
+    # every run of them has logged
+    if [ -n "${REPEATS:-}" ] && [ ${#runs[@]} = $# ]; then options+=(--repeats "$REPEATS"); fi
     python tools/plot_runs.py "${runs[@]}" --labels "${labels[@]}" --title "$title" --smooth 5 \
         --output "$WORKDIR/report/$group.png" --table "$WORKDIR/report/$group.md" ${options[@]+"${options[@]}"}
 }
@@ -417,17 +420,17 @@ if compgen -G "$WORKDIR/runs/defaults/*/metrics.jsonl" > /dev/null; then
         pair "$model/fp8_delayed" "defaults/${model}_fp8_delayed_init$next" fp8_delayed
         pair "recipes/${model}_fp8_delayed_h1" "defaults/${model}_fp8_delayed_h1_init$next" fp8_delayed_h1
         pair "$model/fp8_current" "defaults/${model}_fp8_current_init$next" fp8_current
-        report "defaults_$model" "${TITLES[$model]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+        REPEATS=2 report "defaults_$model" "${TITLES[$model]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
     done
     PAIRS=()
     for p in bf16 $CANDIDATE_DEFAULTS; do pair "defaults/gpt2x_$p" "defaults/gpt2x_${p}_init$next" "$p"; done
-    report defaults2x_gpt "GPT-125M, 2x peak LR, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+    REPEATS=2 report defaults2x_gpt "GPT-125M, 2x peak LR, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
     PAIRS=()
     pair lr2x/bf16 "lr2x/bf16_init$next" bf16
     pair lr2x/fp8_delayed "lr2x/fp8_delayed_init$next" fp8_delayed
     pair recipes2x/fp8_delayed_h1 "defaults/llama2x_fp8_delayed_h1_init$next" fp8_delayed_h1
     pair defaults/llama2x_fp8_current "defaults/llama2x_fp8_current_init$next" fp8_current
-    report defaults2x_llama "${TITLES[lr2x]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
+    REPEATS=2 report defaults2x_llama "${TITLES[lr2x]}, candidate defaults from seeds $SEED and $next" "${PAIRS[@]}"
 fi
 if compgen -G "$WORKDIR/runs/recipe1b/*/metrics.jsonl" > /dev/null; then
     report recipe1b "GPT-1.3B recipe, candidate defaults" recipe1b/bf16 recipe1b/fp8_delayed:"delayed h1024" \

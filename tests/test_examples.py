@@ -190,6 +190,9 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16_init",
         "recipes/gpt_fp8_rowwise",
         "defaults/gpt_fp8_current_init1235",
+        "defaults/gpt_fp8_delayed_init1235",
+        "recipes/gpt_fp8_delayed_h1",
+        "defaults/gpt_fp8_delayed_h1_init1235",
         "recipe1b/bf16",
         "recipe1b/fp8_delayed_h1",
     )
@@ -203,6 +206,9 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
         "seed/gpt_bf16_init": 4,
         "recipes/gpt_fp8_rowwise": 4,
         "defaults/gpt_fp8_current_init1235": 4,
+        "defaults/gpt_fp8_delayed_init1235": 4,
+        "recipes/gpt_fp8_delayed_h1": 4,
+        "defaults/gpt_fp8_delayed_h1_init1235": 4,
         "recipe1b/bf16": 2,
         "recipe1b/fp8_delayed_h1": 2,
     }
@@ -237,16 +243,30 @@ def test_the_convergence_study_runs_resumes_and_reports(tmp_path):
     assert [row.split(" | ")[0] for row in table[2:]] == ["| fp8_delayed"]
     assert not (tmp_path / "report" / "llama.md").exists()  # no run of that group yet
     table = (tmp_path / "report" / "recipes_gpt.md").read_text().splitlines()  # beside gpt's
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| fp8_delayed", "| rowwise"]
-    # the candidate defaults from two initialisations, each labelled by its scaling and seed
-    table = (tmp_path / "report" / "defaults_gpt.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == [
         "| bf16",
-        "| bf16, seed 1235",
-        "| delayed h1024",
-        "| current",
-        "| current, seed 1235",
+        "| fp8_delayed",
+        "| delayed_h1",
+        "| rowwise",
     ]
+    # the candidate defaults from two initialisations, each labelled by its scaling and seed, and
+    # each candidate's mean over its two against bf16's
+    per_run, means = (tmp_path / "report" / "defaults_gpt.md").read_text().split("\n\n", 1)
+    assert [row.split(" | ")[0] for row in per_run.splitlines()[2:]] == [
+        f"| {label}{seed}"
+        for label in ("bf16", "delayed h1024", "delayed h1", "current")
+        for seed in ("", ", seed 1235")
+    ]
+    assert means.startswith("Each setting over its 2 runs, against bf16's:")
+    assert [row.split(" | ")[0] for row in means.splitlines()[4:]] == [
+        "| bf16",
+        "| delayed h1024",
+        "| delayed h1",
+        "| current",
+    ]
+    # at 2x the rate one of the Llama's eight runs: the means wait for the rest
+    table = (tmp_path / "report" / "defaults2x_llama.md").read_text()
+    assert "| delayed h1024 |" in table and "Each setting" not in table
     # the shipped GPT-1.3B recipe (shrunk), its runs beside its bf16 one from a fifth of the run on
     table = (tmp_path / "report" / "recipe1b.md").read_text().splitlines()
     assert [row.split(" | ")[0] for row in table[2:]] == ["| bf16", "| delayed h1"]

@@ -3,6 +3,7 @@
     python tools/plot_runs.py runs/bf16 runs/fp8_delayed runs/fp8_current --output curves.png \
         [--labels bf16 "FP8 delayed" "FP8 current"] [--fields fp8_saturation fp8_scale_min] \
         [--smooth 5] [--log-y fp8_scale_min] [--relative] [--title "GPT-125M"] [--table final_losses.md]
+        [--train-from 150] [--repeats 2]
 
 Each RUN is a run folder (the trainer's --save or --tensorboard-dir, which holds metrics.jsonl)
 or a metrics.jsonl file; its legend label is its --labels entry, else its folder's name (for a
@@ -24,6 +25,10 @@ its lowest value so far (after the first tenth of the run, once warm-up noise is
 `--train-from N` adds a column for the training loss along the run: at each logged iteration
 from N on that both runs logged, the run's training loss (averaged over `--smooth` points)
 against the baseline's, as the mean of those differences and the largest one in size.
+`--repeats K` says the runs come in settings of K consecutive runs (K initialisations of each,
+say); the table then adds each setting's mean final losses against the first setting's, how far
+its own runs ended apart, and (with `--train-from`) its mean training loss against the first
+setting's along the run.
 
 matplotlib is an optional dependency (`pip install matplotlib`, or megafp8's `plot` extra);
 the figure is drawn off-screen (Agg) and written as PNG (or any format matplotlib infers from
@@ -161,6 +166,23 @@ def training_gap(run: dict, base: dict, start: int, window: int = 1):
     return sum(gaps) / len(gaps), max(gaps, key=abs)
 
 
+def _versus(value, reference) -> str:
+    """A table cell: value against reference, in percent."""
+    if value is None or reference is None:
+        return "–"
+    return f"{100 * (value / reference - 1):+.2f}%"
+
+
+def _loss(value) -> str:
+    """A table cell: a loss."""
+    return "–" if value is None else f"{value:.4f}"
+
+
+def _gap_cell(gap) -> str:
+    """A table cell: training_gap's (mean, largest)."""
+    return " – |" if gap is None else f" {100 * gap[0]:+.2f}%, {100 * gap[1]:+.2f}% |"
+
+
 def table(
     runs: list, labels: list, points: int = 10, train_from: int | None = None, window: int = 1
 ) -> str:
@@ -171,14 +193,6 @@ def table(
         raise PlotError(f'--table: {", ".join(missing)} logged no training loss ("loss")')
     rows = [final_losses(run, points) for run in runs]
     base = rows[0]
-
-    def versus(value, reference):
-        if value is None or reference is None:
-            return "–"
-        return f"{100 * (value / reference - 1):+.2f}%"
-
-    def number(value):
-        return "–" if value is None else f"{value:.4f}"
 
     along = (
         f" training loss vs {labels[0]} from iteration {train_from} (mean, largest) |"
@@ -193,10 +207,6 @@ def table(
         "|---|---|---|---|---|---|---|" + ("---|" if along else ""),
     ]
 
-    def gap_cell(run):
-        gap = training_gap(run, runs[0], train_from, window)
-        return " – |" if gap is None else f" {100 * gap[0]:+.2f}%, {100 * gap[1]:+.2f}% |"
-
     for run, label, row in zip(runs, labels, rows):
         # no evaluation at the last iteration
         early = row["valid_iteration"] not in (
@@ -204,12 +214,70 @@ def table(
             row["iteration"],
         )
         lines.append(
-            f"| {label} | {row['iteration']} | {number(row['valid'])}"
+            f"| {label} | {row['iteration']} | {_loss(row['valid'])}"
             + (f" (at {row['valid_iteration']})" if early else "")
-            + f" | {versus(row['valid'], base['valid'])} | {number(row['train'])}"
-            + f" | {versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |"
-            + (gap_cell(run) if along else "")
+            + f" | {_versus(row['valid'], base['valid'])} | {_loss(row['train'])}"
+            + f" | {_versus(row['train'], base['train'])} | {100 * row['spike']:.1f}% |"
+            + (_gap_cell(training_gap(run, runs[0], train_from, window)) if along else "")
         )
+    return "\n".join(lines) + "\n"
+
+
+def mean_run(runs: list, window: int = 1) -> dict:
+    """The runs' training losses (each averaged over `window` logged points first) averaged at
+    every iteration all of them logged, as a run of its own."""
+    curves = [dict(zip(r[TRAIN][0], moving_average(r[TRAIN][1], window))) for r in runs]
+    shared = sorted(set.intersection(*(set(curve) for curve in curves)))
+    return {TRAIN: (shared, [sum(curve[i] for curve in curves) / len(curves) for i in shared])}
+
+
+def repeats_table(
+    runs: list,
+    labels: list,
+    repeats: int,
+    points: int = 10,
+    train_from: int | None = None,
+    window: int = 1,
+) -> str:
+    """Each setting's mean over its `repeats` runs (consecutive runs, named by the first's
+    label), against the first setting's, as Markdown: the final losses, how far its runs' final
+    validation losses lie apart (highest over lowest), and with `train_from` its mean training
+    loss against the first setting's along the run."""
+    settings = [runs[i : i + repeats] for i in range(0, len(runs), repeats)]
+    finals = [[final_losses(run, points) for run in setting] for setting in settings]
+
+    def mean(values):
+        return None if None in values else sum(values) / len(values)
+
+    valid = [mean([f["valid"] for f in setting]) for setting in finals]
+    train = [mean([f["train"] for f in setting]) for setting in finals]
+    curves = [mean_run(setting, window) for setting in settings]
+    base = labels[0]
+
+    def apart(setting):
+        values = [f["valid"] for f in setting]
+        return "–" if None in values else f"{100 * (max(values) / min(values) - 1):.2f}%"
+
+    along = (
+        f" mean training loss vs {base}'s from iteration {train_from} (mean, largest) |"
+        if train_from is not None
+        else ""
+    )
+    lines = [
+        f"Each setting over its {repeats} runs, against {base}'s:",
+        "",
+        f"| setting | final validation loss (mean of {repeats}) | vs {base} | its runs apart "
+        f"| final training loss (mean of {repeats}) | vs {base} |" + along,
+        "|---|---|---|---|---|---|" + ("---|" if along else ""),
+    ]
+    for i, setting in enumerate(finals):
+        row = (
+            f"| {labels[i * repeats]} | {_loss(valid[i])} | {_versus(valid[i], valid[0])}"
+            f" | {apart(setting)} | {_loss(train[i])} | {_versus(train[i], train[0])} |"
+        )
+        if along:
+            row += _gap_cell(training_gap(curves[i], curves[0], train_from))
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -346,6 +414,13 @@ def parse_args(argv=None):
         help="the table also compares the training loss (averaged over --smooth points) with the "
         "first run's at every logged iteration from this one on: the mean and the largest",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        metavar="K",
+        help="the runs come in settings of K consecutive runs each (e.g. K initialisations): "
+        "the table also gives each setting's mean against the first setting's",
+    )
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
@@ -355,6 +430,14 @@ def parse_args(argv=None):
         parser.error(f"--final-points {args.final_points}: give 1 or more points")
     if args.train_from is not None and not args.table:
         parser.error("--train-from adds a column to the table: give --table too")
+    if args.repeats is not None:
+        if not args.table:
+            parser.error("--repeats adds a table of means: give --table too")
+        if args.repeats < 2 or len(args.runs) % args.repeats:
+            parser.error(
+                f"--repeats {args.repeats}: give 2 or more, dividing the {len(args.runs)} runs "
+                "into settings of that many"
+            )
     return args
 
 
@@ -376,9 +459,12 @@ def main(argv=None) -> int:
         )
         if args.table:
             Path(args.table).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.table).write_text(
-                table(runs, labels, args.final_points, args.train_from, args.smooth)
-            )
+            text = table(runs, labels, args.final_points, args.train_from, args.smooth)
+            if args.repeats:
+                text += "\n" + repeats_table(
+                    runs, labels, args.repeats, args.final_points, args.train_from, args.smooth
+                )
+            Path(args.table).write_text(text)
     except PlotError as error:
         print(f"plot_runs.py: error: {error}", file=sys.stderr)
         return 2

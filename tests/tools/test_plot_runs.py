@@ -191,6 +191,48 @@ def test_the_table_compares_training_losses_along_the_run_from_an_iteration(tmp_
     assert "--train-from adds a column to the table" in capsys.readouterr().err
 
 
+def test_repeats_give_each_setting_its_mean_against_the_first(tmp_path, capsys):
+    # two settings of two runs: bf16 at offsets 0 and 0.02, FP8 at 0.04 and 0.10
+    runs = [
+        str(write_run(tmp_path / name, training_records(offset, fp8=False)))
+        for name, offset in (("b1", 0.0), ("b2", 0.02), ("f1", 0.04), ("f2", 0.10))
+    ]
+    table = tmp_path / "final.md"
+    args = [*runs, "--output", str(tmp_path / "c.png"), "--table", str(table)]
+    labels = ["--labels", "bf16", "bf16 again", "FP8", "FP8 again"]
+    assert plot_runs.main(args + labels + ["--repeats", "2", "--train-from", "50"]) == 0
+    text = table.read_text()
+    per_run, means = text.split("\n\n", 1)
+    assert len(per_run.splitlines()) == 6  # the per-run table as before, one row a run
+    caption, _, header, _, base, fp8 = means.splitlines()
+    assert caption == "Each setting over its 2 runs, against bf16's:"
+    assert header.endswith("| mean training loss vs bf16's from iteration 50 (mean, largest) |")
+    # final validation 6.1 + offset; training loss (last 10 points: iterations 10-100) 6.9 + offset
+    assert (
+        base
+        == "| bf16 | 6.1100 | +0.00% | "
+        + f"{100 * (6.12 / 6.1 - 1):.2f}% | 6.9100 | +0.00% | +0.00%, +0.00% |"
+    )
+    valid_gap, train_gap = 100 * (6.17 / 6.11 - 1), 100 * (6.97 / 6.91 - 1)
+    # along the run the mean curves stay 0.06 apart: the gap is largest where the loss is lowest
+    along = [100 * (0.06 / (8.01 - it / 50)) for it in range(50, 110, 10)]
+    assert fp8 == (
+        f"| FP8 | 6.1700 | {valid_gap:+.2f}% | {100 * (6.2 / 6.14 - 1):.2f}% | 6.9700 | "
+        f"{train_gap:+.2f}% | {sum(along) / len(along):+.2f}%, {max(along):+.2f}% |"
+    )
+    capsys.readouterr()
+    for bad, message in (
+        (["--repeats", "3"], "--repeats 3: give 2 or more, dividing the 4 runs"),
+        (["--repeats", "1"], "--repeats 1: give 2 or more"),
+    ):
+        with pytest.raises(SystemExit):
+            plot_runs.main(args + bad)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plot_runs.main(runs + ["--output", str(tmp_path / "c.png"), "--repeats", "2"])
+    assert "--repeats adds a table of means: give --table too" in capsys.readouterr().err
+
+
 def test_table_needs_a_training_loss_in_every_run(tmp_path, capsys):
     bf16 = write_run(tmp_path / "bf16", training_records(0.0, fp8=False))
     only_valid = write_run(tmp_path / "v", [{"iteration": 100, "valid_loss": 6.0}])
