@@ -338,20 +338,14 @@ for group in "${GROUPS_TO_RUN[@]}"; do mapfile -t -O "${#RUNS[@]}" RUNS < <(runs
 # devices; returns 1 when the time is up, a failed run's status after it (and then no slot starts
 # another run).
 run_slot() {
-    local slot=$1 devices=() run name
-    if [ "$CUDA_GPUS" -gt 0 ]; then
+    local slot=$1 share=$(( RUNS_AT_ONCE <= GPUS ? GPUS / RUNS_AT_ONCE : 1 )) run name
+    if [ "$CUDA_GPUS" -gt 0 ]; then  # devices slot*share on, wrapping round where slots share one
         local visible
         IFS=, read -r -a visible <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((CUDA_GPUS - 1)))}"
-        if [ "$RUNS_AT_ONCE" -le "$GPUS" ]; then
-            local share=$((GPUS / RUNS_AT_ONCE))
-            devices=("${visible[@]:$((slot * share)):$share}")
-        else
-            devices=("${visible[$((slot % GPUS))]}")
-        fi
         export CUDA_VISIBLE_DEVICES
-        CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${devices[*]}")
+        CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${visible[*]:$(( slot * share % GPUS )):$share}")
     fi
-    GPUS=$(( RUNS_AT_ONCE <= GPUS ? GPUS / RUNS_AT_ONCE : 1 ))
+    GPUS=$share
     for run in "${RUNS[@]}"; do
         name=${run%% *}
         [ -e "$TAKEN/failed" ] && return 0

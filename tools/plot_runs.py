@@ -151,11 +151,16 @@ def final_losses(run: dict, points: int) -> dict:
     }
 
 
+def smoothed_training_loss(run: dict, window: int) -> dict:
+    """{iteration: training loss averaged over `window` logged points} of a run."""
+    return dict(zip(run[TRAIN][0], moving_average(run[TRAIN][1], window)))
+
+
 def training_gap(run: dict, base: dict, start: int, window: int = 1):
     """The run's training loss against the baseline's at every iteration from `start` on that
     both logged (each averaged over `window` logged points): (mean, largest in size) as
     fractions, or None where they share no such iteration."""
-    smoothed = [dict(zip(r[TRAIN][0], moving_average(r[TRAIN][1], window))) for r in (run, base)]
+    smoothed = [smoothed_training_loss(r, window) for r in (run, base)]
     gaps = [
         loss / smoothed[1][iteration] - 1
         for iteration, loss in smoothed[0].items()
@@ -226,7 +231,7 @@ def table(
 def mean_run(runs: list, window: int = 1) -> dict:
     """The runs' training losses (each averaged over `window` logged points first) averaged at
     every iteration all of them logged, as a run of its own."""
-    curves = [dict(zip(r[TRAIN][0], moving_average(r[TRAIN][1], window))) for r in runs]
+    curves = [smoothed_training_loss(r, window) for r in runs]
     shared = sorted(set.intersection(*(set(curve) for curve in curves)))
     return {TRAIN: (shared, [sum(curve[i] for curve in curves) / len(curves) for i in shared])}
 

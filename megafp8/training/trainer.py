@@ -1037,11 +1037,11 @@ def main():
                 f"megafp8-train: error{f' on rank {rank}' if world > 1 else ''}: {error}",
                 file=sys.stderr,
             )
-        elif rank == 0:
-            print(f"megafp8-train: error: {error}", file=sys.stderr)
-            _tell_the_other_ranks_it_was_said()
-        elif world > 1:
-            _wait_until_rank_0_said_it()
+        else:
+            if rank == 0:
+                print(f"megafp8-train: error: {error}", file=sys.stderr)
+            if world > 1:
+                _meet_once_rank_0_said_it(rank)
         _exit_after_error(2)
     except Exception as error:
         traceback.print_exc()
@@ -1059,39 +1059,26 @@ _SAID_KEY = "megafp8/error_said_by_rank_0"
 _WAIT_FOR_RANK_0_S = 20
 
 
-def _launcher_store():
-    """torchrun's store (TORCHELASTIC_USE_AGENT_STORE), or None under other launchers."""
+def _meet_once_rank_0_said_it(rank: int) -> None:
+    """Rank 0 marks the error said in torchrun's store (TORCHELASTIC_USE_AGENT_STORE); the other
+    ranks wait for the mark. Nothing under other launchers."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=_WAIT_FOR_RANK_0_S),
-    )
-
-
-def _said_key() -> str:
+        return
     # one key per attempt: a restarted group shares the store with the attempts before it
-    return f"{_SAID_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def _tell_the_other_ranks_it_was_said() -> None:
+    key = f"{_SAID_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
-        store = _launcher_store()
-        if store is not None:
-            store.set(_said_key(), "1")
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=_WAIT_FOR_RANK_0_S),
+        )
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key])
     except (RuntimeError, OSError, KeyError, ValueError):
-        pass  # the others' wait is bounded
-
-
-def _wait_until_rank_0_said_it() -> None:
-    try:
-        store = _launcher_store()
-        if store is not None:
-            store.wait([_said_key()])
-    except (RuntimeError, OSError, KeyError, ValueError):
-        pass  # rank 0 did not get there in time: exit anyway
+        pass  # bounded: rank 0 did not get there in time, or the store is gone; exit anyway
 
 
 # A barrier kernel that gives up on its peer traps, and the next CUDA call of its process fails
